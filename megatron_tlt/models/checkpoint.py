@@ -1,0 +1,152 @@
+"""Megatron-format model checkpoints and loading weights into a live GPTModel.
+
+Layout (the Megatron-LM convention, so its tools recognise it)::
+
+    <dir>/latest_checkpointed_iteration.txt      "release"
+    <dir>/release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   {"model": state dict}
+    <dir>/megatron_tlt.json                      arch (HF config), tp, pp, format version
+    <dir>/hf/                                    tokenizer files of the source model
+
+A checkpoint written at one TP/PP loads at any other: the shards are gathered to a
+Hugging Face state dict and re-split for the loading rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .gpt import ModelArch
+from .hf import (HFWeights, copy_tokenizer_files, from_te_names, hf_to_megatron,
+                 megatron_to_hf, to_te_names)
+
+FORMAT_VERSION = 1
+META_NAME = "megatron_tlt.json"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META_NAME).is_file()
+
+
+def read_meta(path: str | Path) -> dict:
+    meta_file = Path(path) / META_NAME
+    if not meta_file.is_file():
+        raise FileNotFoundError(
+            f"{meta_file} not found: {path} is not a megatron_tlt checkpoint "
+            "(write one with tools/convert_hf_checkpoint.py)"
+        )
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_file}: unsupported format_version {meta.get('format_version')}")
+    return meta
+
+
+def save_megatron_checkpoint(out_dir: str | Path, shards: Mapping[tuple[int, int], Mapping],
+                             arch: ModelArch, *, tp_size: int, pp_size: int,
+                             tokenizer_dir: str | Path | None = None) -> Path:
+    """Write all ranks' shards atomically (a temporary sibling folder renamed at the end)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for (tp_rank, pp_rank), state in shards.items():
+            rank_dir = tmp / "release" / rank_dir_name(tp_rank, pp_rank, pp_size)
+            rank_dir.mkdir(parents=True)
+            torch.save({"model": dict(state), "checkpoint_version": 3.0, "iteration": 0},
+                       rank_dir / "model_optim_rng.pt")
+        (tmp / "latest_checkpointed_iteration.txt").write_text("release")
+        meta = {"format_version": FORMAT_VERSION, "tensor_model_parallel_size": tp_size,
+                "pipeline_model_parallel_size": pp_size, "hf_config": arch.hf_config}
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if tokenizer_dir is not None:
+            (tmp / "hf").mkdir()
+            copy_tokenizer_files(tokenizer_dir, tmp / "hf")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_megatron_shards(path: str | Path) -> tuple[dict[tuple[int, int], dict], ModelArch, dict]:
+    """All shards of a checkpoint, keyed by (tp_rank, pp_rank), plus its arch and meta."""
+    path = Path(path)
+    meta = read_meta(path)
+    arch = ModelArch.from_hf_config(meta["hf_config"])
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    shards = {}
+    for t in range(tp):
+        for p in range(pp):
+            f = path / "release" / rank_dir_name(t, p, pp) / "model_optim_rng.pt"
+            if not f.is_file():
+                raise FileNotFoundError(f"checkpoint shard missing: {f}")
+            shards[(t, p)] = torch.load(f, map_location="cpu", weights_only=True)["model"]
+    return shards, arch, meta
+
+
+def shard_for_rank(source: str | Path, arch: ModelArch, *, tp_size: int, tp_rank: int,
+                   pp_size: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's state dict from an HF folder or a megatron checkpoint at any TP/PP."""
+    if is_megatron_checkpoint(source):
+        meta = read_meta(source)
+        if (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) == (
+                tp_size, pp_size):
+            f = Path(source) / "release" / rank_dir_name(tp_rank, pp_rank, pp_size) / \
+                "model_optim_rng.pt"
+            return torch.load(f, map_location="cpu", weights_only=True)["model"]
+        shards, _, meta = load_megatron_shards(source)
+        hf = megatron_to_hf(shards, arch, tp_size=meta["tensor_model_parallel_size"],
+                            pp_size=meta["pipeline_model_parallel_size"])
+    else:
+        hf = HFWeights(source)
+    return hf_to_megatron(hf, arch, tp_size=tp_size, tp_rank=tp_rank,
+                          pp_size=pp_size, pp_rank=pp_rank)
+
+
+def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a local-spec state dict into ``model`` (either layer spec), checking every key."""
+    own = model.state_dict()
+    uses_te = any(k.endswith("layer_norm_weight") for k in own)
+    if uses_te:
+        state = to_te_names(state)
+    expected = {k for k in own if not k.endswith("_extra_state")}
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}"
+        )
+    with torch.no_grad():
+        for key, value in state.items():
+            target = own[key]
+            if target.shape != value.shape:
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(value.shape)} != model shape "
+                    f"{tuple(target.shape)} (was it converted for another TP size?)"
+                )
+            target.copy_(value.to(dtype=target.dtype, device=target.device))
+
+
+def model_state_local_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under local-spec names, on CPU (for saving/back-conversion)."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if not k.endswith("_extra_state")}
+    return from_te_names(state)

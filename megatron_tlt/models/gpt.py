@@ -1,0 +1,285 @@
+"""Build a megatron-core GPTModel from a Hugging Face Llama / Qwen2 config.
+
+``ModelArch`` is the architecture as megatron needs it, read from a Hugging Face
+``config.json`` (either the transformers 4.x layout with ``rope_theta`` /
+``rope_scaling`` or the 5.x layout with ``rope_parameters``). ``build_gpt_model``
+turns it into a real megatron-core ``GPTModel`` for the current parallel rank, with
+the local layer spec on CPU and the Transformer Engine spec when TE and CUDA exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+# megatron-core's Llama-3 RoPE scaling hard-codes these (Llama 3.1/3.2 values).
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ValueError):
+    """A Hugging Face config asks for something this project cannot build exactly."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture of a decoder-only Llama-family model, in megatron terms."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    rotary_base: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: Optional[dict] = None
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5 checkpoints)"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
+            raise UnsupportedModelError(
+                "Llama configs with attention_bias/mlp_bias=true are not supported"
+            )
+        if model_type == "qwen2" and config.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                "Qwen2 sliding-window attention (use_sliding_window=true) is not supported"
+            )
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        rope_theta, rope_scaling = _read_rope(config)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_query_groups=int(config.get("num_key_value_heads") or heads),
+            kv_channels=int(config.get("head_dim") or hidden // heads),
+            norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+            rotary_base=rope_theta,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            rope_scaling=rope_scaling,
+            hf_config=dict(config),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> "ModelArch":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(
+                f"{cfg_file} not found: model.hf_path must be a Hugging Face model folder "
+                "(config.json + *.safetensors)"
+            )
+        return cls.from_hf_config(json.loads(cfg_file.read_text()))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- derived sizes
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rounded up so every tensor-parallel rank holds an equal slice."""
+        return int(math.ceil(self.vocab_size / tp) * tp)
+
+    @property
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        q = self.num_attention_heads * self.kv_channels
+        kv = self.num_query_groups * self.kv_channels
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        if self.qkv_bias:
+            per_layer += q + 2 * kv
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+def _read_rope(config: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling) from either config layout; scaling None means plain RoPE."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = dict(params)
+    else:
+        theta = config.get("rope_theta", 10000.0)
+        scaling = dict(config.get("rope_scaling") or {})
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "linear":
+        return float(theta), {"rope_type": "linear", "factor": float(scaling["factor"])}
+    if rope_type == "llama3":
+        for key, expected in _MEGATRON_LLAMA3_ROPE.items():
+            if float(scaling.get(key, expected)) != expected:
+                raise UnsupportedModelError(
+                    f"llama3 RoPE scaling with {key}={scaling.get(key)} is not supported: "
+                    f"megatron-core implements {key}={expected}"
+                )
+        return float(theta), {"rope_type": "llama3", "factor": float(scaling["factor"])}
+    raise UnsupportedModelError(
+        f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+# -------------------------------------------------------------------------------------
+# megatron-core objects
+# -------------------------------------------------------------------------------------
+
+def te_available() -> bool:
+    """Transformer Engine is usable: installed and CUDA present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'transformer_engine' when TE and CUDA exist, else 'local'."""
+    if impl == "auto":
+        return "transformer_engine" if te_available() else "local"
+    if impl == "transformer_engine" and not te_available():
+        raise RuntimeError(
+            "model.transformer_impl='transformer_engine' needs CUDA and the "
+            "transformer-engine package (pip install -e .[gpu]); use 'local' or 'auto'"
+        )
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(f"model.transformer_impl must be auto/local/transformer_engine: {impl!r}")
+    return impl
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"model.dtype must be auto/float32/bfloat16/float16, got {dtype!r}")
+    return table[dtype]
+
+
+def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
+                       tp: int = 1, pp: int = 1, impl: str = "local"):
+    """megatron-core TransformerConfig for ``arch``.
+
+    On CPU every fused kernel is switched off (they are CUDA-only) and weights are
+    created on CPU; on CUDA megatron-core's defaults apply.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = device.type != "cuda"
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        layernorm_epsilon=arch.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=False,  # weights always come from a checkpoint or caller
+    )
+    if on_cpu or impl == "local":
+        kwargs.update(
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            apply_rope_fusion=False,
+            attention_backend=AttnBackend.local if on_cpu else AttnBackend.auto,
+        )
+    else:
+        kwargs.update(bias_activation_fusion=True, gradient_accumulation_fusion=False)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
+                    impl: str = "local", tp: int = 1, pp: int = 1,
+                    pre_process: bool = True, post_process: bool = True):
+    """A megatron-core GPTModel for this rank's pipeline stage (weights uninitialised).
+
+    Call after ``parallel.initialize_model_parallel``. The vocabulary is padded to a
+    multiple of ``tp``; ``logits`` helpers in ``models.inference`` slice it back.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from ..platform import cuda_placements_on_cpu
+
+    config = transformer_config(arch, dtype=dtype, device=device, tp=tp, pp=pp, impl=impl)
+    rope_kwargs: dict[str, Any] = {}
+    if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
+        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=arch.rope_scaling["factor"])
+    elif arch.rope_scaling and arch.rope_scaling["rope_type"] == "linear":
+        rope_kwargs = dict(seq_len_interpolation_factor=arch.rope_scaling["factor"])
+    with cuda_placements_on_cpu():  # tied embeddings under PP sync via .cuda() tensors
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(impl),
+            vocab_size=arch.padded_vocab_size(tp),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rotary_base,
+            parallel_output=True,
+            **rope_kwargs,
+        )
+    if device.type == "cuda":
+        model = model.to(device)
+    return model

@@ -1,0 +1,135 @@
+"""Forward passes over a megatron-core GPTModel that callers need before the rollout
+engine exists: full-vocabulary logits, per-token log-probs, and a minimal greedy loop.
+
+Everything here is tensor- and pipeline-parallel aware: logits are sharded over the
+vocabulary across TP ranks (padding rows masked out), and with PP>1 the forward goes
+through megatron-core's pipeline schedule (results live on the last stage).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .gpt import ModelArch
+
+
+def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+def forward_local_logits(model, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """This TP rank's vocabulary slice of the logits, [batch, seq, padded_vocab / tp].
+
+    With pipeline parallelism every stage must call this; only the last stage gets a
+    tensor, the others get None.
+    """
+    from megatron.core import parallel_state as ps
+
+    position_ids = _position_ids(input_ids)
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return model(input_ids, position_ids, attention_mask=None)
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, stage_model):
+        ids, pos = next(data_iterator)
+        output = stage_model(ids, pos, attention_mask=None)
+
+        def keep_output(output_tensor, non_loss_data=False):
+            return output_tensor
+
+        return output, keep_output
+
+    from ..platform import cuda_placements_on_cpu
+
+    b, s = input_ids.shape
+    with cuda_placements_on_cpu():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([(input_ids, position_ids)]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    return outputs[0] if ps.is_pipeline_last_stage() else None
+
+
+def _mask_vocab_padding(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """Set the logits of padding vocabulary rows (ids >= vocab_size) to -inf."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = local_logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * per_rank
+    if start + per_rank <= arch.vocab_size:
+        return local_logits
+    ids = torch.arange(start, start + per_rank, device=local_logits.device)
+    return local_logits.masked_fill(ids >= arch.vocab_size, float("-inf"))
+
+
+def gather_logits(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, vocab_size] on every TP rank."""
+    from megatron.core import tensor_parallel
+
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(local_logits)
+    return full[..., : arch.vocab_size]
+
+
+def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor,
+                   arch: ModelArch) -> torch.Tensor:
+    """log p(targets) under the softmax of the logits, computed vocabulary-parallel.
+
+    ``local_logits`` [b, s, v/tp] from ``forward_local_logits``; ``targets`` [b, s].
+    Differentiable (megatron-core's vocab-parallel cross-entropy); no full-vocabulary
+    tensor is ever materialised.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = _mask_vocab_padding(local_logits.float(), arch)
+    # megatron-core's kernel works on [s, b, v] and returns [s, b]
+    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                       targets.transpose(0, 1).contiguous())
+    return -nll.transpose(0, 1)
+
+
+@dataclass
+class GreedyResult:
+    token_ids: list[int]
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
+
+
+@torch.no_grad()
+def greedy_generate(model, arch: ModelArch, prompt_ids: Sequence[int], *,
+                    max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> GreedyResult:
+    """Greedy decoding by full recomputation (no KV cache), one sequence, PP=1.
+
+    A correctness-first loop for demos and tests; the rollout engine is the fast path.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("greedy_generate supports pipeline_model_parallel_size=1 only")
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    out: list[int] = []
+    stops = set(stop_token_ids)
+    start = time.perf_counter()
+    for _ in range(max_new_tokens):
+        logits = gather_logits(forward_local_logits(model, ids)[:, -1:], arch)
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt in stops:
+            break
+        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    return GreedyResult(out, time.perf_counter() - start)

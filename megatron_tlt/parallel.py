@@ -1,0 +1,73 @@
+"""Model-parallel groups: the only module that creates process groups.
+
+Thin wrappers over megatron-core's ``parallel_state`` so callers ask one place for
+ranks and sizes; later the dynamic drafter group lives here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the (TP, PP, DP) grid."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelLayout:
+    """Create megatron-core's TP/PP/DP groups and seed its model-parallel RNG streams.
+
+    torch.distributed must already be initialised (``platform.init_distributed``).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size {tp} x "
+            f"pipeline_model_parallel_size {pp}; launch a multiple of {tp * pp} processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return layout()
+
+
+def layout() -> ParallelLayout:
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,261 @@
+"""Device, backend and distributed start-up: the one module that knows about hardware.
+
+On a CUDA machine this module picks CUDA + NCCL and changes nothing in torch or
+megatron-core. On a machine without CUDA it picks CPU + gloo and redirects the few
+places where megatron-core assumes a CUDA device (see ``apply_cpu_redirection``), so
+the real megatron-core model, parallel groups and pipeline schedules run on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "Platform",
+    "apply_cpu_redirection",
+    "cpu_redirection_applied",
+    "choose_device",
+    "cuda_placements_on_cpu",
+    "init_distributed",
+    "seed_everything",
+]
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on, as decided once at start-up."""
+
+    device: torch.device
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def choose_device(device: str = "auto", backend: str = "auto") -> tuple[torch.device, str]:
+    """Return (device type, process-group backend) for a request of "auto"/"cuda"/"cpu"."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"platform.device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "platform.device='cuda' was requested but torch reports no CUDA device "
+            f"(torch {torch.__version__}); use platform.device=auto or install a CUDA build"
+        )
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"platform.backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("platform.backend='nccl' needs CUDA; use 'gloo' on CPU")
+    return torch.device(device), backend
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    device: str = "auto", backend: str = "auto", timeout_minutes: float = 30.0
+) -> Platform:
+    """Initialise torch.distributed from torchrun's environment, or as a 1-process world.
+
+    Idempotent: a second call returns the same description without re-initialising.
+    """
+    dev_type, backend = choose_device(device, backend)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev_type.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        apply_cpu_redirection()
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        if world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return Platform(dev, backend, rank, world_size, local_rank)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and, when present, every CUDA device).
+
+    megatron-core's model-parallel RNG tracker is seeded separately, after the model
+    parallel groups exist (``parallel.initialize_model_parallel``).
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+# --------------------------------------------------------------------------------------
+# CPU redirection for megatron-core
+# --------------------------------------------------------------------------------------
+
+_CPU = torch.device("cpu")
+_APPLIED = False
+
+
+def cpu_redirection_applied() -> bool:
+    return _APPLIED
+
+
+def _is_cuda_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps explicit CUDA placements (device="cuda", Tensor.cuda(), .to("cuda")) to CPU.
+
+    megatron-core's pipeline schedules, DDP buffers and a few utilities create tensors
+    on "cuda" directly. Used only while CUDA is absent.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+class _CpuRNGStatesTracker:
+    """Drop-in for megatron-core's CudaRNGStatesTracker that keeps CPU generator states.
+
+    megatron-core forks named RNG streams (data-parallel, tensor-parallel, expert) around
+    dropout and initialisation; on CPU the streams are CPU generator states.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        original = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+
+def cuda_placements_on_cpu():
+    """Context in which ``device="cuda"`` / ``.cuda()`` land on CPU; inert with CUDA."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _CudaToCpuMode()
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_causal_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+def apply_cpu_redirection() -> bool:
+    """Make megatron-core's CUDA assumptions land on CPU. Returns True if applied.
+
+    Inert when ``torch.cuda.is_available()``: GPU runs never go through it. What it
+    redirects (measured against megatron-core 0.16):
+      1. ``torch.cuda.current_device()`` (RoPE buffers, global memory buffer, p2p
+         buffers) returns the CPU device;
+      2. the model-parallel RNG tracker keeps CPU generator states;
+      3. ``get_default_causal_mask`` / sliding-window masks build on CPU;
+      4. ``torch.cuda.synchronize`` (dist_checkpointing, timers) is a no-op.
+    Explicit ``device="cuda"`` / ``.cuda()`` placements (pipeline schedules, DDP) are
+    redirected only inside ``cuda_placements_on_cpu()``: a TorchFunctionMode costs
+    3-4x in a 135M-parameter forward pass, so it is never left on globally.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = lambda device=None: None
+
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.utils as mutils
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mutils.get_default_causal_mask = _cpu_causal_mask
+    mutils.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+    try:
+        import megatron.core.fusions.fused_softmax as fsoftmax
+
+        fsoftmax.get_default_causal_mask = _cpu_causal_mask
+        fsoftmax.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+    except ImportError:  # pragma: no cover - module layout differs across versions
+        pass
+
+    _APPLIED = True
+    return True
