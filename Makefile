@@ -26,7 +26,7 @@ assets: $(STAMP)
 	$(PY) tools/prepare_assets.py
 
 demo: assets
-	$(PY) tools/generate.py --config examples/generate_smollm2.yaml
+	$(PY) tools/generate.py --config examples/rl/smollm2_cpu.yaml
 
 test: assets
 	$(PY) -m pytest $(PYTEST_ARGS)

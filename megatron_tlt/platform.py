@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,12 +65,6 @@ def choose_device(device: str = "auto", backend: str = "auto") -> tuple[torch.de
     return torch.device(device), backend
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(
     device: str = "auto", backend: str = "auto", timeout_minutes: float = 30.0
 ) -> Platform:
@@ -90,15 +83,13 @@ def init_distributed(
         apply_cpu_redirection()
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        if world_size == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:  # launched by torchrun / srun with a rendezvous
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        else:  # a plain `python ...` run: a 1-process world with an in-memory store
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
+                                    world_size=1, timeout=timeout)
     return Platform(dev, backend, rank, world_size, local_rank)
 
 

@@ -2,7 +2,7 @@
 """Generate a chat completion with a megatron-core model through megatron_tlt.
 
     python tools/generate.py model.hf_path=smollm2 generate.prompt="What is 2+3?"
-    torchrun --nproc_per_node 2 tools/generate.py --config examples/generate_smollm2.yaml \
+    torchrun --nproc_per_node 2 tools/generate.py --config examples/rl/smollm2_cpu.yaml \
         parallel.tensor_model_parallel_size=2
 
 Greedy, one prompt, full recomputation per token (no KV cache): a correctness check

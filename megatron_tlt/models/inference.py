@@ -62,16 +62,16 @@ def forward_local_logits(model, input_ids: torch.Tensor) -> Optional[torch.Tenso
     return outputs[0] if ps.is_pipeline_last_stage() else None
 
 
-def _mask_vocab_padding(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
-    """Set the logits of padding vocabulary rows (ids >= vocab_size) to -inf."""
+def _mask_vocab_padding_(local_logits: torch.Tensor, arch: ModelArch, vocab_dim: int = -1):
+    """In place: logits of padding vocabulary rows (ids >= vocab_size) become -inf."""
     from megatron.core import parallel_state as ps
 
-    per_rank = local_logits.shape[-1]
+    per_rank = local_logits.shape[vocab_dim]
     start = ps.get_tensor_model_parallel_rank() * per_rank
-    if start + per_rank <= arch.vocab_size:
-        return local_logits
-    ids = torch.arange(start, start + per_rank, device=local_logits.device)
-    return local_logits.masked_fill(ids >= arch.vocab_size, float("-inf"))
+    if start + per_rank > arch.vocab_size:
+        first_pad = max(arch.vocab_size - start, 0)
+        local_logits.narrow(vocab_dim, first_pad, per_rank - first_pad).fill_(float("-inf"))
+    return local_logits
 
 
 def gather_logits(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
@@ -92,10 +92,15 @@ def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor,
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _mask_vocab_padding(local_logits.float(), arch)
-    # megatron-core's kernel works on [s, b, v] and returns [s, b]
-    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                       targets.transpose(0, 1).contiguous())
+    # megatron-core's kernel works on [s, b, v], returns [s, b], and overwrites its
+    # input: hand it a private fp32 copy (a transpose alone may alias when b == 1).
+    seq_first = local_logits.transpose(0, 1)
+    if seq_first.dtype == torch.float32:
+        logits = seq_first.clone(memory_format=torch.contiguous_format)
+    else:
+        logits = seq_first.to(torch.float32, memory_format=torch.contiguous_format)
+    _mask_vocab_padding_(logits, arch)
+    nll = vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
     return -nll.transpose(0, 1)
 
 

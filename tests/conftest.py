@@ -1,0 +1,39 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """Prepared SmolLM2-135M-Instruct folder (converted on first use, ~40 s, then cached).
+
+    Uses the normal cache (``$MEGATRON_TLT_CACHE`` or ``~/.cache/megatron_tlt``) so the
+    conversion is shared with `make assets` and across test runs.
+    """
+    from megatron_tlt.assets import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny random model of tests/tiny_models.py saved as an HF folder."""
+    from tiny_models import TINY_CONFIGS, save_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {name: save_tiny_hf(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def single_process_parallel():
+    """torch.distributed (gloo, 1 process) and megatron-core groups at TP=PP=1."""
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.platform import init_distributed
+
+    platform = init_distributed()
+    initialize_model_parallel(1, 1, seed=1234)
+    return platform

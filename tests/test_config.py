@@ -1,0 +1,107 @@
+"""Config: YAML + overrides, and errors that name the field and the fix, before compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_tlt.config import Config, ConfigError, describe, load_config, validate_for_run
+from megatron_tlt.models.gpt import ModelArch
+
+REPO = Path(__file__).resolve().parents[1]
+
+SMOLLM2_LIKE = ModelArch.from_hf_config(dict(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3))
+
+
+def _cfg(*overrides: str) -> Config:
+    return load_config([], list(overrides))
+
+
+def test_defaults_then_yaml_then_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("parallel:\n  tensor_model_parallel_size: 2\nplatform:\n  seed: 7\n")
+    cfg = load_config([recipe], ["platform.seed=9", "model.dtype=float32"])
+    assert cfg.parallel.tensor_model_parallel_size == 2  # from YAML
+    assert cfg.platform.seed == 9  # command line wins over YAML
+    assert cfg.model.dtype == "float32"
+    assert cfg.parallel.pipeline_model_parallel_size == 1  # default
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'parallel.tensor_model_parallel_size'"):
+        _cfg("parallel.tensor_parallel_size=2")
+
+
+def test_unknown_key_in_yaml_names_file_and_line(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  dtype: float32\nparallel:\n  pipline_model_parallel_size: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([recipe])
+    assert f"{recipe}:4" in str(e.value)
+    assert "parallel.pipeline_model_parallel_size" in str(e.value)
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match="'parallel.tensor_model_parallel_size'.*'two'"):
+        _cfg("parallel.tensor_model_parallel_size=two")
+
+
+def test_bad_choice_lists_valid_values():
+    with pytest.raises(ConfigError, match="model.dtype='bf16'.*bfloat16"):
+        _cfg("model.dtype=bf16")
+
+
+def test_non_positive_size():
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size must be >= 1"):
+        _cfg("parallel.pipeline_model_parallel_size=0")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        _cfg("parallel.tensor_model_parallel_size")
+
+
+def test_tp_must_divide_attention_heads():
+    with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads"):
+        validate_for_run(_cfg("parallel.tensor_model_parallel_size=2"), SMOLLM2_LIKE, 2)
+
+
+def test_tp_must_divide_kv_groups():
+    arch = ModelArch.from_hf_config(dict(
+        model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2))
+    validate_for_run(_cfg("parallel.tensor_model_parallel_size=2"), arch, 2)
+    with pytest.raises(ConfigError, match="does not divide the model's 2 KV groups"):
+        validate_for_run(_cfg("parallel.tensor_model_parallel_size=4"), arch, 4)
+
+
+def test_world_size_must_be_multiple_of_tp_pp():
+    cfg = _cfg("parallel.tensor_model_parallel_size=3", "parallel.pipeline_model_parallel_size=2")
+    validate_for_run(cfg, SMOLLM2_LIKE, 12)
+    with pytest.raises(ConfigError, match="world size 8 is not divisible by .* = 6"):
+        validate_for_run(cfg, SMOLLM2_LIKE, 8)
+
+
+def test_pp_must_divide_layers():
+    with pytest.raises(ConfigError, match="does not divide the model's 30 layers"):
+        validate_for_run(_cfg("parallel.pipeline_model_parallel_size=4"), SMOLLM2_LIKE, 4)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(["/nonexistent/recipe.yaml"])
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "examples").rglob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_recipes_load(recipe):
+    load_config([recipe])
+
+
+def test_configuration_reference_is_current():
+    """docs/configuration.md is generated from the dataclasses (make docs)."""
+    doc = (REPO / "docs/configuration.md").read_text()
+    assert doc.strip() == describe(markdown=True).strip(), "run `make docs`"
