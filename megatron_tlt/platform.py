@@ -27,6 +27,7 @@ __all__ = [
     "cuda_placements_on_cpu",
     "init_distributed",
     "seed_everything",
+    "silence_expected_warnings",
 ]
 
 
@@ -39,10 +40,6 @@ class Platform:
     rank: int
     world_size: int
     local_rank: int
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
 
 def choose_device(device: str = "auto", backend: str = "auto") -> tuple[torch.device, str]:
@@ -91,6 +88,23 @@ def init_distributed(
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=timeout)
     return Platform(dev, backend, rank, world_size, local_rank)
+
+
+# Warnings megatron-core prints on every import where apex / Transformer Engine are
+# absent (apex is never installable from a registry; the fallbacks are what we use).
+_EXPECTED_WARNINGS = (
+    r".*Apex is not installed.*",
+    r".*Transformer Engine and Apex are not installed.*",
+    r"full scope is deprecated.*",
+)
+
+
+def silence_expected_warnings() -> None:
+    """Entry points call this so users see their output, not known import noise."""
+    import warnings
+
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
 
 
 def seed_everything(seed: int) -> None:

@@ -105,3 +105,19 @@ def test_configuration_reference_is_current():
     """docs/configuration.md is generated from the dataclasses (make docs)."""
     doc = (REPO / "docs/configuration.md").read_text()
     assert doc.strip() == describe(markdown=True).strip(), "run `make docs`"
+
+
+def test_entry_point_fails_before_compute(tiny_hf_dirs):
+    """A bad launch is refused with the field and fix, before any process group exists."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(REPO / "tools/generate.py"),
+           f"model.hf_path={tiny_hf_dirs['qwen2']}", "parallel.tensor_model_parallel_size=3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "tensor_model_parallel_size=3 does not divide the model's 4 attention heads" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "model.dtpye=float32"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "did you mean 'model.dtype'" in r.stderr

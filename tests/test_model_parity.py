@@ -94,3 +94,21 @@ def test_both_hf_config_layouts_read_the_same_rope():
         "rope_type": "llama3", "factor": 32.0, "rope_theta": 5e5}})
     assert old.rotary_base == new.rotary_base == 5e5
     assert old.rope_scaling == new.rope_scaling == {"rope_type": "llama3", "factor": 32.0}
+
+
+def test_bfloat16_model_tracks_fp32(tiny_hf_dirs, single_process_parallel):
+    """model.dtype=bfloat16 builds bf16 weights whose logits stay near the fp32 ones.
+
+    A loose bound: bf16 keeps 8 mantissa bits; this checks the dtype plumbing (weights
+    cast on load, RoPE and softmax still sane), not bit-level numerics.
+    """
+    fp32, arch = load_model(tiny_hf_dirs["qwen2"], device=torch.device("cpu"), dtype="float32")
+    bf16, _ = load_model(tiny_hf_dirs["qwen2"], device=torch.device("cpu"), dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    ids = _inputs(batch=2, seq=12)
+    with torch.no_grad():
+        ref = gather_logits(forward_local_logits(fp32, ids), arch)
+        low = gather_logits(forward_local_logits(bf16, ids), arch).float()
+    scale = ref.abs().max().item()
+    assert (low - ref).abs().max().item() <= 0.05 * scale
+    assert (low.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

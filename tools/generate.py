@@ -21,6 +21,9 @@ from megatron_tlt.config import ConfigError, parse_args  # noqa: E402
 
 def main(argv=None) -> int:
     cfg = parse_args(argv, description=__doc__.splitlines()[1])
+    from megatron_tlt.platform import silence_expected_warnings
+
+    silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown
     from megatron_tlt.models.inference import greedy_generate
 

@@ -23,8 +23,7 @@ from typing import Mapping
 import torch
 
 from .gpt import ModelArch
-from .hf import (HFWeights, copy_tokenizer_files, from_te_names, hf_to_megatron,
-                 megatron_to_hf, to_te_names)
+from .hf import HFWeights, copy_tokenizer_files, hf_to_megatron, megatron_to_hf, to_te_names
 
 FORMAT_VERSION = 1
 META_NAME = "megatron_tlt.json"
@@ -143,10 +142,3 @@ def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
                     f"{tuple(target.shape)} (was it converted for another TP size?)"
                 )
             target.copy_(value.to(dtype=target.dtype, device=target.device))
-
-
-def model_state_local_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under local-spec names, on CPU (for saving/back-conversion)."""
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
-             if not k.endswith("_extra_state")}
-    return from_te_names(state)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -100,9 +100,6 @@ class ModelArch:
                 "(config.json + *.safetensors)"
             )
         return cls.from_hf_config(json.loads(cfg_file.read_text()))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     # ---------------------------------------------------------------- derived sizes
     def padded_vocab_size(self, tp: int) -> int:
@@ -280,6 +277,8 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
             parallel_output=True,
             **rope_kwargs,
         )
-    if device.type == "cuda":
-        model = model.to(device)
+    if dtype != torch.float32:
+        # megatron-core builds its local-spec norms in fp32; like Megatron-LM's
+        # Float16Module, the whole model runs in the low-precision dtype.
+        model = model.to(dtype=dtype)
     return model
