@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
-    "GenerateConfig", "load_config", "parse_args", "validate_for_run",
+    "GenerateConfig", "build_parser", "config_from_args", "load_config", "parse_args",
+    "validate_for_run",
 ]
 
 
@@ -220,8 +221,12 @@ def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str
         raise _translate(e, cls, "config") from None
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: str = ""):
-    """Entry-point argument parsing: ``[--config FILE]... [section.field=value]...``."""
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The entry-point parser: ``[--config FILE]... [section.field=value]...``.
+
+    Tools add their own flags (e.g. an output folder) to it and pass the parsed
+    namespace to ``config_from_args``.
+    """
     parser = argparse.ArgumentParser(
         description=description,
         epilog="Overrides: section.field=value, e.g. parallel.tensor_model_parallel_size=2. "
@@ -231,11 +236,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: st
     parser.add_argument("--help-config", action="store_true",
                         help="list every config field with its default and exit")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, cls=Config):
     if args.help_config:
         print(describe(cls))
         sys.exit(0)
     return load_config(args.config, args.overrides, cls)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: str = ""):
+    """Parse an entry point's command line into a validated ``cls`` instance."""
+    return config_from_args(build_parser(description).parse_args(argv), cls)
 
 
 def describe(cls=Config, markdown: bool = False) -> str:

@@ -5,7 +5,7 @@
 
 For every tiny model under --models it loads the model (from the HF folder, and from the
 megatron checkpoint under --ckpt-root) at the given TP/PP, runs a forward pass and
-compares logits and log-probs with transformers. Rank 0 writes all ranks' results.
+compares logits, log-probs and greedy generation with transformers. Rank 0 writes all ranks' results.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.models.inference import (forward_local_logits, gather_logits,  # noqa: E402
-                                           token_logprobs)
+                                           greedy_generate, token_logprobs)
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
 from megatron_tlt.platform import init_distributed  # noqa: E402
 
@@ -48,12 +48,16 @@ def main() -> None:
                             generator=torch.Generator().manual_seed(1))
         targets = torch.roll(ids, -1, dims=1)
         with torch.no_grad():
+            ref_gen = hf.generate(ids[:1, :5], max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False)[0, 5:].tolist()
             ref = hf(ids).logits
             ref_lp = torch.log_softmax(ref.double(), -1).gather(-1, targets[..., None])[..., 0]
-            outputs = {}
+            outputs, generations = {}, []
             for source in (folder, Path(args.ckpt_root) / folder.name):
                 model, arch = load_model(source, device=plat.device, dtype="float32")
                 local = forward_local_logits(model, ids)
+                generations.append(greedy_generate(model, arch, ids[0, :5].tolist(),
+                                                   max_new_tokens=8).token_ids)
                 if local is not None:
                     outputs[source.parent.name] = (gather_logits(local, arch),
                                                    token_logprobs(local, targets, arch))
@@ -65,6 +69,7 @@ def main() -> None:
                 logprobs_max_diff=(lp.double() - ref_lp).abs().max().item(),
                 argmax_equal=bool(torch.equal(logits.argmax(-1), ref.argmax(-1))),
                 checkpoint_equal=bool(torch.equal(logits, ck_logits) and torch.equal(lp, ck_lp)),
+                greedy_equal=all(g == ref_gen for g in generations),
             ))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)

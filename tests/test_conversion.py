@@ -82,12 +82,12 @@ def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):
 
     src = tiny_hf_dirs["qwen2"]
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    r = _run_tool("to-megatron", "--hf-path", str(src), "--out", str(ckpt),
-                  "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    r = _run_tool("--out", str(ckpt), f"model.hf_path={src}",
+                  "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")
     assert r.returncode == 0, r.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert (ckpt / "release/mp_rank_01_001/model_optim_rng.pt").is_file()
-    r = _run_tool("to-hf", "--load", str(ckpt), "--out", str(back))
+    r = _run_tool("--out", str(back), f"model.hf_path={ckpt}")
     assert r.returncode == 0, r.stderr
     orig, new = HFWeights(src), HFWeights(back)
     assert set(orig) == set(new)
@@ -102,8 +102,8 @@ def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):
 def test_checkpoint_reshards_on_load(tiny_hf_dirs, tmp_path):
     """A TP=2 checkpoint loaded at TP=1/PP=2 equals converting the HF folder directly."""
     src = tiny_hf_dirs["llama_untied"]
-    assert _run_tool("to-megatron", "--hf-path", str(src), "--out", str(tmp_path / "c"),
-                     "--tensor-model-parallel-size", "2").returncode == 0
+    assert _run_tool("--out", str(tmp_path / "c"), f"model.hf_path={src}",
+                     "parallel.tensor_model_parallel_size=2").returncode == 0
     _, arch, meta = load_megatron_shards(tmp_path / "c")
     assert meta["tensor_model_parallel_size"] == 2
     for pp_rank in range(2):
@@ -115,9 +115,12 @@ def test_checkpoint_reshards_on_load(tiny_hf_dirs, tmp_path):
 
 
 def test_cli_errors_are_clear(tiny_hf_dirs, tmp_path):
-    r = _run_tool("to-megatron", "--hf-path", str(tiny_hf_dirs["qwen2"]), "--out",
-                  str(tmp_path / "x"), "--tensor-model-parallel-size", "3")
+    r = _run_tool("--out", str(tmp_path / "x"), f"model.hf_path={tiny_hf_dirs['qwen2']}",
+                  "parallel.tensor_model_parallel_size=3")
     assert r.returncode == 2
     assert "tensor_model_parallel_size=3 does not divide" in r.stderr
-    r = _run_tool("to-hf", "--load", str(tmp_path / "missing"), "--out", str(tmp_path / "y"))
-    assert r.returncode == 2 and "not a megatron_tlt checkpoint" in r.stderr
+    r = _run_tool("--out", str(tmp_path / "y"), f"model.hf_path={tmp_path / 'missing'}")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = _run_tool("--out", str(tmp_path / "z"), "model.hf_path=smollm2",
+                  "parallel.tensor_model_parallel_sz=2")
+    assert r.returncode == 2 and "did you mean 'parallel.tensor_model_parallel_size'" in r.stderr

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.multiproc
 
 def _convert(src: Path, out: Path, tp: int, pp: int) -> None:
     r = subprocess.run([sys.executable, str(REPO / "tools/convert_hf_checkpoint.py"),
-                        "to-megatron", "--hf-path", str(src), "--out", str(out),
-                        "--tensor-model-parallel-size", str(tp),
-                        "--pipeline-model-parallel-size", str(pp)],
+                        "--out", str(out), f"model.hf_path={src}",
+                        f"parallel.tensor_model_parallel_size={tp}",
+                        f"parallel.pipeline_model_parallel_size={pp}"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
 
@@ -52,3 +52,4 @@ def test_parallel_parity(tp, pp, ckpt_tp, ckpt_pp, tiny_hf_dirs, tmp_path):
         assert res["logprobs_max_diff"] <= TOL, res
         assert res["argmax_equal"], res
         assert res["checkpoint_equal"], res
+        assert res["greedy_equal"], res

@@ -63,11 +63,22 @@ def test_greedy_generation_matches_transformers_generate(smollm2):
     assert ours.token_ids == out[0, len(prompt):].tolist()
 
 
-def test_demo_cli_prints_a_completion(smollm2_dir):
-    r = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "--config",
-                        str(REPO / "examples/rl/smollm2_cpu.yaml"),
-                        "generate.max_new_tokens=6"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "completion : " in r.stdout and "tokens/s" in r.stdout
-    assert "megatron-core GPTModel" in r.stdout
+def _completion(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("completion : "))
+
+
+def test_demo_cli_prints_a_completion_and_pp2_agrees(smollm2_dir):
+    """The `make demo` command, and the same under torchrun with two pipeline stages."""
+    args = [str(REPO / "tools/generate.py"), "--config",
+            str(REPO / "examples/rl/smollm2_cpu.yaml"), "generate.max_new_tokens=6"]
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "tokens/s" in single.stdout and "megatron-core GPTModel" in single.stdout
+    pp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", *args,
+                          "parallel.pipeline_model_parallel_size=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert pp2.returncode == 0, pp2.stderr[-3000:]
+    assert "TP=1 PP=2" in pp2.stdout
+    assert _completion(pp2.stdout) == _completion(single.stdout)

@@ -117,24 +117,31 @@ class GreedyResult:
 @torch.no_grad()
 def greedy_generate(model, arch: ModelArch, prompt_ids: Sequence[int], *,
                     max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> GreedyResult:
-    """Greedy decoding by full recomputation (no KV cache), one sequence, PP=1.
+    """Greedy decoding by full recomputation (no KV cache), one sequence, any TP/PP.
 
     A correctness-first loop for demos and tests; the rollout engine is the fast path.
+    Every rank of the model-parallel group calls it and gets the same tokens: the last
+    pipeline stage picks each token and broadcasts it along the pipeline.
     """
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("greedy_generate supports pipeline_model_parallel_size=1 only")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
     out: list[int] = []
     stops = set(stop_token_ids)
     start = time.perf_counter()
     for _ in range(max_new_tokens):
-        logits = gather_logits(forward_local_logits(model, ids)[:, -1:], arch)
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        if nxt in stops:
+        local = forward_local_logits(model, ids)
+        nxt = torch.zeros(1, dtype=torch.long, device=device)
+        if local is not None:
+            nxt[0] = gather_logits(local[:, -1:], arch)[0, -1].argmax()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(nxt, src=last_stage_rank, group=pp_group)
+        out.append(int(nxt))
+        if out[-1] in stops:
             break
-        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return GreedyResult(out, time.perf_counter() - start)
