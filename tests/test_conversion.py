@@ -124,3 +124,18 @@ def test_cli_errors_are_clear(tiny_hf_dirs, tmp_path):
     r = _run_tool("--out", str(tmp_path / "z"), "model.hf_path=smollm2",
                   "parallel.tensor_model_parallel_sz=2")
     assert r.returncode == 2 and "did you mean 'parallel.tensor_model_parallel_size'" in r.stderr
+
+
+def test_sharded_hf_checkpoint_loads_lazily(tmp_path):
+    """Big checkpoints come as several safetensors files with an index."""
+    from tiny_models import build_tiny_hf
+
+    folder = tmp_path / "sharded"
+    build_tiny_hf("llama_untied").save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    weights = HFWeights(folder)
+    whole = build_tiny_hf("llama_untied").state_dict()
+    assert set(weights) == set(whole)
+    assert all(torch.equal(weights[k], whole[k]) for k in whole)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        HFWeights(tmp_path)
