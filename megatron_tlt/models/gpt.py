@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..platform import cuda_placements_on_cpu
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 # megatron-core's Llama-3 RoPE scaling hard-codes these (Llama 3.1/3.2 values).
@@ -254,8 +256,6 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     multiple of ``tp``; ``logits`` helpers in ``models.inference`` slice it back.
     """
     from megatron.core.models.gpt import GPTModel
-
-    from ..platform import cuda_placements_on_cpu
 
     config = transformer_config(arch, dtype=dtype, device=device, tp=tp, pp=pp, impl=impl)
     rope_kwargs: dict[str, Any] = {}

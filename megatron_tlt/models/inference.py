@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..platform import cuda_placements_on_cpu
 from .gpt import ModelArch
 
 
@@ -45,8 +46,6 @@ def forward_local_logits(model, input_ids: torch.Tensor) -> Optional[torch.Tenso
 
         return output, keep_output
 
-    from ..platform import cuda_placements_on_cpu
-
     b, s = input_ids.shape
     with cuda_placements_on_cpu():
         outputs = get_forward_backward_func()(
@@ -62,15 +61,15 @@ def forward_local_logits(model, input_ids: torch.Tensor) -> Optional[torch.Tenso
     return outputs[0] if ps.is_pipeline_last_stage() else None
 
 
-def _mask_vocab_padding_(local_logits: torch.Tensor, arch: ModelArch, vocab_dim: int = -1):
+def _mask_vocab_padding_(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
     """In place: logits of padding vocabulary rows (ids >= vocab_size) become -inf."""
     from megatron.core import parallel_state as ps
 
-    per_rank = local_logits.shape[vocab_dim]
+    per_rank = local_logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * per_rank
     if start + per_rank > arch.vocab_size:
         first_pad = max(arch.vocab_size - start, 0)
-        local_logits.narrow(vocab_dim, first_pad, per_rank - first_pad).fill_(float("-inf"))
+        local_logits[..., first_pad:].fill_(float("-inf"))
     return local_logits
 
 
