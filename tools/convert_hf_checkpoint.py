@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_tlt.assets import AssetError  # noqa: E402
 from megatron_tlt.config import (ConfigError, build_parser, config_from_args,  # noqa: E402
                                  validate_for_run)
 from megatron_tlt.models import resolve_source  # noqa: E402
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
             to_hf(cfg, src, args.out)
         else:
             to_megatron(cfg, src, args.out)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, AssetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -16,7 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_tlt.assets import AssetError  # noqa: E402
 from megatron_tlt.config import ConfigError, parse_args  # noqa: E402
+from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -54,6 +56,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, AssetError, UnsupportedModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

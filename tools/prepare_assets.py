@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     was_ready = assets.is_complete(assets.smollm2_path(args.cache_dir)) and not args.force
     try:
         path = assets.prepare_smollm2(args.cache_dir, force=args.force)
-    except RuntimeError as err:
+    except assets.AssetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if not (args.no_check or was_ready):  # checked once, right after converting
