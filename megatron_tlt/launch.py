@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import Config, ConfigError, validate_for_run
+from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, resolve_source
-from .models.checkpoint import is_megatron_checkpoint
+from .models.checkpoint import tokenizer_folder
 from .models.gpt import ModelArch
 from .parallel import ParallelLayout, initialize_model_parallel
 from .platform import Platform, init_distributed, seed_everything
@@ -34,16 +34,11 @@ def load_tokenizer(source: str | Path):
     """The tokenizer stored with an HF folder or a converted megatron checkpoint."""
     from transformers import AutoTokenizer
 
-    source = Path(source)
-    folder = source / "hf" if is_megatron_checkpoint(source) else source
-    return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(tokenizer_folder(source)))
 
 
 def setup(cfg: Config) -> Session:
     """Validate, initialise torch.distributed and megatron-core, build and load the model."""
-    if cfg.model.hf_path is None:
-        raise ConfigError("model.hf_path is not set: give a Hugging Face folder, a converted "
-                          "checkpoint, or 'smollm2' (e.g. model.hf_path=smollm2)")
     source = resolve_source(cfg.model.hf_path)
     arch = arch_from_source(source)
     validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))

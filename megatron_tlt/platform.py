@@ -92,7 +92,7 @@ def init_distributed(
 
 # Warnings megatron-core prints on every import where apex / Transformer Engine are
 # absent (apex is never installable from a registry; the fallbacks are what we use).
-_EXPECTED_WARNINGS = (
+EXPECTED_WARNINGS = (
     r".*Apex is not installed.*",
     r".*Transformer Engine and Apex are not installed.*",
     r"full scope is deprecated.*",
@@ -103,7 +103,7 @@ def silence_expected_warnings() -> None:
     """Entry points call this so users see their output, not known import noise."""
     import warnings
 
-    for pattern in _EXPECTED_WARNINGS:
+    for pattern in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
 
 

@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron_tlt.platform import EXPECTED_WARNINGS
+
+
+def pytest_configure(config):
+    """Hide megatron-core's apex / TE import notices (the same list entry points use)."""
+    for pattern in EXPECTED_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{pattern}:UserWarning")
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from megatron_tlt.config import Config, ConfigError, describe, load_config, validate_for_run
 from megatron_tlt.models.gpt import ModelArch
 
-REPO = Path(__file__).resolve().parents[1]
+from cli import REPO, run_script
 
 SMOLLM2_LIKE = ModelArch.from_hf_config(dict(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -109,15 +108,10 @@ def test_configuration_reference_is_current():
 
 def test_entry_point_fails_before_compute(tiny_hf_dirs):
     """A bad launch is refused with the field and fix, before any process group exists."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, str(REPO / "tools/generate.py"),
-           f"model.hf_path={tiny_hf_dirs['qwen2']}", "parallel.tensor_model_parallel_size=3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = run_script("tools/generate.py", f"model.hf_path={tiny_hf_dirs['qwen2']}",
+                   "parallel.tensor_model_parallel_size=3")
     assert r.returncode == 2
     assert "tensor_model_parallel_size=3 does not divide the model's 4 attention heads" in r.stderr
     assert "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "model.dtpye=float32"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_script("tools/generate.py", "model.dtpye=float32")
     assert r.returncode == 2 and "did you mean 'model.dtype'" in r.stderr

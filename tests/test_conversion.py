@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,9 +9,9 @@ from megatron_tlt.models.checkpoint import load_megatron_shards, shard_for_rank
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import (HFWeights, from_te_names, hf_to_megatron, megatron_to_hf,
                                     to_te_names)
+from cli import run_script
 from tiny_models import TINY_CONFIGS, VOCAB
 
-REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
@@ -72,9 +68,8 @@ def test_te_names_round_trip(tiny_hf_dirs):
     assert from_te_names(te).keys() == local.keys()
 
 
-def _run_tool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools/convert_hf_checkpoint.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+def _run_tool(*args):
+    return run_script("tools/convert_hf_checkpoint.py", *args)
 
 
 def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):

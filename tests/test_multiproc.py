@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli import run_script
 from tiny_models import TINY_CONFIGS
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 pytestmark = pytest.mark.multiproc
 
 
 def _convert(src: Path, out: Path, tp: int, pp: int) -> None:
-    r = subprocess.run([sys.executable, str(REPO / "tools/convert_hf_checkpoint.py"),
-                        "--out", str(out), f"model.hf_path={src}",
-                        f"parallel.tensor_model_parallel_size={tp}",
-                        f"parallel.pipeline_model_parallel_size={pp}"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_script("tools/convert_hf_checkpoint.py", "--out", out, f"model.hf_path={src}",
+                   f"parallel.tensor_model_parallel_size={tp}",
+                   f"parallel.pipeline_model_parallel_size={pp}")
     assert r.returncode == 0, r.stderr
 
 
@@ -36,11 +32,9 @@ def test_parallel_parity(tp, pp, ckpt_tp, ckpt_pp, tiny_hf_dirs, tmp_path):
         (models / name).symlink_to(folder)
         _convert(folder, tmp_path / "ckpt" / name, ckpt_tp, ckpt_pp)
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(REPO / "tests/mp_parity_worker.py"), "--models", str(models),
-           "--ckpt-root", str(tmp_path / "ckpt"), "--tp", str(tp), "--pp", str(pp),
-           "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = run_script("tests/mp_parity_worker.py", "--models", models, "--ckpt-root",
+                   tmp_path / "ckpt", "--tp", tp, "--pp", pp, "--out", out, nproc=2,
+                   timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     results = json.loads(out.read_text())
     # TP=2: both ranks hold logits; PP=2: only the last stage does

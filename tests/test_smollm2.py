@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from cli import REPO, run_script
+
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +66,12 @@ def _completion(stdout: str) -> str:
 
 def test_demo_cli_prints_a_completion_and_pp2_agrees(smollm2_dir):
     """The `make demo` command, and the same under torchrun with two pipeline stages."""
-    args = [str(REPO / "tools/generate.py"), "--config",
-            str(REPO / "examples/rl/smollm2_cpu.yaml"), "generate.max_new_tokens=6"]
-    single = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                            timeout=300)
+    args = ["--config", REPO / "examples/rl/smollm2_cpu.yaml", "generate.max_new_tokens=6"]
+    single = run_script("tools/generate.py", *args)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "tokens/s" in single.stdout and "megatron-core GPTModel" in single.stdout
-    pp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", *args,
-                          "parallel.pipeline_model_parallel_size=2"],
-                         capture_output=True, text=True, timeout=300)
+    pp2 = run_script("tools/generate.py", *args, "parallel.pipeline_model_parallel_size=2",
+                     nproc=2)
     assert pp2.returncode == 0, pp2.stderr[-3000:]
     assert "TP=1 PP=2" in pp2.stdout
     assert _completion(pp2.stdout) == _completion(single.stdout)

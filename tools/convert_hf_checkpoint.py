@@ -22,20 +22,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from megatron_tlt.assets import AssetError  # noqa: E402
-from megatron_tlt.config import (ConfigError, build_parser, config_from_args,  # noqa: E402
-                                 validate_for_run)
+from megatron_tlt.config import build_parser, config_from_args, validate_for_run  # noqa: E402
 from megatron_tlt.models import resolve_source  # noqa: E402
 from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,  # noqa: E402
-                                            load_megatron_shards, save_megatron_checkpoint)
-from megatron_tlt.models.gpt import ModelArch  # noqa: E402
+                                            load_megatron_shards, save_megatron_checkpoint,
+                                            tokenizer_folder)
+from megatron_tlt.models.gpt import DTYPES, ModelArch  # noqa: E402
 from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,  # noqa: E402
                                     megatron_to_hf, save_hf_folder)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _cast(state: dict, dtype: str) -> dict:
     if dtype == "auto":
@@ -69,9 +65,8 @@ def to_hf(cfg, src, out: str) -> None:
     shards, arch, meta = load_megatron_shards(src)
     hf = _cast(megatron_to_hf(shards, arch, tp_size=meta["tensor_model_parallel_size"],
                               pp_size=meta["pipeline_model_parallel_size"]), cfg.model.dtype)
-    tok_dir = os.path.join(src, "hf")
-    save_hf_folder(hf, arch.hf_config, out,
-                   tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None)
+    tok_dir = tokenizer_folder(src)
+    save_hf_folder(hf, arch.hf_config, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None)
     print(f"wrote Hugging Face folder {out} ({len(hf)} tensors) from {src} "
           f"in {time.perf_counter() - start:.1f} s")
 
@@ -82,9 +77,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        if cfg.model.hf_path is None:
-            raise ConfigError("model.hf_path is not set: name the HF folder or checkpoint "
-                              "to convert (model.hf_path=PATH or smollm2)")
         src = resolve_source(cfg.model.hf_path)
         if is_megatron_checkpoint(src):
             to_hf(cfg, src, args.out)

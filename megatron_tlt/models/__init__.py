@@ -15,8 +15,13 @@ __all__ = ["ModelArch", "build_gpt_model", "load_model", "arch_from_source", "re
 ASSET_ALIASES = ("smollm2",)
 
 
-def resolve_source(name: str | Path) -> Path:
-    """A path, or an asset alias ('smollm2') resolved to its prepared folder."""
+def resolve_source(name: str | Path | None) -> Path:
+    """model.hf_path -> a folder: a path, or an asset alias ('smollm2') resolved."""
+    if name is None:
+        from ..config import ConfigError
+
+        raise ConfigError("model.hf_path is not set: give a Hugging Face folder, a converted "
+                          "checkpoint, or 'smollm2' (e.g. model.hf_path=smollm2)")
     if str(name) == "smollm2":
         from ..assets import require_smollm2
 

@@ -27,6 +27,7 @@ from .hf import HFWeights, copy_tokenizer_files, hf_to_megatron, megatron_to_hf,
 
 FORMAT_VERSION = 1
 META_NAME = "megatron_tlt.json"
+TOKENIZER_DIR = "hf"
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -37,6 +38,12 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_NAME).is_file()
+
+
+def tokenizer_folder(source: str | Path) -> Path:
+    """Where the tokenizer of an HF folder or a converted checkpoint lives."""
+    source = Path(source)
+    return source / TOKENIZER_DIR if is_megatron_checkpoint(source) else source
 
 
 def read_meta(path: str | Path) -> dict:
@@ -72,8 +79,8 @@ def save_megatron_checkpoint(out_dir: str | Path, shards: Mapping[tuple[int, int
                 "pipeline_model_parallel_size": pp_size, "hf_config": arch.hf_config}
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if tokenizer_dir is not None:
-            (tmp / "hf").mkdir()
-            copy_tokenizer_files(tokenizer_dir, tmp / "hf")
+            (tmp / TOKENIZER_DIR).mkdir()
+            copy_tokenizer_files(tokenizer_dir, tmp / TOKENIZER_DIR)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

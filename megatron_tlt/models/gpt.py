@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..platform import cuda_placements_on_cpu
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # megatron-core's Llama-3 RoPE scaling hard-codes these (Llama 3.1/3.2 values).
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -179,12 +180,11 @@ def resolve_impl(impl: str) -> str:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA, float32 on CPU."""
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in table:
+    if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be auto/float32/bfloat16/float16, got {dtype!r}")
-    return table[dtype]
+    return DTYPES[dtype]
 
 
 def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
