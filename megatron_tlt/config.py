@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
-    "GenerateConfig", "build_parser", "config_from_args", "load_config", "parse_args",
+    "GenerateConfig", "RolloutConfig", "build_parser", "config_from_args", "load_config", "parse_args",
     "validate_for_run",
 ]
 
@@ -115,6 +115,42 @@ class GenerateConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Rollout engine (``megatron_tlt.rollout.RolloutEngine``)."""
+
+    max_batch_size: int = _help(
+        "Sequences decoded at once; more prompts queue and enter as rows free up. "
+        "KV-cache memory is 2 x layers x max_batch_size x kv_heads/TP x capacity x "
+        "head_dim x dtype bytes, capacity = longest prompt + max_new_tokens of a call "
+        "(at most max_seq_len).", 64)
+    max_seq_len: int = _help(
+        "Longest prompt + response, in tokens; 0 means the model's "
+        "max_position_embeddings. A prompt this long or longer is an error.", 0)
+    prefill_tokens: int = _help(
+        "Prompt tokens (padded) processed per prefill forward; bounds prefill "
+        "activation memory.", 4096)
+    attention: str = _help(
+        "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
+        "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
+    cuda_graphs: bool = _help(
+        "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
+        "bucket).", False)
+    hidden_states_dtype: str = _help(
+        "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
+        "bfloat16, float16.", "auto")
+
+    def __post_init__(self):
+        _positive("rollout", "max_batch_size", self.max_batch_size)
+        if self.max_seq_len < 0:
+            raise ConfigError(f"rollout.max_seq_len must be >= 0 (0 = model's), "
+                              f"got {self.max_seq_len}")
+        _positive("rollout", "prefill_tokens", self.prefill_tokens)
+        _choice("rollout", "attention", self.attention, ("auto", "sdpa", "flash"))
+        _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
+                ("auto", "float32", "bfloat16", "float16"))
+
+
+@dataclass
 class Config:
     """Everything a megatron_tlt run reads. Sections are added as features land."""
 
@@ -122,6 +158,7 @@ class Config:
     parallel: ParallelConfig = _help("Parallel layout.", factory=ParallelConfig)
     platform: PlatformConfig = _help("Device, backend, seed.", factory=PlatformConfig)
     generate: GenerateConfig = _help("Plain generation.", factory=GenerateConfig)
+    rollout: RolloutConfig = _help("Rollout engine.", factory=RolloutConfig)
 
 
 # -------------------------------------------------------------------------------------

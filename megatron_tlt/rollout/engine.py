@@ -1,0 +1,394 @@
+"""RolloutEngine: batched KV-cache generation on the megatron-core model being trained.
+
+    engine = RolloutEngine.from_pretrained("smollm2")            # or any HF folder
+    outs = engine.generate([[1, 2, 3], [4, 5]],
+                           SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64,
+                                          seed=0))
+    outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason
+
+Or, inside a trainer, ``RolloutEngine(model, tokenizer, RolloutConfig(...))`` on the
+model instance the trainer updates (parameters are used in place, never copied).
+
+How a call runs: prompts queue; up to ``max_batch_size`` enter the running batch,
+are prefilled (in chunks of ``prefill_tokens``) and then decode one token per step.
+A sequence leaves the running batch the step it finishes (EOS, a stop token,
+``max_new_tokens``, or the context limit) and the next queued prompt takes its row, so
+per-step compute follows the running batch down into the long tail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config import RolloutConfig
+from ..models.gpt import DTYPES, ModelArch
+from .forward import ModelRunner
+from .kv_cache import KVCache
+from .sampling import SamplingParams, choose_tokens, make_generators
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run (empty, out-of-vocabulary ids, too long)."""
+
+
+@dataclass
+class RolloutOutput:
+    """One generated sequence.
+
+    token_ids: generated tokens (a final EOS/stop token included).
+    logprobs: per generated token, its log-probability under the target model: raw
+        log_softmax of the logits (temperature 1, no truncation) unless the request
+        asked for ``logprobs="processed"`` (the distribution it was sampled from).
+    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or the
+        context limit).
+    hidden_states: [len(token_ids), hidden] on CPU when requested: row i is the
+        target's final hidden state (after the final norm, the LM head's input) at the
+        position whose logits produced token i, i.e. at the last prompt token for i=0
+        and at generated token i-1 after that.
+    """
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    hidden_states: Optional[torch.Tensor] = None
+
+
+@dataclass
+class GenerateStats:
+    """What the last ``generate`` call did (for logs and benchmarks)."""
+
+    prompts: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)  # running batch per decode step
+    kv_cache_bytes: int = 0
+
+
+@dataclass
+class _Row:
+    request: int
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    length: int  # positions held in the cache
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
+
+
+class RolloutEngine:
+    def __init__(self, model, tokenizer=None, config: Optional[RolloutConfig] = None, *,
+                 arch: Optional[ModelArch] = None, eos_token_ids: Optional[Sequence[int]] = None):
+        self.config = config or RolloutConfig()
+        if arch is None:
+            raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, arch)
+        self.device = self.runner.device
+        if eos_token_ids is None:
+            eos_token_ids = _eos_ids(tokenizer)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.context = self.config.max_seq_len or arch.max_position_embeddings
+        self.context = min(self.context, arch.max_position_embeddings)
+        self.attention = _resolve_attention(self.config.attention, self.device)
+        hd = self.config.hidden_states_dtype
+        self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
+        self.last_stats = GenerateStats()
+        self._cache: Optional[KVCache] = None
+        if self.config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("rollout.cuda_graphs=true needs CUDA; this engine runs on "
+                             f"{self.device.type}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, source: str | Path, config: Optional[RolloutConfig] = None, *,
+                        dtype: str = "auto", device: str = "auto",
+                        transformer_impl: str = "auto") -> "RolloutEngine":
+        """Load a Hugging Face folder, a converted checkpoint or 'smollm2' for inference.
+
+        Initialises a single-process group (or uses the existing torch.distributed /
+        megatron-core model-parallel state when the caller set them up, e.g. under
+        torchrun with TP>1).
+        """
+        from megatron.core import parallel_state as ps
+
+        from ..launch import load_tokenizer
+        from ..models import arch_from_source, load_model, resolve_source
+        from ..parallel import initialize_model_parallel
+        from ..platform import apply_cpu_redirection, init_distributed
+
+        src = resolve_source(str(source))
+        arch_from_source(src)  # config errors before any process group
+        if not ps.model_parallel_is_initialized():
+            plat = init_distributed(device, "auto")
+            initialize_model_parallel(1, 1, seed=1234)
+            dev = plat.device
+        else:
+            dev = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() and device != "cpu" else torch.device("cpu")
+        if dev.type == "cpu":
+            apply_cpu_redirection()
+        model, arch = load_model(src, device=dev, dtype=dtype, impl=transformer_impl)
+        return cls(model, load_tokenizer(src), config, arch=arch)
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: ParamsArg = SamplingParams()) -> list[RolloutOutput]:
+        """Generate a completion for every prompt; outputs are in prompt order.
+
+        ``params`` is one SamplingParams for all prompts or one per prompt.
+        """
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        n = len(prompts)
+        if n == 0:
+            return []
+        plist = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != n:
+            raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
+        self._check_prompts(prompts)
+        stats = GenerateStats(prompts=n)
+        self.last_stats = stats
+        gens = self._generators(plist)
+        capacity = max(min(len(p) + sp.max_new_tokens, self.context)
+                       for p, sp in zip(prompts, plist))
+        max_batch = min(self.config.max_batch_size, n)
+        cache = self._get_cache(max_batch, capacity)
+        stats.kv_cache_bytes = cache.nbytes
+        want_hidden = any(sp.return_hidden_states for sp in plist)
+        max_new = max(sp.max_new_tokens for sp in plist)
+        hidden_buf = (torch.zeros(max_batch, max_new, self.arch.hidden_size,
+                                  dtype=self.hidden_dtype, device=self.device)
+                      if want_hidden else None)
+
+        outputs: list[Optional[RolloutOutput]] = [None] * n
+        queue = deque(range(n))
+        rows: list[_Row] = []
+        while queue or rows:
+            if queue and len(rows) < max_batch:
+                admitted = []
+                while queue and len(rows) + len(admitted) < max_batch:
+                    i = queue.popleft()
+                    admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i]))
+                t0 = time.perf_counter()
+                self._prefill(cache, rows, admitted, hidden_buf, stats)
+                stats.prefill_seconds += time.perf_counter() - t0
+                rows.extend(admitted)
+                self._retire(cache, rows, outputs, hidden_buf)
+                continue
+            t0 = time.perf_counter()
+            b = len(rows)
+            stats.batch_sizes.append(b)
+            last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
+                                device=self.device)[:, None]
+            start = torch.tensor([r.length for r in rows], dtype=torch.long,
+                                 device=self.device)
+            hidden = self.runner.extend(cache, slice(0, b), last, start)[:, 0]
+            for r in rows:
+                r.length += 1
+            self._emit(rows, 0, hidden, hidden_buf)
+            stats.decode_steps += 1
+            stats.decode_seconds += time.perf_counter() - t0
+            self._retire(cache, rows, outputs, hidden_buf)
+        stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
+        return outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ steps
+    def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],
+                 hidden_buf: Optional[torch.Tensor], stats: GenerateStats) -> None:
+        """Prefill ``admitted`` into rows len(rows).. in chunks; sample their first token."""
+        budget = self.config.prefill_tokens
+        first = len(rows)
+        chunk: list[_Row] = []
+
+        def flush():
+            if not chunk:
+                return
+            lo = first + offset[0]
+            t = max(len(r.prompt) for r in chunk)
+            ids = torch.zeros(len(chunk), t, dtype=torch.long)
+            for j, r in enumerate(chunk):
+                ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
+            ids = ids.to(self.device)
+            start = torch.zeros(len(chunk), dtype=torch.long, device=self.device)
+            hidden = self.runner.extend(cache, slice(lo, lo + len(chunk)), ids, start)
+            last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
+            h = hidden[torch.arange(len(chunk), device=self.device), last]
+            stats.prefill_tokens += len(chunk) * t
+            self._emit(chunk, lo, h, hidden_buf)
+            offset[0] += len(chunk)
+            chunk.clear()
+
+        offset = [0]
+        for r in admitted:
+            t = max([len(x.prompt) for x in chunk] + [len(r.prompt)])
+            if chunk and (len(chunk) + 1) * t > budget:
+                flush()
+            chunk.append(r)
+        flush()
+
+    def _emit(self, rows: Sequence[_Row], first_row: int, hidden: torch.Tensor,
+              hidden_buf: Optional[torch.Tensor]) -> None:
+        """Sample one token for each of ``rows`` (cache rows first_row..) from ``hidden``."""
+        logits = self.runner.logits(hidden)
+        tokens, raw, processed = choose_tokens(
+            logits, [r.params for r in rows], [r.generator for r in rows])
+        tokens = self._sync_tokens(tokens)
+        if hidden_buf is not None:
+            pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)
+            idx = torch.arange(first_row, first_row + len(rows), device=self.device)
+            hidden_buf[idx, pos] = hidden.to(hidden_buf.dtype)
+        tok_list = tokens.tolist()
+        raw_list = raw.tolist()
+        proc_list = processed.tolist() if any(r.params.logprobs == "processed"
+                                              for r in rows) else raw_list
+        for r, tok, lr, lp in zip(rows, tok_list, raw_list, proc_list):
+            r.tokens.append(tok)
+            r.logprobs.append(lp if r.params.logprobs == "processed" else lr)
+
+    def _finish_reason(self, r: _Row) -> Optional[str]:
+        tok = r.tokens[-1]
+        if (not r.params.ignore_eos and tok in self.eos_token_ids) or \
+                tok in r.params.stop_token_ids:
+            return "stop"
+        if len(r.tokens) >= r.params.max_new_tokens or r.length + 1 >= self.context:
+            return "length"
+        return None
+
+    def _retire(self, cache: KVCache, rows: list[_Row], outputs: list,
+                hidden_buf: Optional[torch.Tensor]) -> None:
+        """Move finished sequences to ``outputs``; keep running rows contiguous."""
+        i = 0
+        while i < len(rows):
+            r = rows[i]
+            reason = self._finish_reason(r)
+            if reason is None:
+                i += 1
+                continue
+            hs = None
+            if r.params.return_hidden_states and hidden_buf is not None:
+                hs = hidden_buf[i, : len(r.tokens)].to("cpu", copy=True)
+            outputs[r.request] = RolloutOutput(r.request, r.prompt, r.tokens, r.logprobs,
+                                               reason, hs)
+            last = len(rows) - 1
+            if i != last:
+                moved = rows[last]
+                cache.move_row(last, i, moved.length)
+                if hidden_buf is not None:
+                    hidden_buf[i, : len(moved.tokens)] = hidden_buf[last, : len(moved.tokens)]
+                rows[i] = moved
+            rows.pop()
+
+    # ------------------------------------------------------------------ helpers
+    def _sync_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Every TP rank uses TP-rank-0's tokens (they agree already; this makes it so)."""
+        runner = self.runner
+        if runner.tp_group is not None:
+            from megatron.core import parallel_state as ps
+
+            dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(),
+                           group=runner.tp_group)
+        return tokens
+
+    def _generators(self, plist: Sequence[SamplingParams]) -> list[Optional[torch.Generator]]:
+        gens: list[Optional[torch.Generator]] = []
+        drawn = None
+        for i, sp in enumerate(plist):
+            if sp.greedy:
+                gens.append(None)
+                continue
+            seed = sp.seed
+            if seed is None:
+                if drawn is None:
+                    drawn = self._shared_seed()
+                seed = drawn
+            gens.append(make_generators(seed, 1, self.device, offset=i)[0])
+        return gens
+
+    def _shared_seed(self) -> int:
+        """A fresh seed, the same on every TP rank."""
+        s = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        if self.runner.tp_group is not None:
+            from megatron.core import parallel_state as ps
+
+            s = s.to(self.device)
+            dist.broadcast(s, ps.get_tensor_model_parallel_src_rank(),
+                           group=self.runner.tp_group)
+        return int(s.item())
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        vocab = self.arch.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise PromptError(f"prompt {i} is empty; every prompt needs at least one token")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab:
+                raise PromptError(f"prompt {i} has token id {lo if lo < 0 else hi} outside "
+                                  f"the vocabulary [0, {vocab})")
+            if len(p) >= self.context:
+                raise PromptError(
+                    f"prompt {i} has {len(p)} tokens but the context is {self.context} "
+                    f"tokens (model max_position_embeddings="
+                    f"{self.arch.max_position_embeddings}, rollout.max_seq_len="
+                    f"{self.config.max_seq_len}); shorten the prompt or raise the limit")
+
+    def _get_cache(self, max_batch: int, capacity: int) -> KVCache:
+        c = self._cache
+        if c is not None and c.max_batch >= max_batch and c.capacity >= capacity:
+            return c
+        if c is not None:
+            max_batch, capacity = max(max_batch, c.max_batch), max(capacity, c.capacity)
+        self._cache = None  # free the old one first
+        self._cache = KVCache(
+            num_layers=self.arch.num_layers, max_batch=max_batch,
+            kv_heads=self.runner.groups, capacity=capacity, head_dim=self.arch.kv_channels,
+            dtype=self.runner.dtype, device=self.device,
+            layout="bsgd" if self.attention == "flash" else "bgsd")
+        return self._cache
+
+    def release_memory(self) -> None:
+        """Drop the KV cache (it is re-made on the next call)."""
+        self._cache = None
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    if tokenizer is None:
+        return ()
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _resolve_attention(choice: str, device: torch.device) -> str:
+    if choice == "sdpa":
+        return "sdpa"
+    has_flash = False
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            has_flash = True
+        except ImportError:
+            has_flash = False
+    if choice == "flash":
+        if not has_flash:
+            raise ValueError("rollout.attention=flash needs CUDA and the flash-attn package "
+                             "(pip install -e .[gpu]); use auto or sdpa")
+        return "flash"
+    return "flash" if has_flash else "sdpa"

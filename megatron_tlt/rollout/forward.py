@@ -1,0 +1,207 @@
+"""Incremental (KV-cached) forward over a megatron-core GPTModel's own parameters.
+
+megatron-core's ``GPTModel.forward`` recomputes the whole sequence; its inference
+contexts assume CUDA and same-position batches. Rollouts need per-sequence positions,
+a shrinking batch and a per-step cost close to streaming the weights once, so this
+module runs the same computation as the model's decoder layers directly on the
+model's parameter tensors (references, never copies: the trainer's in-place updates
+are seen immediately). It mirrors megatron-core exactly: fused QKV laid out per query
+group, rotate-half RoPE from the model's own ``rotary_pos_emb``, RMSNorm, SwiGLU with
+the fused ``linear_fc1``, vocabulary-parallel embedding and output layer; under tensor
+parallelism the row-parallel outputs and the embedding are all-reduced over the TP
+group and the logits all-gathered, like the model's own layers do.
+
+``extend`` is the one kernel: it appends T new tokens per sequence at per-sequence
+cache positions and attends to the cached prefix plus the new tokens (causally, or with
+a caller's mask among the new tokens, for tree verification). Prefill is ``extend`` from
+position 0; decode is ``extend`` with T=1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..models.gpt import ModelArch
+from .kv_cache import KVCache
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: Optional[torch.Tensor]
+    proj_w: torch.Tensor
+    ln2: torch.Tensor
+    fc1_w: torch.Tensor
+    fc2_w: torch.Tensor
+
+
+def _bias(module) -> Optional[torch.Tensor]:
+    b = getattr(module, "bias", None)
+    return b if isinstance(b, torch.Tensor) and b.numel() > 0 else None
+
+
+def _norm_weight(layer, local_name: str, linear) -> torch.Tensor:
+    norm = getattr(layer, local_name, None)
+    w = getattr(norm, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    return linear.layer_norm_weight  # Transformer Engine spec: norm fused into the linear
+
+
+class PipelineRolloutError(ValueError):
+    """Rollout with pipeline parallelism was requested (not supported)."""
+
+
+class ModelRunner:
+    """Runs the target model incrementally against a ``KVCache``.
+
+    Holds references to the model's parameters; call ``refresh()`` if the model's
+    parameter tensors were replaced (in-place updates need nothing).
+    """
+
+    def __init__(self, model, arch: ModelArch):
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() != 1:
+            raise PipelineRolloutError(
+                "rollout with pipeline parallelism is not supported: use "
+                "parallel.pipeline_model_parallel_size=1 for the rollout engine "
+                "(tensor and data parallelism are supported)")
+        self.model = model
+        self.arch = arch
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        self.groups = arch.num_query_groups // self.tp_size
+        self.heads_per_group = arch.num_attention_heads // arch.num_query_groups
+        self.head_dim = arch.kv_channels
+        self.eps = arch.norm_epsilon
+        self.scale = self.head_dim ** -0.5
+        self.refresh()
+        self.dtype = self.embed_w.dtype
+        self.device = self.embed_w.device
+        self._rope_len = 0
+        self._cos = self._sin = None
+
+    # ------------------------------------------------------------------ weights
+    def refresh(self) -> None:
+        m = self.model
+        self.embed_w = m.embedding.word_embeddings.weight
+        self.vocab_start = self.tp_rank * self.embed_w.shape[0]
+        self.layers = []
+        for layer in m.decoder.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            self.layers.append(_Layer(
+                ln1=_norm_weight(layer, "input_layernorm", att.linear_qkv),
+                qkv_w=att.linear_qkv.weight, qkv_b=_bias(att.linear_qkv),
+                proj_w=att.linear_proj.weight,
+                ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
+                fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight))
+        self.final_norm = m.decoder.final_layernorm.weight
+        self.output_w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
+            else m.output_layer.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, head_dim] in the model dtype."""
+        need = int(positions.max().item()) + 1 if positions.numel() else 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
+            self._cos = torch.cos(freqs).to(self.dtype).to(self.device)
+            self._sin = torch.sin(freqs).to(self.dtype).to(self.device)
+            self._rope_len = n
+        return self._cos[positions], self._sin[positions]
+
+    # ------------------------------------------------------------------ pieces
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return F.embedding(tokens, self.embed_w)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_w.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_w)
+        x = x.masked_fill(outside[..., None], 0.0)
+        return self._all_reduce(x)
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""
+        local = F.linear(hidden, self.output_w).float()
+        if self.tp_group is not None:
+            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+            local = torch.cat(parts, dim=-1)
+        return local[..., : self.arch.vocab_size]
+
+    # ------------------------------------------------------------------ the kernel
+    def extend(self, cache: KVCache, rows: torch.Tensor, tokens: torch.Tensor,
+               start: torch.Tensor, *, rope_positions: Optional[torch.Tensor] = None,
+               new_token_mask: Optional[torch.Tensor] = None,
+               capture: Optional[Callable[[int, torch.Tensor], None]] = None) -> torch.Tensor:
+        """Append ``tokens`` [B, T] to cache rows ``rows`` [B] at positions start[b]+t.
+
+        Attention sees each row's cached prefix (positions < start[b]) and the new
+        tokens: causally, or as ``new_token_mask`` [B or 1, T, T] (True = may attend)
+        says. ``rope_positions`` [B, T] overrides the rotary positions (default
+        start+t; trees use depth). Returns final hidden states [B, T, hidden] (after
+        the final norm). ``capture(layer_index, hidden)`` sees every layer's output.
+        """
+        b, t = tokens.shape
+        ar = torch.arange(t, device=tokens.device)
+        write_pos = start[:, None] + ar[None, :]  # [B, T]
+        if rope_positions is None:
+            rope_positions = write_pos
+        cos, sin = self.rope(rope_positions)
+        span = int(start.max().item()) + t  # keys 0..span-1
+        # mask [B, 1, T, span]: prefix keys, then the new tokens' own pattern
+        keys = torch.arange(span, device=tokens.device)
+        rel = keys[None, None, :] - start[:, None, None]  # [B, 1, span] key index - start
+        if new_token_mask is None:
+            allowed = rel <= ar[None, :, None]  # causal over new tokens, all of prefix
+        else:
+            inside = (rel >= 0) & (rel < t)
+            m = new_token_mask.expand(b, t, t)
+            gathered = torch.gather(m, 2, rel.clamp(0, t - 1).expand(b, t, span))
+            allowed = torch.where(inside, gathered, rel < 0)
+        mask = allowed[:, None].repeat(1, 1, self.heads_per_group, 1)  # [B,1,hpg*T,span]
+
+        cos_q, sin_q = cos[:, :, None, None, :], sin[:, :, None, None, :]
+        cos_k, sin_k = cos[:, :, None, :], sin[:, :, None, :]
+        g, hpg, d = self.groups, self.heads_per_group, self.head_dim
+        x = self.embed(tokens)
+        for i, lw in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), lw.ln1, self.eps)
+            qkv = F.linear(h, lw.qkv_w, lw.qkv_b).view(b, t, g, (hpg + 2) * d)
+            q, k, v = torch.split(qkv, [hpg * d, d, d], dim=-1)
+            q = q.reshape(b, t, g, hpg, d)
+            q = q * cos_q + _rotate_half(q) * sin_q
+            k = k * cos_k + _rotate_half(k) * sin_k
+            k_all, v_all = cache.write(i, rows, write_pos, k, v, span)
+            q = q.permute(0, 2, 3, 1, 4).reshape(b, g, hpg * t, d)
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                               scale=self.scale)
+            o = o.view(b, g, hpg, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, g * hpg * d)
+            x = x + self._all_reduce(F.linear(o, lw.proj_w))
+            h = F.rms_norm(x, (x.shape[-1],), lw.ln2, self.eps)
+            a, u = torch.chunk(F.linear(h, lw.fc1_w), 2, dim=-1)
+            x = x + self._all_reduce(F.linear(F.silu(a) * u, lw.fc2_w))
+            if capture is not None:
+                capture(i, x)
+        return self.final_hidden(x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,102 @@
+"""A contiguous per-sequence KV cache: one row per running sequence.
+
+Memory is fixed when the cache is made and bounded by its shape:
+
+    2 (K and V) x layers x max_batch x kv_heads_per_tp_rank x capacity x head_dim x dtype size
+
+where ``capacity`` is the longest prompt + new tokens the engine admits. Rows 0..n-1
+hold the n running sequences; when a sequence finishes, the last running row is moved
+into its place (``move_row``), so the running batch is always a contiguous slice and
+attention reads a view of the cache, never a gathered copy.
+
+Layouts: "bgsd" (batch, kv heads, positions, head dim) for torch scaled_dot_product
+attention; "bsgd" (batch, positions, kv heads, head dim) for flash-attn's KV-cache
+kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LAYOUTS = ("bgsd", "bsgd")
+
+
+class KVCache:
+    def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 layout: str = "bgsd"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
+        self.max_batch, self.capacity = max_batch, capacity
+        if layout == "bgsd":
+            shape = (num_layers, max_batch, kv_heads, capacity, head_dim)
+        else:
+            shape = (num_layers, max_batch, capacity, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_needed(*, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
+                     head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * max_batch * kv_heads * capacity * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def _rows(self, layer: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(rows, slice):
+            return self.k[layer, rows], self.v[layer, rows]
+        return self.k[layer].index_select(0, rows), self.v[layer].index_select(0, rows)
+
+    def write(self, layer: int, rows: slice, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, span: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, kv_heads, head_dim] at ``positions`` [B, T] of ``rows``.
+
+        Returns K and V views of those rows over positions 0..span-1 in "bgsd" order.
+        """
+        if not isinstance(rows, slice):
+            raise TypeError("KVCache.write takes a slice of rows (running rows are contiguous)")
+        kc, vc = self.k[layer, rows], self.v[layer, rows]
+        b = positions.shape[0]
+        bi = torch.arange(b, device=positions.device)[:, None]
+        if self.layout == "bgsd":
+            kc[bi, :, positions] = k.to(kc.dtype)
+            vc[bi, :, positions] = v.to(vc.dtype)
+            if span is not None:
+                kc, vc = kc[:, :, :span], vc[:, :, :span]
+            return kc, vc
+        kc[bi, positions] = k.to(kc.dtype)
+        vc[bi, positions] = v.to(vc.dtype)
+        if span is not None:
+            kc, vc = kc[:, :span], vc[:, :span]
+        return kc.transpose(1, 2), vc.transpose(1, 2)
+
+    def rows_view(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw (layout-ordered) K and V views of ``rows`` for attention kernels."""
+        return self.k[layer, rows], self.v[layer, rows]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst``."""
+        if src == dst or length <= 0:
+            return
+        if self.layout == "bgsd":
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        else:
+            self.k[:, dst, :length] = self.k[:, src, :length]
+            self.v[:, dst, :length] = self.v[:, src, :length]
+
+    def copy_positions(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Within one row, copy positions ``src`` -> ``dst`` (1-D index tensors) in
+        every layer: the rewind used after tree verification keeps accepted tokens."""
+        if self.layout == "bgsd":
+            self.k[:, row, :, dst] = self.k[:, row, :, src]
+            self.v[:, row, :, dst] = self.v[:, row, :, src]
+        else:
+            self.k[:, row, dst] = self.k[:, row, src]
+            self.v[:, row, dst] = self.v[:, row, src]

@@ -1,0 +1,158 @@
+"""Sampling parameters and the one logits-processing function every decode path uses.
+
+``processed_logprobs`` turns raw logits into the log-probabilities of the distribution a
+token is actually drawn from (temperature, then top-k, then top-p, renormalised).
+Plain decoding samples from it; speculative decoding (accept/reject) compares the
+target's and the drafter's processed distributions produced by this same function, so
+both paths see the same distribution by construction.
+
+Randomness comes from one ``torch.Generator`` per sequence, seeded from
+``SamplingParams.seed`` and the request's index, so a request's tokens do not depend on
+which other requests share its batch (up to floating-point batch effects), and every
+tensor-parallel rank draws the same token from the same (all-gathered) logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+LOGPROB_MODES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 means greedy (argmax of the raw logits); otherwise logits are divided
+        by it before top-k/top-p.
+    top_k: keep the k most likely tokens (0 = off). Ties at the k-th value are kept.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p
+        (1.0 = off). The most likely token is always kept.
+    max_new_tokens: generation stops after this many tokens (finish_reason "length").
+    stop_token_ids: extra tokens that end a sequence (finish_reason "stop"); the
+        engine's EOS ids always stop unless ``ignore_eos``. The stop token is included
+        in the output.
+    ignore_eos: do not stop on EOS (benchmarks that need exact lengths).
+    seed: makes sampling reproducible; None draws a fresh seed per call.
+    logprobs: which log-probability of each sampled token is returned:
+        "raw" (default) = log_softmax of the model's logits, no temperature or
+        truncation: what a training-time forward over the same tokens computes;
+        "processed" = under the distribution the token was sampled from.
+    return_hidden_states: also return the target's final hidden state (after the final
+        norm, i.e. the LM head's input) at the position that produced each token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    logprobs: str = "raw"
+    return_hidden_states: bool = False
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs not in LOGPROB_MODES:
+            raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {self.logprobs!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def processing_key(self) -> tuple:
+        """Rows with equal keys share one logits-processing call."""
+        return (self.temperature, self.top_k, self.top_p)
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution, [..., vocab], float32.
+
+    temperature 0 (greedy) returns the raw log-softmax; the greedy token is its argmax.
+    Removed tokens get -inf. ``logits`` is not modified.
+    """
+    x = logits.float()
+    if temperature > 0.0 and temperature != 1.0:
+        x = x / temperature
+    if temperature > 0.0 and 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if temperature > 0.0 and top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # the first token has mass_before 0: kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def make_generators(seed: Optional[int], n: int, device: torch.device,
+                    offset: int = 0) -> list[torch.Generator]:
+    """One generator per request; request i's stream depends only on (seed, offset+i)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gens = []
+    for i in range(n):
+        g = torch.Generator(device=device)
+        g.manual_seed((int(seed) * 1_000_003 + offset + i) % (2**63 - 1))
+        gens.append(g)
+    return gens
+
+
+def sample_rows(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row of ``logprobs`` [rows, vocab] with each row's generator.
+
+    Uses the exponential-race form of sampling (argmax of p / E, E ~ Exp(1)), which
+    draws exactly from p and consumes a fixed amount of randomness per token.
+    """
+    probs = logprobs.exp()
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for r, g in enumerate(generators):
+        e = torch.empty_like(probs[r]).exponential_(generator=g)
+        out[r] = torch.argmax(probs[r] / e)
+    return out
+
+
+def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[Optional[torch.Generator]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick the next token for each row of ``logits`` [rows, vocab].
+
+    Returns (tokens [rows] long, raw log-prob [rows], processed log-prob [rows]).
+    Rows are grouped by their processing key so a uniform batch costs one call.
+    """
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    processed = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    groups: dict[tuple, list[int]] = {}
+    for r, p in enumerate(params):
+        groups.setdefault(p.processing_key(), []).append(r)
+    for key, idx in groups.items():
+        temperature, top_k, top_p = key
+        index = torch.tensor(idx, device=logits.device)
+        if temperature == 0.0:
+            tok = torch.argmax(raw.index_select(0, index), dim=-1)
+            lp = raw.index_select(0, index).gather(-1, tok[:, None])[:, 0]
+        else:
+            lps = processed_logprobs(logits.index_select(0, index), temperature, top_k, top_p)
+            tok = sample_rows(lps, [generators[r] for r in idx])
+            lp = lps.gather(-1, tok[:, None])[:, 0]
+        tokens[index] = tok
+        processed[index] = lp
+    raw_lp = raw.gather(-1, tokens[:, None])[:, 0]
+    return tokens, raw_lp, processed

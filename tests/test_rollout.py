@@ -1,0 +1,236 @@
+"""RolloutEngine on tiny random models (single process): exactness against transformers
+and against full-sequence forwards of the same megatron-core model, batch mechanics,
+stopping, seeds and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tlt.models import load_model
+from megatron_tlt.models.inference import forward_local_logits, token_logprobs
+from megatron_tlt.rollout import PromptError, RolloutEngine, SamplingParams
+from megatron_tlt.config import RolloutConfig
+from tiny_models import TINY_CONFIGS, VOCAB, build_tiny_hf
+
+PROMPT_LENGTHS = (3, 9, 1, 17, 5, 12, 7, 2)
+
+
+def _prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dirs, single_process_parallel):
+    """name -> (megatron model, arch) for each tiny model, loaded once."""
+    from megatron_tlt.platform import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    return {name: load_model(tiny_hf_dirs[name], device=torch.device("cpu"), dtype="float32")
+            for name in TINY_CONFIGS}
+
+
+def _engine(tiny, name="llama_tied", **cfg) -> RolloutEngine:
+    model, arch = tiny[name]
+    return RolloutEngine(model, None, RolloutConfig(**cfg), arch=arch, eos_token_ids=[])
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _full_forward(model, arch, prompt: list[int], response: list[int]):
+    """(log-probs of response tokens, final hidden states at the positions producing
+    them) from one full-sequence forward of the megatron-core model."""
+    ids = torch.tensor([prompt + response])
+    seen = {}
+    hook = model.decoder.final_layernorm.register_forward_hook(
+        lambda mod, inp, out: seen.__setitem__("h", out))
+    try:
+        with torch.no_grad():
+            local = forward_local_logits(model, ids)
+            lp = token_logprobs(local, torch.roll(ids, -1, 1), arch)[0]
+    finally:
+        hook.remove()
+    s = len(prompt)
+    hidden = seen["h"][:, 0]  # [seq, batch=1, h] -> [seq, h]
+    return lp[s - 1: -1], hidden[s - 1: -1]
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_greedy_batch_matches_transformers_and_full_forward(name, tiny):
+    """8 prompts of different lengths in one batch: tokens equal transformers generate
+    (one prompt at a time), log-probs and hidden states equal a full forward's."""
+    model, arch = tiny[name]
+    hf = build_tiny_hf(name)
+    prompts = _prompts()
+    # different max_new_tokens make rows finish at different steps and move
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6 + 2 * i,
+                             return_hidden_states=True) for i in range(len(prompts))]
+    outs = _engine(tiny, name).generate(prompts, params)
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.token_ids == _hf_greedy(hf, p, sp.max_new_tokens)
+        assert o.finish_reason == "length"
+        lp, hidden = _full_forward(model, arch, p, o.token_ids)
+        assert (torch.tensor(o.logprobs) - lp).abs().max().item() <= 1e-4
+        assert o.hidden_states.shape == (len(o.token_ids), arch.hidden_size)
+        assert o.hidden_states.device.type == "cpu"
+        assert (o.hidden_states - hidden).abs().max().item() <= 1e-4
+
+
+def test_sampled_logprobs_and_hidden_states_match_full_forward(tiny):
+    """Sampling paths use the same cache: raw log-probs of sampled tokens equal a
+    recompute, and 'processed' log-probs equal the processed distribution's."""
+    from megatron_tlt.rollout.sampling import processed_logprobs
+
+    model, arch = tiny["qwen2"]
+    prompts = _prompts((4, 11, 6))
+    raw = _engine(tiny, "qwen2").generate(prompts, SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10, seed=3,
+        return_hidden_states=True))
+    proc = _engine(tiny, "qwen2").generate(prompts, SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10, seed=3,
+        logprobs="processed"))
+    for p, o, q in zip(prompts, raw, proc):
+        assert o.token_ids == q.token_ids  # same seed, same tokens
+        lp, hidden = _full_forward(model, arch, p, o.token_ids)
+        assert (torch.tensor(o.logprobs) - lp).abs().max().item() <= 1e-4
+        assert (o.hidden_states - hidden).abs().max().item() <= 1e-4
+        ids = torch.tensor([p + o.token_ids])
+        with torch.no_grad():
+            logits = forward_local_logits(model, ids)[0, len(p) - 1: -1, :arch.vocab_size]
+        ref = processed_logprobs(logits, 0.8, 40, 0.9).gather(
+            -1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(q.logprobs) - ref).abs().max().item() <= 1e-4
+        assert all(x <= y + 1e-6 for x, y in zip(o.logprobs, q.logprobs))  # truncation
+
+
+def test_engine_uses_the_model_parameters_in_place(tiny):
+    """No weight copies: an in-place update of the model changes the next rollout."""
+    model, arch = tiny["llama_untied"]
+    eng = _engine(tiny, "llama_untied")
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    layer = eng.runner.layers[0]
+    assert {layer.qkv_w.data_ptr(), layer.fc1_w.data_ptr(), eng.runner.output_w.data_ptr(),
+            eng.runner.embed_w.data_ptr()} <= ptrs
+    prompts = _prompts((5, 8))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = [o.token_ids for o in eng.generate(prompts, sp)]
+    w = model.output_layer.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(-1.0)  # flips every logit's sign: greedy now picks the least likely token
+    try:
+        after = [o.token_ids for o in eng.generate(prompts, sp)]
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert after != before
+
+
+# ----------------------------------------------------------------------------- batching
+def test_finished_sequences_leave_the_batch(tiny):
+    eng = _engine(tiny)
+    lengths = [2, 7, 4, 7, 1]
+    prompts = _prompts((3, 6, 2, 9, 4))
+    outs = eng.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=n)
+                                  for n in lengths])
+    assert [len(o.token_ids) for o in outs] == lengths
+    # the first token comes from prefill; decode step s runs the rows with > s+1 tokens
+    expected = [sum(n > s + 1 for n in lengths) for s in range(max(lengths) - 1)]
+    assert eng.last_stats.batch_sizes == expected
+    assert eng.last_stats.generated_tokens == sum(lengths)
+
+
+def test_queued_prompts_fill_freed_rows_and_results_do_not_change(tiny):
+    """max_batch_size=2 with 6 prompts: rows are reused; outputs equal a full batch's."""
+    prompts = _prompts((3, 6, 2, 9, 4, 5))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (3, 8, 2, 5, 6, 4)]
+    full = _engine(tiny).generate(prompts, params)
+    small = _engine(tiny, max_batch_size=2)
+    queued = small.generate(prompts, params)
+    assert [o.token_ids for o in queued] == [o.token_ids for o in full]
+    assert [o.index for o in queued] == list(range(6))
+    assert max(small.last_stats.batch_sizes) == 2
+    assert small._cache.max_batch == 2  # memory bounded by max_batch_size
+
+
+def test_prefill_chunks_give_the_same_result(tiny):
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=5)
+    whole = _engine(tiny).generate(prompts, sp)
+    chunked = _engine(tiny, prefill_tokens=20).generate(prompts, sp)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    for a, b in zip(whole, chunked):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- stopping
+def test_stop_tokens_eos_and_ignore_eos(tiny):
+    model, arch = tiny["llama_tied"]
+    prompt = _prompts((6,))
+    free = _engine(tiny).generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    stop = free.token_ids[4]
+    cut = free.token_ids.index(stop) + 1
+    out = _engine(tiny).generate(prompt, SamplingParams(
+        temperature=0.0, max_new_tokens=12, stop_token_ids=[stop]))[0]
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+    eos_engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[stop])
+    out = eos_engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+    out = eos_engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                     ignore_eos=True))[0]
+    assert out.token_ids == free.token_ids and out.finish_reason == "length"
+
+
+def test_context_limit_ends_generation(tiny):
+    eng = _engine(tiny, max_seq_len=10)
+    outs = eng.generate(_prompts((4, 7)), SamplingParams(temperature=0.0, max_new_tokens=50))
+    assert [len(o.token_ids) for o in outs] == [6, 3]  # prompt + response == 10
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_bad_prompts_are_rejected_clearly(tiny):
+    eng = _engine(tiny, max_seq_len=16)
+    with pytest.raises(PromptError, match=r"prompt 1 has 16 tokens but the context is 16"):
+        eng.generate([[1, 2], list(range(16))], SamplingParams(max_new_tokens=2))
+    with pytest.raises(PromptError, match="prompt 0 is empty"):
+        eng.generate([[]], SamplingParams())
+    with pytest.raises(PromptError, match=f"token id {VOCAB} outside"):
+        eng.generate([[1, VOCAB]], SamplingParams())
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        eng.generate([[1]], [SamplingParams(), SamplingParams()])
+
+
+def test_pipeline_parallel_rollout_is_refused(tiny, monkeypatch):
+    from megatron.core import parallel_state as ps
+
+    from megatron_tlt.rollout.forward import PipelineRolloutError
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(PipelineRolloutError, match="pipeline_model_parallel_size=1"):
+        _engine(tiny)
+
+
+# ----------------------------------------------------------------------------- seeds
+def test_sampling_is_reproducible_with_a_seed(tiny):
+    prompts = _prompts((5, 9, 3))
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=11)
+    a = _engine(tiny).generate(prompts, sp)
+    b = _engine(tiny).generate(prompts, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = _engine(tiny).generate(prompts, SamplingParams(temperature=1.0, top_p=0.95,
+                                                       max_new_tokens=16, seed=12))
+    assert [o.token_ids for o in c] != [o.token_ids for o in a]
+    # a request's stream depends on (seed, its index), not on the rest of the batch
+    alone = _engine(tiny).generate(prompts[:1], sp)
+    assert alone[0].token_ids == a[0].token_ids
+    unseeded = [_engine(tiny).generate(prompts, SamplingParams(temperature=1.0,
+                                                                max_new_tokens=16))
+                for _ in range(2)]
+    assert [o.token_ids for o in unseeded[0]] != [o.token_ids for o in unseeded[1]]
