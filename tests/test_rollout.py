@@ -234,3 +234,60 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
                                                                 max_new_tokens=16))
                 for _ in range(2)]
     assert [o.token_ids for o in unseeded[0]] != [o.token_ids for o in unseeded[1]]
+
+
+# ----------------------------------------------------------------------------- options
+def test_gpu_only_options_fail_clearly_on_cpu(tiny):
+    with pytest.raises(ValueError, match="cuda_graphs=true needs CUDA"):
+        _engine(tiny, cuda_graphs=True)
+    with pytest.raises(ValueError, match="attention=flash needs CUDA"):
+        _engine(tiny, attention="flash")
+    assert _engine(tiny, attention="auto").attention == "sdpa"
+
+
+def test_graph_buckets_and_cache_size():
+    from megatron_tlt.rollout.cuda_graphs import bucket_for
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    assert [bucket_for(b, 64) for b in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert bucket_for(40, 48) == 48
+    args = dict(num_layers=3, max_batch=4, kv_heads=2, capacity=10, head_dim=8)
+    cache = KVCache(**args, dtype=torch.float32, device=torch.device("cpu"))
+    assert cache.nbytes == KVCache.bytes_needed(**args, dtype=torch.float32) == 2 * 3 * 4 * 2 * 10 * 8 * 4
+
+
+def test_kv_cache_layouts_store_the_same_values():
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    caches = [KVCache(num_layers=2, max_batch=3, kv_heads=2, capacity=6, head_dim=4,
+                      dtype=torch.float32, device=torch.device("cpu"), layout=lay)
+              for lay in ("bgsd", "bsgd")]
+    k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4)
+    pos = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    views = [c.write(1, slice(1, 3), pos, k, v, span=6) for c in caches]
+    assert torch.equal(views[0][0], views[1][0]) and torch.equal(views[0][1], views[1][1])
+    assert torch.equal(views[0][0][1, :, 3:6], k[1].transpose(0, 1))
+    for c in caches:
+        c.move_row(2, 0, 6)
+    assert torch.equal(caches[0].k[1, 0], caches[0].k[1, 2])
+    assert torch.equal(caches[1].k[1, 0], caches[1].k[1, 2])
+
+
+def test_synthetic_long_tail_drives_a_shrinking_batch(tiny):
+    """The workload module's synthetic mode: exact lengths, and a batch that spends
+    most of its steps in the tail at small sizes."""
+    from megatron_tlt.rollout.workload import length_stats, synthetic_workload
+
+    reqs = synthetic_workload(24, vocab_size=VOCAB, median_len=6, sigma=1.0, max_len=48,
+                              seed=2)
+    eng = _engine(tiny)
+    outs = eng.generate([r.token_ids for r in reqs],
+                        [SamplingParams(temperature=1.0, max_new_tokens=r.target_len,
+                                        ignore_eos=True, seed=0) for r in reqs])
+    assert [len(o.token_ids) for o in outs] == [r.target_len for r in reqs]
+    sizes = eng.last_stats.batch_sizes
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] <= 24
+    stats = length_stats([r.target_len for r in reqs])
+    assert stats["max_over_median"] > 2
+    # the long tail: over half the decode steps run at most a quarter of the batch
+    assert sum(s <= 6 for s in sizes) > len(sizes) / 2

@@ -75,3 +75,41 @@ def test_demo_cli_prints_a_completion_and_pp2_agrees(smollm2_dir):
     assert pp2.returncode == 0, pp2.stderr[-3000:]
     assert "TP=1 PP=2" in pp2.stdout
     assert _completion(pp2.stdout) == _completion(single.stdout)
+
+
+def test_rollout_engine_batch_matches_transformers(smollm2):
+    """RolloutEngine, 8 real prompts of different lengths in one batch, greedy: every
+    sequence equals transformers generate run on that prompt alone, and the returned
+    log-probs and hidden states equal a full forward of the megatron model."""
+    from megatron_tlt.models.inference import forward_local_logits, token_logprobs
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+
+    hf, model, arch, tok = smollm2
+    prompts = [p.token_ids for p in reasoning_gym_prompts(tok, n=6, seed=3)]
+    prompts += [_chat_ids(tok, "Hi!"), _chat_ids(tok, "Name a prime number between "
+                                                 "ten and twenty, and say why it is prime.")]
+    assert len(set(map(len, prompts))) >= 5
+    engine = RolloutEngine(model, tok, arch=arch)
+    n_new = 20
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new,
+                                                   return_hidden_states=True))
+    seen = {}
+    hook = model.decoder.final_layernorm.register_forward_hook(
+        lambda mod, inp, out: seen.__setitem__("h", out))
+    try:
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False)
+            ref = ref[0, len(p):].tolist()
+            assert o.token_ids == ref
+            assert o.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
+            ids = torch.tensor([p + o.token_ids])
+            with torch.no_grad():
+                lp = token_logprobs(forward_local_logits(model, ids), torch.roll(ids, -1, 1),
+                                    arch)[0, len(p) - 1: -1]
+            assert (torch.tensor(o.logprobs) - lp).abs().max().item() <= 1e-4
+            hidden = seen["h"][len(p) - 1: -1, 0]
+            assert (o.hidden_states - hidden).abs().max().item() <= 1e-3
+    finally:
+        hook.remove()

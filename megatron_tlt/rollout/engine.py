@@ -105,14 +105,21 @@ class RolloutEngine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.context = self.config.max_seq_len or arch.max_position_embeddings
         self.context = min(self.context, arch.max_position_embeddings)
-        self.attention = _resolve_attention(self.config.attention, self.device)
+        self.attention = _resolve_attention(self.config.attention, self.device,
+                                            self.runner.dtype)
+        self.runner.attention = self.attention
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
         self._cache: Optional[KVCache] = None
-        if self.config.cuda_graphs and self.device.type != "cuda":
-            raise ValueError("rollout.cuda_graphs=true needs CUDA; this engine runs on "
-                             f"{self.device.type}")
+        self._graphs = None
+        if self.config.cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("rollout.cuda_graphs=true needs CUDA; this engine runs on "
+                                 f"{self.device.type}")
+            from .cuda_graphs import GraphedDecoder
+
+            self._graphs = GraphedDecoder(self.runner)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -198,7 +205,10 @@ class RolloutEngine:
                                 device=self.device)[:, None]
             start = torch.tensor([r.length for r in rows], dtype=torch.long,
                                  device=self.device)
-            hidden = self.runner.extend(cache, slice(0, b), last, start)[:, 0]
+            if self._graphs is not None:
+                hidden = self._graphs.run(cache, last, start)[:, 0]
+            else:
+                hidden = self.runner.extend(cache, slice(0, b), last, start)[:, 0]
             for r in rows:
                 r.length += 1
             self._emit(rows, 0, hidden, hidden_buf)
@@ -353,6 +363,10 @@ class RolloutEngine:
             return c
         if c is not None:
             max_batch, capacity = max(max_batch, c.max_batch), max(capacity, c.capacity)
+        if self._graphs is not None:  # room for the padded rows of the largest bucket
+            from .cuda_graphs import bucket_for
+
+            max_batch = bucket_for(max_batch, 1 << 30)
         self._cache = None  # free the old one first
         self._cache = KVCache(
             num_layers=self.arch.num_layers, max_batch=max_batch,
@@ -375,11 +389,11 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _resolve_attention(choice: str, device: torch.device) -> str:
+def _resolve_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     if choice == "sdpa":
         return "sdpa"
     has_flash = False
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         try:
             import flash_attn  # noqa: F401
 
@@ -388,7 +402,8 @@ def _resolve_attention(choice: str, device: torch.device) -> str:
             has_flash = False
     if choice == "flash":
         if not has_flash:
-            raise ValueError("rollout.attention=flash needs CUDA and the flash-attn package "
-                             "(pip install -e .[gpu]); use auto or sdpa")
+            raise ValueError("rollout.attention=flash needs CUDA, a bfloat16/float16 model "
+                             "and the flash-attn package (pip install -e .[gpu]); use auto "
+                             "or sdpa")
         return "flash"
     return "flash" if has_flash else "sdpa"

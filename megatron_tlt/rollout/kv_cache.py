@@ -48,10 +48,6 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def _rows(self, layer: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(rows, slice):
-            return self.k[layer, rows], self.v[layer, rows]
-        return self.k[layer].index_select(0, rows), self.v[layer].index_select(0, rows)
 
     def write(self, layer: int, rows: slice, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, span: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,83 @@
+"""CUDA graphs for decode steps (``rollout.cuda_graphs=true``; CUDA only).
+
+A decode step at small batch is dominated by kernel-launch overhead on a GPU. This
+captures ``ModelRunner.extend`` for one new token per row, once per batch-size bucket
+(1, 2, 4, 8, ... up to the cache's rows), and replays it:
+
+- inputs are copied into static buffers; rows past the running batch are padding
+  (token 0 at position 0 of a free cache row, which nothing reads: a row is prefilled
+  from scratch before it runs);
+- attention reads a fixed span (the cache's whole capacity) with a length mask, so no
+  step depends on host-side values;
+- the graphs are tied to one cache: a new cache (a longer call) re-captures.
+
+Sampling stays outside the graph (it is per-row and cheap).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .forward import ModelRunner
+from .kv_cache import KVCache
+
+
+def bucket_for(b: int, max_rows: int) -> int:
+    size = 1
+    while size < b:
+        size *= 2
+    return min(size, max_rows)
+
+
+class GraphedDecoder:
+    def __init__(self, runner: ModelRunner):
+        if runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on CUDA")
+        self.runner = runner
+        self.cache: Optional[KVCache] = None
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+
+    def _reset(self, cache: KVCache) -> None:
+        self.graphs.clear()
+        self.cache = cache
+        self.pool = torch.cuda.graph_pool_handle()
+        self.runner.rope(torch.zeros(1, dtype=torch.long, device=self.runner.device),
+                         limit=cache.capacity)
+
+    def _capture(self, bucket: int) -> tuple:
+        cache, runner = self.cache, self.runner
+        tokens = torch.zeros(bucket, 1, dtype=torch.long, device=runner.device)
+        start = torch.zeros(bucket, dtype=torch.long, device=runner.device)
+
+        def step():
+            return runner.extend(cache, slice(0, bucket), tokens, start, span=cache.capacity)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph (allocator, kernels, NCCL)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, tokens, start, out
+
+    def run(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [b, 1, hidden] for ``tokens`` [b, 1] at ``start`` [b]."""
+        if cache is not self.cache:
+            self._reset(cache)
+        b = tokens.shape[0]
+        bucket = bucket_for(b, cache.max_batch)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, s_tokens, s_start, out = self.graphs[bucket]
+        s_tokens.zero_()
+        s_start.zero_()
+        s_tokens[:b].copy_(tokens)
+        s_start[:b].copy_(start)
+        graph.replay()
+        return out[:b]

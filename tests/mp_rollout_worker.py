@@ -1,0 +1,59 @@
+"""torchrun worker for tests/test_rollout_tp.py: the rollout engine at TP>1.
+
+    torchrun --standalone --nproc_per_node 2 tests/mp_rollout_worker.py \
+        --models DIR --tp 2 --out result.json
+
+For every tiny model under --models it runs the engine greedily and with sampling on
+the prompts of tests/test_rollout_tp.py and writes every rank's tokens, log-probs and
+hidden states (rank 0 writes the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron_tlt.models import load_model  # noqa: E402
+from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
+from megatron_tlt.platform import apply_cpu_redirection, init_distributed  # noqa: E402
+from megatron_tlt.rollout import RolloutEngine  # noqa: E402
+from rollout_cases import CASES, case_prompts  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    plat = init_distributed()
+    initialize_model_parallel(args.tp, 1)
+    apply_cpu_redirection()
+    results = {}
+    for folder in sorted(Path(args.models).iterdir()):
+        model, arch = load_model(folder, device=plat.device, dtype="float32")
+        engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
+        for case, params in CASES.items():
+            outs = engine.generate(case_prompts(), params)
+            results[f"{folder.name}/{case}"] = [
+                dict(tokens=o.token_ids, logprobs=o.logprobs,
+                     hidden=o.hidden_states.tolist() if o.hidden_states is not None else None)
+                for o in outs]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, results=results))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

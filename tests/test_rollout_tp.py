@@ -1,0 +1,48 @@
+"""Rollout at TP=2 under `torchrun --nproc_per_node 2` (gloo) equals TP=1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cli import run_script
+from megatron_tlt.models import load_model
+from megatron_tlt.rollout import RolloutEngine
+from rollout_cases import CASES, case_prompts
+from tiny_models import TINY_CONFIGS
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path):
+    from megatron_tlt.platform import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    models = tmp_path / "models"
+    models.mkdir()
+    for name, folder in tiny_hf_dirs.items():
+        (models / name).symlink_to(folder)
+    out = tmp_path / "result.json"
+    r = run_script("tests/mp_rollout_worker.py", "--models", models, "--tp", 2, "--out", out,
+                   nproc=2, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    assert sorted(x["tp_rank"] for x in ranks) == [0, 1]
+    # both TP ranks return exactly the same outputs
+    assert ranks[0]["results"] == ranks[1]["results"]
+    tp2 = ranks[0]["results"]
+    for name in TINY_CONFIGS:
+        model, arch = load_model(tiny_hf_dirs[name], device=torch.device("cpu"),
+                                 dtype="float32")
+        engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
+        for case, params in CASES.items():
+            ref = engine.generate(case_prompts(), params)
+            got = tp2[f"{name}/{case}"]
+            for o, g in zip(ref, got):
+                assert g["tokens"] == o.token_ids, (name, case)
+                assert max(abs(a - b) for a, b in zip(g["logprobs"], o.logprobs)) <= 1e-4
+                if o.hidden_states is not None:
+                    diff = (torch.tensor(g["hidden"]) - o.hidden_states).abs().max().item()
+                    assert diff <= 1e-4, (name, case, diff)

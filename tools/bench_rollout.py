@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Rollout engine vs Hugging Face transformers ``generate`` on the same weights.
+
+    python tools/bench_rollout.py --json bench_rollout.json          # full (~6 min)
+    python tools/bench_rollout.py --quick                            # < 3 min
+
+SmolLM2-135M-Instruct, greedy, exactly ``--new-tokens`` tokens per sequence (EOS
+ignored), batch sizes 1, 8, 32 of real reasoning-gym prompts (different lengths).
+Engine and transformers run interleaved (warm-up, then A, B, A, B, ...); each pair
+gives a throughput ratio and the result is the median ratio.
+
+It also measures the physical floor of a decode step on this machine: streaming the
+model's weight matrices once through matrix-vector products in the engine's dtype
+(batch 1), and the same matmuls at batch 8 and 32.
+
+Outputs are compared: transformers runs the batch left-padded, so its float32
+numerics differ slightly from the engine's; a sequence may therefore leave the
+other's path only where the two candidate tokens are tied to within --tie-margin in
+transformers' own logits (checked with a full forward). Any other difference fails.
+
+JSON summary keys: ``min_ratio`` (min over batch sizes of engine tok/s / transformers
+tok/s) and ``bound_ratio_bs1`` (engine batch-1 decode step time / weight-streaming
+floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as pyplatform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+
+
+def weight_floor(runner, batch: int, reps: int = 9) -> float:
+    """Seconds to push ``batch`` rows through every weight matrix of a decode step once
+    (all layers' QKV, projection, fc1, fc2, and the LM head), in the weights' dtype.
+
+    Two GEMM formulations are timed (x @ W^T and (W @ x^T)^T; MKL picks different
+    kernels for them) and the faster median is the floor.
+    """
+    mats = [lw_w for lw in runner.layers for lw_w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)]
+    mats.append(runner.output_w)
+    xs = {m.shape[1]: torch.randn(batch, m.shape[1], dtype=m.dtype) for m in mats}
+    forms = (lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t()))
+    best = float("inf")
+    with torch.no_grad():
+        for form in forms:
+            for _ in range(2):
+                for m in mats:
+                    form(xs[m.shape[1]], m)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for m in mats:
+                    form(xs[m.shape[1]], m)
+                times.append(time.perf_counter() - t0)
+            best = min(best, statistics.median(times))
+    return best
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    # no EOS at all (not min_new_tokens, which would forbid EOS and change the argmax):
+    # like the engine's ignore_eos, EOS may be generated and generation goes on
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad_id)
+    return [row[width:].tolist() for row in out]
+
+
+def compare(hf, prompts, ours, theirs, tie_margin: float) -> dict:
+    """Identical sequences, and sequences that part only at near-ties."""
+    identical, tie_splits, worst = 0, 0, 0.0
+    for p, a, b in zip(prompts, ours, theirs):
+        if a == b:
+            identical += 1
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + a[:k]])).logits[0, -1].float()
+        gap = abs(logits[a[k]] - logits[b[k]]).item()
+        worst = max(worst, gap)
+        if gap > tie_margin:
+            raise SystemExit(f"outputs differ beyond a tie: prompt of {len(p)} tokens, "
+                             f"position {k}: engine {a[k]} vs transformers {b[k]}, "
+                             f"logit gap {gap:.2e} > {tie_margin:.0e}")
+        tie_splits += 1
+    return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved A/B pairs per size")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, 2 pairs")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--tie-margin", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args()
+    if args.quick:
+        args.new_tokens, args.pairs = 32, 2
+    silence_expected_warnings()
+
+    import megatron.core
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+
+    src = require_smollm2()
+    engine = RolloutEngine.from_pretrained(src, dtype=args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
+    tok = engine.tokenizer
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    pool = [p.token_ids for p in reasoning_gym_prompts(tok, n=max(sizes), seed=args.seed)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    floors = {b: weight_floor(engine.runner, b) for b in sorted(set([1, 8, 32] + sizes))}
+    print(f"weight-streaming floor ({args.dtype}): " + ", ".join(
+        f"bs{b} {t * 1e3:.1f} ms" for b, t in floors.items()), flush=True)
+
+    rows = []
+    for b in sizes:
+        prompts = pool[:b]
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                ignore_eos=True))  # warm-up
+        hf_generate(hf, prompts, 4, pad)
+        ratios, eng_tps, hf_tps, steps = [], [], [], []
+        for _ in range(args.pairs):
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, sp)
+            te = time.perf_counter() - t0
+            st = engine.last_stats
+            steps.append(st.decode_seconds / max(st.decode_steps, 1))
+            t0 = time.perf_counter()
+            theirs = hf_generate(hf, prompts, args.new_tokens, pad)
+            th = time.perf_counter() - t0
+            ours = [o.token_ids for o in outs]
+            assert all(len(o) == args.new_tokens for o in ours + theirs)
+            eng_tps.append(b * args.new_tokens / te)
+            hf_tps.append(b * args.new_tokens / th)
+            ratios.append(eng_tps[-1] / hf_tps[-1])
+        check = compare(hf, prompts, ours, theirs, args.tie_margin)
+        row = dict(batch=b, engine_tok_s=statistics.median(eng_tps),
+                   hf_tok_s=statistics.median(hf_tps), ratio=statistics.median(ratios),
+                   ratio_min=min(ratios), ratio_max=max(ratios),
+                   engine_step_ms=statistics.median(steps) * 1e3,
+                   floor_ms=floors.get(b, float("nan")) * 1e3,
+                   step_over_floor=statistics.median(steps) / floors[b] if b in floors else None,
+                   **check)
+        rows.append(row)
+        print(f"bs {b:3d}: engine {row['engine_tok_s']:7.1f} tok/s  transformers "
+              f"{row['hf_tok_s']:7.1f} tok/s  ratio {row['ratio']:.2f} "
+              f"[{row['ratio_min']:.2f}, {row['ratio_max']:.2f}]  step "
+              f"{row['engine_step_ms']:.1f} ms = {row['step_over_floor']:.2f}x floor  "
+              f"identical {check['identical']}/{b} (tie splits {check['tie_splits']})",
+              flush=True)
+
+    by_b = {r["batch"]: r for r in rows}
+    result = dict(
+        benchmark="rollout",
+        date=str(date.today()),
+        config=dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, batch_sizes=sizes,
+                    new_tokens=args.new_tokens, pairs=args.pairs, seed=args.seed,
+                    prompts="reasoning_gym basic_arithmetic (workload default)",
+                    torch=torch.__version__, megatron_core=megatron.core.__version__,
+                    transformers=transformers.__version__, device=str(engine.device),
+                    cpu=pyplatform.processor() or pyplatform.machine(),
+                    threads=torch.get_num_threads()),
+        floor_ms={str(b): t * 1e3 for b, t in floors.items()},
+        results=rows,
+        min_ratio=min(r["ratio"] for r in rows),
+        bound_ratio_bs1=by_b[1]["step_over_floor"] if 1 in by_b else None,
+    )
+    print(f"min_ratio {result['min_ratio']:.2f}  bound_ratio_bs1 "
+          f"{result['bound_ratio_bs1'] if result['bound_ratio_bs1'] is None else round(result['bound_ratio_bs1'], 3)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
