@@ -255,11 +255,13 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     if 2 <= m <= _SMALL_M and x.device.type == "cpu":
-        out = torch.mm(w, x2.t()).t()
+        out = torch.mm(w, x2.t()).t()  # a transposed view: make it row-major once,
+        if residual is not None:          # or every later elementwise op runs strided
+            out = residual.reshape(m, -1) + out
+        else:
+            out = out.contiguous()
         if b is not None:
             out = out + b
-        if residual is not None:
-            out = residual.reshape(m, -1) + out
     elif residual is not None and b is None:
         out = torch.addmm(residual.reshape(m, -1), x2, w.t())
     else:
