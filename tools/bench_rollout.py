@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Rollout engine vs Hugging Face transformers ``generate`` on the same weights.
 
-    python tools/bench_rollout.py --json bench_rollout.json          # full (~6 min)
+    python tools/bench_rollout.py --json bench_rollout.json          # full (~12 min)
     python tools/bench_rollout.py --quick                            # < 3 min
 
 SmolLM2-135M-Instruct, greedy, exactly ``--new-tokens`` tokens per sequence (EOS
@@ -20,7 +20,7 @@ transformers' own logits (checked with a full forward). Any other difference fai
 
 JSON summary keys: ``min_ratio`` (min over batch sizes of engine tok/s / transformers
 tok/s) and ``bound_ratio_bs1`` (engine batch-1 decode step time / weight-streaming
-floor).
+floor, the floor re-measured next to each engine run; median over runs).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--pairs", type=int, default=3, help="interleaved A/B pairs per size")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved A/B pairs per size")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 2 pairs")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--tie-margin", type=float, default=1e-3)
@@ -147,13 +147,16 @@ def main() -> None:
         engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4,
                                                 ignore_eos=True))  # warm-up
         hf_generate(hf, prompts, 4, pad)
-        ratios, eng_tps, hf_tps, steps = [], [], [], []
+        ratios, eng_tps, hf_tps, steps, bounds = [], [], [], [], []
         for _ in range(args.pairs):
+            # the floor is re-measured next to every engine run: the machine drifts
+            floor_now = weight_floor(engine.runner, b, reps=5)
             t0 = time.perf_counter()
             outs = engine.generate(prompts, sp)
             te = time.perf_counter() - t0
             st = engine.last_stats
             steps.append(st.decode_seconds / max(st.decode_steps, 1))
+            bounds.append(steps[-1] / floor_now)
             t0 = time.perf_counter()
             theirs = hf_generate(hf, prompts, args.new_tokens, pad)
             th = time.perf_counter() - t0
@@ -168,7 +171,8 @@ def main() -> None:
                    ratio_min=min(ratios), ratio_max=max(ratios),
                    engine_step_ms=statistics.median(steps) * 1e3,
                    floor_ms=floors.get(b, float("nan")) * 1e3,
-                   step_over_floor=statistics.median(steps) / floors[b] if b in floors else None,
+                   step_over_floor=statistics.median(bounds),
+                   step_over_floor_min=min(bounds), step_over_floor_max=max(bounds),
                    **check)
         rows.append(row)
         print(f"bs {b:3d}: engine {row['engine_tok_s']:7.1f} tok/s  transformers "

@@ -207,6 +207,7 @@ class ModelRunner:
         # rotate-half RoPE as x*cos + roll(x, d/2)*sin_signed, applied to q and k at once
         cos, sin = cos[:, :, None, None, :], (sin * self._sin_sign)[:, :, None, None, :]
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
+        row_index = torch.arange(b, device=tokens.device)[:, None]
         x = self.embed(tokens)
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), lw.ln1, self.eps)
@@ -217,7 +218,7 @@ class ModelRunner:
             if flash:
                 o = self._flash(cache, i, rows, q, k, v, start)
             else:
-                k_all, v_all = cache.write(i, rows, write_pos, k, v, span)
+                k_all, v_all = cache.write(i, rows, write_pos, k, v, span, row_index)
                 q = q.permute(0, 2, 3, 1, 4).reshape(b, g, hpg * t, d)
                 o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                                    scale=self.scale)

@@ -50,16 +50,18 @@ class KVCache:
 
 
     def write(self, layer: int, rows: slice, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, span: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              v: torch.Tensor, span: Optional[int] = None,
+              row_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, T, kv_heads, head_dim] at ``positions`` [B, T] of ``rows``.
 
         Returns K and V views of those rows over positions 0..span-1 in "bgsd" order.
+        ``row_index`` (arange(B)[:, None]) may be passed to save making it per layer.
         """
         if not isinstance(rows, slice):
             raise TypeError("KVCache.write takes a slice of rows (running rows are contiguous)")
         kc, vc = self.k[layer, rows], self.v[layer, rows]
-        b = positions.shape[0]
-        bi = torch.arange(b, device=positions.device)[:, None]
+        bi = row_index if row_index is not None else \
+            torch.arange(positions.shape[0], device=positions.device)[:, None]
         if self.layout == "bgsd":
             kc[bi, :, positions] = k.to(kc.dtype)
             vc[bi, :, positions] = v.to(vc.dtype)
