@@ -62,17 +62,21 @@ def _full_forward(model, arch, prompt: list[int], response: list[int]):
 
 
 # ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_cpu_kernels", "eager"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_greedy_batch_matches_transformers_and_full_forward(name, tiny):
+def test_greedy_batch_matches_transformers_and_full_forward(name, fused, tiny):
     """8 prompts of different lengths in one batch: tokens equal transformers generate
-    (one prompt at a time), log-probs and hidden states equal a full forward's."""
+    (one prompt at a time), log-probs and hidden states equal a full forward's; with
+    the fused CPU decode kernels and with eager ops."""
     model, arch = tiny[name]
     hf = build_tiny_hf(name)
     prompts = _prompts()
     # different max_new_tokens make rows finish at different steps and move
     params = [SamplingParams(temperature=0.0, max_new_tokens=6 + 2 * i,
                              return_hidden_states=True) for i in range(len(prompts))]
-    outs = _engine(tiny, name).generate(prompts, params)
+    engine = _engine(tiny, name, cpu_kernels=fused)
+    assert (engine.runner.kernels is not None) == fused
+    outs = engine.generate(prompts, params)
     for p, sp, o in zip(prompts, params, outs):
         assert o.token_ids == _hf_greedy(hf, p, sp.max_new_tokens)
         assert o.finish_reason == "length"
@@ -291,3 +295,31 @@ def test_synthetic_long_tail_drives_a_shrinking_batch(tiny):
     assert stats["max_over_median"] > 2
     # the long tail: over half the decode steps run at most a quarter of the batch
     assert sum(s <= 6 for s in sizes) > len(sizes) / 2
+
+
+def test_fused_and_eager_decode_steps_agree(tiny):
+    """The fused kernels and the eager path write the same KV cache and return the same
+    hidden states for one decode step at mixed positions."""
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    model, arch = tiny["qwen2"]
+    fused = _engine(tiny, "qwen2").runner
+    eager = _engine(tiny, "qwen2", cpu_kernels=False).runner
+    assert fused.kernels is not None and eager.kernels is None
+    caches = [KVCache(num_layers=arch.num_layers, max_batch=3, kv_heads=fused.groups,
+                      capacity=20, head_dim=arch.kv_channels, dtype=torch.float32,
+                      device=torch.device("cpu")) for _ in range(2)]
+    prompt = torch.tensor(_prompts((12, 12, 12))).long()
+    with torch.no_grad():
+        for runner, cache in zip((fused, eager), caches):
+            runner.extend(cache, slice(0, 3), prompt, torch.zeros(3, dtype=torch.long))
+        start = torch.tensor([4, 11, 7])  # rows continue from different lengths
+        tok = torch.tensor([[5], [17], [250]])
+        h_f = fused.extend(caches[0], slice(0, 3), tok, start)
+        h_e = eager.extend(caches[1], slice(0, 3), tok, start)
+    assert (h_f - h_e).abs().max().item() <= 1e-5
+    for b, p in enumerate(start.tolist()):
+        assert torch.allclose(caches[0].k[:, b, :, : p + 1], caches[1].k[:, b, :, : p + 1],
+                              atol=1e-5)
+        assert torch.allclose(caches[0].v[:, b, :, : p + 1], caches[1].v[:, b, :, : p + 1],
+                              atol=1e-5)

@@ -108,6 +108,11 @@ class RolloutEngine:
         self.attention = _resolve_attention(self.config.attention, self.device,
                                             self.runner.dtype)
         self.runner.attention = self.attention
+        if (self.config.cpu_kernels and self.device.type == "cpu"
+                and self.runner.dtype == torch.float32 and self.attention == "sdpa"):
+            from . import cpu_kernels
+
+            self.runner.kernels = cpu_kernels.get()
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()

@@ -89,6 +89,7 @@ class ModelRunner:
         self._rope_len = 0
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
+        self.kernels = None  # fused CPU decode kernels (set by the engine, fp32 CPU only)
         half = self.head_dim // 2
         self._sin_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(
             device=self.device, dtype=self.dtype)
@@ -180,11 +181,16 @@ class ModelRunner:
         b, t = tokens.shape
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]
+        custom_rope = rope_positions is not None
         if rope_positions is None:
             rope_positions = write_pos
         cos, sin = self.rope(rope_positions, limit=span)
         if span is None:
             span = int(start.max().item()) + t  # keys 0..span-1
+        if (self.kernels is not None and t == 1 and new_token_mask is None
+                and isinstance(rows, slice) and cache.layout == "bgsd"
+                and not custom_rope):
+            return self._decode_fused(cache, rows, tokens, start, capture)
         flash = (self.attention == "flash" and new_token_mask is None
                  and isinstance(rows, slice))
         # mask [B, 1, T, span]: prefix keys, then the new tokens' own pattern
@@ -230,6 +236,28 @@ class ModelRunner:
             if capture is not None:
                 capture(i, x)
         return self.final_hidden(x)
+
+    def _decode_fused(self, cache: KVCache, rows: slice, tokens: torch.Tensor,
+                      start: torch.Tensor, capture) -> torch.Tensor:
+        """One token per row with the fused CPU kernels (``cpu_kernels``): the same
+        math as the general path in three kernel calls per layer plus the GEMMs."""
+        kern = self.kernels
+        cos, sin = self.rope(start)
+        cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
+        g, hpg, d = self.groups, self.heads_per_group, self.head_dim
+        pos = start.contiguous()
+        x = self.embed(tokens[:, 0])
+        for i, lw in enumerate(self.layers):
+            h = kern.rms_norm(x, lw.ln1, self.eps)
+            qkv = _linear(h, lw.qkv_w, lw.qkv_b)
+            o = kern.rope_attend(qkv, cos, sin, cache.k[i, rows], cache.v[i, rows], pos,
+                                 g, hpg, d, self.scale)
+            x = self._residual(x, o, lw.proj_w)
+            h = kern.rms_norm(x, lw.ln2, self.eps)
+            x = self._residual(x, kern.silu_mul(_linear(h, lw.fc1_w)), lw.fc2_w)
+            if capture is not None:
+                capture(i, x[:, None])
+        return self.final_hidden(x)[:, None]
 
     def _flash(self, cache: KVCache, layer: int, rows: slice, q, k, v, start):
         """flash-attn's KV-cache kernel: appends k, v at ``start`` per row (in place in
