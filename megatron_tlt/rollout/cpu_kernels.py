@@ -33,6 +33,20 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+// Sum of a[i]*b[i] with 16 independent partial sums: a single float accumulator is a
+// serial FMA chain the compiler may not reorder (4 cycles per element); 16 lanes map to
+// one AVX-512 register and let the loop vectorise.
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += a[i + k] * b[i + k];
+  float s = 0.f;
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat);
   auto out = torch::empty_like(x);
@@ -43,8 +57,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = xp + m * H;
     float* orow = op + m * H;
-    float ss = 0.f;
-    for (int64_t h = 0; h < H; ++h) ss += xr[h] * xr[h];
+    const float ss = dot(xr, xr, H);
     const float r = 1.f / std::sqrt(ss / (float)H + (float)eps);
     for (int64_t h = 0; h < H; ++h) orow[h] = (xr[h] * r) * wp[h];
   }
@@ -83,7 +96,7 @@ torch::Tensor rope_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   const int64_t* pp = pos.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(D), scores;
+    std::vector<float> q(HPG * D), scores;
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / G, g = bg % G, p = pp[b];
       TORCH_CHECK(p >= 0 && p < S, "position outside the KV cache");
@@ -97,27 +110,37 @@ torch::Tensor rope_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
       for (int64_t i = 0; i < D; ++i)
         krow[p * D + i] = kin[i] * c[i] + kin[(i + half) % D] * s[i];
       for (int64_t i = 0; i < D; ++i) vrow[p * D + i] = vin[i];
-      scores.resize(p + 1);
+      // all query heads of the group together: each cached key and value row is read
+      // once per step, not once per head
+      const int64_t L = p + 1;
+      scores.resize(HPG * L);
       for (int64_t h = 0; h < HPG; ++h) {
         const float* qin = base + h * D;
-        for (int64_t i = 0; i < D; ++i) q[i] = qin[i] * c[i] + qin[(i + half) % D] * s[i];
+        float* qh = q.data() + h * D;
+        for (int64_t i = 0; i < D; ++i) qh[i] = qin[i] * c[i] + qin[(i + half) % D] * s[i];
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const float* kj = krow + j * D;
+        for (int64_t h = 0; h < HPG; ++h)
+          scores[h * L + j] = dot(q.data() + h * D, kj, D) * (float)scale;
+      }
+      float* o = op + b * G * HPG * D + g * HPG * D;
+      for (int64_t h = 0; h < HPG; ++h) {
+        float* sc = scores.data() + h * L;
         float mx = -INFINITY;
-        for (int64_t j = 0; j <= p; ++j) {
-          const float* kj = krow + j * D;
-          float dot = 0.f;
-          for (int64_t i = 0; i < D; ++i) dot += q[i] * kj[i];
-          scores[j] = dot * (float)scale;
-          mx = std::max(mx, scores[j]);
-        }
+        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sc[j]);
         float total = 0.f;
-        for (int64_t j = 0; j <= p; ++j) { scores[j] = std::exp(scores[j] - mx); total += scores[j]; }
+        for (int64_t j = 0; j < L; ++j) { sc[j] = std::exp(sc[j] - mx); total += sc[j]; }
         const float inv = 1.f / total;
-        float* o = op + b * G * HPG * D + (g * HPG + h) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
-        for (int64_t j = 0; j <= p; ++j) {
-          const float w = scores[j] * inv;
-          const float* vj = vrow + j * D;
-          for (int64_t i = 0; i < D; ++i) o[i] += w * vj[i];
+        for (int64_t j = 0; j < L; ++j) sc[j] *= inv;
+        for (int64_t i = 0; i < D; ++i) o[h * D + i] = 0.f;
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vj = vrow + j * D;
+        for (int64_t h = 0; h < HPG; ++h) {
+          const float w = scores[h * L + j];
+          float* oh = o + h * D;
+          for (int64_t i = 0; i < D; ++i) oh[i] += w * vj[i];
         }
       }
     }
@@ -134,6 +157,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 _kernels = None
 _tried = False
+_FLAGS_VERSION = "O3-native-openmp"
+# Above this many rows torch's SDPA attention beats the fused kernel (measured on a
+# 2-core Xeon: equal at 8 rows, SDPA ~2x faster at 32), so larger batches run eager.
+MAX_FUSED_ROWS = 8
 
 
 def _build_dir():
@@ -156,7 +183,8 @@ def _build_dir():
                     break
     except OSError:
         flags = platform.processor()
-    key = hashlib.sha256((flags + torch.__version__ + _SOURCE).encode()).hexdigest()[:16]
+    key = hashlib.sha256((flags + torch.__version__ + _SOURCE + _FLAGS_VERSION).encode()
+                         ).hexdigest()[:16]
     return Path(default_cache_dir()) / "kernels" / key
 
 
@@ -177,7 +205,8 @@ def get() -> Optional[object]:
             print(f"[kernels] compiling the fused CPU decode kernels into {build} "
                   "(once per machine type, about a minute)", file=sys.stderr, flush=True)
         _kernels = load_inline(name="megatron_tlt_cpu_decode", cpp_sources=[_SOURCE],
-                               extra_cflags=["-O3", "-march=native"],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"],
                                build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler / ninja: eager fallback, said once
         log.warning("fused CPU decode kernels unavailable (%s); using eager torch ops", e)

@@ -90,6 +90,7 @@ class ModelRunner:
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
         self.kernels = None  # fused CPU decode kernels (set by the engine, fp32 CPU only)
+        self.fused_max_rows = 8  # batch sizes up to this use them (cpu_kernels.MAX_FUSED_ROWS)
         half = self.head_dim // 2
         self._sin_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(
             device=self.device, dtype=self.dtype)
@@ -187,7 +188,8 @@ class ModelRunner:
         cos, sin = self.rope(rope_positions, limit=span)
         if span is None:
             span = int(start.max().item()) + t  # keys 0..span-1
-        if (self.kernels is not None and t == 1 and new_token_mask is None
+        if (self.kernels is not None and t == 1 and b <= self.fused_max_rows
+                and new_token_mask is None
                 and isinstance(rows, slice) and cache.layout == "bgsd"
                 and not custom_rope):
             return self._decode_fused(cache, rows, tokens, start, capture)
@@ -246,6 +248,7 @@ class ModelRunner:
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = start.contiguous()
+        b, ffn = tokens.shape[0], self.layers[0].fc2_w.shape[1]
         x = self.embed(tokens[:, 0])
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
@@ -254,7 +257,9 @@ class ModelRunner:
                                  g, hpg, d, self.scale)
             x = self._residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
-            x = self._residual(x, kern.silu_mul(_linear(h, lw.fc1_w)), lw.fc2_w)
+            fc = _linear(h, lw.fc1_w)
+            act = kern.silu_mul(fc) if b == 1 else F.silu(fc[:, :ffn]) * fc[:, ffn:]
+            x = self._residual(x, act, lw.fc2_w)
             if capture is not None:
                 capture(i, x[:, None])
         return self.final_hidden(x)[:, None]
