@@ -323,3 +323,28 @@ def test_fused_and_eager_decode_steps_agree(tiny):
                               atol=1e-5)
         assert torch.allclose(caches[0].v[:, b, :, : p + 1], caches[1].v[:, b, :, : p + 1],
                               atol=1e-5)
+
+
+def test_cpu_kernels_fall_back_to_eager_when_they_cannot_build(tiny, monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    from megatron_tlt.rollout import cpu_kernels
+
+    built = cpu_kernels.get()
+    assert built is not None  # the test machine has a compiler: the real path is tested
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernels", None)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    with caplog.at_level("WARNING"):
+        engine = _engine(tiny)
+    assert engine.runner.kernels is None
+    assert "fused CPU decode kernels unavailable" in caplog.text
+    out = engine.generate(_prompts((5,)), SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert len(out[0].token_ids) == 4
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("MEGATRON_TLT_NO_CPU_KERNELS", "1")
+    assert cpu_kernels.get() is None
