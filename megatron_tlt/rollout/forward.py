@@ -180,19 +180,17 @@ class ModelRunner:
         enough); a static span keeps the step free of host reads (CUDA graphs).
         """
         b, t = tokens.shape
+        if (self.kernels is not None and t == 1 and b <= self.fused_max_rows
+                and new_token_mask is None and rope_positions is None
+                and isinstance(rows, slice) and cache.layout == "bgsd"):
+            return self._decode_fused(cache, rows, tokens, start, capture)
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]
-        custom_rope = rope_positions is not None
         if rope_positions is None:
             rope_positions = write_pos
         cos, sin = self.rope(rope_positions, limit=span)
         if span is None:
             span = int(start.max().item()) + t  # keys 0..span-1
-        if (self.kernels is not None and t == 1 and b <= self.fused_max_rows
-                and new_token_mask is None
-                and isinstance(rows, slice) and cache.layout == "bgsd"
-                and not custom_rope):
-            return self._decode_fused(cache, rows, tokens, start, capture)
         flash = (self.attention == "flash" and new_token_mask is None
                  and isinstance(rows, slice))
         # mask [B, 1, T, span]: prefix keys, then the new tokens' own pattern
