@@ -88,13 +88,3 @@ class KVCache:
         else:
             self.k[:, dst, :length] = self.k[:, src, :length]
             self.v[:, dst, :length] = self.v[:, src, :length]
-
-    def copy_positions(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Within one row, copy positions ``src`` -> ``dst`` (1-D index tensors) in
-        every layer: the rewind used after tree verification keeps accepted tokens."""
-        if self.layout == "bgsd":
-            self.k[:, row, :, dst] = self.k[:, row, :, src]
-            self.v[:, row, :, dst] = self.v[:, row, :, src]
-        else:
-            self.k[:, row, dst] = self.k[:, row, src]
-            self.v[:, row, dst] = self.v[:, row, src]
