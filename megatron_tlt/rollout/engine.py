@@ -228,35 +228,25 @@ class RolloutEngine:
     def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],
                  hidden_buf: Optional[torch.Tensor], stats: GenerateStats) -> None:
         """Prefill ``admitted`` into rows len(rows).. in chunks; sample their first token."""
-        budget = self.config.prefill_tokens
-        first = len(rows)
-        chunk: list[_Row] = []
-
-        def flush():
-            if not chunk:
-                return
-            lo = first + offset[0]
-            t = max(len(r.prompt) for r in chunk)
-            ids = torch.zeros(len(chunk), t, dtype=torch.long)
+        chunks: list[list[_Row]] = [[]]
+        for r in admitted:  # greedy packing: padded tokens per chunk <= prefill_tokens
+            width = max([len(x.prompt) for x in chunks[-1]] + [len(r.prompt)])
+            if chunks[-1] and (len(chunks[-1]) + 1) * width > self.config.prefill_tokens:
+                chunks.append([])
+            chunks[-1].append(r)
+        lo = len(rows)
+        for chunk in chunks:
+            n, t = len(chunk), max(len(r.prompt) for r in chunk)
+            ids = torch.zeros(n, t, dtype=torch.long)
             for j, r in enumerate(chunk):
                 ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
             ids = ids.to(self.device)
-            start = torch.zeros(len(chunk), dtype=torch.long, device=self.device)
-            hidden = self.runner.extend(cache, slice(lo, lo + len(chunk)), ids, start)
+            start = torch.zeros(n, dtype=torch.long, device=self.device)
+            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start)
             last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
-            h = hidden[torch.arange(len(chunk), device=self.device), last]
-            stats.prefill_tokens += len(chunk) * t
-            self._emit(chunk, lo, h, hidden_buf)
-            offset[0] += len(chunk)
-            chunk.clear()
-
-        offset = [0]
-        for r in admitted:
-            t = max([len(x.prompt) for x in chunk] + [len(r.prompt)])
-            if chunk and (len(chunk) + 1) * t > budget:
-                flush()
-            chunk.append(r)
-        flush()
+            stats.prefill_tokens += n * t
+            self._emit(chunk, lo, hidden[torch.arange(n, device=self.device), last], hidden_buf)
+            lo += n
 
     def _emit(self, rows: Sequence[_Row], first_row: int, hidden: torch.Tensor,
               hidden_buf: Optional[torch.Tensor]) -> None:
@@ -264,18 +254,17 @@ class RolloutEngine:
         logits = self.runner.logits(hidden)
         tokens, raw, processed = choose_tokens(
             logits, [r.params for r in rows], [r.generator for r in rows])
-        tokens = self._sync_tokens(tokens)
+        tokens = self._from_tp_rank0(tokens)  # ranks agree already; this makes it certain
         if hidden_buf is not None:
             pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)
             idx = torch.arange(first_row, first_row + len(rows), device=self.device)
             hidden_buf[idx, pos] = hidden.to(hidden_buf.dtype)
-        tok_list = tokens.tolist()
-        raw_list = raw.tolist()
-        proc_list = processed.tolist() if any(r.params.logprobs == "processed"
-                                              for r in rows) else raw_list
-        for r, tok, lr, lp in zip(rows, tok_list, raw_list, proc_list):
+        want_processed = torch.tensor([r.params.logprobs == "processed" for r in rows],
+                                      device=self.device)
+        chosen = torch.where(want_processed, processed, raw)
+        for r, tok, lp in zip(rows, tokens.tolist(), chosen.tolist()):
             r.tokens.append(tok)
-            r.logprobs.append(lp if r.params.logprobs == "processed" else lr)
+            r.logprobs.append(lp)
 
     def _finish_reason(self, r: _Row) -> Optional[str]:
         tok = r.tokens[-1]
@@ -311,15 +300,14 @@ class RolloutEngine:
             rows.pop()
 
     # ------------------------------------------------------------------ helpers
-    def _sync_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Every TP rank uses TP-rank-0's tokens (they agree already; this makes it so)."""
-        runner = self.runner
-        if runner.tp_group is not None:
+    def _from_tp_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as TP rank 0 holds it, on every TP rank (in place)."""
+        if self.runner.tp_group is not None:
             from megatron.core import parallel_state as ps
 
-            dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(),
-                           group=runner.tp_group)
-        return tokens
+            dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
+                           group=self.runner.tp_group)
+        return tensor
 
     def _generators(self, plist: Sequence[SamplingParams]) -> list[Optional[torch.Generator]]:
         gens: list[Optional[torch.Generator]] = []
@@ -338,14 +326,8 @@ class RolloutEngine:
 
     def _shared_seed(self) -> int:
         """A fresh seed, the same on every TP rank."""
-        s = torch.randint(0, 2**62, (1,), dtype=torch.long)
-        if self.runner.tp_group is not None:
-            from megatron.core import parallel_state as ps
-
-            s = s.to(self.device)
-            dist.broadcast(s, ps.get_tensor_model_parallel_src_rank(),
-                           group=self.runner.tp_group)
-        return int(s.item())
+        s = torch.randint(0, 2**62, (1,), dtype=torch.long).to(self.device)
+        return int(self._from_tp_rank0(s).item())
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         vocab = self.arch.vocab_size

@@ -193,22 +193,7 @@ class ModelRunner:
             span = int(start.max().item()) + t  # keys 0..span-1
         flash = (self.attention == "flash" and new_token_mask is None
                  and isinstance(rows, slice))
-        # mask [B, 1, T, span]: prefix keys, then the new tokens' own pattern
-        keys = torch.arange(span, device=tokens.device)
-        rel = keys[None, None, :] - start[:, None, None]  # [B, 1, span] key index - start
-        if new_token_mask is None:
-            allowed = rel <= ar[None, :, None]  # causal over new tokens, all of prefix
-        else:
-            inside = (rel >= 0) & (rel < t)
-            m = new_token_mask.expand(b, t, t)
-            gathered = torch.gather(m, 2, rel.clamp(0, t - 1).expand(b, t, span))
-            allowed = torch.where(inside, gathered, rel < 0)
-        mask = None
-        if not flash:  # additive float mask, made once per call (SDPA converts bool masks
-            # on every layer); the query heads of a KV group share it
-            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=tokens.device)
-            bias.masked_fill_(~allowed, float("-inf"))
-            mask = bias[:, None] if t == 1 else bias[:, None].repeat(1, 1, self.heads_per_group, 1)
+        mask = None if flash else self._attention_bias(start, t, span, new_token_mask)
 
         # rotate-half RoPE as x*cos + roll(x, d/2)*sin_signed, applied to q and k at once
         cos, sin = cos[:, :, None, None, :], (sin * self._sin_sign)[:, :, None, None, :]
@@ -236,6 +221,26 @@ class ModelRunner:
             if capture is not None:
                 capture(i, x)
         return self.final_hidden(x)
+
+    def _attention_bias(self, start: torch.Tensor, t: int, span: int,
+                        new_token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Additive mask [B, 1, T (x query heads per group if T > 1), span]: each row's
+        cached prefix, then the new tokens causally or as ``new_token_mask`` says. Made
+        once per forward (SDPA would convert a bool mask in every layer)."""
+        b = start.shape[0]
+        ar = torch.arange(t, device=start.device)
+        keys = torch.arange(span, device=start.device)
+        rel = keys[None, None, :] - start[:, None, None]  # [B, 1, span] key index - start
+        if new_token_mask is None:
+            allowed = rel <= ar[None, :, None]
+        else:
+            inside = (rel >= 0) & (rel < t)
+            m = new_token_mask.expand(b, t, t)
+            gathered = torch.gather(m, 2, rel.clamp(0, t - 1).expand(b, t, span))
+            allowed = torch.where(inside, gathered, rel < 0)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=start.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        return bias[:, None] if t == 1 else bias[:, None].repeat(1, 1, self.heads_per_group, 1)
 
     def _decode_fused(self, cache: KVCache, rows: slice, tokens: torch.Tensor,
                       start: torch.Tensor, capture) -> torch.Tensor:
