@@ -298,8 +298,9 @@ def test_synthetic_long_tail_drives_a_shrinking_batch(tiny):
 
 
 def test_fused_and_eager_decode_steps_agree(tiny):
-    """The fused kernels and the eager path write the same KV cache and return the same
-    hidden states for one decode step at mixed positions."""
+    """The fused kernels (the one-call decoder stack, and the per-layer path used with
+    layer capture and tensor parallelism) and the eager path write the same KV cache
+    and return the same hidden states for one decode step at mixed positions."""
     from megatron_tlt.rollout.kv_cache import KVCache
 
     model, arch = tiny["qwen2"]
@@ -308,21 +309,30 @@ def test_fused_and_eager_decode_steps_agree(tiny):
     assert fused.kernels is not None and eager.kernels is None
     caches = [KVCache(num_layers=arch.num_layers, max_batch=3, kv_heads=fused.groups,
                       capacity=20, head_dim=arch.kv_channels, dtype=torch.float32,
-                      device=torch.device("cpu")) for _ in range(2)]
+                      device=torch.device("cpu")) for _ in range(3)]
     prompt = torch.tensor(_prompts((12, 12, 12))).long()
+    captured = {"per_layer": {}, "eager": {}}
     with torch.no_grad():
-        for runner, cache in zip((fused, eager), caches):
+        for runner, cache in zip((fused, fused, eager), caches):
             runner.extend(cache, slice(0, 3), prompt, torch.zeros(3, dtype=torch.long))
         start = torch.tensor([4, 11, 7])  # rows continue from different lengths
         tok = torch.tensor([[5], [17], [250]])
         h_f = fused.extend(caches[0], slice(0, 3), tok, start)
-        h_e = eager.extend(caches[1], slice(0, 3), tok, start)
+        h_l = fused.extend(caches[1], slice(0, 3), tok, start,
+                           capture=lambda i, x: captured["per_layer"].__setitem__(i, x.clone()))
+        h_e = eager.extend(caches[2], slice(0, 3), tok, start,
+                           capture=lambda i, x: captured["eager"].__setitem__(i, x.clone()))
     assert (h_f - h_e).abs().max().item() <= 1e-5
-    for b, p in enumerate(start.tolist()):
-        assert torch.allclose(caches[0].k[:, b, :, : p + 1], caches[1].k[:, b, :, : p + 1],
-                              atol=1e-5)
-        assert torch.allclose(caches[0].v[:, b, :, : p + 1], caches[1].v[:, b, :, : p + 1],
-                              atol=1e-5)
+    assert (h_l - h_e).abs().max().item() <= 1e-5
+    assert sorted(captured["per_layer"]) == list(range(arch.num_layers))
+    for i, x in captured["eager"].items():
+        assert (captured["per_layer"][i] - x).abs().max().item() <= 1e-5
+    for cache in caches[:2]:
+        for b, p in enumerate(start.tolist()):
+            assert torch.allclose(cache.k[:, b, :, : p + 1], caches[2].k[:, b, :, : p + 1],
+                                  atol=1e-5)
+            assert torch.allclose(cache.v[:, b, :, : p + 1], caches[2].v[:, b, :, : p + 1],
+                                  atol=1e-5)
 
 
 def test_cpu_kernels_fall_back_to_eager_when_they_cannot_build(tiny, monkeypatch, caplog):

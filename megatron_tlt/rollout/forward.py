@@ -90,7 +90,7 @@ class ModelRunner:
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
         self.kernels = None  # fused CPU decode kernels (set by the engine, fp32 CPU only)
-        self.fused_max_rows = 8  # batch sizes up to this use them (cpu_kernels.MAX_FUSED_ROWS)
+        self.fused_max_rows = 64  # batch sizes up to this use them (cpu_kernels.MAX_FUSED_ROWS)
         half = self.head_dim // 2
         self._sin_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(
             device=self.device, dtype=self.dtype)
@@ -156,7 +156,13 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""
-        local = _linear(hidden, self.output_w).float()
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if (self.kernels is not None and flat.shape[0] <= self.fused_max_rows
+                and flat.dtype == torch.float32 and flat.device.type == "cpu"):
+            local = self.kernels.linear(flat.contiguous(), self.output_w).view(*lead, -1)
+        else:
+            local = _linear(hidden, self.output_w).float()
         if self.tp_group is not None:
             parts = [torch.empty_like(local) for _ in range(self.tp_size)]
             dist.all_gather(parts, local.contiguous(), group=self.tp_group)
@@ -245,27 +251,39 @@ class ModelRunner:
     def _decode_fused(self, cache: KVCache, rows: slice, tokens: torch.Tensor,
                       start: torch.Tensor, capture) -> torch.Tensor:
         """One token per row with the fused CPU kernels (``cpu_kernels``): the same
-        math as the general path in three kernel calls per layer plus the GEMMs."""
+        math as the general path. Without tensor parallelism and per-layer capture the
+        whole decoder stack is one kernel call; otherwise three kernel calls and the
+        weight-streaming GEMMs per layer, with the TP all-reduces between them."""
         kern = self.kernels
         cos, sin = self.rope(start)
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = start.contiguous()
-        b, ffn = tokens.shape[0], self.layers[0].fc2_w.shape[1]
         x = self.embed(tokens[:, 0])
+        if self.tp_group is None and capture is None and rows.start in (0, None):
+            L = self.layers
+            return kern.decode_layers(
+                x, [lw.ln1 for lw in L], [lw.qkv_w for lw in L],
+                [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
+                [lw.proj_w for lw in L], [lw.ln2 for lw in L], [lw.fc1_w for lw in L],
+                [lw.fc2_w for lw in L], self.final_norm, cache.k, cache.v, cos, sin, pos,
+                g, hpg, d, self.scale, self.eps)[:, None]
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
-            qkv = _linear(h, lw.qkv_w, lw.qkv_b)
+            qkv = kern.linear(h, lw.qkv_w, lw.qkv_b)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i, rows], cache.v[i, rows], pos,
                                  g, hpg, d, self.scale)
-            x = self._residual(x, o, lw.proj_w)
+            x = self._fused_residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
-            fc = _linear(h, lw.fc1_w)
-            act = kern.silu_mul(fc) if b == 1 else F.silu(fc[:, :ffn]) * fc[:, ffn:]
-            x = self._residual(x, act, lw.fc2_w)
+            x = self._fused_residual(x, kern.silu_mul(kern.linear(h, lw.fc1_w)), lw.fc2_w)
             if capture is not None:
                 capture(i, x[:, None])
         return self.final_hidden(x)[:, None]
+
+    def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
+        if self.tp_group is None:
+            return self.kernels.linear(inp, w, None, x)
+        return x + self._all_reduce(self.kernels.linear(inp, w))
 
     def _flash(self, cache: KVCache, layer: int, rows: slice, q, k, v, start):
         """flash-attn's KV-cache kernel: appends k, v at ``start`` per row (in place in
@@ -279,6 +297,8 @@ class ModelRunner:
             cache_seqlens=start.to(torch.int32), softmax_scale=self.scale, causal=True)
         return o.reshape(b, t, -1)
 
+
+_NO_TENSOR = torch.empty(0)
 
 # Below this many rows MKL's fp32 GEMM is faster (measured 10-20 % at 8 and 32 rows on
 # a 2-core Xeon) with the weight as the left operand: (W @ x^T)^T instead of x @ W^T.
