@@ -133,9 +133,10 @@ class RolloutConfig:
         "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
         "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
     cpu_kernels: bool = _help(
-        "Fused CPU kernels for one-token decode steps of up to 8 rows (RMSNorm, RoPE + "
-        "KV write + attention, SwiGLU) in float32; compiled on first use (~1 min, "
-        "cached), eager torch ops if compiling fails.", True)
+        "Fused CPU kernels for one-token decode steps of up to 64 rows in float32 "
+        "(weight-streaming GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole "
+        "layer stack in one call at TP=1); compiled on first use (~1 min, cached), eager "
+        "torch ops if compiling fails.", True)
     cuda_graphs: bool = _help(
         "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
         "bucket).", False)

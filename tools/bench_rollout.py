@@ -11,7 +11,8 @@ gives a throughput ratio and the result is the median ratio.
 
 It also measures the physical floor of a decode step on this machine: streaming the
 model's weight matrices once through matrix-vector products in the engine's dtype
-(batch 1), and the same matmuls at batch 8 and 32.
+(batch 1), and the same matmuls at batch 8 and 32 (the fastest of MKL's two GEMM forms
+and the engine's own weight-streaming GEMM).
 
 Outputs are compared: transformers runs the batch left-padded, so its float32
 numerics differ slightly from the engine's; a sequence may therefore leave the
@@ -46,13 +47,17 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
     """Seconds to push ``batch`` rows through every weight matrix of a decode step once
     (all layers' QKV, projection, fc1, fc2, and the LM head), in the weights' dtype.
 
-    Two GEMM formulations are timed (x @ W^T and (W @ x^T)^T; MKL picks different
-    kernels for them) and the faster median is the floor.
+    Every GEMM formulation at hand is timed and the fastest median is the floor: MKL's
+    x @ W^T and (W @ x^T)^T (it picks different kernels for them) and, when the engine
+    has its CPU kernels, their weight-streaming GEMM (faster than MKL's at 1-16 rows,
+    so the floor is the lowest time this machine is known to stream the weights in).
     """
     mats = [lw_w for lw in runner.layers for lw_w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)]
     mats.append(runner.output_w)
     xs = {m.shape[1]: torch.randn(batch, m.shape[1], dtype=m.dtype) for m in mats}
-    forms = (lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t()))
+    forms = [lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t())]
+    if runner.kernels is not None and mats[0].dtype == torch.float32:
+        forms.append(runner.kernels.linear)
     best = float("inf")
     with torch.no_grad():
         for form in forms:

@@ -291,37 +291,47 @@ static void rope_attend_rows(const float* qp, const float* cp, const float* sp, 
                              float* vp, const int64_t* pp, int64_t B, int64_t G, int64_t HPG,
                              int64_t D, int64_t S, float scale, float* op) {
   const int64_t half = D / 2;
-  bool bad = false;
-#pragma omp parallel for schedule(dynamic, 1) if (B * G > 1)
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position outside the KV cache");
+  // rotated, pre-scaled queries, and the new keys and values written into the cache
+  thread_local std::vector<float> qbuf;
+  qbuf.resize(B * G * HPG * D);
   for (int64_t bg = 0; bg < B * G; ++bg) {
     const int64_t b = bg / G, g = bg % G, p = pp[b];
-    if (p < 0 || p >= S) { bad = true; continue; }
     const float* base = qp + b * G * (HPG + 2) * D + g * (HPG + 2) * D;
     const float* c = cp + b * D;
     const float* s = sp + b * D;
-    float* krow = kp + (b * G + g) * S * D;
-    float* vrow = vp + (b * G + g) * S * D;
+    float* kdst = kp + ((b * G + g) * S + p) * D;
+    float* vdst = vp + ((b * G + g) * S + p) * D;
     const float* kin = base + HPG * D;
-    const float* vin = kin + D;
-    for (int64_t i = 0; i < D; ++i) krow[p * D + i] = kin[i] * c[i] + kin[(i + half) % D] * s[i];
-    for (int64_t i = 0; i < D; ++i) vrow[p * D + i] = vin[i];
-    const int64_t L = p + 1;
-    thread_local std::vector<float> q, sc;  // scratch, reused across calls
-    q.resize(HPG * D);
-    sc.resize((L + 15) / 16 * 16);
-    for (int64_t h = 0; h < HPG; ++h) {
-      const float* qin = base + h * D;
+    for (int64_t i = 0; i < D; ++i) kdst[i] = kin[i] * c[i] + kin[(i + half) % D] * s[i];
+    std::memcpy(vdst, kin + D, D * sizeof(float));
+    float* q = qbuf.data() + bg * HPG * D;
+    for (int64_t h = 0; h < HPG; ++h)
       for (int64_t i = 0; i < D; ++i)
-        q[h * D + i] = (qin[i] * c[i] + qin[(i + half) % D] * s[i]) * scale;
-    }
-    float* o = op + b * G * HPG * D + g * HPG * D;
+        q[h * D + i] = (base[h * D + i] * c[i] + base[h * D + (i + half) % D] * s[i]) * scale;
+  }
+  // One work item per KV group (its cache rows are read from memory once, by one
+  // thread), or per query head when there are too few groups to keep the threads busy.
+  const int64_t per = B * G >= 4 * (int64_t)omp_get_max_threads() ? HPG : 1;
+  const int64_t items = B * G * (HPG / per);
+  const float* qall = qbuf.data();
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t bg = it / (HPG / per), h0 = (it % (HPG / per)) * per;
+    const int64_t b = bg / G, L = pp[b] + 1;
+    const float* krow = kp + bg * S * D;
+    const float* vrow = vp + bg * S * D;
+    const float* q = qall + (bg * HPG + h0) * D;
+    float* o = op + (bg * HPG + h0) * D;
+    thread_local std::vector<float> sc;  // scratch, reused across calls
+    sc.resize((L + 15) / 16 * 16);
     switch (D) {
-      case 64: attend_fixed<4>(q.data(), krow, vrow, L, HPG, sc.data(), o); break;
-      case 128: attend_fixed<8>(q.data(), krow, vrow, L, HPG, sc.data(), o); break;
-      default: attend_any(q.data(), krow, vrow, L, HPG, D, sc.data(), o); break;
+      case 64: attend_fixed<4>(q, krow, vrow, L, per, sc.data(), o); break;
+      case 128: attend_fixed<8>(q, krow, vrow, L, per, sc.data(), o); break;
+      default: attend_any(q, krow, vrow, L, per, D, sc.data(), o); break;
     }
   }
-  TORCH_CHECK(!bad, "position outside the KV cache");
 }
 
 // ---------------------------------------------------------------- Python entry points

@@ -109,6 +109,12 @@ class ModelRunner:
                 proj_w=att.linear_proj.weight,
                 ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
                 fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight))
+        L = self.layers
+        # per-weight lists in the order of cpu_kernels.decode_layers' arguments
+        self._stack = ([lw.ln1 for lw in L], [lw.qkv_w for lw in L],
+                       [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
+                       [lw.proj_w for lw in L], [lw.ln2 for lw in L],
+                       [lw.fc1_w for lw in L], [lw.fc2_w for lw in L])
         self.final_norm = m.decoder.final_layernorm.weight
         self.output_w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
             else m.output_layer.weight
@@ -261,13 +267,8 @@ class ModelRunner:
         pos = start.contiguous()
         x = self.embed(tokens[:, 0])
         if self.tp_group is None and capture is None and rows.start in (0, None):
-            L = self.layers
-            return kern.decode_layers(
-                x, [lw.ln1 for lw in L], [lw.qkv_w for lw in L],
-                [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
-                [lw.proj_w for lw in L], [lw.ln2 for lw in L], [lw.fc1_w for lw in L],
-                [lw.fc2_w for lw in L], self.final_norm, cache.k, cache.v, cos, sin, pos,
-                g, hpg, d, self.scale, self.eps)[:, None]
+            return kern.decode_layers(x, *self._stack, self.final_norm, cache.k, cache.v,
+                                      cos, sin, pos, g, hpg, d, self.scale, self.eps)[:, None]
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = kern.linear(h, lw.qkv_w, lw.qkv_b)
