@@ -113,7 +113,6 @@ class RolloutEngine:
             from . import cpu_kernels
 
             self.runner.kernels = cpu_kernels.get()
-            self.runner.fused_max_rows = cpu_kernels.MAX_FUSED_ROWS
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import ModelArch
+from .cpu_kernels import MAX_FUSED_ROWS
 from .kv_cache import KVCache
 
 
@@ -90,7 +91,7 @@ class ModelRunner:
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
         self.kernels = None  # fused CPU decode kernels (set by the engine, fp32 CPU only)
-        self.fused_max_rows = 64  # batch sizes up to this use them (cpu_kernels.MAX_FUSED_ROWS)
+        self.fused_max_rows = MAX_FUSED_ROWS  # batch sizes up to this use them
         half = self.head_dim // 2
         self._sin_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(
             device=self.device, dtype=self.dtype)
@@ -164,8 +165,7 @@ class ModelRunner:
         """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if (self.kernels is not None and flat.shape[0] <= self.fused_max_rows
-                and flat.dtype == torch.float32 and flat.device.type == "cpu"):
+        if self.kernels is not None and flat.shape[0] <= self.fused_max_rows:
             local = self.kernels.linear(flat.contiguous(), self.output_w).view(*lead, -1)
         else:
             local = _linear(hidden, self.output_w).float()
