@@ -146,8 +146,7 @@ static void gemm_block(int mt, const float* x, int64_t K, const float* w, int64_
 // Above this many rows the loop below is compute-bound and MKL's blocked GEMM is faster
 // (2-core Xeon, fp32, SmolLM2's four weight shapes: ours 2.0x faster than MKL at 8 rows,
 // 1.4x at 16, 1.1-1.2x slower at 32).
-static int64_t kStreamRows = 16;
-void set_stream_rows(int64_t n) { kStreamRows = n; }
+static constexpr int64_t kStreamRows = 16;
 
 // x [M, K], w [N, K] row-major; out [M, N] with row stride N.
 static void gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
@@ -206,6 +205,17 @@ static void silu_mul_rows(const float* hp, int64_t M, int64_t F, float* out) {
   }
 }
 
+// sc[0..L) = exp(sc - max) in place (padding up to a multiple of 16 is scratch);
+// returns their sum.
+static inline float exp_shifted(float* sc, int64_t L, float mx) {
+  const int64_t LP = (L + 15) / 16 * 16;
+  for (int64_t j = L; j < LP; ++j) sc[j] = mx;  // padding, excluded from the sum
+  for (int64_t j = 0; j < LP; j += 16) st(sc + j, vexp(ld(sc + j) - splat(mx)));
+  float total = 0.f;
+  for (int64_t j = 0; j < L; ++j) total += sc[j];
+  return total;
+}
+
 // Softmax attention of HPG query heads (q: rotated, pre-scaled, [HPG, D]) over L cached
 // keys and values (rows of D floats), into o [HPG, D]. D = 16 * ND is known at compile
 // time, so a head's query and output stay in registers while the keys and values stream
@@ -214,7 +224,6 @@ template <int ND>
 static void attend_fixed(const float* q, const float* krow, const float* vrow, int64_t L,
                          int64_t HPG, float* sc, float* o) {
   constexpr int64_t D = 16 * ND;
-  const int64_t LP = (L + 15) / 16 * 16;
   for (int64_t h = 0; h < HPG; ++h) {
     v16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = ld(q + h * D + 16 * c);
@@ -232,10 +241,7 @@ static void attend_fixed(const float* q, const float* krow, const float* vrow, i
       sc[j] = t;
       mx = std::max(mx, t);
     }
-    for (int64_t j = L; j < LP; ++j) sc[j] = mx;  // padding, excluded from the sum
-    float total = 0.f;
-    for (int64_t j = 0; j < LP; j += 16) st(sc + j, vexp(ld(sc + j) - splat(mx)));
-    for (int64_t j = 0; j < L; ++j) total += sc[j];
+    const float total = exp_shifted(sc, L, mx);
     v16 ov[ND];
     for (int c = 0; c < ND; ++c) ov[c] = v16{};
     for (int64_t j = 0; j < L; ++j) {
@@ -251,7 +257,7 @@ static void attend_fixed(const float* q, const float* krow, const float* vrow, i
 // Any head size: the same math with runtime loops.
 static void attend_any(const float* q, const float* krow, const float* vrow, int64_t L,
                        int64_t HPG, int64_t D, float* sc, float* o) {
-  const int64_t LP = (L + 15) / 16 * 16, DV = D / 16 * 16;
+  const int64_t DV = D / 16 * 16;
   for (int64_t h = 0; h < HPG; ++h) {
     const float* qh = q + h * D;
     float mx = -INFINITY;
@@ -265,10 +271,7 @@ static void attend_any(const float* q, const float* krow, const float* vrow, int
       sc[j] = t;
       mx = std::max(mx, t);
     }
-    for (int64_t j = L; j < LP; ++j) sc[j] = mx;
-    float total = 0.f;
-    for (int64_t j = 0; j < LP; j += 16) st(sc + j, vexp(ld(sc + j) - splat(mx)));
-    for (int64_t j = 0; j < L; ++j) total += sc[j];
+    const float total = exp_shifted(sc, L, mx);
     float* oh = o + h * D;
     for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
     for (int64_t j = 0; j < L; ++j) {
@@ -453,7 +456,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("rope_attend", &rope_attend);
   m.def("decode_layers", &decode_layers);
-  m.def("set_stream_rows", &set_stream_rows);
 }
 """
 
