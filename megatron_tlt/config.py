@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
-    "GenerateConfig", "RolloutConfig", "build_parser", "config_from_args", "load_config", "parse_args",
+    "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "build_parser", "config_from_args", "load_config", "parse_args",
     "validate_for_run",
 ]
 
@@ -115,6 +115,53 @@ class GenerateConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding in the rollout engine (EAGLE drafter, exact verification)."""
+
+    drafter: str = _help(
+        "Drafter checkpoint (.safetensors file or folder, from tools/warmup_drafter.py); "
+        "empty = speculative decoding off.", "")
+    threshold: int = _help(
+        "Speculate only while the running batch has at most this many sequences (the "
+        "long tail); larger batches decode plainly. Switching on mid-generation costs one "
+        "drafter pass over the positions it missed, never a target re-prefill.", 8)
+    policy: str = _help(
+        "Strategy choice per batch-size bucket: egreedy (BEG-MAB: epsilon-greedy over the "
+        "median of a sliding window of accepted tokens per second), ucb1, or fixed "
+        "(always `strategy`, for benchmarks).", "egreedy")
+    strategy: str = _help(
+        "The fixed strategy, depth_topk_verifytokens (top-k 1 = chain, e.g. 6_1_6; tree "
+        "e.g. 5_4_16).", "6_1_6")
+    buckets: str = _help("Batch-size bucket upper bounds, ascending.", "1,2,4,8,16,32")
+    arms: str = _help(
+        "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
+        "rest); arms are depth_topk_verifytokens.",
+        "1-2:4_1_4,6_1_6,8_1_8,5_4_12;3-8:3_1_3,4_1_4,6_1_6;*:2_1_2,3_1_3,4_1_4")
+    epsilon: float = _help("egreedy: probability of a random arm.", 0.1)
+    window: int = _help("Rewards per arm kept for the median (sliding window).", 50)
+    ucb_c: float = _help("ucb1: exploration weight.", 1.0)
+    seed: int = _help("Seed of the tuner's own random stream.", 0)
+    tuner_state: str = _help(
+        "JSON file the tuner's state is loaded from when it exists and saved to after "
+        "each generate call; empty = not persisted.", "")
+
+    def __post_init__(self):
+        _positive("rollout.speculative", "threshold", self.threshold)
+        _choice("rollout.speculative", "policy", self.policy, ("egreedy", "ucb1", "fixed"))
+        _positive("rollout.speculative", "window", self.window)
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ConfigError(f"rollout.speculative.epsilon must be in [0, 1], got "
+                              f"{self.epsilon}")
+        from .rollout.tuner import Strategy, parse_arms
+
+        try:
+            Strategy.parse(self.strategy)
+            parse_arms(self.arms, self.buckets)
+        except ValueError as e:
+            raise ConfigError(f"rollout.speculative: {e}") from None
+
+
+@dataclass
 class RolloutConfig:
     """Rollout engine (``megatron_tlt.rollout.RolloutEngine``)."""
 
@@ -143,6 +190,8 @@ class RolloutConfig:
     hidden_states_dtype: str = _help(
         "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
         "bfloat16, float16.", "auto")
+    speculative: SpeculativeConfig = _help("Speculative decoding.",
+                                           factory=SpeculativeConfig)
 
     def __post_init__(self):
         _positive("rollout", "max_batch_size", self.max_batch_size)

@@ -25,7 +25,7 @@ from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
 from megatron_tlt.platform import apply_cpu_redirection, init_distributed  # noqa: E402
 from megatron_tlt.rollout import RolloutEngine  # noqa: E402
-from rollout_cases import CASES, case_prompts  # noqa: E402
+from rollout_cases import CASES, SPEC_CASES, SPEC_MODEL, case_prompts, spec_config  # noqa: E402,E501
 
 
 def main() -> None:
@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--models", required=True)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--drafter", default=None,
+                        help="also run speculative decoding (SPEC_CASES) on the model "
+                             "this drafter was made for (SPEC_MODEL)")
     args = parser.parse_args()
 
     plat = init_distributed()
@@ -48,6 +51,16 @@ def main() -> None:
                 dict(tokens=o.token_ids, logprobs=o.logprobs,
                      hidden=o.hidden_states.tolist() if o.hidden_states is not None else None)
                 for o in outs]
+        if args.drafter and folder.name == SPEC_MODEL:
+            from megatron_tlt.models.drafter import load_drafter
+
+            drafter = load_drafter(args.drafter, arch)
+            for case, (strategy, params) in SPEC_CASES.items():
+                spec = RolloutEngine(model, None, spec_config(strategy), arch=arch,
+                                     eos_token_ids=[], drafter=drafter)
+                outs = spec.generate(case_prompts(), params)
+                results[f"{folder.name}/{case}"] = [
+                    dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, results=results))
     if dist.get_rank() == 0:

@@ -17,3 +17,22 @@ CASES = {
 def case_prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 13, 1, 8, 6)]
+
+
+# speculative decoding at TP=2 vs TP=1 (a drafter checkpoint made for SPEC_MODEL)
+SPEC_MODEL = "llama_tied"
+SPEC_CASES = {
+    "spec_greedy_chain": ("4_1_4", SamplingParams(temperature=0.0, max_new_tokens=12)),
+    "spec_greedy_tree": ("3_3_6", SamplingParams(temperature=0.0, max_new_tokens=12)),
+    "spec_sampled_chain": ("3_1_3", SamplingParams(temperature=0.9, top_k=50, max_new_tokens=12,
+                                                   seed=3)),
+    "spec_sampled_tree": ("3_2_5", SamplingParams(temperature=1.0, top_p=0.9,
+                                                  max_new_tokens=12, seed=4)),
+}
+
+
+def spec_config(strategy: str):
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+
+    return RolloutConfig(speculative=SpeculativeConfig(policy="fixed", strategy=strategy,
+                                                       threshold=64))

@@ -10,7 +10,7 @@ import torch
 from cli import run_script
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine
-from rollout_cases import CASES, case_prompts
+from rollout_cases import CASES, SPEC_CASES, SPEC_MODEL, case_prompts, spec_config
 from tiny_models import TINY_CONFIGS
 
 pytestmark = pytest.mark.multiproc
@@ -25,8 +25,9 @@ def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path)
     for name, folder in tiny_hf_dirs.items():
         (models / name).symlink_to(folder)
     out = tmp_path / "result.json"
+    drafter_path = _spec_drafter(tiny_hf_dirs[SPEC_MODEL], tmp_path / "drafter.safetensors")
     r = run_script("tests/mp_rollout_worker.py", "--models", models, "--tp", 2, "--out", out,
-                   nproc=2, timeout=600)
+                   "--drafter", drafter_path, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     ranks = json.loads(out.read_text())
     assert sorted(x["tp_rank"] for x in ranks) == [0, 1]
@@ -46,3 +47,31 @@ def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path)
                 if o.hidden_states is not None:
                     diff = (torch.tensor(g["hidden"]) - o.hidden_states).abs().max().item()
                     assert diff <= 1e-4, (name, case, diff)
+
+    # speculative decoding (chain and tree, greedy and sampled, pruned draft vocabulary)
+    from megatron_tlt.models.drafter import load_drafter
+
+    model, arch = load_model(tiny_hf_dirs[SPEC_MODEL], device=torch.device("cpu"),
+                             dtype="float32")
+    drafter = load_drafter(drafter_path, arch)
+    for case, (strategy, params) in SPEC_CASES.items():
+        engine = RolloutEngine(model, None, spec_config(strategy), arch=arch, eos_token_ids=[],
+                               drafter=drafter)
+        ref = engine.generate(case_prompts(), params)
+        assert engine.last_stats.spec.steps > 0
+        got = tp2[f"{SPEC_MODEL}/{case}"]
+        for o, g in zip(ref, got):
+            assert g["tokens"] == o.token_ids, case
+            assert max(abs(a - b) for a, b in zip(g["logprobs"], o.logprobs)) <= 1e-4, case
+
+
+def _spec_drafter(model_dir, path):
+    """A random drafter with a pruned vocabulary for the TP test, saved at TP=1."""
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    _, arch = load_model(model_dir, device=torch.device("cpu"), dtype="float32")
+    drafter = EagleDrafter(DrafterConfig.for_target(arch, draft_vocab_size=200), arch)
+    drafter.reset_parameters(seed=3)
+    drafter.d2t.copy_(torch.randperm(arch.vocab_size, generator=torch.Generator().manual_seed(0))
+                      [:200].sort().values)
+    return save_drafter(drafter, path)

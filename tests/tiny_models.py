@@ -35,11 +35,12 @@ TINY_CONFIGS = {
 }
 
 
-def build_tiny_hf(name: str, seed: int = 0):
-    """A transformers model of TINY_CONFIGS[name] with every parameter randomised."""
+def build_tiny_hf(name: str, seed: int = 0, **overrides):
+    """A transformers model of TINY_CONFIGS[name] (plus ``overrides``) with every
+    parameter randomised."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    spec = dict(TINY_CONFIGS[name])
+    spec = {**TINY_CONFIGS[name], **overrides}
     family = spec.pop("family")
     cfg_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if family == "llama"
                           else (Qwen2Config, Qwen2ForCausalLM))
@@ -55,7 +56,7 @@ def build_tiny_hf(name: str, seed: int = 0):
     return model
 
 
-def save_tiny_hf(name: str, folder: Path, seed: int = 0) -> Path:
+def save_tiny_hf(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     folder = Path(folder)
-    build_tiny_hf(name, seed).save_pretrained(folder)
+    build_tiny_hf(name, seed, **overrides).save_pretrained(folder)
     return folder

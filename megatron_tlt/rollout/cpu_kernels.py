@@ -286,13 +286,17 @@ static void attend_any(const float* q, const float* krow, const float* vrow, int
   }
 }
 
-// RoPE + KV write + causal GQA attention for one new token per row.
+// RoPE + KV write + causal GQA attention for one new token per query row.
 // qkv [B, G*(HPG+2)*D] (per group: HPG query heads, key, value); cos, sin [B, D] (sin
-// carries rotate-half's signs); caches: row b, group g at kc + (b*G + g)*S*D; pos [B].
+// carries rotate-half's signs); caches: cache row c, group g at kc + (c*G + g)*S*D;
+// query b uses cache row rp[b] (rp null: row b) and position pp[b]. Every key and
+// value is written before any attention, so several queries of one cache row at
+// consecutive positions form a causal chain (verification, drafter catch-up).
 // out [B, G*HPG*D].
 static void rope_attend_rows(const float* qp, const float* cp, const float* sp, float* kp,
-                             float* vp, const int64_t* pp, int64_t B, int64_t G, int64_t HPG,
-                             int64_t D, int64_t S, float scale, float* op) {
+                             float* vp, const int64_t* pp, const int64_t* rp, int64_t B,
+                             int64_t G, int64_t HPG, int64_t D, int64_t S, float scale,
+                             float* op) {
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position outside the KV cache");
@@ -300,12 +304,12 @@ static void rope_attend_rows(const float* qp, const float* cp, const float* sp, 
   thread_local std::vector<float> qbuf;
   qbuf.resize(B * G * HPG * D);
   for (int64_t bg = 0; bg < B * G; ++bg) {
-    const int64_t b = bg / G, g = bg % G, p = pp[b];
+    const int64_t b = bg / G, g = bg % G, p = pp[b], cb = rp ? rp[b] : b;
     const float* base = qp + b * G * (HPG + 2) * D + g * (HPG + 2) * D;
     const float* c = cp + b * D;
     const float* s = sp + b * D;
-    float* kdst = kp + ((b * G + g) * S + p) * D;
-    float* vdst = vp + ((b * G + g) * S + p) * D;
+    float* kdst = kp + ((cb * G + g) * S + p) * D;
+    float* vdst = vp + ((cb * G + g) * S + p) * D;
     const float* kin = base + HPG * D;
     for (int64_t i = 0; i < D; ++i) kdst[i] = kin[i] * c[i] + kin[(i + half) % D] * s[i];
     std::memcpy(vdst, kin + D, D * sizeof(float));
@@ -322,9 +326,9 @@ static void rope_attend_rows(const float* qp, const float* cp, const float* sp, 
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t bg = it / (HPG / per), h0 = (it % (HPG / per)) * per;
-    const int64_t b = bg / G, L = pp[b] + 1;
-    const float* krow = kp + bg * S * D;
-    const float* vrow = vp + bg * S * D;
+    const int64_t b = bg / G, L = pp[b] + 1, cg = (rp ? rp[b] : b) * G + bg % G;
+    const float* krow = kp + cg * S * D;
+    const float* vrow = vp + cg * S * D;
     const float* q = qall + (bg * HPG + h0) * D;
     float* o = op + (bg * HPG + h0) * D;
     thread_local std::vector<float> sc;  // scratch, reused across calls
@@ -383,18 +387,35 @@ torch::Tensor silu_mul(torch::Tensor h) {
   return out;
 }
 
-// kc, vc: [B, G, S, D] (contiguous views of the running rows of one layer's cache)
+static const int64_t* row_map(const c10::optional<torch::Tensor>& rows, int64_t B,
+                              int64_t cache_rows) {
+  if (!rows.has_value() || !rows->defined() || rows->numel() == 0) {
+    TORCH_CHECK(B <= cache_rows, "more query rows than cache rows needs a row map");
+    return nullptr;
+  }
+  TORCH_CHECK(rows->is_contiguous() && rows->scalar_type() == torch::kLong &&
+              rows->numel() == B, "row map must be a contiguous int64 tensor of B entries");
+  const int64_t* r = rows->data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(r[b] >= 0 && r[b] < cache_rows, "row map entry outside the cache");
+  return r;
+}
+
+// kc, vc: [rows, G, S, D] (contiguous views of the running rows of one layer's cache);
+// row_of [B] (optional): the cache row of each query row (default: query b, row b).
 torch::Tensor rope_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor kc, torch::Tensor vc, torch::Tensor pos,
-                          int64_t G, int64_t HPG, int64_t D, double scale) {
+                          int64_t G, int64_t HPG, int64_t D, double scale,
+                          c10::optional<torch::Tensor> row_of) {
   check_f32(qkv, "qkv"); check_f32(cos, "cos"); check_f32(sin, "sin");
   check_f32(kc, "k cache"); check_f32(vc, "v cache");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
   const int64_t B = qkv.size(0);
+  const int64_t* rp = row_map(row_of, B, kc.size(0));
   auto out = torch::empty({B, G * HPG * D}, qkv.options());
   rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                   kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(), B, G,
-                   HPG, D, kc.size(2), (float)scale, out.data_ptr<float>());
+                   kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(), rp, B,
+                   G, HPG, D, kc.size(2), (float)scale, out.data_ptr<float>());
   return out;
 }
 
@@ -409,13 +430,14 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
                             torch::Tensor final_norm, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor pos, int64_t G, int64_t HPG, int64_t D,
-                            double scale, double eps) {
+                            double scale, double eps, c10::optional<torch::Tensor> row_of) {
   check_f32(x, "x"); check_f32(k_cache, "k cache"); check_f32(v_cache, "v cache");
   check_f32(cos, "cos"); check_f32(sin, "sin"); check_f32(final_norm, "final norm");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
   const int64_t B = x.size(0), H = x.size(1), layers = (int64_t)qkv_w.size();
-  TORCH_CHECK(k_cache.size(0) == layers && k_cache.size(1) >= B && k_cache.size(2) == G &&
-              k_cache.size(4) == D, "KV cache shape");
+  TORCH_CHECK(k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
+              "KV cache shape");
+  const int64_t* rp = row_map(row_of, B, k_cache.size(1));
   const int64_t S = k_cache.size(3), layer_stride = k_cache.stride(0);
   const int64_t NQKV = G * (HPG + 2) * D, NATT = G * HPG * D, F2 = fc1_w[0].size(0);
   auto opts = x.options();
@@ -435,8 +457,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
          bias, false);
     rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                      k_cache.data_ptr<float>() + i * layer_stride,
-                     v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), B,
-                     G, HPG, D, S, (float)scale, att.data_ptr<float>());
+                     v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), rp,
+                     B, G, HPG, D, S, (float)scale, att.data_ptr<float>());
     gemm(att.data_ptr<float>(), B, NATT, proj_w[i].data_ptr<float>(), H, xp, nullptr, true);
     rms_norm_rows(xp, B, H, ln2[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
     gemm(h.data_ptr<float>(), B, H, fc1_w[i].data_ptr<float>(), F2, fc.data_ptr<float>(),
@@ -454,8 +476,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
-  m.def("rope_attend", &rope_attend);
-  m.def("decode_layers", &decode_layers);
+  m.def("rope_attend", &rope_attend, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+        py::arg("kc"), py::arg("vc"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
+        py::arg("D"), py::arg("scale"), py::arg("row_of") = py::none());
+  m.def("decode_layers", &decode_layers, py::arg("x"), py::arg("ln1"), py::arg("qkv_w"),
+        py::arg("qkv_b"), py::arg("proj_w"), py::arg("ln2"), py::arg("fc1_w"),
+        py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
+        py::arg("D"), py::arg("scale"), py::arg("eps"), py::arg("row_of") = py::none());
 }
 """
 

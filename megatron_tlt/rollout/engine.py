@@ -31,7 +31,8 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .forward import ModelRunner
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens, make_generators
+from .sampling import SamplingParams, choose_tokens, make_generators, processed_logprobs
+from .speculative import SpecStats
 
 
 class PromptError(ValueError):
@@ -74,6 +75,22 @@ class GenerateStats:
     decode_seconds: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)  # running batch per decode step
     kv_cache_bytes: int = 0
+    spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
+
+    @property
+    def spec_fraction(self) -> float:
+        """Fraction of decode steps that speculated."""
+        return self.spec.steps / self.decode_steps if self.spec and self.decode_steps else 0.0
+
+    def summary(self) -> dict:
+        """JSON-able digest for logs and benchmarks."""
+        out = {"prompts": self.prompts, "generated_tokens": self.generated_tokens,
+               "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
+               "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+        if self.spec is not None:
+            out["spec_fraction"] = self.spec_fraction
+            out["spec"] = self.spec.summary()
+        return out
 
 
 @dataclass
@@ -92,7 +109,8 @@ ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 
 class RolloutEngine:
     def __init__(self, model, tokenizer=None, config: Optional[RolloutConfig] = None, *,
-                 arch: Optional[ModelArch] = None, eos_token_ids: Optional[Sequence[int]] = None):
+                 arch: Optional[ModelArch] = None, eos_token_ids: Optional[Sequence[int]] = None,
+                 drafter=None):
         self.config = config or RolloutConfig()
         if arch is None:
             raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
@@ -125,6 +143,52 @@ class RolloutEngine:
             from .cuda_graphs import GraphedDecoder
 
             self._graphs = GraphedDecoder(self.runner)
+        self.spec = None  # SpeculativeDecoder when a drafter is attached
+        self.tuner = None
+        if drafter is None and self.config.speculative.drafter:
+            from ..models.drafter import load_drafter
+
+            drafter = load_drafter(self.config.speculative.drafter, self.arch,
+                                   dtype=self.runner.dtype, device=self.device)
+        if drafter is not None:
+            self.attach_drafter(drafter)
+
+    # ------------------------------------------------------------------ speculation
+    def attach_drafter(self, drafter, tuner=None) -> None:
+        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model) while the
+        running batch is at most ``config.speculative.threshold``; ``tuner`` (a
+        ``StrategyTuner``) defaults to one built from ``config.speculative``."""
+        from .speculative import SpeculativeDecoder
+
+        drafter.config.check_target(self.arch)
+        if drafter.config.feature_layers and self._graphs is not None:
+            raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
+                             "graphs do not support; use rollout.cuda_graphs=false")
+        self.spec = SpeculativeDecoder(drafter, self.runner)
+        self.tuner = tuner if tuner is not None else self._make_tuner()
+
+    def detach_drafter(self) -> None:
+        self.spec = None
+        self.tuner = None
+
+    def _make_tuner(self):
+        from .tuner import Strategy, StrategyTuner, parse_arms
+
+        sc = self.config.speculative
+        state = Path(sc.tuner_state) if sc.tuner_state else None
+        if state is not None and state.is_file():
+            return StrategyTuner.load(state)
+        return StrategyTuner(sc.buckets, parse_arms(sc.arms, sc.buckets), policy=sc.policy,
+                             epsilon=sc.epsilon, window=sc.window, ucb_c=sc.ucb_c,
+                             fixed=Strategy.parse(sc.strategy), seed=sc.seed)
+
+    def _spec_slack(self) -> int:
+        """Cache slots beyond a sequence's length that drafting/verification may use."""
+        t = self.tuner
+        arms = [a for bucket in t.arms.values() for a in bucket]
+        if t.fixed is not None:
+            arms.append(t.fixed)
+        return max(max(a.verify_tokens, (a.depth - 1) * a.top_k) for a in arms) + 2
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -180,7 +244,13 @@ class RolloutEngine:
         capacity = max(min(len(p) + sp.max_new_tokens, self.context)
                        for p, sp in zip(prompts, plist))
         max_batch = min(self.config.max_batch_size, n)
-        cache = self._get_cache(max_batch, capacity)
+        spec = self.spec
+        slack = self._spec_slack() if spec is not None else 0
+        cache = self._get_cache(max_batch, capacity + slack)
+        if spec is not None:
+            spec.begin(max_batch, capacity, slack)
+            stats.spec = SpecStats()
+        threshold = self.config.speculative.threshold
         stats.kv_cache_bytes = cache.nbytes
         want_hidden = any(sp.return_hidden_states for sp in plist)
         max_new = max(sp.max_new_tokens for sp in plist)
@@ -206,12 +276,24 @@ class RolloutEngine:
             t0 = time.perf_counter()
             b = len(rows)
             stats.batch_sizes.append(b)
+            if spec is not None and b <= threshold:
+                self._spec_step(cache, rows, hidden_buf, stats)
+                stats.decode_steps += 1
+                stats.decode_seconds += time.perf_counter() - t0
+                self._retire(cache, rows, outputs, hidden_buf)
+                continue
             last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
                                 device=self.device)[:, None]
             start = torch.tensor([r.length for r in rows], dtype=torch.long,
                                  device=self.device)
             if self._graphs is not None:
                 hidden = self._graphs.run(cache, last, start)[:, 0]
+            elif spec is not None:
+                hook, got = spec.capture_hook()
+                hidden = self.runner.extend(cache, slice(0, b), last, start, capture=hook)
+                spec.features[torch.arange(b, device=self.device), start] = \
+                    spec.features_of(hidden, got)[:, 0].to(spec.features.dtype)
+                hidden = hidden[:, 0]
             else:
                 hidden = self.runner.extend(cache, slice(0, b), last, start)[:, 0]
             for r in rows:
@@ -221,7 +303,47 @@ class RolloutEngine:
             stats.decode_seconds += time.perf_counter() - t0
             self._retire(cache, rows, outputs, hidden_buf)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
+        if spec is not None and self.config.speculative.tuner_state:
+            self.tuner.save(self.config.speculative.tuner_state)
         return outputs  # type: ignore[return-value]
+
+    def _spec_step(self, cache: KVCache, rows: list[_Row], hidden_buf, stats: GenerateStats
+                   ) -> None:
+        """One speculative step for every running row: draft, verify, emit, rewind."""
+        t0 = time.perf_counter()
+        b = len(rows)
+        strategy = self.tuner.choose(b)
+        emissions, hidden, logits = self.spec.step(cache, rows, strategy, stats.spec)
+        emitted, accepted = [], []
+        for i, (r, e) in enumerate(zip(rows, emissions)):
+            L = r.length
+            idx = torch.tensor(e.nodes, device=self.device)
+            lg = logits[i].index_select(0, idx)
+            tok = torch.tensor(e.tokens, device=self.device)[:, None]
+            raw = torch.log_softmax(lg, dim=-1).gather(-1, tok)[:, 0].tolist()
+            sp = r.params
+            if sp.logprobs == "processed" and not sp.greedy:
+                chosen = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p
+                                            ).gather(-1, tok)[:, 0].tolist()
+            else:
+                chosen = raw
+            m = 0
+            for j, t in enumerate(e.tokens):
+                if hidden_buf is not None:
+                    hidden_buf[i, len(r.tokens)] = hidden[i, e.nodes[j]].to(hidden_buf.dtype)
+                r.tokens.append(t)
+                r.logprobs.append(chosen[j])
+                m += 1
+                r.length = L + m
+                if self._finish_reason(r) is not None:
+                    break
+            self.spec.compact(cache, i, L, e.slots[: m - 1])
+            emitted.append(m)
+            accepted.append(len(e.tokens) - 1)
+        seconds = time.perf_counter() - t0
+        self.tuner.update(b, strategy, sum(emitted), seconds)
+        stats.spec.record(strategy, self.tuner.bucket_label(self.tuner.bucket_of(b)),
+                          accepted, emitted)
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],
@@ -241,7 +363,14 @@ class RolloutEngine:
                 ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
             ids = ids.to(self.device)
             start = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start)
+            spec = self.spec
+            hook, got = spec.capture_hook() if spec is not None else (None, None)
+            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook)
+            if spec is not None:  # the drafter's inputs at every prompt position
+                feats = spec.features_of(hidden, got)
+                for j, r in enumerate(chunk):
+                    spec.new_row(lo + j)
+                    spec.store(lo + j, 0, feats[j, : len(r.prompt)])
             last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
             stats.prefill_tokens += n * t
             self._emit(chunk, lo, hidden[torch.arange(n, device=self.device), last], hidden_buf)
@@ -293,6 +422,8 @@ class RolloutEngine:
             if i != last:
                 moved = rows[last]
                 cache.move_row(last, i, moved.length)
+                if self.spec is not None:
+                    self.spec.move_row(last, i, moved.length)
                 if hidden_buf is not None:
                     hidden_buf[i, : len(moved.tokens)] = hidden_buf[last, : len(moved.tokens)]
                 rows[i] = moved
@@ -363,8 +494,10 @@ class RolloutEngine:
         return self._cache
 
     def release_memory(self) -> None:
-        """Drop the KV cache (it is re-made on the next call)."""
+        """Drop the KV caches (they are re-made on the next call)."""
         self._cache = None
+        if self.spec is not None:
+            self.spec.release()
 
 
 def _eos_ids(tokenizer) -> tuple[int, ...]:

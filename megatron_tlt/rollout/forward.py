@@ -131,7 +131,7 @@ class ModelRunner:
             int(positions.max().item()) + 1 if positions.numel() else 1)
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
-            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
+            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()  # the target's
             self._cos = torch.cos(freqs).to(self.dtype).to(self.device)
             self._sin = torch.sin(freqs).to(self.dtype).to(self.device)
             self._rope_len = n
@@ -146,8 +146,20 @@ class ModelRunner:
     def _residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x + (row-parallel linear of inp), all-reduced over TP before the add."""
         if self.tp_group is None:
-            return _linear(inp, w, residual=x)
-        return x + self._all_reduce(_linear(inp, w))
+            return self._lin(inp, w, residual=x)
+        return x + self._all_reduce(self._lin(inp, w))
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``_linear`` through the fused CPU GEMM when few rows (verification and
+        drafting forwards are a handful of tokens per sequence)."""
+        rows = x.numel() // x.shape[-1]
+        if self.kernels is None or rows > self.fused_max_rows:
+            return _linear(x, w, b, residual)
+        lead = x.shape[:-1]
+        res = None if residual is None else residual.reshape(rows, -1).contiguous()
+        out = self.kernels.linear(x.reshape(rows, -1).contiguous(), w, b, res)
+        return out.view(*lead, out.shape[-1])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
@@ -180,22 +192,27 @@ class ModelRunner:
                start: torch.Tensor, *, rope_positions: Optional[torch.Tensor] = None,
                new_token_mask: Optional[torch.Tensor] = None,
                capture: Optional[Callable[[int, torch.Tensor], None]] = None,
-               span: Optional[int] = None) -> torch.Tensor:
+               span: Optional[int] = None, embeds: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
         """Append ``tokens`` [B, T] to cache rows ``rows`` [B] at positions start[b]+t.
 
         Attention sees each row's cached prefix (positions < start[b]) and the new
-        tokens: causally, or as ``new_token_mask`` [B or 1, T, T] (True = may attend)
-        says. ``rope_positions`` [B, T] overrides the rotary positions (default
+        tokens: causally, or as ``new_token_mask`` [B or 1, T, W] (True = may attend)
+        says, over the last W >= T cache slots up to the new tokens (W > T lets tree
+        drafting see nodes written by earlier calls; slots before those are the prefix,
+        always visible). ``rope_positions`` [B, T] overrides the rotary positions (default
         start+t; trees use depth). Returns final hidden states [B, T, hidden] (after
         the final norm). ``capture(layer_index, hidden)`` sees every layer's output.
         ``span`` fixes how many cache positions attention reads (default: just
         enough); a static span keeps the step free of host reads (CUDA graphs).
+        ``embeds`` [B, T, hidden] replaces the token embedding as the first layer's
+        input (the drafter's fused input); ``tokens`` then only gives the shape.
         """
         b, t = tokens.shape
-        if (self.kernels is not None and t == 1 and b <= self.fused_max_rows
+        if (self.kernels is not None and b * t <= self.fused_max_rows
                 and new_token_mask is None and rope_positions is None
                 and isinstance(rows, slice) and cache.layout == "bgsd"):
-            return self._decode_fused(cache, rows, tokens, start, capture)
+            return self._decode_fused(cache, rows, tokens, start, capture, embeds)
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]
         if rope_positions is None:
@@ -211,10 +228,10 @@ class ModelRunner:
         cos, sin = cos[:, :, None, None, :], (sin * self._sin_sign)[:, :, None, None, :]
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         row_index = torch.arange(b, device=tokens.device)[:, None]
-        x = self.embed(tokens)
+        x = self.embed(tokens) if embeds is None else embeds
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), lw.ln1, self.eps)
-            qkv = _linear(h, lw.qkv_w, lw.qkv_b).view(b, t, g, hpg + 2, d)
+            qkv = self._lin(h, lw.qkv_w, lw.qkv_b).view(b, t, g, hpg + 2, d)
             qk = qkv[:, :, :, : hpg + 1]
             qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, dims=-1), sin)
             q, k, v = qk[:, :, :, :hpg], qk[:, :, :, hpg], qkv[:, :, :, hpg + 1]
@@ -228,7 +245,7 @@ class ModelRunner:
                 o = o.view(b, g, hpg, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, g * hpg * d)
             x = self._residual(x, o, lw.proj_w)
             h = F.rms_norm(x, (x.shape[-1],), lw.ln2, self.eps)
-            a, u = torch.chunk(_linear(h, lw.fc1_w), 2, dim=-1)
+            a, u = torch.chunk(self._lin(h, lw.fc1_w), 2, dim=-1)
             x = self._residual(x, F.silu(a) * u, lw.fc2_w)
             if capture is not None:
                 capture(i, x)
@@ -246,40 +263,62 @@ class ModelRunner:
         if new_token_mask is None:
             allowed = rel <= ar[None, :, None]
         else:
-            inside = (rel >= 0) & (rel < t)
-            m = new_token_mask.expand(b, t, t)
-            gathered = torch.gather(m, 2, rel.clamp(0, t - 1).expand(b, t, span))
+            w = new_token_mask.shape[-1]
+            rel = rel + (w - t)  # key index relative to the mask's first slot
+            inside = (rel >= 0) & (rel < w)
+            m = new_token_mask.expand(b, t, w)
+            gathered = torch.gather(m, 2, rel.clamp(0, w - 1).expand(b, t, span))
             allowed = torch.where(inside, gathered, rel < 0)
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=start.device)
         bias.masked_fill_(~allowed, float("-inf"))
         return bias[:, None] if t == 1 else bias[:, None].repeat(1, 1, self.heads_per_group, 1)
 
     def _decode_fused(self, cache: KVCache, rows: slice, tokens: torch.Tensor,
-                      start: torch.Tensor, capture) -> torch.Tensor:
-        """One token per row with the fused CPU kernels (``cpu_kernels``): the same
-        math as the general path. Without tensor parallelism and per-layer capture the
-        whole decoder stack is one kernel call; otherwise three kernel calls and the
-        weight-streaming GEMMs per layer, with the TP all-reduces between them."""
+                      start: torch.Tensor, capture, embeds=None) -> torch.Tensor:
+        """``extend`` for causal chains with the fused CPU kernels (``cpu_kernels``): the
+        same math as the general path. The B x T new tokens become B*T query rows, each
+        mapped to its sequence's cache row (T=1: a decode step; T>1: chain verification
+        or drafter catch-up; the kernel writes every key before attending). Without
+        tensor parallelism and per-layer capture the whole stack is one kernel call;
+        otherwise three kernel calls and the weight-streaming GEMMs per layer, with the
+        TP all-reduces between them."""
+        b, t = tokens.shape
+        first = rows.start or 0
+        pos = (start[:, None] + torch.arange(t, device=start.device)).reshape(-1)
+        row_of = None
+        if t > 1 or first != 0:
+            row_of = torch.arange(first, first + b, device=start.device).repeat_interleave(t)
+        x = (self.embed(tokens.reshape(-1)) if embeds is None
+             else embeds.reshape(b * t, -1).contiguous())
+        cap = None if capture is None else (lambda i, h: capture(i, h.view(b, t, -1)))
+        return self.extend_chains(cache, row_of, pos, x, cap).view(b, t, -1)
+
+    def extend_chains(self, cache: KVCache, row_of: Optional[torch.Tensor], pos: torch.Tensor,
+                      x: torch.Tensor, capture=None) -> torch.Tensor:
+        """Fused-kernel forward of Q query rows: row q is input ``x[q]`` at position
+        ``pos[q]`` of cache row ``row_of[q]`` (None: row q). Rows of one cache row at
+        consecutive positions form a causal chain (all keys are written before any
+        attention), so ragged per-sequence chains run in one call. Returns final
+        hidden states [Q, hidden]. Needs ``self.kernels`` and the "bgsd" layout."""
         kern = self.kernels
-        cos, sin = self.rope(start)
+        cos, sin = self.rope(pos)
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
-        pos = start.contiguous()
-        x = self.embed(tokens[:, 0])
-        if self.tp_group is None and capture is None and rows.start in (0, None):
+        pos = pos.contiguous()
+        if self.tp_group is None and capture is None:
             return kern.decode_layers(x, *self._stack, self.final_norm, cache.k, cache.v,
-                                      cos, sin, pos, g, hpg, d, self.scale, self.eps)[:, None]
+                                      cos, sin, pos, g, hpg, d, self.scale, self.eps, row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = kern.linear(h, lw.qkv_w, lw.qkv_b)
-            o = kern.rope_attend(qkv, cos, sin, cache.k[i, rows], cache.v[i, rows], pos,
-                                 g, hpg, d, self.scale)
+            o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
+                                 g, hpg, d, self.scale, row_of)
             x = self._fused_residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
             x = self._fused_residual(x, kern.silu_mul(kern.linear(h, lw.fc1_w)), lw.fc2_w)
             if capture is not None:
-                capture(i, x[:, None])
-        return self.final_hidden(x)[:, None]
+                capture(i, x)
+        return self.final_hidden(x)
 
     def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
         if self.tp_group is None:

@@ -1,0 +1,352 @@
+"""EAGLE-style one-layer drafter for speculative decoding.
+
+At position t the drafter reads the next token and the target's hidden state:
+
+    x_t = fc(concat(embed(tok_{t+1}), h_t))  ->  one decoder layer  ->  RMSNorm  ->  ĥ_{t+1}
+    q(tok_{t+2}) = softmax(output_layer(ĥ_{t+1}))
+
+``h_t`` is the target's final hidden state *after* its final norm (the LM head's
+input; the same tensor ``RolloutOutput.hidden_states`` returns), and the drafter's
+output ĥ is trained to predict h_{t+1} in that same space, so when drafting several
+tokens ahead the drafter feeds its own ĥ back in place of h. The embedding and the
+output layer are the target's own (frozen, shared, vocab-parallel under TP); the
+drafter owns only ``fc``, the decoder layer (a megatron-core ``TransformerLayer`` of the
+target's width) and its final norm, and optionally:
+
+- EAGLE-3 features: h_t is the concatenation of three target layers' outputs
+  (``feature_layers``), reduced by ``feature_fc`` (3H -> H) before ``fc``;
+- a pruned draft vocabulary: the ``draft_vocab_size`` most frequent tokens; ``d2t``
+  maps draft ids to target ids and the draft head is the target output layer's rows
+  for those tokens (re-gathered on ``refresh``, never stored);
+- FP8 linear layers through Transformer Engine (CUDA + TE only).
+
+The checkpoint (``save_drafter``/``load_drafter``) is one safetensors file holding
+only drafter-owned tensors (unsharded) plus the config as metadata; loading checks the
+drafter was made for a target of the same width and vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .gpt import ModelArch, layer_spec, te_available, transformer_config
+
+CHECKPOINT_KEY = "megatron_tlt_drafter"
+FORMAT_VERSION = 1
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter checkpoint does not fit the target model it is loaded for."""
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of a drafter; everything but the options comes from the target."""
+
+    hidden_size: int
+    vocab_size: int  # the target's (unpadded) vocabulary
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    qkv_bias: bool
+    target_model_type: str = ""
+    target_num_layers: int = 0
+    feature_layers: tuple[int, ...] = ()  # EAGLE-3: three target layer indices
+    draft_vocab_size: int = 0  # 0 = the full vocabulary
+    fp8: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        if self.feature_layers and len(self.feature_layers) != 3:
+            raise ValueError(f"feature_layers takes three target layer indices (EAGLE-3), "
+                             f"got {list(self.feature_layers)}")
+        if self.target_num_layers and any(not 0 <= i < self.target_num_layers
+                                          for i in self.feature_layers):
+            raise ValueError(f"feature_layers {list(self.feature_layers)} must be in "
+                             f"[0, {self.target_num_layers})")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.vocab_size}] "
+                             f"(0 = full vocabulary), got {self.draft_vocab_size}")
+
+    @classmethod
+    def for_target(cls, arch: ModelArch, *, feature_layers=(), draft_vocab_size: int = 0,
+                   fp8: bool = False) -> "DrafterConfig":
+        if feature_layers == "auto":
+            n = arch.num_layers
+            feature_layers = (min(1, n - 1), n // 2, n - 1)
+        return cls(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                   ffn_hidden_size=arch.ffn_hidden_size,
+                   num_attention_heads=arch.num_attention_heads,
+                   num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                   norm_epsilon=arch.norm_epsilon, qkv_bias=arch.qkv_bias,
+                   target_model_type=arch.model_type, target_num_layers=arch.num_layers,
+                   feature_layers=tuple(feature_layers), draft_vocab_size=draft_vocab_size,
+                   fp8=fp8)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of h_t as the target provides it (H, or 3H with EAGLE-3 features)."""
+        return self.hidden_size * (len(self.feature_layers) or 1)
+
+    def layer_arch(self, target: ModelArch) -> ModelArch:
+        return dataclasses.replace(target, num_layers=1)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown drafter config keys {unknown}")
+        return cls(**d)
+
+    def check_target(self, arch: ModelArch) -> None:
+        """Raise DrafterMismatchError unless this drafter fits ``arch``."""
+        problems = []
+        for name, mine, theirs in (
+                ("hidden_size", self.hidden_size, arch.hidden_size),
+                ("vocab_size", self.vocab_size, arch.vocab_size),
+                ("num_attention_heads", self.num_attention_heads, arch.num_attention_heads),
+                ("num_query_groups", self.num_query_groups, arch.num_query_groups),
+                ("kv_channels", self.kv_channels, arch.kv_channels),
+                ("ffn_hidden_size", self.ffn_hidden_size, arch.ffn_hidden_size)):
+            if mine != theirs:
+                problems.append(f"{name}: drafter {mine} vs target {theirs}")
+        if self.feature_layers and max(self.feature_layers) >= arch.num_layers:
+            problems.append(f"feature_layers {list(self.feature_layers)} vs a target with "
+                            f"{arch.num_layers} layers")
+        if problems:
+            raise DrafterMismatchError(
+                "the drafter was made for a different target model: " + "; ".join(problems)
+                + ". Warm up a drafter for this model with tools/warmup_drafter.py")
+
+
+class EagleDrafter(torch.nn.Module):
+    """The drafter's own weights; the target supplies embedding, output layer and RoPE.
+
+    ``forward`` is the training path (megatron-core layer, autograd); decoding runs the
+    same math incrementally through ``rollout.speculative.DraftRunner``.
+    """
+
+    def __init__(self, config: DrafterConfig, target_arch: ModelArch, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 impl: str = "local"):
+        super().__init__()
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.spec_utils import build_module
+
+        config.check_target(target_arch)
+        device = torch.device(device)
+        if config.fp8:
+            if not (device.type == "cuda" and te_available()):
+                raise ValueError("drafter fp8=true needs CUDA and Transformer Engine "
+                                 "(pip install -e .[gpu]); use fp8=false on this machine")
+            impl = "transformer_engine"
+        self.config = config
+        self.impl = impl
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        h = config.hidden_size
+        tcfg = transformer_config(config.layer_arch(target_arch), dtype=dtype, device=device,
+                                  tp=self.tp_size, pp=1, impl=impl)
+        self.layer = build_module(layer_spec(impl), config=tcfg, layer_number=1)
+        kw = dict(dtype=dtype, device=device)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False, **kw)
+        self.feature_fc = (torch.nn.Linear(config.feature_width, h, bias=False, **kw)
+                           if config.feature_layers else None)
+        self.norm = torch.nn.Parameter(torch.ones(h, **kw))
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, device=device))
+        else:
+            self.d2t = None
+        self.layer.to(dtype=dtype)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Small random init (std 0.02, norms 1; fc starts as the mean of its halves
+        so the layer first sees something close to the target's own features)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        h = self.config.hidden_size
+        eye = torch.eye(h)
+        self.fc.weight.add_(torch.cat([0.5 * eye, 0.5 * eye], dim=1).to(self.fc.weight))
+        if self.feature_fc is not None:
+            n = len(self.config.feature_layers)
+            self.feature_fc.weight.add_(torch.cat([eye / n] * n, dim=1).to(self.feature_fc.weight))
+
+    # ---------------------------------------------------------------- features
+    def reduce_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_width] -> h [..., H]."""
+        return self.feature_fc(feats) if self.feature_fc is not None else feats
+
+    # ---------------------------------------------------------------- training path
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary_pos_emb: torch.Tensor
+                ) -> torch.Tensor:
+        """Drafter output ĥ [B, T, H] for inputs embed(tok_{t+1}) [B, T, H] and h_t
+        [B, T, H] (already reduced), causal over T, positions 0..T-1 (``rotary_pos_emb``
+        from the target's ``rotary_pos_emb(T)``)."""
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        out, _ = self.layer(hidden_states=x.transpose(0, 1).contiguous(), attention_mask=None,
+                            rotary_pos_emb=rotary_pos_emb)
+        out = out.transpose(0, 1)
+        return F.rms_norm(out, (out.shape[-1],), self.norm, self.config.norm_epsilon)
+
+    # ---------------------------------------------------------------- state
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """Unsharded drafter-owned tensors (gathered over TP), on CPU."""
+        state = {}
+        for k, v in self.state_dict().items():
+            if k.endswith("_extra_state"):
+                continue
+            state[k] = v.detach()
+        if self.impl == "transformer_engine":
+            from .hf import from_te_names
+
+            state = from_te_names(state)
+        if self.tp_size > 1:
+            state = _unshard_layer(state, self.config, self.tp_size)
+        return {k: v.to("cpu").contiguous() for k, v in state.items()}
+
+    def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded tensors (as ``own_state`` returns them), sharding for TP."""
+        from megatron.core import parallel_state as ps
+
+        from .checkpoint import load_into_model
+
+        d2t = state.get("d2t")
+        if d2t is not None:
+            if (d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel()
+                    or int(d2t.min()) < 0 or int(d2t.max()) >= self.config.vocab_size):
+                raise ValueError("drafter d2t must hold draft_vocab_size distinct target "
+                                 f"token ids in [0, {self.config.vocab_size})")
+        if self.tp_size > 1:
+            state = _shard_layer(state, self.config, self.tp_size,
+                                 ps.get_tensor_model_parallel_rank())
+        load_into_model(self, state)
+
+
+# -------------------------------------------------------------------------------------
+# TP sharding of the decoder layer (local-spec names, layouts as in models.hf)
+# -------------------------------------------------------------------------------------
+
+_COLUMN = ("layer.self_attention.linear_qkv.weight", "layer.self_attention.linear_qkv.bias")
+_ROW = ("layer.self_attention.linear_proj.weight", "layer.mlp.linear_fc2.weight")
+_FC1 = "layer.mlp.linear_fc1.weight"
+
+
+def _shard_layer(state, config: DrafterConfig, tp: int, rank: int) -> dict:
+    out = dict(state)
+    for k in _COLUMN:
+        if k in out:
+            out[k] = out[k].chunk(tp, dim=0)[rank].contiguous()
+    for k in _ROW:
+        out[k] = out[k].chunk(tp, dim=1)[rank].contiguous()
+    gate, up = out[_FC1].chunk(2, dim=0)
+    out[_FC1] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+    return out
+
+
+def _unshard_layer(state, config: DrafterConfig, tp: int) -> dict:
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    group = ps.get_tensor_model_parallel_group()
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
+
+    out = dict(state)
+    for k in _COLUMN:
+        if k in out:
+            out[k] = torch.cat(gather(out[k]), dim=0)
+    for k in _ROW:
+        out[k] = torch.cat(gather(out[k]), dim=1)
+    halves = [p.chunk(2, dim=0) for p in gather(out[_FC1])]
+    out[_FC1] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return out
+
+
+# -------------------------------------------------------------------------------------
+# checkpoint
+# -------------------------------------------------------------------------------------
+
+def save_drafter(drafter: EagleDrafter, path: str | Path, *, extra: Optional[dict] = None
+                 ) -> Path:
+    """Write the drafter (own tensors + config) to ``path`` (a .safetensors file, or a
+    folder that gets ``drafter.safetensors``), atomically. Under TP every rank must call
+    it (tensors are gathered); TP rank 0 writes."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path / "drafter.safetensors"
+    state = drafter.own_state()
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return path
+    cfg = drafter.config.to_dict()
+    if extra:
+        cfg["extra"] = {**cfg.get("extra", {}), **extra}
+    meta = {CHECKPOINT_KEY: json.dumps({"format": FORMAT_VERSION, "config": cfg})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def read_drafter_config(path: str | Path) -> tuple[Path, DrafterConfig]:
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "drafter.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"no drafter checkpoint at {path} (make one with "
+                                f"tools/warmup_drafter.py)")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if CHECKPOINT_KEY not in meta:
+        raise ValueError(f"{path} is a safetensors file but not a megatron_tlt drafter "
+                         f"checkpoint (no {CHECKPOINT_KEY!r} metadata)")
+    info = json.loads(meta[CHECKPOINT_KEY])
+    if info.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: drafter checkpoint format {info.get('format')} is not "
+                         f"supported (expected {FORMAT_VERSION})")
+    return path, DrafterConfig.from_dict(info["config"])
+
+
+def load_drafter(path: str | Path, target_arch: ModelArch, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", fp8: Optional[bool] = None) -> EagleDrafter:
+    """Build a drafter for ``target_arch`` from a checkpoint (checked against it)."""
+    from safetensors.torch import load_file
+
+    path, cfg = read_drafter_config(path)
+    cfg.check_target(target_arch)
+    if fp8 is not None:
+        cfg.fp8 = fp8
+    drafter = EagleDrafter(cfg, target_arch, dtype=dtype, device=device)
+    drafter.load_own_state(load_file(str(path)))
+    drafter.eval()
+    return drafter

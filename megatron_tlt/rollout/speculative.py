@@ -1,0 +1,622 @@
+"""Speculative decoding: EAGLE drafting (chain or tree) and exact verification.
+
+One speculative step for the running batch (every row at its own position L, its
+last sampled token x_L not yet in the target's cache):
+
+1. Drafter catch-up + root: the drafter's KV cache is valid up to ``draft_len`` per
+   row; the pairs (tok_{p+1}, h_p) for p = draft_len .. L-1 are fed in one ragged
+   forward (h_p = the target's hidden state at p, kept in a per-position feature
+   store), so switching speculation on mid-generation costs one drafter pass over
+   the positions it missed, never a target re-prefill. The last pair (x_L, h_{L-1})
+   is the root: its output ĥ and draft distribution q_1.
+2. Drafting: a chain of ``depth`` tokens (sampled from the processed q when the
+   request samples, argmax when greedy), or an EAGLE-2 tree: top-k children per node,
+   the top-k nodes of each depth by cumulative draft log-probability expanded, and the
+   ``verify_tokens`` best nodes of the whole tree kept.
+3. Verification: one target forward over [x_L, drafts...] (chains causally, trees
+   with an ancestor mask and depth-based RoPE positions) gives p at every node from
+   the same ``processed_logprobs`` as plain decoding.
+4. Acceptance (exact, TLT.md): chains accept draft x with probability
+   min(1, p(x)/q(x)) and at the first rejection sample from norm(max(0, p - q));
+   trees (deterministic drafts) try a node's children in draft order, accept child x
+   with probability p'(x) where p' is p with rejected siblings removed and
+   renormalised, and sample from p' when none is accepted; greedy requests follow
+   argmax p. One more token (the bonus) is always emitted.
+5. Commit: accepted tree nodes' keys/values move to consecutive cache slots (KV
+   rewind: rejected slots are simply beyond the new length), features are stored,
+   and tokens, log-probs and hidden states are emitted exactly as plain decoding
+   emits them (stop tokens and length limits cut the accepted run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..models.drafter import EagleDrafter
+from .forward import ModelRunner, _Layer, _bias, _norm_weight, _NO_TENSOR
+from .kv_cache import KVCache
+from .sampling import processed_logprobs
+from .tuner import Strategy
+
+
+# -------------------------------------------------------------------------------------
+# the drafter's incremental forward
+# -------------------------------------------------------------------------------------
+
+class DraftRunner(ModelRunner):
+    """The drafter's layer run like the target's (same kernels, TP and cache code),
+    with the target's embedding, RoPE and output layer (or its draft-vocabulary rows)."""
+
+    def __init__(self, drafter: EagleDrafter, target: ModelRunner):
+        self.drafter = drafter
+        self.target = target
+        super().__init__(target.model, target.arch)
+
+    def refresh(self) -> None:
+        """Re-read weights (the target's shared ones too): call after either changed
+        tensors by replacement, or after the target's output layer was updated and a
+        draft vocabulary is used (its rows are a copy)."""
+        t, d = self.target, self.drafter
+        layer = d.layer
+        att, mlp = layer.self_attention, layer.mlp
+        lw = _Layer(ln1=_norm_weight(layer, "input_layernorm", att.linear_qkv),
+                    qkv_w=att.linear_qkv.weight, qkv_b=_bias(att.linear_qkv),
+                    proj_w=att.linear_proj.weight,
+                    ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
+                    fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight)
+        self.layers = [lw]
+        self._stack = ([lw.ln1], [lw.qkv_w], [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR],
+                       [lw.proj_w], [lw.ln2], [lw.fc1_w], [lw.fc2_w])
+        self.embed_w, self.vocab_start = t.embed_w, t.vocab_start
+        self.final_norm = d.norm
+        self.fc_w = d.fc.weight
+        self.feature_fc_w = d.feature_fc.weight if d.feature_fc is not None else None
+        self.d2t = d.d2t
+        if self.d2t is not None:
+            self.output_w = self._gather_rows(t.output_w, self.d2t)
+        else:
+            self.output_w = t.output_w
+
+    def _gather_rows(self, local_w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the vocab-parallel output weight, on every TP rank."""
+        with torch.no_grad():
+            if self.target.tp_group is None:
+                return local_w[ids].contiguous()
+            per = local_w.shape[0]
+            local = ids - self.target.vocab_start
+            inside = (local >= 0) & (local < per)
+            rows = local_w[local.clamp(0, per - 1)] * inside[:, None].to(local_w.dtype)
+            dist.all_reduce(rows, group=self.target.tp_group)
+            return rows.contiguous()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the draft vocabulary (the full one without pruning)."""
+        if self.d2t is None:
+            return self.logits(hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = self._lin(flat.contiguous(), self.output_w).float()
+        return out.view(*hidden.shape[:-1], -1)
+
+    def inputs(self, tokens: torch.Tensor, h: torch.Tensor, *, target_features: bool
+               ) -> torch.Tensor:
+        """fc(concat(embed(tokens), h)) for tokens [N] and h [N, F]; ``target_features``
+        marks h as the target's (EAGLE-3 features are reduced first)."""
+        if target_features and self.feature_fc_w is not None:
+            h = self._lin(h.contiguous(), self.feature_fc_w)
+        x = torch.cat([self.embed(tokens), h.to(self.dtype)], dim=-1)
+        return self._lin(x.contiguous(), self.fc_w)
+
+
+# -------------------------------------------------------------------------------------
+# exact acceptance (pure functions, tested on their own)
+# -------------------------------------------------------------------------------------
+
+def _uniform(gen: Optional[torch.Generator], device) -> float:
+    return float(torch.rand((), generator=gen, device=device))
+
+
+def _sample(probs: torch.Tensor, gen: Optional[torch.Generator]) -> int:
+    total = probs.sum()
+    if not bool(total > 0):
+        raise RuntimeError("speculative sampling hit an empty distribution")
+    return int(torch.multinomial(probs / total, 1, generator=gen))
+
+
+def accept_chain(p_logprobs: torch.Tensor, q_logprobs: Optional[torch.Tensor],
+                 drafts: Sequence[int], gen: Optional[torch.Generator], *, greedy: bool
+                 ) -> tuple[int, int]:
+    """Verify a chain of drafts. p_logprobs [k+1, V] (target, processed), q_logprobs
+    [k, V] (drafter's sampling distribution, full vocabulary; unused when greedy).
+    Returns (accepted draft count a, next token): the tokens emitted are drafts[:a]
+    then the next token."""
+    k = len(drafts)
+    if greedy:
+        best = torch.argmax(p_logprobs, dim=-1).tolist()
+        a = 0
+        while a < k and drafts[a] == best[a]:
+            a += 1
+        return a, best[a]
+    for i, x in enumerate(drafts):
+        px = float(p_logprobs[i, x].exp())
+        qx = float(q_logprobs[i, x].exp())
+        if _uniform(gen, p_logprobs.device) * qx < px:
+            continue
+        residual = (p_logprobs[i].exp() - q_logprobs[i].exp()).clamp_min(0.0)
+        if not bool(residual.sum() > 0):  # p == q up to rounding: p itself is the residual
+            residual = p_logprobs[i].exp()
+        return i, _sample(residual, gen)
+    return k, _sample(p_logprobs[k].exp(), gen)
+
+
+def accept_tree(p_logprobs: torch.Tensor, tokens: Sequence[int], children: Sequence[list[int]],
+                gen: Optional[torch.Generator], *, greedy: bool) -> tuple[list[int], int]:
+    """Verify a tree of deterministic drafts. Node 0 is the root (the last emitted
+    token); p_logprobs [n+1, V] is the target's processed distribution at each node;
+    ``tokens[i]`` is node i's token; ``children[i]`` lists node i's children in the
+    order they are tried (best draft score first). Returns (accepted node path without
+    the root, next token)."""
+    node, path = 0, []
+    while True:
+        kids = children[node]
+        if greedy:
+            best = int(torch.argmax(p_logprobs[node]))
+            nxt = next((c for c in kids if tokens[c] == best), None)
+            if nxt is None:
+                return path, best
+            node = nxt
+            path.append(node)
+            continue
+        probs = p_logprobs[node].exp()
+        accepted = None
+        for c in kids:
+            x = tokens[c]
+            mass = probs.sum()
+            if _uniform(gen, probs.device) * float(mass) < float(probs[x]):
+                accepted = c
+                break
+            probs = probs.clone()
+            probs[x] = 0.0
+        if accepted is None:
+            return path, _sample(probs, gen)
+        node = accepted
+        path.append(node)
+
+
+# -------------------------------------------------------------------------------------
+# per-call metrics
+# -------------------------------------------------------------------------------------
+
+@dataclass
+class SpecStats:
+    """Speculation in one ``generate`` call (``GenerateStats.spec``)."""
+
+    steps: int = 0  # speculative steps (each drafts and verifies the whole batch)
+    rows: int = 0  # sequence-steps (sum of batch sizes over speculative steps)
+    emitted: int = 0  # tokens emitted by speculative steps (accepted drafts + bonus)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    catchup_tokens: int = 0  # drafter positions recomputed from target features
+    accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
+    by_bucket: dict[str, list[int]] = field(default_factory=dict)  # label -> [rows, emitted]
+    by_depth: dict[int, list[int]] = field(default_factory=dict)  # depth -> [rows, emitted]
+    arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps
+
+    @property
+    def accept_len(self) -> float:
+        """Mean tokens emitted per sequence per speculative step (accepted + 1)."""
+        return self.emitted / self.rows if self.rows else 0.0
+
+    def record(self, strategy: Strategy, bucket: str, accepted: Sequence[int],
+               emitted: Sequence[int]) -> None:
+        self.steps += 1
+        self.rows += len(emitted)
+        self.emitted += sum(emitted)
+        self.arms[strategy.name] = self.arms.get(strategy.name, 0) + 1
+        for a in accepted:
+            self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
+        for key, table in ((bucket, self.by_bucket), (strategy.depth, self.by_depth)):
+            row = table.setdefault(key, [0, 0])
+            row[0] += len(emitted)
+            row[1] += sum(emitted)
+
+    def summary(self) -> dict:
+        """JSON-able: mean acceptance length overall, per bucket and per depth, the
+        rate at which the j-th draft token was accepted, times and chosen arms."""
+        def mean(row):
+            return row[1] / row[0] if row[0] else 0.0
+        n = self.rows
+        reach = {}
+        if n:
+            top = max(self.accept_hist) if self.accept_hist else 0
+            for j in range(1, top + 1):
+                reach[j] = sum(c for a, c in self.accept_hist.items() if a >= j) / n
+        return {
+            "steps": self.steps, "rows": n, "emitted": self.emitted,
+            "accept_len": self.accept_len,
+            "accept_len_by_bucket": {k: mean(v) for k, v in self.by_bucket.items()},
+            "accept_len_by_depth": {str(k): mean(v) for k, v in self.by_depth.items()},
+            "accept_rate_at_position": {str(k): v for k, v in reach.items()},
+            "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+            "catchup_tokens": self.catchup_tokens, "arms": dict(self.arms),
+        }
+
+
+# -------------------------------------------------------------------------------------
+# the speculative step
+# -------------------------------------------------------------------------------------
+
+@dataclass
+class Emission:
+    """What one speculative step produced for one row (before stop/length cuts)."""
+
+    tokens: list[int]  # accepted drafts, then the next token
+    nodes: list[int]  # verify-forward index of the node that produced each token
+    slots: list[int]  # cache slot offset (from L) of each accepted draft node
+
+
+class SpeculativeDecoder:
+    """Drafter state for a running batch (drafter KV cache, per-position target
+    features) and the speculative step. The engine owns the rows and the target cache;
+    this keeps, per cache row, how far the drafter's cache is valid."""
+
+    def __init__(self, drafter: EagleDrafter, target: ModelRunner):
+        self.drafter = drafter
+        self.target = target
+        self.draft = DraftRunner(drafter, target)
+        self.draft.kernels = target.kernels
+        self.feature_layers = tuple(drafter.config.feature_layers)
+        self.feature_width = drafter.config.feature_width
+        self.cache: Optional[KVCache] = None
+        self.features: Optional[torch.Tensor] = None
+        self.draft_len: list[int] = []
+
+    # ---------------------------------------------------------------- state
+    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
+        """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack)."""
+        extra = slack if self.draft.kernels is not None else capacity + slack
+        need = capacity + extra
+        c = self.cache
+        if c is None or c.max_batch < max_batch or c.capacity < need:
+            self.cache = None
+            self.cache = KVCache(num_layers=1, max_batch=max_batch,
+                                 kv_heads=self.draft.groups, capacity=need,
+                                 head_dim=self.draft.head_dim, dtype=self.draft.dtype,
+                                 device=self.draft.device)
+        f = self.features
+        if f is None or f.shape[0] < max_batch or f.shape[1] < capacity + slack:
+            self.features = None
+            self.features = torch.zeros(max_batch, capacity + slack, self.feature_width,
+                                        dtype=self.target.dtype, device=self.target.device)
+        self.draft_len = [0] * max_batch
+
+    def release(self) -> None:
+        self.cache = None
+        self.features = None
+
+    def capture_hook(self):
+        """A ``capture`` callback collecting the EAGLE-3 feature layers (None without)."""
+        if not self.feature_layers:
+            return None, None
+        got: dict[int, torch.Tensor] = {}
+        wanted = set(self.feature_layers)
+
+        def hook(i, x):
+            if i in wanted:
+                got[i] = x
+        return hook, got
+
+    def features_of(self, hidden: torch.Tensor, got: Optional[dict]) -> torch.Tensor:
+        if not self.feature_layers:
+            return hidden
+        return torch.cat([got[i] for i in self.feature_layers], dim=-1)
+
+    def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
+        """Target features [T, F] of positions first_pos.. of cache row ``row``."""
+        self.features[row, first_pos: first_pos + feats.shape[0]] = feats.to(self.features.dtype)
+
+    def new_row(self, row: int) -> None:
+        self.draft_len[row] = 0
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.features[dst, :length] = self.features[src, :length]
+        n = self.draft_len[src]
+        self.cache.move_row(src, dst, n)
+        self.draft_len[dst] = n
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
+             stats: SpecStats) -> tuple[list[Emission], torch.Tensor, torch.Tensor]:
+        """Draft and verify for running rows 0..len(rows)-1 (``rows[i]`` has
+        ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.generator``).
+
+        Returns per-row emissions, the verify forward's hidden states [B, N, H] and its
+        float32 logits [B, N, V] (the caller emits from them and commits).
+        """
+        t0 = time.perf_counter()
+        b = len(rows)
+        dev = self.target.device
+        root_h, root_logits = self._catch_up(rows, stats)
+        if strategy.is_chain:
+            vtokens, q_lp, drafts = self._draft_chain(rows, strategy.depth, root_h, root_logits)
+            tree = None
+        else:
+            vtokens, tree = self._draft_tree(rows, strategy, root_h, root_logits)
+            q_lp = drafts = None
+        t1 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+
+        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        hook, got = self.capture_hook()
+        if tree is None:
+            hidden = self.target.extend(target_cache, slice(0, b), vtokens, L, capture=hook)
+        else:
+            mask, depth = tree["mask"], tree["depth"]
+            hidden = self.target.extend(target_cache, slice(0, b), vtokens, L,
+                                        rope_positions=L[:, None] + depth,
+                                        new_token_mask=mask, capture=hook)
+        n = vtokens.shape[1]
+        logits = self.target.logits(hidden.reshape(b * n, -1)).view(b, n, -1)
+        feats = self.features_of(hidden, got)
+
+        emissions: list[Emission] = []
+        for i, r in enumerate(rows):
+            sp = r.params
+            lp = (logits[i].float() if sp.greedy else
+                  processed_logprobs(logits[i], sp.temperature, sp.top_k, sp.top_p))
+            if tree is None:
+                a, nxt = accept_chain(lp, None if q_lp is None else q_lp[i], drafts[i],
+                                      r.generator, greedy=sp.greedy)
+                toks = list(drafts[i][:a]) + [nxt]
+                nodes = list(range(a + 1))
+            else:
+                path, nxt = accept_tree(lp, tree["tokens"][i], tree["children"][i],
+                                        r.generator, greedy=sp.greedy)
+                toks = [tree["tokens"][i][c] for c in path] + [nxt]
+                nodes = [0] + path
+            emissions.append(Emission(toks, nodes, nodes[1:]))
+        emissions = self._agree(emissions, n)
+        # features of accepted nodes go to positions L.. (compaction happens in commit)
+        for i, (r, e) in enumerate(zip(rows, emissions)):
+            idx = torch.tensor(e.nodes, device=dev)
+            self.store(i, r.length, feats[i].index_select(0, idx))
+            self.draft_len[i] = r.length  # drafted positions >= L are stale now
+        stats.verify_seconds += time.perf_counter() - t1
+        return emissions, hidden, logits
+
+    def compact(self, target_cache: KVCache, row: int, length: int, slots: Sequence[int]) -> None:
+        """Move accepted tree nodes (slot offsets from ``length``) to consecutive slots
+        length+1.. in the target cache (chains are already in place)."""
+        want = list(range(1, len(slots) + 1))
+        if list(slots) == want:
+            return
+        src = torch.tensor([length + s for s in slots], device=target_cache.k.device)
+        dst = torch.tensor([length + s for s in want], device=target_cache.k.device)
+        for c in (target_cache.k, target_cache.v):
+            if target_cache.layout == "bgsd":
+                c[:, row, :, dst] = c[:, row, :, src]
+            else:
+                c[:, row, dst] = c[:, row, src]
+
+    # ---------------------------------------------------------------- pieces
+    def _agree(self, emissions: list[Emission], n: int) -> list[Emission]:
+        """Under TP, every rank takes TP rank 0's decisions (they agree already: same
+        logits, same generators; this makes it certain)."""
+        tp = self.target.tp_group
+        if tp is None:
+            return emissions
+        from megatron.core import parallel_state as ps
+
+        width = n + 1
+        buf = torch.full((len(emissions), 2, width), -1, dtype=torch.long,
+                         device=self.target.device)
+        for i, e in enumerate(emissions):
+            buf[i, 0, : len(e.tokens)] = torch.tensor(e.tokens)
+            buf[i, 1, : len(e.nodes)] = torch.tensor(e.nodes)
+        dist.broadcast(buf, ps.get_tensor_model_parallel_src_rank(), group=tp)
+        out = []
+        for i in range(len(emissions)):
+            toks = [t for t in buf[i, 0].tolist() if t >= 0]
+            nodes = [t for t in buf[i, 1].tolist() if t >= 0]
+            out.append(Emission(toks, nodes, nodes[1:]))
+        return out
+
+    def _catch_up(self, rows: Sequence, stats: SpecStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every row's pending (tok_{p+1}, h_p) pairs; returns the root outputs
+        ĥ [B, H] and draft logits [B, V_draft]."""
+        dev = self.target.device
+        b = len(rows)
+        counts, toks, feats, starts = [], [], [], []
+        for i, r in enumerate(rows):
+            lo, hi = self.draft_len[i], r.length  # positions lo..hi-1
+            seq_next = (r.prompt + r.tokens)[lo + 1: hi + 1]
+            counts.append(hi - lo)
+            toks.extend(seq_next)
+            feats.append(self.features[i, lo:hi])
+            starts.append(lo)
+        stats.catchup_tokens += sum(counts) - b
+        tok = torch.tensor(toks, dtype=torch.long, device=dev)
+        x = self.draft.inputs(tok, torch.cat(feats, dim=0), target_features=True)
+        t_max = max(counts)
+        if self.draft.kernels is not None or t_max == 1:
+            # ragged: one query row per pending position, chains per cache row
+            row_of = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)],
+                                  dtype=torch.long, device=dev)
+            pos = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)],
+                               dtype=torch.long, device=dev)
+            if self.draft.kernels is not None:
+                out = self.draft.extend_chains(self.cache, row_of, pos, x)
+            else:  # one pending position per row: a plain one-token step
+                out = self.draft.extend(self.cache, slice(0, b),
+                                        torch.zeros(b, 1, dtype=torch.long, device=dev),
+                                        pos, embeds=x[:, None]).reshape(b, -1)
+            last = torch.tensor(counts, device=dev).cumsum(0) - 1
+        else:  # padded [B, T]: pad slots lie beyond each row's valid range (the cache
+            # has a full capacity of slack for them, see ``begin``)
+            xp = torch.zeros(b, t_max, x.shape[-1], dtype=x.dtype, device=dev)
+            off = 0
+            for i, c in enumerate(counts):
+                xp[i, :c] = x[off: off + c]
+                off += c
+            start = torch.tensor(starts, dtype=torch.long, device=dev)
+            out = self.draft.extend(self.cache, slice(0, b),
+                                    torch.zeros(b, t_max, dtype=torch.long, device=dev),
+                                    start, embeds=xp).reshape(b * t_max, -1)
+            last = torch.arange(b, device=dev) * t_max + torch.tensor(counts, device=dev) - 1
+        root_h = out.index_select(0, last)
+        return root_h, self.draft.draft_logits(root_h)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft.d2t is None else self.draft.d2t[draft_ids]
+
+    def _q(self, logits: torch.Tensor, sp) -> torch.Tensor:
+        """Drafter's sampling distribution over the FULL vocabulary, [.., V] log-probs."""
+        lp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
+        if self.draft.d2t is None:
+            return lp
+        full = torch.full((*lp.shape[:-1], self.target.arch.vocab_size), float("-inf"),
+                          device=lp.device)
+        full[..., self.draft.d2t] = lp
+        return full
+
+    def _draft_chain(self, rows, depth: int, h: torch.Tensor, logits: torch.Tensor):
+        dev = self.target.device
+        b = len(rows)
+        sampled = [not r.params.greedy for r in rows]
+        any_sampled = any(sampled)
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        drafts = torch.empty(b, depth, dtype=torch.long, device=dev)
+        start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        for j in range(depth):
+            full_tok = self._to_target(torch.argmax(logits, dim=-1))
+            if any_sampled:
+                for i, r in enumerate(rows):
+                    if sampled[i]:
+                        q = self._q(logits[i], r.params)
+                        q_rows[i].append(q)
+                        full_tok[i] = _sample(q.exp(), r.generator)
+            drafts[:, j] = full_tok
+            if j == depth - 1:
+                break
+            x = self.draft.inputs(full_tok, h, target_features=False)
+            h = self.draft.extend(self.cache, slice(0, b), full_tok[:, None], start + j,
+                                  embeds=x[:, None])[:, 0]
+            logits = self.draft.draft_logits(h)
+        last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
+        vtokens = torch.cat([last[:, None], drafts], dim=1)
+        q_lp = None
+        if any_sampled:
+            q_lp = [torch.stack(q) if q else None for q in q_rows]
+        return vtokens, q_lp, drafts.tolist()
+
+    def _draft_tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
+        """EAGLE-2 style dynamic tree, batched over rows. Returns verify tokens
+        [B, 1+n] and the tree (mask [B, 1+n, 1+n], depth [B, 1+n], per-row node tokens
+        and children lists)."""
+        dev = self.target.device
+        b, k, n = len(rows), s.top_k, s.verify_tokens
+        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        lp = torch.log_softmax(logits, dim=-1)
+        top_lp, top_id = lp.topk(k, dim=-1)  # depth-1 candidates [B, K]
+        pool_tok, pool_par, pool_score, pool_depth = [top_id], [torch.full_like(top_id, -1)], \
+            [top_lp], [torch.ones_like(top_id)]
+        front_idx = torch.arange(k, device=dev).expand(b, k)  # pool indices of frontier
+        front_tok, front_score = top_id, top_lp
+        parent_h = h[:, None].expand(b, k, h.shape[-1])
+        size = k
+        # drafter tree masks: frontier j (slots L + (j-1)K ..) sees its ancestors
+        anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
+        fed_pool: list[torch.Tensor] = []  # pool index of each fed slot
+        for depth in range(1, s.depth):
+            w = anc.shape[1]
+            new_anc = torch.zeros(b, w + k, w + k, dtype=torch.bool, device=dev)
+            new_anc[:, :w, :w] = anc
+            if w:  # a frontier node sees its parent's ancestors (parent was fed last round)
+                par_slot = self._slot_of_parent(front_idx, pool_par, fed_pool, b, k)
+                new_anc[:, w:, :w] = torch.gather(anc, 1, par_slot[:, :, None].expand(b, k, w))
+                new_anc[:, w:, :w].scatter_(2, par_slot[:, :, None], True)
+            new_anc[:, w:, w:] = torch.eye(k, dtype=torch.bool, device=dev)
+            anc = new_anc
+            fed_pool.append(front_idx)
+            full_tok = self._to_target(front_tok)
+            x = self.draft.inputs(full_tok.reshape(-1), parent_h.reshape(b * k, -1),
+                                  target_features=False).view(b, k, -1)
+            out = self.draft.extend(
+                self.cache, slice(0, b), full_tok, L + w,
+                rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
+                embeds=x)  # [B, K, H]
+            child_lp = torch.log_softmax(self.draft.draft_logits(out), dim=-1)
+            c_lp, c_id = child_lp.topk(k, dim=-1)  # [B, K, K]
+            c_score = (front_score[:, :, None] + c_lp).reshape(b, k * k)
+            c_par = front_idx[:, :, None].expand(b, k, k).reshape(b, k * k)
+            pool_tok.append(c_id.reshape(b, k * k))
+            pool_par.append(c_par)
+            pool_score.append(c_score)
+            pool_depth.append(torch.full_like(c_par, depth + 1))
+            best_score, best = c_score.topk(k, dim=-1)
+            front_idx = size + best
+            front_tok = torch.gather(c_id.reshape(b, k * k), 1, best)
+            front_score = best_score
+            parent_h = torch.gather(out, 1, (best // k)[:, :, None].expand(b, k, out.shape[-1]))
+            size += k * k
+        tok = torch.cat(pool_tok, 1)
+        par = torch.cat(pool_par, 1)
+        score = torch.cat(pool_score, 1)
+        dep = torch.cat(pool_depth, 1)
+        n = min(n, tok.shape[1])
+        # best n nodes; ties go to shallower nodes so every chosen node's parent is chosen
+        key = score - 1e-6 * dep.float()
+        chosen = key.topk(n, dim=-1).indices
+        chosen, _ = torch.sort(chosen, dim=-1)  # pool order: parents before children
+        return self._tree_inputs(rows, tok, par, dep, chosen, score)
+
+    @staticmethod
+    def _slot_of_parent(front_idx, pool_par, fed_pool, b, k):
+        """Fed-slot index (within the drafter's tree region) of each frontier node's
+        parent."""
+        par = torch.cat(pool_par, 1).gather(1, front_idx)  # pool index of parents [B, K]
+        fed = torch.cat(fed_pool, 1)  # [B, W] pool index per fed slot
+        match = fed[:, None, :] == par[:, :, None]  # [B, K, W]
+        return match.float().argmax(dim=-1)
+
+    def _tree_inputs(self, rows, tok, par, dep, chosen, score):
+        dev = self.target.device
+        b, n = chosen.shape
+        tok_l, par_l, dep_l, ch_l = tok.tolist(), par.tolist(), dep.tolist(), chosen.tolist()
+        score_l = score.tolist()
+        full = self._to_target(tok)
+        full_l = full.tolist()
+        vtok = torch.empty(b, n + 1, dtype=torch.long, device=dev)
+        mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=dev)
+        depth = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
+        tokens, children = [], []
+        for i, r in enumerate(rows):
+            where = {p: j + 1 for j, p in enumerate(ch_l[i])}  # pool index -> node
+            node_tok = [r.tokens[-1]] + [full_l[i][p] for p in ch_l[i]]
+            node_par = [-1] + [where.get(par_l[i][p], 0) if par_l[i][p] >= 0 else 0
+                               for p in ch_l[i]]
+            for j, p in enumerate(ch_l[i]):
+                if par_l[i][p] >= 0 and par_l[i][p] not in where:
+                    raise AssertionError("draft tree selection is not closed under parents")
+            kids: list[list[int]] = [[] for _ in range(n + 1)]
+            for j in range(1, n + 1):
+                kids[node_par[j]].append(j)
+            for kl in kids:  # try children best draft score first
+                kl.sort(key=lambda j: -score_l[i][ch_l[i][j - 1]])
+            m = [[False] * (n + 1) for _ in range(n + 1)]
+            for j in range(n + 1):
+                a = j
+                while a >= 0:
+                    m[j][a] = True
+                    a = node_par[a] if a > 0 else -1
+            mask[i] = torch.tensor(m, dtype=torch.bool)
+            depth[i] = torch.tensor([0] + [dep_l[i][p] for p in ch_l[i]])
+            vtok[i] = torch.tensor(node_tok)
+            tokens.append(node_tok)
+            children.append(kids)
+        return vtok, {"mask": mask, "depth": depth, "tokens": tokens, "children": children}

@@ -1,0 +1,447 @@
+"""Speculative decoding: exact acceptance (statistical tests), greedy outputs identical
+to plain decoding, the drafter's training/decoding pairing, checkpoints, adaptive
+switching and metrics. Tiny random models, single process (TP=2 is in
+test_rollout_tp.py)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from scipy import stats as sps
+
+from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
+from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer, drafter_pairs,
+                                                   draft_vocabulary, target_features)
+from megatron_tlt.models import load_model
+from megatron_tlt.models.drafter import (DrafterConfig, DrafterMismatchError, EagleDrafter,
+                                         load_drafter, save_drafter)
+from megatron_tlt.models.inference import forward_local_logits, gather_logits
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout import speculative as spec_mod
+from megatron_tlt.rollout.sampling import processed_logprobs
+from megatron_tlt.rollout.speculative import accept_chain, accept_tree
+from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
+
+P_MIN = 1e-4  # chi-square p-value below which a distribution test fails
+
+
+# ------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dirs, single_process_parallel):
+    from megatron_tlt.platform import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    return {name: load_model(tiny_hf_dirs[name], device=torch.device("cpu"), dtype="float32")
+            for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory, single_process_parallel):
+    """A one-layer tiny Llama and an oracle-like drafter: the target's own layer and
+    final norm, fc selecting the token embedding. It sees the sequence shifted by one
+    position (the first token missing), so q is close to p but not equal."""
+    from megatron_tlt.platform import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,
+                          num_hidden_layers=1)
+    model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
+    good = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    with torch.no_grad():
+        good.layer.load_state_dict(model.decoder.layers[0].state_dict())
+        h = arch.hidden_size
+        good.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        good.norm.copy_(model.decoder.final_layernorm.weight)
+    bad = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    bad.reset_parameters(seed=11)
+    with torch.no_grad():  # adversarial: confident, random proposals
+        bad.norm.mul_(8.0)
+    return model, arch, good, bad
+
+
+def _prompts(lengths=(3, 9, 1, 17, 5, 12), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _spec_engine(model, arch, drafter, strategy="4_1_4", threshold=1 << 20, **cfg):
+    sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold)
+    return RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
+                         eos_token_ids=[], drafter=drafter)
+
+
+def _random_drafter(arch, seed=1, **kw):
+    d = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch)
+    d.reset_parameters(seed=seed)
+    return d
+
+
+# ------------------------------------------------------------------------- acceptance rules
+def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Chi-square goodness of fit; cells with expected count < 5 are pooled."""
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for cell, p in probs.items():
+        e = n * p
+        if e < 5:
+            pool_o += counts.get(cell, 0)
+            pool_e += e
+        else:
+            obs.append(counts.get(cell, 0))
+            exp.append(e)
+    stray = sum(c for cell, c in counts.items() if cell not in probs)
+    if stray:
+        return 0.0  # a token with target probability 0 was emitted
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp = [e * sum(obs) / sum(exp) for e in exp]
+    return float(sps.chisquare(obs, exp).pvalue)
+
+
+def _wrong_accept_chain(p, q, drafts, gen, greedy):
+    """A lossy rule seen in the wild: sample from p (not the residual) on rejection."""
+    for i, x in enumerate(drafts):
+        if float(torch.rand((), generator=gen)) * float(q[i, x].exp()) < float(p[i, x].exp()):
+            continue
+        return i, int(torch.multinomial(p[i].exp(), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)].exp(), 1, generator=gen))
+
+
+@pytest.mark.parametrize("rule", ["exact", "wrong"])
+def test_chain_rule_reproduces_target_distribution(rule):
+    """Unit test of the chain rule with position-independent p and q over 6 tokens:
+    the first two emitted tokens must be distributed as p0 x p1 (20,000 draws); the
+    lossy rule must be caught by the same test."""
+    g = torch.Generator().manual_seed(0)
+    V, k, n = 6, 3, 20_000
+    p = torch.log_softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
+    q = torch.log_softmax(torch.randn(k, V, generator=g) * 1.5, -1)
+    fn = accept_chain if rule == "exact" else _wrong_accept_chain
+    counts = collections.Counter()
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i].exp(), 1, generator=g)) for i in range(k)]
+        a, nxt = fn(p, q, drafts, g, greedy=False)
+        out = drafts[:a] + [nxt]
+        if len(out) < 2:  # rejected at the first draft: draw the second token from p1
+            out.append(int(torch.multinomial(p[1].exp(), 1, generator=g)))
+        counts[tuple(out[:2])] += 1
+    pr = p.exp()
+    probs = {(x, y): float(pr[0, x] * pr[1, y]) for x in range(V) for y in range(V)}
+    pval = _chi2_pvalue(counts, probs, n)
+    if rule == "exact":
+        assert pval > P_MIN
+    else:
+        assert pval < 1e-8
+
+
+@pytest.mark.parametrize("rule", ["exact", "wrong"])
+def test_tree_rule_reproduces_target_distribution(rule):
+    """Deterministic 3-way sibling tries at the root: the emitted token must follow
+    p_root; sampling the fallback from p instead of p' must be caught."""
+    g = torch.Generator().manual_seed(1)
+    V, n = 7, 20_000
+    p = torch.log_softmax(torch.randn(4, V, generator=g) * 1.5, -1)
+    tokens = [None, 2, 5, 0]
+    children = [[1, 2, 3], [], [], []]
+    counts = collections.Counter()
+    for _ in range(n):
+        if rule == "exact":
+            path, nxt = accept_tree(p, tokens, children, g, greedy=False)
+        else:  # wrong: reject siblings but then sample from the unmodified p
+            path, nxt = accept_tree(p, tokens, children, g, greedy=False)
+            if not path:
+                nxt = int(torch.multinomial(p[0].exp(), 1, generator=g))
+        counts[tokens[path[0]] if path else nxt] += 1
+    probs = {x: float(p[0, x].exp()) for x in range(V)}
+    pval = _chi2_pvalue(counts, probs, n)
+    assert (pval > P_MIN) if rule == "exact" else (pval < 1e-8)
+
+
+def test_greedy_rules_follow_argmax():
+    p = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]]), -1)
+    assert accept_chain(p, None, [1, 0], None, greedy=True) == (2, 2)
+    assert accept_chain(p, None, [1, 2], None, greedy=True) == (1, 0)
+    assert accept_chain(p, None, [0, 0], None, greedy=True) == (0, 1)
+    # tree: root children 1 (token 0) and 2 (token 1); node 2 has child 3 (token 0)
+    pt = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0], [5.0, 0.0, 0.0],
+                                         [0.0, 0.0, 5.0]]), -1)
+    kids = [[1, 2], [], [3], []]
+    assert accept_tree(pt, [None, 0, 1, 0], kids, None, greedy=True) == ([2, 3], 2)
+    assert accept_tree(pt, [None, 0, 2, 0], kids, None, greedy=True) == ([], 1)
+
+
+# ------------------------------------------------------------------------- end to end
+def _exact_joint(model, arch, prompt, sp: SamplingParams) -> dict:
+    """Target probability of every (x1, x2) continuation of ``prompt`` under ``sp``."""
+    with torch.no_grad():
+        lg = gather_logits(forward_local_logits(model, torch.tensor([prompt])), arch)[0, -1]
+        p1 = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p).exp()
+        xs = torch.nonzero(p1 > 0)[:, 0]
+        ids = torch.cat([torch.tensor([prompt]).expand(len(xs), -1), xs[:, None]], 1)
+        lg2 = gather_logits(forward_local_logits(model, ids), arch)[:, -1]
+        p2 = processed_logprobs(lg2, sp.temperature, sp.top_k, sp.top_p).exp()
+    out = {}
+    for i, x in enumerate(xs.tolist()):
+        for y in torch.nonzero(p2[i] > 0)[:, 0].tolist():
+            out[(x, y)] = float(p1[x] * p2[i, y])
+    return out
+
+
+DIST_CASES = [
+    ("chain", "good", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
+    ("chain", "bad", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
+    ("chain", "good", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
+    ("chain", "bad", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
+    ("tree", "good", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
+    ("tree", "bad", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
+    ("tree", "good", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
+    ("tree", "bad", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
+]
+
+
+@pytest.mark.parametrize("kind,drafter,sp", DIST_CASES,
+                         ids=[f"{k}-{d}-t{s.temperature}-k{s.top_k}-p{s.top_p}"
+                              for k, d, s in DIST_CASES])
+def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, drafter, sp):
+    """20,000 two-token continuations sampled through the engine with speculation on
+    (chain depth 3 or tree 3 deep, 2 wide, 5 verified) follow the target's exact joint
+    distribution (chi-square), with a near-oracle drafter and a confident random one."""
+    model, arch, good, bad = one_layer
+    strategy = "3_1_3" if kind == "chain" else "3_2_5"
+    eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
+                       max_batch_size=2500)
+    prompt = [7, 100, 33, 250, 3]
+    n, per_call = 20_000, 2500
+    counts = collections.Counter()
+    for call in range(n // per_call):
+        outs = eng.generate([prompt] * per_call,
+                            SamplingParams(**{**sp.__dict__, "seed": 1000 * call + 17}))
+        counts.update(tuple(o.token_ids) for o in outs)
+    summ = eng.last_stats.spec.summary()
+    assert summ["steps"] > 0
+    if drafter == "good":  # the drafts are mostly accepted: the accept path is exercised
+        assert summ["accept_len"] > 1.5
+    pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp), n)
+    assert pval > P_MIN, (kind, drafter, sp, pval)
+
+
+def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
+    """The same end-to-end test catches a lossy acceptance rule."""
+    model, arch, good, _ = one_layer
+    monkeypatch.setattr(spec_mod, "accept_chain", _wrong_accept_chain)
+    sp = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)
+    eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
+    prompt = [7, 100, 33, 250, 3]
+    counts = collections.Counter()
+    for call in range(8):
+        outs = eng.generate([prompt] * 2500, SamplingParams(**{**sp.__dict__, "seed": call}))
+        counts.update(tuple(o.token_ids) for o in outs)
+    assert _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp), 20_000) < 1e-8
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_3_8", "1_1_1"])
+def test_greedy_speculation_equals_plain_decoding(tiny, name, strategy):
+    """Identical tokens, log-probs and hidden states within float tolerance, for every
+    prompt, with a random drafter; rows enter and leave mid-run (max_batch_size 4)."""
+    model, arch = tiny[name]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=14, return_hidden_states=True)
+    prompts = _prompts()
+    plain = RolloutEngine(model, None, RolloutConfig(max_batch_size=4), arch=arch,
+                          eos_token_ids=[]).generate(prompts, sp)
+    eng = _spec_engine(model, arch, _random_drafter(arch), strategy, max_batch_size=4)
+    outs = eng.generate(prompts, sp)
+    for o, r in zip(outs, plain):
+        assert o.token_ids == r.token_ids
+        assert o.finish_reason == r.finish_reason
+        assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
+        assert (o.hidden_states - r.hidden_states).abs().max() < 1e-4
+    assert eng.last_stats.spec_fraction == 1.0
+
+
+def test_good_drafter_is_accepted_and_greedy_stays_exact(one_layer):
+    model, arch, good, _ = one_layer
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    prompts = _prompts(seed=3)
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[]
+                          ).generate(prompts, sp)
+    for strategy in ("6_1_6", "4_3_10"):
+        eng = _spec_engine(model, arch, good, strategy)
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain]
+        assert eng.last_stats.spec.accept_len > 3.0, strategy
+
+
+def test_stop_tokens_and_length_cut_accepted_runs(one_layer):
+    """An EOS inside an accepted run ends the sequence there; max_new_tokens is exact."""
+    model, arch, good, _ = one_layer
+    prompts = _prompts(seed=4)
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[]
+                          ).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
+    stop = plain[0].token_ids[5]
+    for mnt in (1, 7, 20):
+        sp = SamplingParams(temperature=0.0, max_new_tokens=mnt, stop_token_ids=(stop,))
+        ref = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[]
+                            ).generate(prompts, sp)
+        got = _spec_engine(model, arch, good, "6_1_6").generate(prompts, sp)
+        for o, r in zip(got, ref):
+            assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason)
+            assert len(o.token_ids) <= mnt
+
+
+def test_speculation_switches_on_in_the_tail_without_prefill(tiny):
+    """threshold 2 with 6 prompts of different lengths: plain steps first, speculation
+    once two rows are left; the target is prefilled once per prompt only."""
+    model, arch = tiny["qwen2"]
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+              for n in (3, 20, 5, 30, 8, 2)]
+    plain_eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    plain = plain_eng.generate(prompts, params)
+    eng = _spec_engine(model, arch, _random_drafter(arch), "3_1_3", threshold=2)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    st = eng.last_stats
+    assert 0.0 < st.spec_fraction < 1.0
+    assert st.prefill_tokens == plain_eng.last_stats.prefill_tokens
+    assert st.spec.catchup_tokens > 0  # the drafter caught up on what it missed
+    assert all(b <= 2 for b in st.batch_sizes[-st.spec.steps:])
+
+
+def test_metrics_and_tuner_state(tiny, tmp_path):
+    model, arch = tiny["llama_tied"]
+    state = tmp_path / "tuner.json"
+    sc = SpeculativeConfig(policy="egreedy", threshold=8, buckets="1,2,4,8",
+                           arms="*:2_1_2,3_1_3,2_2_3", tuner_state=str(state))
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch, eos_token_ids=[],
+                        drafter=_random_drafter(arch))
+    eng.generate(_prompts(), SamplingParams(temperature=0.0, max_new_tokens=12))
+    s = eng.last_stats.summary()
+    json.dumps(s)
+    sp = s["spec"]
+    assert sp["steps"] == sum(sp["arms"].values()) > 0
+    assert set(sp["arms"]) <= {"2_1_2", "3_1_3", "2_2_3"}
+    assert sp["accept_len"] >= 1.0 and sp["draft_seconds"] > 0 and sp["verify_seconds"] > 0
+    assert set(sp["accept_len_by_depth"]) <= {"2", "3"}
+    rows = sum(eng.last_stats.batch_sizes[-sp["steps"]:])
+    assert sp["rows"] == rows
+    assert state.is_file()
+    pulls = sum(sum(b) for b in json.loads(state.read_text())["pulls"])
+    assert pulls == sp["steps"]
+    eng2 = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                         eos_token_ids=[], drafter=_random_drafter(arch))
+    assert eng2.tuner.state_dict()["pulls"] == eng.tuner.state_dict()["pulls"]
+
+
+def test_speculative_config_errors():
+    with pytest.raises(ConfigError, match="strategy|Strategy"):
+        SpeculativeConfig(strategy="6_x_6")
+    with pytest.raises(ConfigError, match="threshold"):
+        SpeculativeConfig(threshold=0)
+    with pytest.raises(ConfigError, match="policy"):
+        SpeculativeConfig(policy="greedy")
+
+
+# ------------------------------------------------------------------------- drafter
+def test_training_pairs_match_decoding_pairs(tiny):
+    """The drafter's training forward over drafter_pairs (s_{p+1}, h_p) gives, at the
+    last position, exactly what decoding's catch-up/root step computes for the same
+    sequence: training and decoding pair tokens with hidden states the same way."""
+    model, arch = tiny["llama_untied"]
+    drafter = _random_drafter(arch, seed=4)
+    eng = _spec_engine(model, arch, drafter)
+    seq = _prompts((11,))[0]
+    feats, final = target_features(eng.runner, [seq])[0]
+    nxt, f = drafter_pairs(seq, feats)
+    assert nxt.tolist() == seq[1:] and torch.equal(f, feats[:-1])
+    with torch.no_grad():
+        emb = torch.nn.functional.embedding(nxt[None], eng.runner.embed_w)
+        train_out = drafter(emb, drafter.reduce_features(f[None]),
+                            model.rotary_pos_emb(len(seq) - 1))[0]
+    # decoding: a row whose cache holds seq[:-1] and whose last sampled token is seq[-1]
+    sd = eng.spec
+    sd.begin(1, 32, 8)
+    sd.store(0, 0, feats)
+    row = type("Row", (), {})()
+    row.prompt, row.tokens, row.length = seq[:-1], [seq[-1]], len(seq) - 1
+    stats = spec_mod.SpecStats()
+    root_h, _ = sd._catch_up([row], stats)
+    assert (root_h[0] - train_out[-1]).abs().max() < 1e-4
+    # ... and a shifted pairing (s_p, h_p) would not match
+    wrong = drafter(torch.nn.functional.embedding(torch.tensor([seq[:-1]]), eng.runner.embed_w),
+                    f[None], model.rotary_pos_emb(len(seq) - 1))[0]
+    assert (root_h[0] - wrong[-1]).abs().max() > 1e-2
+
+
+def test_drafter_checkpoint_round_trip_and_mismatch(tiny, tmp_path):
+    model, arch = tiny["llama_tied"]
+    d = _random_drafter(arch, seed=9, draft_vocab_size=100)
+    d.d2t.copy_(torch.arange(100) * 2)
+    path = save_drafter(d, tmp_path / "d")
+    assert path.name == "drafter.safetensors"
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(path)))
+    assert "fc.weight" in keys and "d2t" in keys
+    assert not any("embedding" in k or "output_layer" in k for k in keys)  # shared, not stored
+    d2 = load_drafter(tmp_path / "d", arch)
+    own, loaded = d.own_state(), d2.own_state()
+    assert own.keys() == loaded.keys() == keys
+    for k in own:
+        assert torch.equal(own[k], loaded[k]), k
+    _, other = tiny["llama_untied"]
+    with pytest.raises(DrafterMismatchError, match="ffn_hidden_size"):
+        load_drafter(path, other)
+    bad = tmp_path / "not_drafter.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(bad))
+    with pytest.raises(ValueError, match="not a megatron_tlt drafter"):
+        load_drafter(bad, arch)
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "missing", arch)
+
+
+def test_pruned_vocabulary_and_eagle3_drafters_decode_exactly(tiny):
+    model, arch = tiny["qwen2"]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+    prompts = _prompts()
+    plain = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                                eos_token_ids=[]).generate(prompts, sp)]
+    pruned = _random_drafter(arch, draft_vocab_size=64)
+    pruned.d2t.copy_(draft_vocabulary([p + r for p, r in zip(prompts, plain)], 64, VOCAB))
+    eagle3 = _random_drafter(arch, feature_layers="auto")
+    assert eagle3.config.feature_width == 3 * arch.hidden_size
+    for d in (pruned, eagle3):
+        for strategy in ("4_1_4", "3_2_5"):
+            eng = _spec_engine(model, arch, d, strategy)
+            assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
+
+
+def test_drafter_training_learns_the_target(one_layer):
+    """A few hundred steps of the EAGLE loss on the target's own responses raise the
+    acceptance length of a fresh drafter well above the untrained one's."""
+    model, arch, _, _ = one_layer
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    prompts = _prompts(lengths=[3 + i % 9 for i in range(48)], seed=8)
+    outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
+               for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
+    d = _random_drafter(arch, seed=2)
+    held = _prompts(lengths=(4, 7, 10, 5), seed=9)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+    def accept_len():
+        eng = _spec_engine(model, arch, d, "4_1_4")
+        eng.generate(held, sp)
+        return eng.last_stats.spec.accept_len
+
+    before = accept_len()
+    trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
+    hist = trainer.fit(samples[:40], epochs=50, batch_tokens=512, log=None)
+    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
+    after = accept_len()
+    assert after > before + 0.5, (before, after)
