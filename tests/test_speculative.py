@@ -49,6 +49,8 @@ def one_layer(tmp_path_factory, single_process_parallel):
     folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,
                           num_hidden_layers=1)
     model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
+    with torch.no_grad():  # peaked next-token distributions (few tokens carry the mass)
+        model.decoder.final_layernorm.weight.mul_(3.0)
     good = EagleDrafter(DrafterConfig.for_target(arch), arch)
     with torch.no_grad():
         good.layer.load_state_dict(model.decoder.layers[0].state_dict())
@@ -174,31 +176,33 @@ def test_greedy_rules_follow_argmax():
 
 
 # ------------------------------------------------------------------------- end to end
-def _exact_joint(model, arch, prompt, sp: SamplingParams) -> dict:
-    """Target probability of every (x1, x2) continuation of ``prompt`` under ``sp``."""
-    with torch.no_grad():
-        lg = gather_logits(forward_local_logits(model, torch.tensor([prompt])), arch)[0, -1]
-        p1 = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p).exp()
-        xs = torch.nonzero(p1 > 0)[:, 0]
-        ids = torch.cat([torch.tensor([prompt]).expand(len(xs), -1), xs[:, None]], 1)
-        lg2 = gather_logits(forward_local_logits(model, ids), arch)[:, -1]
-        p2 = processed_logprobs(lg2, sp.temperature, sp.top_k, sp.top_p).exp()
-    out = {}
-    for i, x in enumerate(xs.tolist()):
-        for y in torch.nonzero(p2[i] > 0)[:, 0].tolist():
-            out[(x, y)] = float(p1[x] * p2[i, y])
-    return out
+def _exact_joint(model, arch, prompt, sp: SamplingParams, n_tokens: int) -> dict:
+    """Target probability of every ``n_tokens``-token continuation of ``prompt`` under
+    ``sp`` (processed distributions, enumerated over their supports)."""
+    probs = {(): 1.0}
+    for _ in range(n_tokens):
+        prefixes = list(probs)
+        ids = torch.tensor([prompt + list(c) for c in prefixes])
+        with torch.no_grad():
+            lg = gather_logits(forward_local_logits(model, ids), arch)[:, -1]
+            p = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p).exp()
+        nxt = {}
+        for i, c in enumerate(prefixes):
+            for y in torch.nonzero(p[i] > 0)[:, 0].tolist():
+                nxt[c + (y,)] = probs[c] * float(p[i, y])
+        probs = nxt
+    return probs
 
 
 DIST_CASES = [
-    ("chain", "good", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
-    ("chain", "bad", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
-    ("chain", "good", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
-    ("chain", "bad", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
-    ("tree", "good", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
-    ("tree", "bad", SamplingParams(temperature=0.7, top_k=8, max_new_tokens=2)),
-    ("tree", "good", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
-    ("tree", "bad", SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)),
+    ("chain", "good", SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)),
+    ("chain", "bad", SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)),
+    ("chain", "good", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
+    ("chain", "bad", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
+    ("tree", "good", SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)),
+    ("tree", "bad", SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)),
+    ("tree", "good", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
+    ("tree", "bad", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
 ]
 
 
@@ -206,9 +210,11 @@ DIST_CASES = [
                          ids=[f"{k}-{d}-t{s.temperature}-k{s.top_k}-p{s.top_p}"
                               for k, d, s in DIST_CASES])
 def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, drafter, sp):
-    """20,000 two-token continuations sampled through the engine with speculation on
-    (chain depth 3 or tree 3 deep, 2 wide, 5 verified) follow the target's exact joint
-    distribution (chi-square), with a near-oracle drafter and a confident random one."""
+    """20,000 three-token continuations sampled through the engine follow the target's
+    exact joint distribution (chi-square). The first token comes from the prefill; the
+    next two from one speculative step (chain depth 3, or a tree 3 deep, 2 wide, 5
+    verified), so acceptance, rejection-resampling and the bonus token all shape them.
+    With a near-oracle drafter and with a confident random one."""
     model, arch, good, bad = one_layer
     strategy = "3_1_3" if kind == "chain" else "3_2_5"
     eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
@@ -222,9 +228,9 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
         counts.update(tuple(o.token_ids) for o in outs)
     summ = eng.last_stats.spec.summary()
     assert summ["steps"] > 0
-    if drafter == "good":  # the drafts are mostly accepted: the accept path is exercised
-        assert summ["accept_len"] > 1.5
-    pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp), n)
+    if drafter == "good":  # drafts are often accepted: the accept path is exercised
+        assert summ["accept_rate_at_position"]["1"] > 0.5
+    pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), n)
     assert pval > P_MIN, (kind, drafter, sp, pval)
 
 
@@ -232,14 +238,14 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     """The same end-to-end test catches a lossy acceptance rule."""
     model, arch, good, _ = one_layer
     monkeypatch.setattr(spec_mod, "accept_chain", _wrong_accept_chain)
-    sp = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=2)
+    sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
     counts = collections.Counter()
     for call in range(8):
         outs = eng.generate([prompt] * 2500, SamplingParams(**{**sp.__dict__, "seed": call}))
         counts.update(tuple(o.token_ids) for o in outs)
-    assert _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp), 20_000) < 1e-8
+    assert _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), 20_000) < 1e-8
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -271,7 +277,7 @@ def test_good_drafter_is_accepted_and_greedy_stays_exact(one_layer):
     for strategy in ("6_1_6", "4_3_10"):
         eng = _spec_engine(model, arch, good, strategy)
         assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain]
-        assert eng.last_stats.spec.accept_len > 3.0, strategy
+        assert eng.last_stats.spec.accept_len > 1.8, strategy  # a random drafter: ~1.2
 
 
 def test_stop_tokens_and_length_cut_accepted_runs(one_layer):
@@ -328,8 +334,8 @@ def test_metrics_and_tuner_state(tiny, tmp_path):
     rows = sum(eng.last_stats.batch_sizes[-sp["steps"]:])
     assert sp["rows"] == rows
     assert state.is_file()
-    pulls = sum(sum(b) for b in json.loads(state.read_text())["pulls"])
-    assert pulls == sp["steps"]
+    saved = json.loads(state.read_text())["pulls"]  # per bucket: arm name -> pulls
+    assert sum(sum(b.values()) for b in saved) == sp["steps"]
     eng2 = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
                          eos_token_ids=[], drafter=_random_drafter(arch))
     assert eng2.tuner.state_dict()["pulls"] == eng.tuner.state_dict()["pulls"]
@@ -421,27 +427,24 @@ def test_pruned_vocabulary_and_eagle3_drafters_decode_exactly(tiny):
 
 
 def test_drafter_training_learns_the_target(one_layer):
-    """A few hundred steps of the EAGLE loss on the target's own responses raise the
-    acceptance length of a fresh drafter well above the untrained one's."""
+    """A few hundred steps of the EAGLE loss on the target's own responses lower the
+    held-out loss (SmolLM2's acceptance after warm-up is checked in test_smollm2.py)."""
     model, arch, _, _ = one_layer
     plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
-    prompts = _prompts(lengths=[3 + i % 9 for i in range(48)], seed=8)
-    outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
+    prompts = _prompts(lengths=[3 + i % 9 for i in range(340)], seed=8)
+    outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
                for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
+    train, held = samples[:300], samples[300:]
     d = _random_drafter(arch, seed=2)
-    held = _prompts(lengths=(4, 7, 10, 5), seed=9)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
-
-    def accept_len():
-        eng = _spec_engine(model, arch, d, "4_1_4")
-        eng.generate(held, sp)
-        return eng.last_stats.spec.accept_len
-
-    before = accept_len()
     trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
-    hist = trainer.fit(samples[:40], epochs=50, batch_tokens=512, log=None)
-    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
-    after = accept_len()
-    assert after > before + 0.5, (before, after)
+    with torch.no_grad():
+        _, before = trainer.loss(held)
+    trainer.fit(train, epochs=12, batch_tokens=1024, log=None)
+    with torch.no_grad():
+        _, after = trainer.loss(held)
+    # the random tiny target's next-token distributions are nearly uniform (soft CE
+    # ~ ln 251), so the learnable signal is the next hidden state
+    assert after["hidden"] < 0.85 * before["hidden"], (before, after)
+    assert after["loss"] < before["loss"], (before, after)

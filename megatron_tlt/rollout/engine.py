@@ -31,7 +31,7 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .forward import ModelRunner
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens, make_generators, processed_logprobs
+from .sampling import SamplingParams, choose_tokens, make_generators
 from .speculative import SpecStats
 
 
@@ -313,20 +313,16 @@ class RolloutEngine:
         t0 = time.perf_counter()
         b = len(rows)
         strategy = self.tuner.choose(b)
-        emissions, hidden, logits = self.spec.step(cache, rows, strategy, stats.spec)
+        emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
+        raw_all = torch.log_softmax(logits.float(), dim=-1)
         emitted, accepted = [], []
         for i, (r, e) in enumerate(zip(rows, emissions)):
             L = r.length
             idx = torch.tensor(e.nodes, device=self.device)
-            lg = logits[i].index_select(0, idx)
             tok = torch.tensor(e.tokens, device=self.device)[:, None]
-            raw = torch.log_softmax(lg, dim=-1).gather(-1, tok)[:, 0].tolist()
             sp = r.params
-            if sp.logprobs == "processed" and not sp.greedy:
-                chosen = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p
-                                            ).gather(-1, tok)[:, 0].tolist()
-            else:
-                chosen = raw
+            src = plp if sp.logprobs == "processed" and not sp.greedy else raw_all
+            chosen = src[i].index_select(0, idx).gather(-1, tok)[:, 0].tolist()
             m = 0
             for j, t in enumerate(e.tokens):
                 if hidden_buf is not None:

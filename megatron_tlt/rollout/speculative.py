@@ -187,6 +187,20 @@ def accept_tree(p_logprobs: torch.Tensor, tokens: Sequence[int], children: Seque
         path.append(node)
 
 
+def _processed_rows(logits: torch.Tensor, rows: Sequence) -> torch.Tensor:
+    """``processed_logprobs`` of logits [B, ..., V] with row i's sampling settings, one
+    call per distinct setting; greedy rows get their raw float32 logits (argmax only)."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(None if r.params.greedy else r.params.processing_key(), []).append(i)
+    for key, idx in groups.items():
+        index = torch.tensor(idx, device=logits.device)
+        part = logits.index_select(0, index)
+        out[index] = part.float() if key is None else processed_logprobs(part, *key)
+    return out
+
+
 # -------------------------------------------------------------------------------------
 # per-call metrics
 # -------------------------------------------------------------------------------------
@@ -331,12 +345,14 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
-             stats: SpecStats) -> tuple[list[Emission], torch.Tensor, torch.Tensor]:
+             stats: SpecStats
+             ) -> tuple[list[Emission], torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft and verify for running rows 0..len(rows)-1 (``rows[i]`` has
         ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.generator``).
 
-        Returns per-row emissions, the verify forward's hidden states [B, N, H] and its
-        float32 logits [B, N, V] (the caller emits from them and commits).
+        Returns per-row emissions, the verify forward's hidden states [B, N, H], its
+        float32 logits [B, N, V] and the processed log-probs the acceptance used
+        (greedy rows: the logits); the caller emits from them and commits.
         """
         t0 = time.perf_counter()
         b = len(rows)
@@ -365,10 +381,10 @@ class SpeculativeDecoder:
         feats = self.features_of(hidden, got)
 
         emissions: list[Emission] = []
+        plp = _processed_rows(logits, rows)
         for i, r in enumerate(rows):
             sp = r.params
-            lp = (logits[i].float() if sp.greedy else
-                  processed_logprobs(logits[i], sp.temperature, sp.top_k, sp.top_p))
+            lp = plp[i]
             if tree is None:
                 a, nxt = accept_chain(lp, None if q_lp is None else q_lp[i], drafts[i],
                                       r.generator, greedy=sp.greedy)
@@ -387,7 +403,7 @@ class SpeculativeDecoder:
             self.store(i, r.length, feats[i].index_select(0, idx))
             self.draft_len[i] = r.length  # drafted positions >= L are stale now
         stats.verify_seconds += time.perf_counter() - t1
-        return emissions, hidden, logits
+        return emissions, hidden, logits, plp
 
     def compact(self, target_cache: KVCache, row: int, length: int, slots: Sequence[int]) -> None:
         """Move accepted tree nodes (slot offsets from ``length``) to consecutive slots
@@ -474,9 +490,10 @@ class SpeculativeDecoder:
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft.d2t is None else self.draft.d2t[draft_ids]
 
-    def _q(self, logits: torch.Tensor, sp) -> torch.Tensor:
-        """Drafter's sampling distribution over the FULL vocabulary, [.., V] log-probs."""
-        lp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
+    def _q(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        """Drafter's sampling distributions over the FULL vocabulary, [B, V] log-probs
+        (each row processed with its request's settings, like the target's p)."""
+        lp = _processed_rows(logits, rows)
         if self.draft.d2t is None:
             return lp
         full = torch.full((*lp.shape[:-1], self.target.arch.vocab_size), float("-inf"),
@@ -495,11 +512,11 @@ class SpeculativeDecoder:
         for j in range(depth):
             full_tok = self._to_target(torch.argmax(logits, dim=-1))
             if any_sampled:
+                q_all = self._q(logits, rows)
                 for i, r in enumerate(rows):
                     if sampled[i]:
-                        q = self._q(logits[i], r.params)
-                        q_rows[i].append(q)
-                        full_tok[i] = _sample(q.exp(), r.generator)
+                        q_rows[i].append(q_all[i])
+                        full_tok[i] = _sample(q_all[i].exp(), r.generator)
             drafts[:, j] = full_tok
             if j == depth - 1:
                 break

@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Speculative decoding vs plain decoding in the rollout engine (SmolLM2-135M, greedy).
+
+    python tools/bench_spec.py --json bench_spec.json          # full (~10 min + warm-up)
+    python tools/bench_spec.py --quick                         # < 3 min once warmed up
+
+The drafter is ``--drafter`` or, by default, a warmed SmolLM2 drafter cached under
+``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~15
+min; its training prompts use seed 0, the benchmark's prompts seed 1: held out).
+
+(a) batch sizes 1, 2, 4, 8 of real reasoning-gym prompts, exactly --new-tokens each
+    (EOS ignored): speculation on for the whole run with a fixed strategy per batch
+    size vs plain decoding, interleaved pairs, median tok/s ratio;
+(b) a long-tail batch: 32 prompts, real response lengths (EOS ends a response, cap
+    --tail-tokens), the adaptive engine (speculation below the threshold, BEG-MAB
+    strategy choice) vs plain decoding: total time ratio.
+
+Outputs must be identical to plain decoding; a sequence may part from it only where
+plain decoding's top-2 logits are tied to within --tie-margin (verification runs
+different matrix shapes, so the last bits of a logit may differ). Anything else
+fails the benchmark.
+
+Also reported: the drafter's cost per forward relative to a target decode step, at
+batch 1 (drafter layer + fc + draft head vs the whole target).
+
+JSON summary keys: ``speedup_bs1``, ``accept_len_bs1``, ``tail_batch_speedup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+
+DEFAULT_STRATEGIES = "1:6_1_6,2:5_1_5,4:4_1_4,8:3_1_3"
+
+
+def default_drafter_path() -> Path:
+    from megatron_tlt.assets import default_cache_dir
+
+    return default_cache_dir() / "drafters" / "smollm2-basic_arithmetic.safetensors"
+
+
+def ensure_drafter(path: Path, quick: bool) -> Path:
+    if path.is_file():
+        return path
+    print(f"no drafter at {path}: warming one up (tools/warmup_drafter.py)", flush=True)
+    import warmup_drafter
+
+    args = ["--out", str(path), "--draft-vocab", "4096", "--eval-prompts", "4"]
+    if quick:
+        args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
+                 "--batch-tokens", "1024"]
+    else:
+        args += ["--train-prompts", "384", "--max-new-tokens", "256", "--epochs", "12",
+                 "--batch-tokens", "1024", "--lr", "3e-3"]
+    warmup_drafter.main(args)
+    return path
+
+
+def check_outputs(engine, prompts, ours, ref, tie_margin: float) -> dict:
+    """Identical outputs, or a first divergence at a near-tie of plain decoding."""
+    identical, tie_splits, worst = 0, 0, 0.0
+    for p, a, b in zip(prompts, ours, ref):
+        if a == b:
+            identical += 1
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if k >= min(len(a), len(b)):
+            raise SystemExit(f"speculative output length differs from plain decoding "
+                             f"({len(a)} vs {len(b)}) without a differing token")
+        from megatron_tlt.models.inference import forward_local_logits, gather_logits
+
+        with torch.no_grad():
+            logits = gather_logits(forward_local_logits(
+                engine.runner.model, torch.tensor([p + b[:k]])), engine.arch)[0, -1]
+        gap = abs(logits[a[k]] - logits[b[k]]).item()
+        worst = max(worst, gap)
+        if gap > tie_margin:
+            raise SystemExit(f"speculative output differs from plain decoding beyond a tie: "
+                             f"prompt of {len(p)} tokens, position {k}: {a[k]} vs {b[k]}, "
+                             f"logit gap {gap:.2e} > {tie_margin:.0e}")
+        tie_splits += 1
+    return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+
+
+def drafter_cost(engine, reps: int = 20) -> dict:
+    """Median seconds of one target decode step and one drafter step at batch 1."""
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    r, sd = engine.runner, engine.spec
+    d = sd.draft
+    n = 128
+    cache = KVCache(num_layers=len(r.layers), max_batch=1, kv_heads=r.groups, capacity=n + 8,
+                    head_dim=r.head_dim, dtype=r.dtype, device=r.device)
+    dcache = KVCache(num_layers=1, max_batch=1, kv_heads=d.groups, capacity=n + 8,
+                     head_dim=d.head_dim, dtype=d.dtype, device=d.device)
+    tok = torch.tensor([[5]])
+    pos = torch.tensor([n])
+    h = torch.randn(1, r.arch.hidden_size)
+
+    def target():
+        r.logits(r.extend(cache, slice(0, 1), tok, pos)[:, 0])
+
+    def draft():
+        x = d.inputs(tok[:, 0], h, target_features=False)
+        d.draft_logits(d.extend(dcache, slice(0, 1), tok, pos, embeds=x[:, None])[:, 0])
+
+    out = {}
+    with torch.no_grad():
+        for name, fn in (("target", target), ("drafter", draft)):
+            for _ in range(3):
+                fn()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            out[name] = statistics.median(ts)
+    out["ratio"] = out["drafter"] / out["target"]
+    return out
+
+
+def timed(engine, prompts, sp):
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp)
+    return time.perf_counter() - t0, [o.token_ids for o in outs], engine.last_stats
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: cached)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                    help="fixed strategy per batch size for (a): 'bs:depth_topk_verify,...'")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--tail-prompts", type=int, default=32)
+    ap.add_argument("--tail-tokens", type=int, default=384)
+    ap.add_argument("--tail-pairs", type=int, default=2)
+    ap.add_argument("--threshold", type=int, default=None,
+                    help="adaptive engine's speculation threshold (default: the config's)")
+    ap.add_argument("--tie-margin", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true",
+                    help="batch sizes 1,2; 48 tokens; 1 pair; tail of 8 prompts, 128 tokens")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.new_tokens, args.pairs = "1,2", 48, 1
+        args.tail_prompts, args.tail_tokens, args.tail_pairs = 8, 128, 1
+    silence_expected_warnings()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+    import megatron.core
+
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+    from megatron_tlt.models.drafter import load_drafter
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+
+    src = require_smollm2()
+    dpath = Path(args.drafter) if args.drafter else ensure_drafter(default_drafter_path(),
+                                                                    args.quick)
+    engine = RolloutEngine.from_pretrained(src, RolloutConfig(max_batch_size=64))
+    drafter = load_drafter(dpath, engine.arch, dtype=engine.runner.dtype, device=engine.device)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    strat = dict(item.split(":") for item in args.strategies.split(","))
+    pool = [p.token_ids for p in reasoning_gym_prompts(
+        engine.tokenizer, n=max(sizes + [args.tail_prompts]), seed=args.seed)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+
+    # (a) fixed strategies, speculation on throughout
+    rows = []
+    for b in sizes:
+        s = strat.get(str(b)) or strat[max(strat, key=lambda k: (int(k) <= b, int(k)))]
+        prompts = pool[:b]
+        engine.detach_drafter()
+        engine.config.speculative = SpeculativeConfig(policy="fixed", strategy=s,
+                                                      threshold=1 << 30)
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
+        ratios, plain_tps, spec_tps, accept = [], [], [], []
+        for _ in range(args.pairs):
+            engine.detach_drafter()
+            tp, ref, _ = timed(engine, prompts, sp)
+            engine.attach_drafter(drafter)
+            ts, got, st = timed(engine, prompts, sp)
+            check = check_outputs(engine, prompts, got, ref, args.tie_margin)
+            n_tok = sum(map(len, got))
+            plain_tps.append(n_tok / tp)
+            spec_tps.append(n_tok / ts)
+            ratios.append(tp / ts)
+            accept.append(st.spec.accept_len)
+            summ = st.spec.summary()
+        row = dict(batch=b, strategy=s, plain_tok_s=statistics.median(plain_tps),
+                   spec_tok_s=statistics.median(spec_tps), speedup=statistics.median(ratios),
+                   speedup_min=min(ratios), speedup_max=max(ratios),
+                   accept_len=statistics.median(accept),
+                   accept_rate_at_position=summ["accept_rate_at_position"],
+                   draft_share=summ["draft_seconds"] / max(
+                       1e-9, summ["draft_seconds"] + summ["verify_seconds"]), **check)
+        rows.append(row)
+        print(f"bs {b:>2} {s:>7}: plain {row['plain_tok_s']:6.1f} tok/s  spec "
+              f"{row['spec_tok_s']:6.1f} tok/s  speedup {row['speedup']:.2f} "
+              f"[{row['speedup_min']:.2f}, {row['speedup_max']:.2f}]  accept "
+              f"{row['accept_len']:.2f}  identical {check['identical']}/{b} "
+              f"(tie splits {check['tie_splits']})", flush=True)
+
+    # (b) long-tail batch, adaptive engine
+    tail_prompts = pool[: args.tail_prompts]
+    tsp = SamplingParams(temperature=0.0, max_new_tokens=args.tail_tokens)
+    engine.detach_drafter()
+    cfg = SpeculativeConfig() if args.threshold is None else SpeculativeConfig(
+        threshold=args.threshold)
+    engine.config.speculative = cfg
+    tail, tuner = [], None
+    for _ in range(args.tail_pairs):
+        engine.detach_drafter()
+        tp, ref, pst = timed(engine, tail_prompts, tsp)
+        engine.attach_drafter(drafter, tuner)  # one tuner across runs: it keeps learning
+        tuner = engine.tuner
+        ts, got, st = timed(engine, tail_prompts, tsp)
+        check = check_outputs(engine, tail_prompts, got, ref, args.tie_margin)
+        tail.append(dict(plain_s=tp, adaptive_s=ts, ratio=tp / ts,
+                         spec_fraction=st.spec_fraction, **check, spec=st.spec.summary()))
+        lengths = sorted(map(len, ref))
+        print(f"tail batch of {len(tail_prompts)} (lengths {lengths[0]}..{lengths[-1]}, "
+              f"median {statistics.median(lengths)}): plain {tp:.1f}s  adaptive {ts:.1f}s  "
+              f"speedup {tp / ts:.2f}  speculating in {st.spec_fraction:.0%} of steps  "
+              f"accept {st.spec.accept_len:.2f}  identical {check['identical']}/"
+              f"{len(tail_prompts)}", flush=True)
+    cost = drafter_cost(engine)
+    print(f"drafter forward {cost['drafter'] * 1e3:.2f} ms vs target decode step "
+          f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)
+
+    bs1 = next((r for r in rows if r["batch"] == 1), None)
+    result = {
+        "benchmark": "bench_spec",
+        "config": dict(model="SmolLM2-135M-Instruct", dtype="float32", drafter=str(dpath),
+                       drafter_config=drafter.config.to_dict(), batch_sizes=sizes,
+                       strategies=strat, new_tokens=args.new_tokens, pairs=args.pairs,
+                       tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
+                       threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
+                       torch=torch.__version__, megatron_core=megatron.core.__version__,
+                       device=platform.processor() or platform.machine(),
+                       threads=torch.get_num_threads(), cpus=os.cpu_count()),
+        "results": rows, "tail": tail, "drafter_cost": cost,
+        "speedup_bs1": bs1["speedup"] if bs1 else None,
+        "accept_len_bs1": bs1["accept_len"] if bs1 else None,
+        "tail_batch_speedup": statistics.median(t["ratio"] for t in tail),
+    }
+    print(json.dumps({k: result[k] for k in ("speedup_bs1", "accept_len_bs1",
+                                             "tail_batch_speedup")}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
