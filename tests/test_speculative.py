@@ -426,10 +426,10 @@ def test_pruned_vocabulary_and_eagle3_drafters_decode_exactly(tiny):
             assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
 
 
-def test_drafter_training_learns_the_target(one_layer):
+def test_drafter_training_learns_the_target(tiny):
     """A few hundred steps of the EAGLE loss on the target's own responses lower the
     held-out loss (SmolLM2's acceptance after warm-up is checked in test_smollm2.py)."""
-    model, arch, _, _ = one_layer
+    model, arch = tiny["llama_tied"]
     plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     prompts = _prompts(lengths=[3 + i % 9 for i in range(340)], seed=8)
     outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
