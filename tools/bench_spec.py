@@ -63,7 +63,7 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
         args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
                  "--batch-tokens", "1024"]
     else:
-        args += ["--train-prompts", "384", "--max-new-tokens", "256", "--epochs", "12",
+        args += ["--train-prompts", "512", "--max-new-tokens", "256", "--epochs", "10",
                  "--batch-tokens", "1024", "--lr", "3e-3"]
     warmup_drafter.main(args)
     return path
