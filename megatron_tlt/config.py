@@ -124,7 +124,7 @@ class SpeculativeConfig:
     threshold: int = _help(
         "Speculate only while the running batch has at most this many sequences (the "
         "long tail); larger batches decode plainly. Switching on mid-generation costs one "
-        "drafter pass over the positions it missed, never a target re-prefill.", 8)
+        "drafter pass over the positions it missed, never a target re-prefill.", 16)
     policy: str = _help(
         "Strategy choice per batch-size bucket: egreedy (BEG-MAB: epsilon-greedy over the "
         "median of a sliding window of accepted tokens per second), ucb1, or fixed "
@@ -135,8 +135,10 @@ class SpeculativeConfig:
     buckets: str = _help("Batch-size bucket upper bounds, ascending.", "1,2,4,8,16,32")
     arms: str = _help(
         "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
-        "rest); arms are depth_topk_verifytokens.",
-        "1-2:4_1_4,6_1_6,8_1_8,5_4_12;3-8:3_1_3,4_1_4,6_1_6;*:2_1_2,3_1_3,4_1_4")
+        "rest); arms are depth_topk_verifytokens, and 0_0_0 is 'do not speculate' (a "
+        "plain step), so a bucket can learn that speculation does not pay there.",
+        "1:4_1_4,6_1_6,8_1_8,4_2_6;2:3_1_3,4_1_4,6_1_6;3-4:2_1_2,3_1_3,4_1_4;"
+        "5-8:0_0_0,1_1_1,2_1_2,3_1_3;*:0_0_0,1_1_1,2_1_2")
     epsilon: float = _help("egreedy: probability of a random arm.", 0.1)
     window: int = _help("Rewards per arm kept for the median (sliding window).", 50)
     ucb_c: float = _help("ucb1: exploration weight.", 1.0)

@@ -448,3 +448,42 @@ def test_drafter_training_learns_the_target(tiny):
     # ~ ln 251), so the learnable signal is the next hidden state
     assert after["hidden"] < 0.85 * before["hidden"], (before, after)
     assert after["loss"] < before["loss"], (before, after)
+
+
+def test_unrolled_training_feeds_the_drafters_own_outputs(tiny):
+    """unroll=2 adds a pass whose h inputs are the drafter's previous outputs shifted by
+    one position (drafting's feedback), so its loss differs from unroll=1's."""
+    model, arch = tiny["llama_tied"]
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    seqs = [p + o.token_ids for p, o in zip(_prompts(), plain.generate(
+        _prompts(), SamplingParams(temperature=0.0, max_new_tokens=8)))]
+    samples = [DraftSample(s, len(p), f, h) for s, p, (f, h) in
+               zip(seqs, _prompts(), target_features(plain.runner, seqs))]
+    d = _random_drafter(arch, seed=6)
+    with torch.no_grad():
+        l1, p1 = DrafterTrainer(d, plain.runner, unroll=1).loss(samples)
+        l2, p2 = DrafterTrainer(d, plain.runner, unroll=2).loss(samples)
+    assert torch.isfinite(l2) and p1["top1"] == p2["top1"] and abs(float(l1) - float(l2)) > 1e-6
+    with pytest.raises(ValueError, match="unroll"):
+        DrafterTrainer(d, plain.runner, unroll=0)
+
+
+def test_off_arm_lets_a_bucket_choose_plain_steps(tiny):
+    """With only the '0_0_0' arm below the threshold every step is plain (and rewarded),
+    outputs equal plain decoding, and the drafter still catches up when speculation
+    starts in a bucket that has drafting arms."""
+    from megatron_tlt.rollout.tuner import Strategy
+
+    assert Strategy.parse("0_0_0").is_off and not Strategy.parse("1_1_1").is_off
+    model, arch = tiny["llama_tied"]
+    sp = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (4, 20, 6, 9, 24, 3)]
+    prompts = _prompts()
+    ref = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                              eos_token_ids=[]).generate(prompts, sp)]
+    sc = SpeculativeConfig(threshold=8, buckets="2,8", arms="2:3_1_3;8:0_0_0")
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[], drafter=_random_drafter(arch))
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+    s = eng.last_stats.spec
+    assert s.arms.get("0_0_0", 0) > 0 and s.arms.get("3_1_3", 0) == s.steps > 0
+    assert eng.tuner.stats()["buckets"]["3+"]["0_0_0"]["pulls"] == s.arms["0_0_0"]

@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="prune the draft vocabulary to the N most frequent tokens (0 = full)")
     ap.add_argument("--eagle3", action="store_true", help="three target layers as features")
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="training passes; pass k feeds the drafter its own outputs (as "
+                         "drafting k tokens ahead does)")
     ap.add_argument("--eval-strategy", default="6_1_6", help="depth_topk_verifytokens")
     ap.add_argument("--eval-new-tokens", type=int, default=128)
     ap.add_argument("--init", default=None, help="start from this drafter checkpoint")
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
     print(f"[3/4] training: {args.epochs} epochs, ~{total} steps, lr {args.lr}", flush=True)
     t2 = time.perf_counter()
     trainer = DrafterTrainer(drafter, engine.runner, lr=args.lr, total_steps=total,
-                             warmup_steps=max(1, total // 20))
+                             warmup_steps=max(1, total // 20), unroll=args.unroll)
     hist = trainer.fit(samples, epochs=args.epochs, batch_tokens=args.batch_tokens,
                        seed=args.seed, log_every=max(1, total // 20))
     out = save_drafter(drafter, args.out, extra={

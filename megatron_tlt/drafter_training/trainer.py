@@ -77,7 +77,7 @@ class DrafterTrainer:
 
     def __init__(self, drafter: EagleDrafter, runner: ModelRunner, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 20, total_steps: int = 1000,
-                 min_lr_ratio: float = 0.1, grad_clip: float = 1.0):
+                 min_lr_ratio: float = 0.1, grad_clip: float = 1.0, unroll: int = 1):
         self.drafter = drafter
         self.runner = runner
         self.params = [p for p in drafter.parameters() if p.requires_grad]
@@ -85,8 +85,10 @@ class DrafterTrainer:
                                      betas=(0.9, 0.95))
         self.lr, self.warmup, self.total = lr, warmup_steps, max(total_steps, 1)
         self.min_lr_ratio, self.grad_clip = min_lr_ratio, grad_clip
+        if unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {unroll}")
+        self.unroll = unroll
         self.step_count = 0
-        self._head = None
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -122,21 +124,31 @@ class DrafterTrainer:
             emb = F.embedding(tok, self.runner.embed_w)
         h_in = d.reduce_features(feat)
         rope = self.runner.model.rotary_pos_emb(n)
-        out = d(emb, h_in, rope)
         sel = mask.reshape(-1)
-        out_m, tgt_m = out.reshape(-1, H)[sel], tgt.reshape(-1, H)[sel]
-        l_hidden = F.smooth_l1_loss(out_m.float(), tgt_m.float(), reduction="none").mean(-1)
+        tgt_m = tgt.reshape(-1, H)[sel]
         head = self.head()
         with torch.no_grad():
             t_logits = tgt_m @ head.t()
             p = torch.softmax(t_logits.float(), dim=-1)
-        logq = torch.log_softmax((out_m @ head.t()).float(), dim=-1)
-        l_ce = -(p * logq).sum(-1)
-        loss = HIDDEN_WEIGHT * l_hidden.mean() + CE_WEIGHT * l_ce.mean()
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
-        return loss, {"loss": float(loss.detach()), "hidden": float(l_hidden.detach().mean()),
-                      "ce": float(l_ce.detach().mean()), "top1": float(top1), "tokens": int(sel.sum())}
+        loss, parts = 0.0, {}
+        for k in range(self.unroll):
+            # pass k > 0 feeds the drafter its own previous outputs as h (shifted by one
+            # position, detached), as drafting k tokens ahead does
+            out = d(emb, h_in, rope)
+            out_m = out.reshape(-1, H)[sel]
+            l_hidden = F.smooth_l1_loss(out_m.float(), tgt_m.float(), reduction="none").mean(-1)
+            logq = torch.log_softmax((out_m @ head.t()).float(), dim=-1)
+            l_ce = -(p * logq).sum(-1)
+            loss = loss + (HIDDEN_WEIGHT * l_hidden.mean() + CE_WEIGHT * l_ce.mean()) / self.unroll
+            if k == 0:
+                with torch.no_grad():
+                    top1 = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
+                parts = {"hidden": float(l_hidden.detach().mean()),
+                         "ce": float(l_ce.detach().mean()), "top1": float(top1)}
+            if k + 1 < self.unroll:
+                h_in = torch.cat([h_in[:, :1], out[:, :-1].detach()], dim=1)
+        parts.update(loss=float(loss.detach()), tokens=int(sel.sum()))
+        return loss, parts
 
     def step(self, batch: Sequence[DraftSample]) -> dict:
         self.drafter.train()

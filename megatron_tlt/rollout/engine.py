@@ -276,8 +276,9 @@ class RolloutEngine:
             t0 = time.perf_counter()
             b = len(rows)
             stats.batch_sizes.append(b)
-            if spec is not None and b <= threshold:
-                self._spec_step(cache, rows, hidden_buf, stats)
+            strategy = self.tuner.choose(b) if spec is not None and b <= threshold else None
+            if strategy is not None and not strategy.is_off:
+                self._spec_step(cache, rows, strategy, hidden_buf, stats)
                 stats.decode_steps += 1
                 stats.decode_seconds += time.perf_counter() - t0
                 self._retire(cache, rows, outputs, hidden_buf)
@@ -286,33 +287,35 @@ class RolloutEngine:
                                 device=self.device)[:, None]
             start = torch.tensor([r.length for r in rows], dtype=torch.long,
                                  device=self.device)
-            if self._graphs is not None:
-                hidden = self._graphs.run(cache, last, start)[:, 0]
-            elif spec is not None:
-                hook, got = spec.capture_hook()
+            hook, got = spec.capture_hook() if spec is not None else (None, None)
+            if self._graphs is not None:  # (EAGLE-3 capture is refused with graphs)
+                hidden = self._graphs.run(cache, last, start)
+            else:
                 hidden = self.runner.extend(cache, slice(0, b), last, start, capture=hook)
+            if spec is not None:  # the drafter's input at this position, for later
                 spec.features[torch.arange(b, device=self.device), start] = \
                     spec.features_of(hidden, got)[:, 0].to(spec.features.dtype)
-                hidden = hidden[:, 0]
-            else:
-                hidden = self.runner.extend(cache, slice(0, b), last, start)[:, 0]
+            hidden = hidden[:, 0]
             for r in rows:
                 r.length += 1
             self._emit(rows, 0, hidden, hidden_buf)
             stats.decode_steps += 1
-            stats.decode_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            stats.decode_seconds += seconds
+            if strategy is not None:  # the tuner chose not to speculate: reward it too
+                self.tuner.update(b, strategy, b, seconds)
+                stats.spec.arms[strategy.name] = stats.spec.arms.get(strategy.name, 0) + 1
             self._retire(cache, rows, outputs, hidden_buf)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
         if spec is not None and self.config.speculative.tuner_state:
             self.tuner.save(self.config.speculative.tuner_state)
         return outputs  # type: ignore[return-value]
 
-    def _spec_step(self, cache: KVCache, rows: list[_Row], hidden_buf, stats: GenerateStats
-                   ) -> None:
+    def _spec_step(self, cache: KVCache, rows: list[_Row], strategy, hidden_buf,
+                   stats: GenerateStats) -> None:
         """One speculative step for every running row: draft, verify, emit, rewind."""
         t0 = time.perf_counter()
         b = len(rows)
-        strategy = self.tuner.choose(b)
         emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
         raw_all = torch.log_softmax(logits.float(), dim=-1)
         emitted, accepted = [], []

@@ -218,7 +218,8 @@ class SpecStats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, list[int]] = field(default_factory=dict)  # label -> [rows, emitted]
     by_depth: dict[int, list[int]] = field(default_factory=dict)  # depth -> [rows, emitted]
-    arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps
+    arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps chosen
+    # (including "0_0_0": plain steps the tuner chose below the threshold)
 
     @property
     def accept_len(self) -> float:

@@ -46,7 +46,9 @@ def _is_digits(text: str) -> bool:
 @dataclass(frozen=True, order=True)
 class Strategy:
     """One drafting strategy: draft ``depth`` tokens along a path, ``top_k`` branches
-    per tree node (1 = chain), and send ``verify_tokens`` draft tokens to verification."""
+    per tree node (1 = chain), and send ``verify_tokens`` draft tokens to verification.
+    ``0_0_0`` (``OFF``) is the arm "no speculation": a plain decode step, so a bucket's
+    bandit can learn that speculating does not pay at that batch size."""
 
     depth: int
     top_k: int
@@ -57,6 +59,8 @@ class Strategy:
             value = getattr(self, field)
             if not _is_int(value):
                 raise ValueError(f"Strategy.{field} must be an int, got {value!r}")
+        if (self.depth, self.top_k, self.verify_tokens) == (0, 0, 0):
+            return  # OFF
         if self.depth < 1:
             raise ValueError(f"Strategy.depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
@@ -77,6 +81,11 @@ class Strategy:
     def is_chain(self) -> bool:
         """True for chain drafting (``top_k == 1``)."""
         return self.top_k == 1
+
+    @property
+    def is_off(self) -> bool:
+        """True for the no-speculation arm ``0_0_0``."""
+        return self.depth == 0
 
     @property
     def name(self) -> str:
