@@ -139,6 +139,10 @@ class SpeculativeConfig:
         "plain step), so a bucket can learn that speculation does not pay there.",
         "1:4_1_4,6_1_6,8_1_8,4_2_6;2:3_1_3,4_1_4,6_1_6;3-4:2_1_2,3_1_3,4_1_4;"
         "5-8:0_0_0,1_1_1,2_1_2,3_1_3;*:0_0_0,1_1_1,2_1_2")
+    min_draft_prob: float = _help(
+        "Chains stop drafting once the drafter's probability of the whole draft would "
+        "fall below this (0 = always draft the arm's depth); verification then spends "
+        "rows only where acceptance is likely. Exact either way.", 0.0)
     epsilon: float = _help("egreedy: probability of a random arm.", 0.1)
     window: int = _help("Rewards per arm kept for the median (sliding window).", 50)
     ucb_c: float = _help("ucb1: exploration weight.", 1.0)
@@ -151,6 +155,9 @@ class SpeculativeConfig:
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, ("egreedy", "ucb1", "fixed"))
         _positive("rollout.speculative", "window", self.window)
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise ConfigError(f"rollout.speculative.min_draft_prob must be in [0, 1), got "
+                              f"{self.min_draft_prob}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise ConfigError(f"rollout.speculative.epsilon must be in [0, 1], got "
                               f"{self.epsilon}")

@@ -203,6 +203,7 @@ DIST_CASES = [
     ("tree", "bad", SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)),
     ("tree", "good", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
     ("tree", "bad", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
+    ("chain-stop", "good", SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3)),
 ]
 
 
@@ -216,9 +217,11 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
     verified), so acceptance, rejection-resampling and the bonus token all shape them.
     With a near-oracle drafter and with a confident random one."""
     model, arch, good, bad = one_layer
-    strategy = "3_1_3" if kind == "chain" else "3_2_5"
+    strategy = "3_2_5" if kind == "tree" else "3_1_3"
     eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
                        max_batch_size=2500)
+    if kind == "chain-stop":  # drafts cut where the drafter's confidence runs out
+        eng.spec.min_draft_prob = 0.3
     prompt = [7, 100, 33, 250, 3]
     n, per_call = 20_000, 2500
     counts = collections.Counter()
@@ -228,7 +231,9 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
         counts.update(tuple(o.token_ids) for o in outs)
     summ = eng.last_stats.spec.summary()
     assert summ["steps"] > 0
-    if drafter == "good":  # drafts are often accepted: the accept path is exercised
+    if kind == "chain-stop":  # some rows stop early, others draft on
+        assert 0.3 < summ["drafted_per_row"] < 2.7, summ
+    elif drafter == "good":  # drafts are often accepted: the accept path is exercised
         assert summ["accept_rate_at_position"]["1"] > 0.5
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), n)
     assert pval > P_MIN, (kind, drafter, sp, pval)
@@ -278,6 +283,23 @@ def test_good_drafter_is_accepted_and_greedy_stays_exact(one_layer):
         eng = _spec_engine(model, arch, good, strategy)
         assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain]
         assert eng.last_stats.spec.accept_len > 1.8, strategy  # a random drafter: ~1.2
+
+
+def test_confidence_stop_keeps_greedy_exact_and_verifies_fewer_tokens(one_layer):
+    model, arch, good, _ = one_layer
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    prompts = _prompts(seed=5)
+    ref = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                              eos_token_ids=[]).generate(prompts, sp)]
+    drafted = {}
+    for min_prob in (0.0, 0.6):
+        sc = SpeculativeConfig(policy="fixed", strategy="6_1_6", threshold=64,
+                               min_draft_prob=min_prob)
+        eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                            eos_token_ids=[], drafter=good)
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+        drafted[min_prob] = eng.last_stats.spec.summary()["drafted_per_row"]
+    assert drafted[0.0] == 6.0 and drafted[0.6] < 5.0
 
 
 def test_stop_tokens_and_length_cut_accepted_runs(one_layer):

@@ -152,18 +152,20 @@ class EagleDrafter(torch.nn.Module):
 
         config.check_target(target_arch)
         device = torch.device(device)
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
         if config.fp8:
             if not (device.type == "cuda" and te_available()):
                 raise ValueError("drafter fp8=true needs CUDA and Transformer Engine "
                                  "(pip install -e .[gpu]); use fp8=false on this machine")
-            impl = "transformer_engine"
+            if self.tp_size > 1:
+                raise ValueError("drafter fp8=true supports tensor parallel size 1 only")
         self.config = config
         self.impl = impl
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
         h = config.hidden_size
         tcfg = transformer_config(config.layer_arch(target_arch), dtype=dtype, device=device,
                                   tp=self.tp_size, pp=1, impl=impl)
-        self.layer = build_module(layer_spec(impl), config=tcfg, layer_number=1)
+        spec = fp8_layer_spec() if config.fp8 else layer_spec(impl)
+        self.layer = build_module(spec, config=tcfg, layer_number=1)
         kw = dict(dtype=dtype, device=device)
         self.fc = torch.nn.Linear(2 * h, h, bias=False, **kw)
         self.feature_fc = (torch.nn.Linear(config.feature_width, h, bias=False, **kw)
@@ -205,8 +207,9 @@ class EagleDrafter(torch.nn.Module):
         [B, T, H] (already reduced), causal over T, positions 0..T-1 (``rotary_pos_emb``
         from the target's ``rotary_pos_emb(T)``)."""
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
-        out, _ = self.layer(hidden_states=x.transpose(0, 1).contiguous(), attention_mask=None,
-                            rotary_pos_emb=rotary_pos_emb)
+        with fp8_context(self.config.fp8):
+            out, _ = self.layer(hidden_states=x.transpose(0, 1).contiguous(),
+                                attention_mask=None, rotary_pos_emb=rotary_pos_emb)
         out = out.transpose(0, 1)
         return F.rms_norm(out, (out.shape[-1],), self.norm, self.config.norm_epsilon)
 
@@ -242,6 +245,45 @@ class EagleDrafter(torch.nn.Module):
             state = _shard_layer(state, self.config, self.tp_size,
                                  ps.get_tensor_model_parallel_rank())
         load_into_model(self, state)
+
+
+# -------------------------------------------------------------------------------------
+# FP8 (Transformer Engine, CUDA only)
+# -------------------------------------------------------------------------------------
+
+def fp8_layer_spec():
+    """The local layer spec with Transformer Engine norms, linears and attention, the
+    norms kept separate from the linears so the state dict has the local spec's names
+    (checkpoints are interchangeable with fp8=false) and the incremental decoder can
+    call each linear on its own."""
+    import copy
+
+    from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
+                                                             TEDotProductAttention, TENorm,
+                                                             TERowParallelLinear)
+
+    spec = copy.deepcopy(layer_spec("local"))
+    sub = spec.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = TENorm
+    att = sub.self_attention.submodules
+    att.linear_qkv, att.linear_proj = TEColumnParallelLinear, TERowParallelLinear
+    att.core_attention = TEDotProductAttention
+    mlp = sub.mlp.submodules
+    mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
+    return spec
+
+
+def fp8_context(enabled: bool):
+    """``transformer_engine.pytorch.fp8_autocast`` (delayed scaling, E4M3 forward /
+    E5M2 backward) when enabled, else a no-op context."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID))
 
 
 # -------------------------------------------------------------------------------------

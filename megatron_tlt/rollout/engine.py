@@ -165,6 +165,7 @@ class RolloutEngine:
             raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
                              "graphs do not support; use rollout.cuda_graphs=false")
         self.spec = SpeculativeDecoder(drafter, self.runner)
+        self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = tuner if tuner is not None else self._make_tuner()
 
     def detach_drafter(self) -> None:
@@ -317,19 +318,21 @@ class RolloutEngine:
         t0 = time.perf_counter()
         b = len(rows)
         emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
-        raw_all = torch.log_softmax(logits.float(), dim=-1)
         emitted, accepted = [], []
         for i, (r, e) in enumerate(zip(rows, emissions)):
             L = r.length
             idx = torch.tensor(e.nodes, device=self.device)
             tok = torch.tensor(e.tokens, device=self.device)[:, None]
             sp = r.params
-            src = plp if sp.logprobs == "processed" and not sp.greedy else raw_all
-            chosen = src[i].index_select(0, idx).gather(-1, tok)[:, 0].tolist()
+            if sp.logprobs == "processed" and not sp.greedy:
+                src = plp[i].index_select(0, idx)
+            else:
+                src = torch.log_softmax(logits[i].index_select(0, idx).float(), dim=-1)
+            chosen = src.gather(-1, tok)[:, 0].tolist()
             m = 0
             for j, t in enumerate(e.tokens):
                 if hidden_buf is not None:
-                    hidden_buf[i, len(r.tokens)] = hidden[i, e.nodes[j]].to(hidden_buf.dtype)
+                    hidden_buf[i, len(r.tokens)] = hidden[i][e.nodes[j]].to(hidden_buf.dtype)
                 r.tokens.append(t)
                 r.logprobs.append(chosen[j])
                 m += 1

@@ -56,6 +56,31 @@ class DraftRunner(ModelRunner):
         self.drafter = drafter
         self.target = target
         super().__init__(target.model, target.arch)
+        self._te: dict[int, torch.nn.Module] = {}
+        if drafter.config.fp8:  # FP8 GEMMs through the layer's Transformer Engine linears
+            att, mlp = drafter.layer.self_attention, drafter.layer.mlp
+            self._te = {id(m.weight): m for m in (att.linear_qkv, att.linear_proj,
+                                                  mlp.linear_fc1, mlp.linear_fc2)}
+
+    def _lin(self, x, w, b=None, residual=None):
+        mod = self._te.get(id(w))
+        if mod is None:
+            return super()._lin(x, w, b, residual)
+        from ..models.drafter import fp8_context
+
+        rows = x.numel() // x.shape[-1]
+        x2 = x.reshape(rows, -1)
+        pad = (-rows) % 16  # FP8 GEMMs need the row count to be a multiple of 16
+        if pad:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+        with fp8_context(True):
+            out, bias = mod(x2)  # the module adds its own bias
+        out = out[:rows]
+        if bias is not None:
+            out = out + bias
+        if residual is not None:
+            out = residual.reshape(rows, -1) + out
+        return out.view(*x.shape[:-1], -1)
 
     def refresh(self) -> None:
         """Re-read weights (the target's shared ones too): call after either changed
@@ -215,6 +240,7 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     catchup_tokens: int = 0  # drafter positions recomputed from target features
+    drafted: int = 0  # draft tokens sent to verification
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, list[int]] = field(default_factory=dict)  # label -> [rows, emitted]
     by_depth: dict[int, list[int]] = field(default_factory=dict)  # depth -> [rows, emitted]
@@ -258,6 +284,7 @@ class SpecStats:
             "accept_rate_at_position": {str(k): v for k, v in reach.items()},
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "catchup_tokens": self.catchup_tokens, "arms": dict(self.arms),
+            "drafted_per_row": self.drafted / n if n else 0.0,
         }
 
 
@@ -289,6 +316,7 @@ class SpeculativeDecoder:
         self.cache: Optional[KVCache] = None
         self.features: Optional[torch.Tensor] = None
         self.draft_len: list[int] = []
+        self.min_draft_prob = 0.0  # chains stop below this cumulative draft probability
 
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int) -> None:
@@ -346,21 +374,20 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
-             stats: SpecStats
-             ) -> tuple[list[Emission], torch.Tensor, torch.Tensor, torch.Tensor]:
+             stats: SpecStats) -> tuple[list[Emission], list, list, list]:
         """Draft and verify for running rows 0..len(rows)-1 (``rows[i]`` has
         ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.generator``).
 
-        Returns per-row emissions, the verify forward's hidden states [B, N, H], its
-        float32 logits [B, N, V] and the processed log-probs the acceptance used
-        (greedy rows: the logits); the caller emits from them and commits.
+        Returns per-row emissions and, per row, the verify forward's hidden states
+        [nodes, H], float32 logits [nodes, V] and the processed log-probs the acceptance
+        used (greedy rows: the logits); the caller emits from them and commits.
         """
         t0 = time.perf_counter()
         b = len(rows)
         dev = self.target.device
         root_h, root_logits = self._catch_up(rows, stats)
         if strategy.is_chain:
-            vtokens, q_lp, drafts = self._draft_chain(rows, strategy.depth, root_h, root_logits)
+            drafts, q_lp = self._draft_chain(rows, strategy.depth, root_h, root_logits)
             tree = None
         else:
             vtokens, tree = self._draft_tree(rows, strategy, root_h, root_logits)
@@ -368,43 +395,80 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
 
-        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
         hook, got = self.capture_hook()
         if tree is None:
-            hidden = self.target.extend(target_cache, slice(0, b), vtokens, L, capture=hook)
+            hidden, counts = self._verify_chains(target_cache, rows, drafts, hook)
         else:
-            mask, depth = tree["mask"], tree["depth"]
-            hidden = self.target.extend(target_cache, slice(0, b), vtokens, L,
-                                        rope_positions=L[:, None] + depth,
-                                        new_token_mask=mask, capture=hook)
-        n = vtokens.shape[1]
-        logits = self.target.logits(hidden.reshape(b * n, -1)).view(b, n, -1)
+            L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+            h3 = self.target.extend(target_cache, slice(0, b), vtokens, L,
+                                    rope_positions=L[:, None] + tree["depth"],
+                                    new_token_mask=tree["mask"], capture=hook)
+            counts = [vtokens.shape[1]] * b
+            hidden = h3.reshape(b * counts[0], -1)
+            if got:
+                got = {k: v.reshape(b * counts[0], -1) for k, v in got.items()}
+        stats.drafted += sum(counts) - b
+        logits = self.target.logits(hidden)
         feats = self.features_of(hidden, got)
+        per_query = [r for r, c in zip(rows, counts) for _ in range(c)]
+        plp = _processed_rows(logits, per_query)
+        split = lambda t: list(torch.split(t, counts))  # noqa: E731
+        hidden_r, logits_r, plp_r, feats_r = split(hidden), split(logits), split(plp), split(feats)
 
         emissions: list[Emission] = []
-        plp = _processed_rows(logits, rows)
         for i, r in enumerate(rows):
             sp = r.params
-            lp = plp[i]
             if tree is None:
-                a, nxt = accept_chain(lp, None if q_lp is None else q_lp[i], drafts[i],
+                a, nxt = accept_chain(plp_r[i], None if q_lp is None else q_lp[i], drafts[i],
                                       r.generator, greedy=sp.greedy)
                 toks = list(drafts[i][:a]) + [nxt]
                 nodes = list(range(a + 1))
             else:
-                path, nxt = accept_tree(lp, tree["tokens"][i], tree["children"][i],
+                path, nxt = accept_tree(plp_r[i], tree["tokens"][i], tree["children"][i],
                                         r.generator, greedy=sp.greedy)
                 toks = [tree["tokens"][i][c] for c in path] + [nxt]
                 nodes = [0] + path
             emissions.append(Emission(toks, nodes, nodes[1:]))
-        emissions = self._agree(emissions, n)
+        emissions = self._agree(emissions, max(counts))
         # features of accepted nodes go to positions L.. (compaction happens in commit)
         for i, (r, e) in enumerate(zip(rows, emissions)):
             idx = torch.tensor(e.nodes, device=dev)
-            self.store(i, r.length, feats[i].index_select(0, idx))
+            self.store(i, r.length, feats_r[i].index_select(0, idx))
             self.draft_len[i] = r.length  # drafted positions >= L are stale now
         stats.verify_seconds += time.perf_counter() - t1
-        return emissions, hidden, logits, plp
+        return emissions, hidden_r, logits_r, plp_r
+
+    def _verify_chains(self, cache: KVCache, rows, drafts: list[list[int]], hook):
+        """Target forward over each row's [x_L, drafts...] (chains of any lengths).
+        Returns hidden states [sum of lengths, H] (row by row) and the lengths."""
+        dev = self.target.device
+        counts = [len(d) + 1 for d in drafts]
+        toks = [t for r, d in zip(rows, drafts) for t in [r.tokens[-1]] + list(d)]
+        t = self.target
+        if t.kernels is not None and cache.layout == "bgsd":  # ragged, one kernel call
+            row_of = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)],
+                                  dtype=torch.long, device=dev)
+            pos = torch.tensor([r.length + j for r, c in zip(rows, counts) for j in range(c)],
+                               dtype=torch.long, device=dev)
+            x = t.embed(torch.tensor(toks, dtype=torch.long, device=dev))
+            return t.extend_chains(cache, row_of, pos, x, hook), counts
+        # padded [B, T]: pad tokens sit past each row's chain (their cache slots are
+        # beyond the new length, i.e. already rewound)
+        b, width = len(rows), max(counts)
+        ids = torch.zeros(b, width, dtype=torch.long, device=dev)
+        off = 0
+        for i, c in enumerate(counts):
+            ids[i, :c] = torch.tensor(toks[off: off + c])
+            off += c
+        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        captured: dict[int, torch.Tensor] = {}
+        sub = None if hook is None else (lambda i, x: captured.__setitem__(i, x))
+        h = t.extend(cache, slice(0, b), ids, L, capture=sub)
+        keep = torch.cat([torch.arange(c, device=dev) + i * width for i, c in enumerate(counts)])
+        if hook is not None:
+            for i, x in captured.items():
+                hook(i, x.reshape(b * width, -1).index_select(0, keep))
+        return h.reshape(b * width, -1).index_select(0, keep), counts
 
     def compact(self, target_cache: KVCache, row: int, length: int, slots: Sequence[int]) -> None:
         """Move accepted tree nodes (slot offsets from ``length``) to consecutive slots
@@ -503,34 +567,60 @@ class SpeculativeDecoder:
         return full
 
     def _draft_chain(self, rows, depth: int, h: torch.Tensor, logits: torch.Tensor):
+        """Up to ``depth`` draft tokens per row. Before drafting position j a row stops if
+        (probability of its draft so far) x (largest probability at j) is below
+        ``min_draft_prob`` (zero drafts is allowed), so verification spends rows only
+        where acceptance is likely. The rule never looks at the token about to be drawn,
+        so every kept draft still follows q and acceptance stays exact (a rule that
+        dropped unlikely draws would bias them; the distribution test catches that). Returns per-row draft token lists and, for
+        sampled rows, the drafter's sampling distributions [n_i, V] (None for greedy)."""
         dev = self.target.device
         b = len(rows)
         sampled = [not r.params.greedy for r in rows]
         any_sampled = any(sampled)
+        min_prob = self.min_draft_prob
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        drafts = torch.empty(b, depth, dtype=torch.long, device=dev)
+        drafts: list[list[int]] = [[] for _ in range(b)]
+        alive, cum = [True] * b, [1.0] * b
         start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
         for j in range(depth):
-            full_tok = self._to_target(torch.argmax(logits, dim=-1))
-            if any_sampled:
-                q_all = self._q(logits, rows)
-                for i, r in enumerate(rows):
-                    if sampled[i]:
-                        q_rows[i].append(q_all[i])
-                        full_tok[i] = _sample(q_all[i].exp(), r.generator)
-            drafts[:, j] = full_tok
-            if j == depth - 1:
+            top_p, top_id = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            full_tok = self._to_target(top_id)
+            q_all = self._q(logits, rows) if any_sampled else None
+            tok_l, conf_l = full_tok.tolist(), top_p.tolist()
+            for i, r in enumerate(rows):
+                if not alive[i]:
+                    continue
+                # decide to stop BEFORE drawing: a draw kept only when its own probability
+                # is high would no longer follow q, and the acceptance ratio would be wrong
+                best = float(q_all[i].max().exp()) if sampled[i] else conf_l[i]
+                if min_prob > 0 and cum[i] * best < min_prob:
+                    alive[i] = False
+                    continue
+                if sampled[i]:
+                    tok = _sample(q_all[i].exp(), r.generator)
+                    cum[i] *= float(q_all[i, tok].exp())
+                else:
+                    tok = tok_l[i]
+                    cum[i] *= best
+                drafts[i].append(tok)
+                if sampled[i]:
+                    q_rows[i].append(q_all[i])
+            if j == depth - 1 or not any(alive):
                 break
-            x = self.draft.inputs(full_tok, h, target_features=False)
-            h = self.draft.extend(self.cache, slice(0, b), full_tok[:, None], start + j,
+            # next drafter step for every row (stopped rows feed a placeholder; ignored)
+            feed = torch.tensor([d[-1] if d else 0 for d in drafts], dtype=torch.long,
+                                device=dev)
+            feed = torch.where(torch.tensor([bool(d) for d in drafts], device=dev), feed, last)
+            x = self.draft.inputs(feed, h, target_features=False)
+            h = self.draft.extend(self.cache, slice(0, b), feed[:, None], start + j,
                                   embeds=x[:, None])[:, 0]
             logits = self.draft.draft_logits(h)
-        last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
-        vtokens = torch.cat([last[:, None], drafts], dim=1)
         q_lp = None
         if any_sampled:
             q_lp = [torch.stack(q) if q else None for q in q_rows]
-        return vtokens, q_lp, drafts.tolist()
+        return drafts, q_lp
 
     def _draft_tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
         """EAGLE-2 style dynamic tree, batched over rows. Returns verify tokens
