@@ -138,7 +138,7 @@ class SpeculativeConfig:
         "rest); arms are depth_topk_verifytokens, and 0_0_0 is 'do not speculate' (a "
         "plain step), so a bucket can learn that speculation does not pay there.",
         "1:4_1_4,6_1_6,8_1_8,4_2_6;2:3_1_3,4_1_4,6_1_6;3-4:2_1_2,3_1_3,4_1_4;"
-        "5-8:0_0_0,1_1_1,2_1_2,3_1_3;*:0_0_0,1_1_1,2_1_2")
+        "5-8:0_0_0,1_1_1,2_1_2;*:0_0_0,1_1_1")
     min_draft_prob: float = _help(
         "Chains stop drafting once the drafter's probability of the whole draft would "
         "fall below this (0 = always draft the arm's depth); verification then spends "
