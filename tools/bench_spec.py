@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Speculative decoding vs plain decoding in the rollout engine (SmolLM2-135M, greedy).
 
-    python tools/bench_spec.py --json bench_spec.json          # full (~10 min + warm-up)
+    python tools/bench_spec.py --json bench_spec.json          # full (~8 min + warm-up)
     python tools/bench_spec.py --quick                         # < 3 min once warmed up
 
 The drafter is ``--drafter`` or, by default, a warmed SmolLM2 drafter cached under
-``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~15
-min; its training prompts use seed 0, the benchmark's prompts seed 1: held out).
+``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~20
+min on 2 cores; its training prompts use seed 0, the benchmark's prompts seed 1: held
+out).
 
 (a) batch sizes 1, 2, 4, 8: the same 8 real reasoning-gym prompts run in batches of
     that size (real responses, EOS ends them, cap --new-tokens), speculation on with a
@@ -64,8 +65,8 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
         args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
                  "--batch-tokens", "1024"]
     else:
-        args += ["--train-prompts", "512", "--max-new-tokens", "256", "--epochs", "10",
-                 "--batch-tokens", "1024", "--lr", "3e-3"]
+        args += ["--train-prompts", "1024", "--max-new-tokens", "256", "--epochs", "4",
+                 "--unroll", "2", "--batch-tokens", "1024", "--lr", "3e-3"]
     warmup_drafter.main(args)
     return path
 
