@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 
@@ -92,22 +93,9 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):
 
 def compare(hf, prompts, ours, theirs, tie_margin: float) -> dict:
     """Identical sequences, and sequences that part only at near-ties."""
-    identical, tie_splits, worst = 0, 0, 0.0
-    for p, a, b in zip(prompts, ours, theirs):
-        if a == b:
-            identical += 1
-            continue
-        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + a[:k]])).logits[0, -1].float()
-        gap = abs(logits[a[k]] - logits[b[k]]).item()
-        worst = max(worst, gap)
-        if gap > tie_margin:
-            raise SystemExit(f"outputs differ beyond a tie: prompt of {len(p)} tokens, "
-                             f"position {k}: engine {a[k]} vs transformers {b[k]}, "
-                             f"logit gap {gap:.2e} > {tie_margin:.0e}")
-        tie_splits += 1
-    return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+    return check_ties(prompts, ours, theirs,
+                      lambda ids: hf(torch.tensor([ids])).logits[0, -1], tie_margin,
+                      ("engine", "transformers"))
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 DEFAULT_STRATEGIES = "1:4_1_4,2:3_1_3,4:3_1_3,8:2_1_2"
@@ -73,28 +74,14 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
 
 def check_outputs(engine, prompts, ours, ref, tie_margin: float) -> dict:
     """Identical outputs, or a first divergence at a near-tie of plain decoding."""
-    identical, tie_splits, worst = 0, 0, 0.0
-    for p, a, b in zip(prompts, ours, ref):
-        if a == b:
-            identical += 1
-            continue
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if k >= min(len(a), len(b)):
-            raise SystemExit(f"speculative output length differs from plain decoding "
-                             f"({len(a)} vs {len(b)}) without a differing token")
-        from megatron_tlt.models.inference import forward_local_logits, gather_logits
+    from megatron_tlt.models.inference import forward_local_logits, gather_logits
 
-        with torch.no_grad():
-            logits = gather_logits(forward_local_logits(
-                engine.runner.model, torch.tensor([p + b[:k]])), engine.arch)[0, -1]
-        gap = abs(logits[a[k]] - logits[b[k]]).item()
-        worst = max(worst, gap)
-        if gap > tie_margin:
-            raise SystemExit(f"speculative output differs from plain decoding beyond a tie: "
-                             f"prompt of {len(p)} tokens, position {k}: {a[k]} vs {b[k]}, "
-                             f"logit gap {gap:.2e} > {tie_margin:.0e}")
-        tie_splits += 1
-    return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+    def next_logits(ids):
+        local = forward_local_logits(engine.runner.model, torch.tensor([ids]))
+        return gather_logits(local, engine.arch)[0, -1]
+
+    return check_ties(prompts, ours, ref, next_logits, tie_margin,
+                      ("speculative", "plain"))
 
 
 def drafter_cost(engine, reps: int = 20) -> dict:

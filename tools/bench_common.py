@@ -1,0 +1,35 @@
+"""Helpers shared by the tools/bench_*.py scripts."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
+               ref: Sequence[list[int]], next_logits: Callable[[list[int]], torch.Tensor],
+               tie_margin: float, names: tuple[str, str]) -> dict:
+    """Outputs that must be identical: count identical sequences and those that part
+    only where ``next_logits(prefix)`` (the reference's logits after the common prefix)
+    has the two candidate tokens tied within ``tie_margin``; anything else ends the
+    benchmark with a message naming the prompt, the position and the gap."""
+    identical, tie_splits, worst = 0, 0, 0.0
+    for p, a, b in zip(prompts, ours, ref):
+        if a == b:
+            identical += 1
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            raise SystemExit(f"{names[0]} and {names[1]} outputs differ in length "
+                             f"({len(a)} vs {len(b)}) without a differing token")
+        with torch.no_grad():
+            logits = next_logits(p + b[:k]).float()
+        gap = abs(logits[a[k]] - logits[b[k]]).item()
+        worst = max(worst, gap)
+        if gap > tie_margin:
+            raise SystemExit(f"outputs differ beyond a tie: prompt of {len(p)} tokens, "
+                             f"position {k}: {names[0]} {a[k]} vs {names[1]} {b[k]}, "
+                             f"logit gap {gap:.2e} > {tie_margin:.0e}")
+        tie_splits += 1
+    return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
