@@ -278,12 +278,18 @@ def fp8_context(enabled: bool):
     E5M2 backward) when enabled, else a no-op context."""
     import contextlib
 
+    global _FP8_RECIPE
     if not enabled:
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
 
-    return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID))
+    if _FP8_RECIPE is None:  # one recipe for every call: its amax history carries over
+        _FP8_RECIPE = DelayedScaling(fp8_format=Format.HYBRID)
+    return te.fp8_autocast(enabled=True, fp8_recipe=_FP8_RECIPE)
+
+
+_FP8_RECIPE = None
 
 
 # -------------------------------------------------------------------------------------
