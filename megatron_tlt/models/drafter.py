@@ -183,7 +183,7 @@ class EagleDrafter(torch.nn.Module):
         """Small random init (std 0.02, norms 1; fc starts as the mean of its halves
         so the layer first sees something close to the target's own features)."""
         g = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
@@ -226,7 +226,7 @@ class EagleDrafter(torch.nn.Module):
 
             state = from_te_names(state)
         if self.tp_size > 1:
-            state = _unshard_layer(state, self.config, self.tp_size)
+            state = _unshard_layer(state, self.tp_size)
         return {k: v.to("cpu").contiguous() for k, v in state.items()}
 
     def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -242,8 +242,7 @@ class EagleDrafter(torch.nn.Module):
                 raise ValueError("drafter d2t must hold draft_vocab_size distinct target "
                                  f"token ids in [0, {self.config.vocab_size})")
         if self.tp_size > 1:
-            state = _shard_layer(state, self.config, self.tp_size,
-                                 ps.get_tensor_model_parallel_rank())
+            state = _shard_layer(state, self.tp_size, ps.get_tensor_model_parallel_rank())
         load_into_model(self, state)
 
 
@@ -301,7 +300,7 @@ _ROW = ("layer.self_attention.linear_proj.weight", "layer.mlp.linear_fc2.weight"
 _FC1 = "layer.mlp.linear_fc1.weight"
 
 
-def _shard_layer(state, config: DrafterConfig, tp: int, rank: int) -> dict:
+def _shard_layer(state, tp: int, rank: int) -> dict:
     out = dict(state)
     for k in _COLUMN:
         if k in out:
@@ -313,7 +312,7 @@ def _shard_layer(state, config: DrafterConfig, tp: int, rank: int) -> dict:
     return out
 
 
-def _unshard_layer(state, config: DrafterConfig, tp: int) -> dict:
+def _unshard_layer(state, tp: int) -> dict:
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
 

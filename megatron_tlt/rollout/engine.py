@@ -339,7 +339,7 @@ class RolloutEngine:
                 r.length = L + m
                 if self._finish_reason(r) is not None:
                     break
-            self.spec.compact(cache, i, L, e.slots[: m - 1])
+            self.spec.compact(cache, i, L, e.nodes[1:m])
             emitted.append(m)
             accepted.append(len(e.tokens) - 1)
         seconds = time.perf_counter() - t0

@@ -101,8 +101,15 @@ class ModelRunner:
         m = self.model
         self.embed_w = m.embedding.word_embeddings.weight
         self.vocab_start = self.tp_rank * self.embed_w.shape[0]
+        self.set_layers(m.decoder.layers)
+        self.final_norm = m.decoder.final_layernorm.weight
+        self.output_w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
+            else m.output_layer.weight
+
+    def set_layers(self, layers) -> None:
+        """Read the weight tensors (references) of these megatron-core decoder layers."""
         self.layers = []
-        for layer in m.decoder.layers:
+        for layer in layers:
             att, mlp = layer.self_attention, layer.mlp
             self.layers.append(_Layer(
                 ln1=_norm_weight(layer, "input_layernorm", att.linear_qkv),
@@ -116,9 +123,6 @@ class ModelRunner:
                        [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
                        [lw.proj_w for lw in L], [lw.ln2 for lw in L],
                        [lw.fc1_w for lw in L], [lw.fc2_w for lw in L])
-        self.final_norm = m.decoder.final_layernorm.weight
-        self.output_w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
-            else m.output_layer.weight
 
     def rope(self, positions: torch.Tensor, limit: Optional[int] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +135,7 @@ class ModelRunner:
             int(positions.max().item()) + 1 if positions.numel() else 1)
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
-            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()  # the target's
+            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
             self._cos = torch.cos(freqs).to(self.dtype).to(self.device)
             self._sin = torch.sin(freqs).to(self.dtype).to(self.device)
             self._rope_len = n

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.drafter import EagleDrafter
-from .forward import ModelRunner, _Layer, _bias, _norm_weight, _NO_TENSOR
+from .forward import ModelRunner
 from .kv_cache import KVCache
 from .sampling import processed_logprobs
 from .tuner import Strategy
@@ -87,16 +87,7 @@ class DraftRunner(ModelRunner):
         tensors by replacement, or after the target's output layer was updated and a
         draft vocabulary is used (its rows are a copy)."""
         t, d = self.target, self.drafter
-        layer = d.layer
-        att, mlp = layer.self_attention, layer.mlp
-        lw = _Layer(ln1=_norm_weight(layer, "input_layernorm", att.linear_qkv),
-                    qkv_w=att.linear_qkv.weight, qkv_b=_bias(att.linear_qkv),
-                    proj_w=att.linear_proj.weight,
-                    ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
-                    fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight)
-        self.layers = [lw]
-        self._stack = ([lw.ln1], [lw.qkv_w], [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR],
-                       [lw.proj_w], [lw.ln2], [lw.fc1_w], [lw.fc2_w])
+        self.set_layers([d.layer])
         self.embed_w, self.vocab_start = t.embed_w, t.vocab_start
         self.final_norm = d.norm
         self.fc_w = d.fc.weight
@@ -297,8 +288,8 @@ class Emission:
     """What one speculative step produced for one row (before stop/length cuts)."""
 
     tokens: list[int]  # accepted drafts, then the next token
-    nodes: list[int]  # verify-forward index of the node that produced each token
-    slots: list[int]  # cache slot offset (from L) of each accepted draft node
+    nodes: list[int]  # verify-forward index (= cache slot offset from L) of the node
+    # that produced each token; nodes[1:] are the accepted draft nodes
 
 
 class SpeculativeDecoder:
@@ -428,7 +419,7 @@ class SpeculativeDecoder:
                                         r.generator, greedy=sp.greedy)
                 toks = [tree["tokens"][i][c] for c in path] + [nxt]
                 nodes = [0] + path
-            emissions.append(Emission(toks, nodes, nodes[1:]))
+            emissions.append(Emission(toks, nodes))
         emissions = self._agree(emissions, max(counts))
         # features of accepted nodes go to positions L.. (compaction happens in commit)
         for i, (r, e) in enumerate(zip(rows, emissions)):
@@ -504,7 +495,7 @@ class SpeculativeDecoder:
         for i in range(len(emissions)):
             toks = [t for t in buf[i, 0].tolist() if t >= 0]
             nodes = [t for t in buf[i, 1].tolist() if t >= 0]
-            out.append(Emission(toks, nodes, nodes[1:]))
+            out.append(Emission(toks, nodes))
         return out
 
     def _catch_up(self, rows: Sequence, stats: SpecStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -695,10 +686,9 @@ class SpeculativeDecoder:
     def _tree_inputs(self, rows, tok, par, dep, chosen, score):
         dev = self.target.device
         b, n = chosen.shape
-        tok_l, par_l, dep_l, ch_l = tok.tolist(), par.tolist(), dep.tolist(), chosen.tolist()
+        par_l, dep_l, ch_l = par.tolist(), dep.tolist(), chosen.tolist()
         score_l = score.tolist()
-        full = self._to_target(tok)
-        full_l = full.tolist()
+        full_l = self._to_target(tok).tolist()
         vtok = torch.empty(b, n + 1, dtype=torch.long, device=dev)
         mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=dev)
         depth = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
