@@ -1,8 +1,8 @@
 """The fused CPU decode kernels (megatron_tlt/rollout/cpu_kernels.py) against torch.
 
 Each kernel is compared with the eager torch expression it replaces, on shapes that
-reach every code path: the weight-streaming GEMM's row tiles (1-8 rows), its MKL
-branch (more than 16 rows), reduction tails (K not a multiple of 16); attention with
+reach every code path: the panel GEMM's row tiles (1-8 rows, and blocks of 8 beyond),
+partial panels (N not a multiple of 48), any K; attention with
 head sizes the kernel specialises (64, 128) and any other (24), at cache position 0
 and at positions that are not a multiple of 16.
 """
@@ -25,30 +25,62 @@ def kern():
     return k
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 33])
+def test_pack_weight_layout(kern):
+    """Panel p, row k, lane j holds w[48p + j, k]; rows past N are zeros."""
+    w = torch.randn(100, 7)
+    wp = kern.pack_weight(w)
+    assert wp.shape == (3, 7, 48)
+    ref = torch.zeros(144, 7)
+    ref[:100] = w
+    assert torch.equal(wp, ref.view(3, 48, 7).transpose(1, 2))
+    again = kern.pack_weight(w * 2, wp)  # into an existing buffer
+    assert again.data_ptr() == wp.data_ptr()
+    assert torch.equal(wp, 2 * ref.view(3, 48, 7).transpose(1, 2))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (5, 7), (130, 1536)])
 def test_linear_matches_torch(kern, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)
+    wp = kern.pack_weight(w)
     b = torch.randn(n, generator=g)
     r = torch.randn(m, n, generator=g)
     tol = 2e-6 * math.sqrt(k) * 4
-    torch.testing.assert_close(kern.linear(x, w), x @ w.t(), rtol=0, atol=tol)
-    torch.testing.assert_close(kern.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=tol)
-    torch.testing.assert_close(kern.linear(x, w, None, r), r + x @ w.t(), rtol=0, atol=tol)
+    torch.testing.assert_close(kern.linear(x, wp, n), x @ w.t(), rtol=0, atol=tol)
+    torch.testing.assert_close(kern.linear(x, wp, n, b), F.linear(x, w, b), rtol=0, atol=tol)
+    torch.testing.assert_close(kern.linear(x, wp, n, None, r), r + x @ w.t(), rtol=0,
+                               atol=tol)
     r0 = r.clone()
-    kern.linear(x, w, b, r)
+    kern.linear(x, wp, n, b, r)
     assert torch.equal(r, r0), "the residual input must not be modified"
 
 
+def test_linear_rows_are_independent_of_the_batch(kern):
+    """A row's output is bitwise the same alone or among others (plain decoding at one
+    row and verification at several then see identical logits)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 576, generator=g)
+    wp = kern.pack_weight(w)
+    x = torch.randn(19, 576, generator=g)
+    full = kern.linear(x, wp, 200)
+    for i in (0, 7, 8, 18):
+        assert torch.equal(kern.linear(x[i: i + 1].contiguous(), wp, 200), full[i: i + 1])
+    assert torch.equal(kern.linear(x[3:12].contiguous(), wp, 200), full[3:12])
+
+
 def test_linear_rejects_bad_input(kern):
-    with pytest.raises(RuntimeError, match="shape mismatch"):
-        kern.linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kern.linear(torch.randn(2, 8), kern.pack_weight(torch.randn(4, 9)), 4)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kern.linear(torch.randn(2, 8), torch.randn(4, 8), 4)  # not packed
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kern.linear(torch.randn(2, 8), kern.pack_weight(torch.randn(4, 8)), 60)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        kern.linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+        kern.linear(torch.randn(2, 8, dtype=torch.float64), kern.pack_weight(torch.randn(4, 8)), 4)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        kern.linear(torch.randn(8, 2).t(), torch.randn(4, 8))
+        kern.linear(torch.randn(8, 2).t(), kern.pack_weight(torch.randn(4, 8)), 4)
 
 
 def test_rms_norm_and_silu_mul_match_torch(kern):

@@ -322,11 +322,14 @@ def test_fused_and_eager_decode_steps_agree(tiny):
                            capture=lambda i, x: captured["per_layer"].__setitem__(i, x.clone()))
         h_e = eager.extend(caches[2], slice(0, 3), tok, start,
                            capture=lambda i, x: captured["eager"].__setitem__(i, x.clone()))
-    assert (h_f - h_e).abs().max().item() <= 1e-5
-    assert (h_l - h_e).abs().max().item() <= 1e-5
+    # The paths sum in different orders: float32 rounding of ~1e-5 on residual-stream
+    # values of magnitude ~5 (each path is that close to a float64 computation).
+    tol = 3e-5
+    assert (h_f - h_e).abs().max().item() <= tol
+    assert (h_l - h_e).abs().max().item() <= tol
     assert sorted(captured["per_layer"]) == list(range(arch.num_layers))
     for i, x in captured["eager"].items():
-        assert (captured["per_layer"][i] - x).abs().max().item() <= 1e-5
+        assert (captured["per_layer"][i] - x).abs().max().item() <= tol
     for cache in caches[:2]:
         for b, p in enumerate(start.tolist()):
             assert torch.allclose(cache.k[:, b, :, : p + 1], caches[2].k[:, b, :, : p + 1],

@@ -50,15 +50,17 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
 
     Every GEMM formulation at hand is timed and the fastest median is the floor: MKL's
     x @ W^T and (W @ x^T)^T (it picks different kernels for them) and, when the engine
-    has its CPU kernels, their weight-streaming GEMM (faster than MKL's at 1-16 rows,
-    so the floor is the lowest time this machine is known to stream the weights in).
+    has its CPU kernels, their panel GEMM over the packed weight copies (faster than
+    MKL's at 1-64 rows, so the floor is the lowest time this machine is known to stream
+    the weights in).
     """
     mats = [lw_w for lw in runner.layers for lw_w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)]
     mats.append(runner.output_w)
     xs = {m.shape[1]: torch.randn(batch, m.shape[1], dtype=m.dtype) for m in mats}
     forms = [lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t())]
     if runner.kernels is not None and mats[0].dtype == torch.float32:
-        forms.append(runner.kernels.linear)
+        runner.pack_weights()
+        forms.append(lambda x, m: runner.kernels.linear(x, runner._panel(m), m.shape[0]))
     best = float("inf")
     with torch.no_grad():
         for form in forms:

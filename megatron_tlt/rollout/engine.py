@@ -246,6 +246,9 @@ class RolloutEngine:
                        for p, sp in zip(prompts, plist))
         max_batch = min(self.config.max_batch_size, n)
         spec = self.spec
+        self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
+        if spec is not None:
+            spec.draft.pack_weights()
         slack = self._spec_slack() if spec is not None else 0
         cache = self._get_cache(max_batch, capacity + slack)
         if spec is not None:

@@ -84,6 +84,9 @@ class ModelRunner:
         self.head_dim = arch.kv_channels
         self.eps = arch.norm_epsilon
         self.scale = self.head_dim ** -0.5
+        # id(weight) -> (weight, its panel copy) for the fused CPU kernels (pack_weights)
+        self._panels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._packed_stack: Optional[tuple] = None
         self.refresh()
         self.dtype = self.embed_w.dtype
         self.device = self.embed_w.device
@@ -117,12 +120,50 @@ class ModelRunner:
                 proj_w=att.linear_proj.weight,
                 ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
                 fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight))
-        L = self.layers
-        # per-weight lists in the order of cpu_kernels.decode_layers' arguments
-        self._stack = ([lw.ln1 for lw in L], [lw.qkv_w for lw in L],
-                       [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
-                       [lw.proj_w for lw in L], [lw.ln2 for lw in L],
-                       [lw.fc1_w for lw in L], [lw.fc2_w for lw in L])
+        self._panels = {}
+        self._packed_stack = None
+
+    # ------------------------------------------------------------------ panel copies
+    def kernel_weights(self) -> list[torch.Tensor]:
+        """The weight matrices the fused CPU kernels multiply by."""
+        return [w for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)
+                ] + [self.output_w]
+
+    def pack_weights(self) -> None:
+        """Copy the current weights into the fused CPU kernels' panel layout
+        (``cpu_kernels``: one in-order weight stream per matrix). The engine calls this
+        at the start of every ``generate``, so changes to the model's parameters between
+        calls are always seen; code that calls ``extend`` directly and changes weights
+        in place between calls calls it too. The copies cost one more model's worth of
+        memory (CPU float32 only; without the kernels nothing is copied)."""
+        if self.kernels is None:
+            self._panels, self._packed_stack = {}, None
+            return
+        old, self._panels = self._panels, {}
+        for w in self.kernel_weights():
+            prev = old.get(id(w))
+            buf = prev[1] if prev is not None and prev[0] is w else None
+            self._panels[id(w)] = (w, self.kernels.pack_weight(w.detach(), buf))
+        self._packed_stack = None
+
+    def _panel(self, w: torch.Tensor) -> torch.Tensor:
+        """``w``'s panel copy (made now if ``pack_weights`` has not seen it)."""
+        entry = self._panels.get(id(w))
+        if entry is None or entry[0] is not w:
+            entry = (w, self.kernels.pack_weight(w.detach()))
+            self._panels[id(w)] = entry
+        return entry[1]
+
+    def _fused_stack(self) -> tuple:
+        """Per-layer lists in the order of ``cpu_kernels.decode_layers``' arguments."""
+        if self._packed_stack is None:
+            L, pw = self.layers, self._panel
+            self._packed_stack = (
+                [lw.ln1 for lw in L], [pw(lw.qkv_w) for lw in L],
+                [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
+                [pw(lw.proj_w) for lw in L], [lw.ln2 for lw in L],
+                [pw(lw.fc1_w) for lw in L], [pw(lw.fc2_w) for lw in L])
+        return self._packed_stack
 
     def rope(self, positions: torch.Tensor, limit: Optional[int] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +203,8 @@ class ModelRunner:
             return _linear(x, w, b, residual)
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
-        out = self.kernels.linear(x.reshape(rows, -1).contiguous(), w, b, res)
+        out = self.kernels.linear(x.reshape(rows, -1).contiguous(), self._panel(w),
+                                  w.shape[0], b, res)
         return out.view(*lead, out.shape[-1])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -182,7 +224,8 @@ class ModelRunner:
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.kernels is not None and flat.shape[0] <= self.fused_max_rows:
-            local = self.kernels.linear(flat.contiguous(), self.output_w).view(*lead, -1)
+            local = self.kernels.linear(flat.contiguous(), self._panel(self.output_w),
+                                        self.output_w.shape[0]).view(*lead, -1)
         else:
             local = _linear(hidden, self.output_w).float()
         if self.tp_group is not None:
@@ -310,24 +353,26 @@ class ModelRunner:
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
         if self.tp_group is None and capture is None:
-            return kern.decode_layers(x, *self._stack, self.final_norm, cache.k, cache.v,
+            return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k, cache.v,
                                       cos, sin, pos, g, hpg, d, self.scale, self.eps, row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
-            qkv = kern.linear(h, lw.qkv_w, lw.qkv_b)
+            qkv = kern.linear(h, self._panel(lw.qkv_w), lw.qkv_w.shape[0], lw.qkv_b)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
                                  g, hpg, d, self.scale, row_of)
             x = self._fused_residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
-            x = self._fused_residual(x, kern.silu_mul(kern.linear(h, lw.fc1_w)), lw.fc2_w)
+            fc1 = kern.linear(h, self._panel(lw.fc1_w), lw.fc1_w.shape[0])
+            x = self._fused_residual(x, kern.silu_mul(fc1), lw.fc2_w)
             if capture is not None:
                 capture(i, x)
         return self.final_hidden(x)
 
     def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
+        wp, n = self._panel(w), w.shape[0]
         if self.tp_group is None:
-            return self.kernels.linear(inp, w, None, x)
-        return x + self._all_reduce(self.kernels.linear(inp, w))
+            return self.kernels.linear(inp, wp, n, None, x)
+        return x + self._all_reduce(self.kernels.linear(inp, wp, n))
 
     def _flash(self, cache: KVCache, layer: int, rows: slice, q, k, v, start):
         """flash-attn's KV-cache kernel: appends k, v at ``start`` per row (in place in

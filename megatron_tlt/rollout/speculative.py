@@ -98,6 +98,10 @@ class DraftRunner(ModelRunner):
         else:
             self.output_w = t.output_w
 
+    def kernel_weights(self) -> list[torch.Tensor]:
+        extra = [self.fc_w] + ([self.feature_fc_w] if self.feature_fc_w is not None else [])
+        return super().kernel_weights() + extra
+
     def _gather_rows(self, local_w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the vocab-parallel output weight, on every TP rank."""
         with torch.no_grad():
