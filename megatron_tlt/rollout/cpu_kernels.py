@@ -191,20 +191,23 @@ static void gemm(const float* x, int64_t M, int64_t K, const float* wp, int64_t 
   }
 }
 
-// w [N, K] -> panels [ceil(N / 48)][K][48], zero-padded.
+// w [N, K] -> panels [ceil(N / 48)][K][48], zero-padded; 48 x 16 tiles go through L1.
 static void pack_rows(const float* w, int64_t N, int64_t K, float* out) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
   for (int64_t p = 0; p < panels; ++p) {
     float* dst = out + p * K * kPanel;
-    for (int64_t j = 0; j < kPanel; ++j) {
-      const int64_t n = p * kPanel + j;
-      if (n >= N) {
-        for (int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = 0.f;
-        continue;
+    const int64_t rows = std::min(kPanel, N - p * kPanel);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const int64_t kn = std::min<int64_t>(16, K - k0);
+      for (int64_t j = 0; j < kPanel; ++j) {
+        if (j >= rows) {
+          for (int64_t kk = 0; kk < kn; ++kk) dst[(k0 + kk) * kPanel + j] = 0.f;
+          continue;
+        }
+        const float* src = w + (p * kPanel + j) * K + k0;
+        for (int64_t kk = 0; kk < kn; ++kk) dst[(k0 + kk) * kPanel + j] = src[kk];
       }
-      const float* row = w + n * K;
-      for (int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = row[k];
     }
   }
 }
