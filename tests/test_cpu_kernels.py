@@ -38,6 +38,16 @@ def test_pack_weight_layout(kern):
     assert torch.equal(wp, 2 * ref.view(3, 48, 7).transpose(1, 2))
 
 
+def test_pack_weights_packs_many_like_one(kern):
+    ws = [torch.randn(n, k) for n, k in ((100, 7), (48, 64), (5, 3), (200, 33))]
+    outs = [torch.full((-(-w.shape[0] // 48), w.shape[1], 48), float("nan")) for w in ws]
+    kern.pack_weights(ws, outs)
+    for w, o in zip(ws, outs):
+        assert torch.equal(o, kern.pack_weight(w))
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kern.pack_weights([torch.randn(49, 4)], [torch.empty(1, 4, 48)])
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (5, 7), (130, 1536)])
 def test_linear_matches_torch(kern, m, n, k):

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
-DEFAULT_STRATEGIES = "1:4_1_4,2:3_1_3,4:3_1_3,8:2_1_2"
+DEFAULT_STRATEGIES = "1:5_1_5,2:3_1_3,4:3_1_3,8:2_1_2"
 
 
 def default_drafter_path() -> Path:

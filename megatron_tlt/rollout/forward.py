@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import ModelArch
-from .cpu_kernels import MAX_FUSED_ROWS
+from .cpu_kernels import MAX_FUSED_ROWS, PANEL as _PANEL
 from .kv_cache import KVCache
 
 
@@ -140,10 +140,17 @@ class ModelRunner:
             self._panels, self._packed_stack = {}, None
             return
         old, self._panels = self._panels, {}
+        ws, bufs = [], []
         for w in self.kernel_weights():
+            if id(w) in self._panels:
+                continue
             prev = old.get(id(w))
-            buf = prev[1] if prev is not None and prev[0] is w else None
-            self._panels[id(w)] = (w, self.kernels.pack_weight(w.detach(), buf))
+            buf = prev[1] if prev is not None and prev[0] is w else torch.empty(
+                (-(-w.shape[0] // _PANEL), w.shape[1], _PANEL), dtype=w.dtype)
+            ws.append(w.detach())
+            bufs.append(buf)
+            self._panels[id(w)] = (w, buf)
+        self.kernels.pack_weights(ws, bufs)
         self._packed_stack = None
 
     def _panel(self, w: torch.Tensor) -> torch.Tensor:
