@@ -192,7 +192,7 @@ class RolloutConfig:
         "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
     cpu_kernels: bool = _help(
         "Fused CPU kernels for one-token decode steps of up to 64 rows in float32 "
-        "(weight-streaming GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole "
+        "(panel-packed GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole "
         "layer stack in one call at TP=1); compiled on first use (~1 min, cached), eager "
         "torch ops if compiling fails.", True)
     cuda_graphs: bool = _help(

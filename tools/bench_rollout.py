@@ -12,7 +12,7 @@ gives a throughput ratio and the result is the median ratio.
 It also measures the physical floor of a decode step on this machine: streaming the
 model's weight matrices once through matrix-vector products in the engine's dtype
 (batch 1), and the same matmuls at batch 8 and 32 (the fastest of MKL's two GEMM forms
-and the engine's own weight-streaming GEMM).
+and the engine's own panel GEMM).
 
 Outputs are compared: transformers runs the batch left-padded, so its float32
 numerics differ slightly from the engine's; a sequence may therefore leave the

@@ -7,7 +7,8 @@
     outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason
 
 Or, inside a trainer, ``RolloutEngine(model, tokenizer, RolloutConfig(...))`` on the
-model instance the trainer updates (parameters are used in place, never copied).
+model instance the trainer updates (parameters are read in place; the fused CPU
+kernels re-copy them into their panel layout at the start of every ``generate``).
 
 How a call runs: prompts queue; up to ``max_batch_size`` enter the running batch,
 are prefilled (in chunks of ``prefill_tokens``) and then decode one token per step.

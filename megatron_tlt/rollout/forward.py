@@ -4,8 +4,9 @@ megatron-core's ``GPTModel.forward`` recomputes the whole sequence; its inferenc
 contexts assume CUDA and same-position batches. Rollouts need per-sequence positions,
 a shrinking batch and a per-step cost close to streaming the weights once, so this
 module runs the same computation as the model's decoder layers directly on the
-model's parameter tensors (references, never copies: the trainer's in-place updates
-are seen immediately). It mirrors megatron-core exactly: fused QKV laid out per query
+model's parameter tensors (references: the trainer's in-place updates are seen; the
+fused CPU kernels read a panel-layout copy that ``pack_weights`` refreshes, which the
+engine calls at the start of every ``generate``). It mirrors megatron-core exactly: fused QKV laid out per query
 group, rotate-half RoPE from the model's own ``rotary_pos_emb``, RMSNorm, SwiGLU with
 the fused ``linear_fc1``, vocabulary-parallel embedding and output layer; under tensor
 parallelism the row-parallel outputs and the embedding are all-reduced over the TP
@@ -334,7 +335,7 @@ class ModelRunner:
         mapped to its sequence's cache row (T=1: a decode step; T>1: chain verification
         or drafter catch-up; the kernel writes every key before attending). Without
         tensor parallelism and per-layer capture the whole stack is one kernel call;
-        otherwise three kernel calls and the weight-streaming GEMMs per layer, with the
+        otherwise three kernel calls and the panel GEMMs per layer, with the
         TP all-reduces between them."""
         b, t = tokens.shape
         first = rows.start or 0
