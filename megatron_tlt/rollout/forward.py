@@ -6,11 +6,12 @@ a shrinking batch and a per-step cost close to streaming the weights once, so th
 module runs the same computation as the model's decoder layers directly on the
 model's parameter tensors (references: the trainer's in-place updates are seen; the
 fused CPU kernels read a panel-layout copy that ``pack_weights`` refreshes, which the
-engine calls at the start of every ``generate``). It mirrors megatron-core exactly: fused QKV laid out per query
-group, rotate-half RoPE from the model's own ``rotary_pos_emb``, RMSNorm, SwiGLU with
-the fused ``linear_fc1``, vocabulary-parallel embedding and output layer; under tensor
-parallelism the row-parallel outputs and the embedding are all-reduced over the TP
-group and the logits all-gathered, like the model's own layers do.
+engine calls at the start of every ``generate``). It mirrors megatron-core exactly:
+fused QKV laid out per query group, rotate-half RoPE from the model's own
+``rotary_pos_emb``, RMSNorm, SwiGLU with the fused ``linear_fc1``, vocabulary-parallel
+embedding and output layer; under tensor parallelism the row-parallel outputs and the
+embedding are all-reduced over the TP group and the logits all-gathered, like the
+model's own layers do.
 
 ``extend`` is the one kernel: it appends T new tokens per sequence at per-sequence
 cache positions and attends to the cached prefix plus the new tokens (causally, or with
