@@ -273,6 +273,19 @@ def test_greedy_speculation_equals_plain_decoding(tiny, name, strategy):
     assert eng.last_stats.spec_fraction == 1.0
 
 
+def test_drafter_shares_the_targets_packed_output_layer(tiny):
+    """A drafter with the full vocabulary multiplies by the target's output layer: its
+    runner reads the target's panel copy instead of packing a second one."""
+    model, arch = tiny["llama_untied"]
+    eng = _spec_engine(model, arch, _random_drafter(arch))
+    eng.generate(_prompts()[:2], SamplingParams(temperature=0.0, max_new_tokens=4))
+    target, draft = eng.runner, eng.spec.draft
+    assert target.kernels is not None and draft.output_w is target.output_w
+    assert draft._panel(draft.output_w) is target._panel(target.output_w)
+    assert id(target.output_w) not in draft._panels
+    assert id(draft.fc_w) in draft._panels
+
+
 def test_good_drafter_is_accepted_and_greedy_stays_exact(one_layer):
     model, arch, good, _ = one_layer
     sp = SamplingParams(temperature=0.0, max_new_tokens=24)

@@ -362,8 +362,9 @@ class ModelRunner:
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
         if self.tp_group is None and capture is None:
-            return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k, cache.v,
-                                      cos, sin, pos, g, hpg, d, self.scale, self.eps, row_of)
+            return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k,
+                                      cache.v, cos, sin, pos, g, hpg, d, self.scale, self.eps,
+                                      row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = kern.linear(h, self._panel(lw.qkv_w), lw.qkv_w.shape[0], lw.qkv_b)

@@ -99,8 +99,15 @@ class DraftRunner(ModelRunner):
             self.output_w = t.output_w
 
     def kernel_weights(self) -> list[torch.Tensor]:
+        """The drafter's own matrices (the target's output layer, when shared, is packed
+        by the target's runner and read from there)."""
         extra = [self.fc_w] + ([self.feature_fc_w] if self.feature_fc_w is not None else [])
-        return super().kernel_weights() + extra
+        return [w for w in super().kernel_weights() if w is not self.target.output_w] + extra
+
+    def _panel(self, w: torch.Tensor) -> torch.Tensor:
+        if w is self.target.output_w:
+            return self.target._panel(w)
+        return super()._panel(w)
 
     def _gather_rows(self, local_w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the vocab-parallel output weight, on every TP rank."""
