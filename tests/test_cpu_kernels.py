@@ -38,6 +38,26 @@ def test_pack_weight_layout(kern):
     assert torch.equal(wp, 2 * ref.view(3, 48, 7).transpose(1, 2))
 
 
+def test_fingerprint_sees_every_element(kern):
+    """Equal content, equal fingerprint; one changed element anywhere (the vectorised
+    part, the scalar tail, any of several chunks) or two swapped ones change it."""
+    a = torch.randn(70_003)  # > 4 chunks of 16 Ki words, and a tail of 3
+    base = kern.fingerprint([a, a.clone()])
+    assert base[0] == base[1]
+    for i in (0, 1, 63, 64, 16_383, 16_384, 40_000, 69_999, 70_002):
+        b = a.clone()
+        b[i] += 0.5
+        assert kern.fingerprint([b])[0] != base[0], i
+    b = a.clone()
+    b[[5, 6]] = a[[6, 5]]
+    assert kern.fingerprint([b])[0] != base[0]
+    assert kern.fingerprint([a[:-1].clone()])[0] != base[0]  # length counts too
+    ints = torch.arange(10, dtype=torch.int32)
+    assert kern.fingerprint([ints])[0] == kern.fingerprint([ints.clone()])[0]
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kern.fingerprint([torch.randn(4, 4).t()])
+
+
 def test_pack_weights_packs_many_like_one(kern):
     ws = [torch.randn(n, k) for n, k in ((100, 7), (48, 64), (5, 3), (200, 33))]
     outs = [torch.full((-(-w.shape[0] // 48), w.shape[1], 48), float("nan")) for w in ws]

@@ -137,6 +137,36 @@ def test_engine_uses_the_model_parameters_in_place(tiny):
     assert after != before
 
 
+def test_panel_copies_are_remade_only_for_changed_weights(tiny):
+    """pack_weights (run by every generate) re-copies a matrix into the kernels' panel
+    layout only when its content changed, including through ``.data`` writes, which do
+    not bump a tensor's version counter."""
+    from megatron_tlt.rollout import cpu_kernels
+
+    if cpu_kernels.get() is None:
+        pytest.fail("the CPU kernels did not build")
+    model, arch = tiny["llama_untied"]
+    eng = _engine(tiny, "llama_untied")
+    r = eng.runner
+    prompts, sp = _prompts((5, 8)), SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = [o.token_ids for o in eng.generate(prompts, sp)]
+    for _, buf, _ in r._panels.values():
+        buf.fill_(float("nan"))  # poison: a skipped copy stays NaN
+    r.pack_weights()
+    assert all(torch.isnan(buf).all() for _, buf, _ in r._panels.values())
+    w = r.layers[0].fc1_w
+    saved = w.detach().clone()
+    w.data[3, 2] += 1.0
+    r.pack_weights()
+    fresh = [i for i, (_, buf, _) in r._panels.items() if not torch.isnan(buf).any()]
+    assert fresh == [id(w)]
+    assert torch.equal(r._panels[id(w)][1], cpu_kernels.get().pack_weight(w.detach()))
+    w.data.copy_(saved)
+    for m in r.kernel_weights():  # unpoison: everything changed (NaN vs weights)
+        r._panels[id(m)] = (m, r._panels[id(m)][1], None)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == before
+
+
 # ----------------------------------------------------------------------------- batching
 def test_finished_sequences_leave_the_batch(tiny):
     eng = _engine(tiny)

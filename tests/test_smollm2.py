@@ -133,8 +133,11 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     r = run_script("tools/warmup_drafter.py", "--out", out, "--train-prompts", 24,
                    "--max-new-tokens", 96, "--epochs", 4, "--batch-tokens", 1024,
                    "--draft-vocab", 2048, "--eval-prompts", 3, "--eval-new-tokens", 48,
-                   "--json", summary, timeout=900)
+                   "--json", summary, "--responses", tmp_path / "resp.jsonl", "--chunk", 16,
+                   timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    kept = (tmp_path / "resp.jsonl").read_text().splitlines()
+    assert len(kept) == 1 + 24 and all(json.loads(x)["tokens"] for x in kept[1:])
     res = json.loads(summary.read_text())
     assert res["identical"] == res["eval_prompts"] == 3
     assert res["accept_len"] > 1.3  # a drafter that learned something (random: ~1.0)

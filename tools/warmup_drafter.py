@@ -31,6 +31,13 @@ import torch  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 
+class _Response:
+    """A prompt and its generated tokens (fresh from the engine or from --responses)."""
+
+    def __init__(self, prompt_token_ids, token_ids):
+        self.prompt_token_ids, self.token_ids = list(prompt_token_ids), list(token_ids)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--model", default="smollm2", help="HF folder, checkpoint or 'smollm2'")
@@ -53,6 +60,11 @@ def parse_args(argv=None):
                          "drafting k tokens ahead does)")
     ap.add_argument("--eval-strategy", default="6_1_6", help="depth_topk_verifytokens")
     ap.add_argument("--eval-new-tokens", type=int, default=128)
+    ap.add_argument("--responses", default=None,
+                    help="keep generated responses in this JSON-lines file and reuse them: "
+                         "an interrupted or extended run generates only what is missing")
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="prompts per generate call (progress and --responses granularity)")
     ap.add_argument("--init", default=None, help="start from this drafter checkpoint")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write a summary here")
@@ -71,8 +83,9 @@ def main(argv=None) -> int:
     from megatron_tlt.rollout.tuner import Strategy
     from megatron_tlt.rollout.workload import DEFAULT_TASK, reasoning_gym_prompts
 
-    if args.train_prompts < 1 or args.eval_prompts < 0 or args.epochs < 1:
-        raise SystemExit("--train-prompts and --epochs must be >= 1, --eval-prompts >= 0")
+    if args.train_prompts < 1 or args.eval_prompts < 0 or args.epochs < 1 or args.chunk < 1:
+        raise SystemExit("--train-prompts, --epochs and --chunk must be >= 1, "
+                         "--eval-prompts >= 0")
     Strategy.parse(args.eval_strategy)
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -96,12 +109,32 @@ def main(argv=None) -> int:
     reqs = [p for p in train_p for _ in range(args.samples_per_prompt)]
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         seed=args.seed)
-    outs = []
-    chunk = 64
-    for i in range(0, len(reqs), chunk):
-        outs += engine.generate(reqs[i: i + chunk], sp)
-        print(f"  {len(outs)}/{len(reqs)} responses "
-              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    store = None
+    if args.responses:
+        from megatron_tlt.drafter_training.responses import ResponseStore, ResponseStoreMismatch
+
+        meta = {"model": str(args.model), "task": task, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "samples_per_prompt": args.samples_per_prompt}
+        try:
+            store = ResponseStore(args.responses, meta)
+        except ResponseStoreMismatch as e:
+            raise SystemExit(f"--responses: {e}") from None
+    resp: list = [None] * len(reqs)
+    if store is not None:
+        resp = [store.get(i, p) for i, p in enumerate(reqs)]
+        print(f"  {sum(r is not None for r in resp)}/{len(reqs)} responses reused from "
+              f"{args.responses}", flush=True)
+    todo = [i for i, r in enumerate(resp) if r is None]
+    for c in range(0, len(todo), args.chunk):
+        idx = todo[c: c + args.chunk]
+        for i, o in zip(idx, engine.generate([reqs[i] for i in idx], sp)):
+            resp[i] = o.token_ids
+            if store is not None:
+                store.add(i, reqs[i], o.token_ids)
+        print(f"  {c + len(idx)}/{len(todo)} generated ({time.perf_counter() - t0:.0f}s)",
+              flush=True)
+    outs = [_Response(p, r) for p, r in zip(reqs, resp)]
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     n_resp = sum(len(o.token_ids) for o in outs)
 
@@ -120,7 +153,11 @@ def main(argv=None) -> int:
     print(f"[2/4] target features for {len(seqs)} sequences ({n_resp} response tokens)",
           flush=True)
     t1 = time.perf_counter()
-    feats = target_features(engine.runner, seqs, drafter.config.feature_layers)
+    every = max(1, len(seqs) // 10)
+    feats = target_features(
+        engine.runner, seqs, drafter.config.feature_layers,
+        progress=lambda k: (k % every == 0 or k == len(seqs)) and print(
+            f"  {k}/{len(seqs)} sequences ({time.perf_counter() - t1:.0f}s)", flush=True))
     samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
                for s, o, (f, h) in zip(seqs, outs, feats)]
     if args.draft_vocab:

@@ -49,9 +49,12 @@ def drafter_pairs(tokens: Sequence[int], features: torch.Tensor
 
 @torch.no_grad()
 def target_features(runner: ModelRunner, sequences: Sequence[Sequence[int]],
-                    feature_layers: Sequence[int] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    feature_layers: Sequence[int] = (),
+                    progress: Optional[Callable[[int], None]] = None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(features [N, F], final hidden [N, H]) of each sequence from one target forward
-    per sequence (the rollout engine's own kernel, so features match decoding)."""
+    per sequence (the rollout engine's own kernel, so features match decoding).
+    ``progress(done)`` is called after each sequence."""
     out = []
     for seq in sequences:
         n = len(seq)
@@ -66,6 +69,8 @@ def target_features(runner: ModelRunner, sequences: Sequence[Sequence[int]],
                                capture=hook)[0]
         feats = torch.cat([got[i][0] for i in feature_layers], -1) if feature_layers else hidden
         out.append((feats.cpu(), hidden.cpu()))
+        if progress is not None:
+            progress(len(out))
     return out
 
 

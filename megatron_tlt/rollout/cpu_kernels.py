@@ -416,6 +416,66 @@ void pack_weights(std::vector<torch::Tensor> ws, std::vector<torch::Tensor> outs
   }
 }
 
+// 64-bit content fingerprints of ws (any dtype, contiguous): the packed copies are
+// re-made only for matrices whose fingerprint changed. Chunks of 16 Ki 32-bit words
+// are hashed in parallel (64 lanes of 32-bit polynomial hashes: a change to any one
+// word always changes its lane), mixed with their index and summed per matrix.
+static inline uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static uint64_t hash_words(const uint32_t* w, int64_t n, uint64_t seed) {
+  const uint32_t P = 0x01000193u;
+  v16u a[4];
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 16; ++l) a[j][l] = (uint32_t)mix64(seed + 16 * j + l);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 4; ++j) {
+      v16u x;
+      std::memcpy(&x, w + i + 16 * j, sizeof x);
+      a[j] = a[j] * P + x;
+    }
+  uint64_t h = mix64(seed ^ (uint64_t)n);
+  for (; i < n; ++i) h = mix64(h ^ w[i]);
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 16; l += 2)
+      h = mix64(h ^ ((uint64_t)a[j][l] << 32 | a[j][l + 1]));
+  return h;
+}
+
+torch::Tensor fingerprint(std::vector<torch::Tensor> ws) {
+  constexpr int64_t kChunk = 16384;
+  std::vector<std::pair<size_t, int64_t>> items;  // (tensor, chunk)
+  std::vector<int64_t> words(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    TORCH_CHECK(ws[i].device().is_cpu() && ws[i].is_contiguous(),
+                "fingerprint needs contiguous CPU tensors");
+    const int64_t bytes = ws[i].numel() * ws[i].element_size();
+    TORCH_CHECK(bytes % 4 == 0, "fingerprint needs a whole number of 32-bit words");
+    words[i] = bytes / 4;
+    for (int64_t c = 0; c * kChunk < words[i]; ++c) items.emplace_back(i, c);
+  }
+  std::vector<uint64_t> part(items.size());
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int64_t it = 0; it < (int64_t)items.size(); ++it) {
+    const size_t i = items[it].first;
+    const int64_t c = items[it].second, lo = c * kChunk;
+    const auto* w = static_cast<const uint32_t*>(ws[i].data_ptr()) + lo;
+    part[it] = mix64(hash_words(w, std::min(kChunk, words[i] - lo), (uint64_t)c));
+  }
+  auto out = torch::zeros({(int64_t)ws.size()}, torch::kLong);
+  auto* o = out.data_ptr<int64_t>();
+  for (size_t it = 0; it < items.size(); ++it)
+    o[items[it].first] = (int64_t)((uint64_t)o[items[it].first] + part[it]);
+  for (size_t i = 0; i < ws.size(); ++i)
+    o[i] = (int64_t)mix64((uint64_t)o[i] ^ (uint64_t)words[i]);
+  return out;
+}
+
 // w [N, K] into out [ceil(N / 48), K, 48] (allocated when not given); returns out.
 torch::Tensor pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out) {
   check_f32(w, "w");
@@ -559,6 +619,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, py::arg("w"), py::arg("out") = py::none());
   m.def("pack_weights", &pack_weights, py::arg("ws"), py::arg("outs"));
+  m.def("fingerprint", &fingerprint, py::arg("ws"));
   m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm);

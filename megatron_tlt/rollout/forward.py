@@ -86,8 +86,9 @@ class ModelRunner:
         self.head_dim = arch.kv_channels
         self.eps = arch.norm_epsilon
         self.scale = self.head_dim ** -0.5
-        # id(weight) -> (weight, its panel copy) for the fused CPU kernels (pack_weights)
-        self._panels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(weight) -> (weight, its panel copy, content fingerprint at packing) for the
+        # fused CPU kernels (pack_weights)
+        self._panels: dict[int, tuple] = {}
         self._packed_stack: Optional[tuple] = None
         self.refresh()
         self.dtype = self.embed_w.dtype
@@ -132,34 +133,45 @@ class ModelRunner:
                 ] + [self.output_w]
 
     def pack_weights(self) -> None:
-        """Copy the current weights into the fused CPU kernels' panel layout
-        (``cpu_kernels``: one in-order weight stream per matrix). The engine calls this
-        at the start of every ``generate``, so changes to the model's parameters between
-        calls are always seen; code that calls ``extend`` directly and changes weights
-        in place between calls calls it too. The copies cost one more model's worth of
-        memory (CPU float32 only; without the kernels nothing is copied)."""
+        """Bring the fused CPU kernels' panel copies of the weights (``cpu_kernels``: one
+        in-order weight stream per matrix) up to date with the current parameters. The
+        engine calls this at the start of every ``generate``, so changes to the model's
+        parameters between calls are always seen; code that calls ``extend`` directly
+        and changes weights in place between calls calls it too. A matrix is re-copied
+        only when its content fingerprint (a 64-bit hash of every element, ~20 ms for
+        SmolLM2's 540 MB against ~85 ms for the copy) changed. The copies cost one more
+        model's worth of memory (CPU float32 only; without the kernels nothing is
+        copied)."""
         if self.kernels is None:
             self._panels, self._packed_stack = {}, None
             return
         old, self._panels = self._panels, {}
-        ws, bufs = [], []
+        mats = []
         for w in self.kernel_weights():
-            if id(w) in self._panels:
-                continue
+            if all(m is not w for m in mats):
+                mats.append(w)
+        fps = self.kernels.fingerprint([w.detach() for w in mats]).tolist()
+        ws, bufs = [], []
+        for w, fp in zip(mats, fps):
             prev = old.get(id(w))
-            buf = prev[1] if prev is not None and prev[0] is w else torch.empty(
+            same = prev is not None and prev[0] is w and prev[1].shape[1] == w.shape[1] \
+                and prev[1].shape[0] == -(-w.shape[0] // _PANEL)
+            buf = prev[1] if same else torch.empty(
                 (-(-w.shape[0] // _PANEL), w.shape[1], _PANEL), dtype=w.dtype)
+            self._panels[id(w)] = (w, buf, fp)
+            if same and prev[2] == fp:
+                continue  # unchanged since it was packed
             ws.append(w.detach())
             bufs.append(buf)
-            self._panels[id(w)] = (w, buf)
-        self.kernels.pack_weights(ws, bufs)
+        if ws:
+            self.kernels.pack_weights(ws, bufs)
         self._packed_stack = None
 
     def _panel(self, w: torch.Tensor) -> torch.Tensor:
         """``w``'s panel copy (made now if ``pack_weights`` has not seen it)."""
         entry = self._panels.get(id(w))
         if entry is None or entry[0] is not w:
-            entry = (w, self.kernels.pack_weight(w.detach()))
+            entry = (w, self.kernels.pack_weight(w.detach()), None)  # re-packed next time
             self._panels[id(w)] = entry
         return entry[1]
 

@@ -1,0 +1,101 @@
+"""A resumable store of generated responses for drafter warm-up.
+
+Generating the self-distillation data is the slow part of a warm-up (minutes to hours
+on CPU), so ``tools/warmup_drafter.py --responses FILE`` appends every finished chunk
+of responses to a JSON-lines file and, when run again, generates only what is missing.
+The first line records the settings the responses depend on (model, task, seed,
+sampling); a later run with other settings is refused instead of mixing data.
+
+    store = ResponseStore(path, {"model": ..., "task": ..., "max_new_tokens": 256})
+    todo = [i for i, p in enumerate(prompts) if store.get(i, p) is None]
+    ...
+    store.add(i, prompt, tokens)          # appended and flushed at once
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["ResponseStore", "ResponseStoreMismatch"]
+
+_FORMAT = "megatron_tlt.responses/1"
+
+
+class ResponseStoreMismatch(ValueError):
+    """The file holds responses generated with other settings or other prompts."""
+
+
+class ResponseStore:
+    """Responses keyed by request index, persisted line by line."""
+
+    def __init__(self, path: str | Path, meta: Mapping[str, Any]):
+        self.path = Path(path)
+        self.meta = {k: meta[k] for k in sorted(meta)}
+        self._records: dict[int, tuple[list[int], list[int]]] = {}
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self._load()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w") as f:
+                f.write(json.dumps({"format": _FORMAT, "meta": self.meta}) + "\n")
+
+    def _load(self) -> None:
+        with open(self.path) as f:
+            lines = f.read().split("\n")
+        try:
+            head = json.loads(lines[0])
+        except json.JSONDecodeError as e:
+            raise ResponseStoreMismatch(f"{self.path}: not a response store ({e})") from None
+        if not isinstance(head, dict) or head.get("format") != _FORMAT:
+            raise ResponseStoreMismatch(f"{self.path}: not a response store "
+                                        f"(first line lacks format {_FORMAT!r})")
+        old = head.get("meta", {})
+        diff = sorted(k for k in set(old) | set(self.meta) if old.get(k) != self.meta.get(k))
+        if diff:
+            detail = ", ".join(f"{k}: file {old.get(k)!r} vs now {self.meta.get(k)!r}"
+                               for k in diff)
+            raise ResponseStoreMismatch(
+                f"{self.path} holds responses generated with other settings ({detail}); "
+                "use another file or the original settings")
+        body = lines[1:]
+        good = 0
+        for n, line in enumerate(body):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                idx, prompt, tokens = int(rec["i"]), rec["prompt"], rec["tokens"]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                if all(not rest.strip() for rest in body[n + 1:]):
+                    break  # a line cut short by an interrupted write: dropped, regenerated
+                raise ResponseStoreMismatch(f"{self.path}: line {n + 2} is corrupt") from None
+            self._records[idx] = (list(prompt), list(tokens))
+            good = n + 1
+        # Rewrite without a torn tail so later appends start on a fresh line.
+        if good < len(body) and any(line.strip() for line in body[good:]):
+            with open(self.path, "w") as f:
+                f.write("\n".join(lines[: good + 1]) + "\n")
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, index: int, prompt: Sequence[int]) -> list[int] | None:
+        """The stored response of request ``index``, or None; raises when the stored
+        prompt differs (the prompt set changed under the same settings)."""
+        rec = self._records.get(index)
+        if rec is None:
+            return None
+        if rec[0] != list(prompt):
+            raise ResponseStoreMismatch(
+                f"{self.path}: request {index} was generated for another prompt; "
+                "the prompt source changed, use a new file")
+        return list(rec[1])
+
+    def add(self, index: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
+        rec = (list(map(int, prompt)), list(map(int, tokens)))
+        self._records[index] = rec
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"i": int(index), "prompt": rec[0], "tokens": rec[1]}) + "\n")
+            f.flush()
