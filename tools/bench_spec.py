@@ -5,7 +5,7 @@
     python tools/bench_spec.py --quick                         # < 3 min once warmed up
 
 The drafter is ``--drafter`` or, by default, a warmed SmolLM2 drafter cached under
-``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~20
+``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~62
 min on 2 cores; its training prompts use seed 0, the benchmark's prompts seed 1: held
 out).
 
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
-DEFAULT_STRATEGIES = "1:5_1_5,2:3_1_3,4:3_1_3,8:2_1_2"
+DEFAULT_STRATEGIES = "1:6_1_6,2:3_1_3,4:3_1_3,8:3_1_3"
 
 
 def default_drafter_path() -> Path:
@@ -65,9 +65,10 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
     if quick:
         args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
                  "--batch-tokens", "1024"]
-    else:
-        args += ["--train-prompts", "1024", "--max-new-tokens", "256", "--epochs", "4",
-                 "--unroll", "2", "--batch-tokens", "1024", "--lr", "3e-3"]
+    else:  # responses are kept next to the drafter: an interrupted warm-up resumes
+        args += ["--train-prompts", "4096", "--max-new-tokens", "256", "--epochs", "3",
+                 "--unroll", "2", "--batch-tokens", "1024", "--lr", "3e-3",
+                 "--responses", str(path.with_suffix(".responses.jsonl"))]
     warmup_drafter.main(args)
     return path
 
