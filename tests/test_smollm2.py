@@ -138,6 +138,15 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     kept = (tmp_path / "resp.jsonl").read_text().splitlines()
     assert len(kept) == 1 + 24 and all(json.loads(x)["tokens"] for x in kept[1:])
+    # a larger run reuses them and generates only the new prompts' responses
+    r2 = run_script("tools/warmup_drafter.py", "--out", tmp_path / "unused.safetensors",
+                    "--train-prompts", 26, "--max-new-tokens", 96, "--generate-only",
+                    "--responses", tmp_path / "resp.jsonl", timeout=600)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "24/26 responses reused" in r2.stdout and "2/2 generated" in r2.stdout
+    assert (tmp_path / "resp.jsonl").read_text().splitlines()[:25] == kept
+    assert len((tmp_path / "resp.jsonl").read_text().splitlines()) == 1 + 26
+    assert not (tmp_path / "unused.safetensors").exists()
     res = json.loads(summary.read_text())
     assert res["identical"] == res["eval_prompts"] == 3
     assert res["accept_len"] > 1.3  # a drafter that learned something (random: ~1.0)

@@ -63,6 +63,9 @@ def parse_args(argv=None):
     ap.add_argument("--responses", default=None,
                     help="keep generated responses in this JSON-lines file and reuse them: "
                          "an interrupted or extended run generates only what is missing")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="stop after generating the responses (needs --responses): data "
+                         "made now, or on another machine, for a later training run")
     ap.add_argument("--chunk", type=int, default=256,
                     help="prompts per generate call (progress and --responses granularity)")
     ap.add_argument("--init", default=None, help="start from this drafter checkpoint")
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     if args.train_prompts < 1 or args.eval_prompts < 0 or args.epochs < 1 or args.chunk < 1:
         raise SystemExit("--train-prompts, --epochs and --chunk must be >= 1, "
                          "--eval-prompts >= 0")
+    if args.generate_only and not args.responses:
+        raise SystemExit("--generate-only needs --responses (where the responses are kept)")
     Strategy.parse(args.eval_strategy)
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -135,6 +140,10 @@ def main(argv=None) -> int:
         print(f"  {c + len(idx)}/{len(todo)} generated ({time.perf_counter() - t0:.0f}s)",
               flush=True)
     outs = [_Response(p, r) for p, r in zip(reqs, resp)]
+    if args.generate_only:
+        print(f"{len(outs)} responses ({sum(len(r) for r in resp)} tokens) in "
+              f"{args.responses}; done in {time.perf_counter() - t_start:.0f}s", flush=True)
+        return 0
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     n_resp = sum(len(o.token_ids) for o in outs)
 
