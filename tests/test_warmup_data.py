@@ -4,7 +4,10 @@ import json
 
 import pytest
 
-from megatron_tlt.drafter_training.responses import ResponseStore, ResponseStoreMismatch
+import torch
+
+from megatron_tlt.drafter_training.responses import (ResponseStore, ResponseStoreMismatch,
+                                                     weights_signature)
 
 META = {"model": "smollm2", "task": "basic_arithmetic", "seed": 0, "max_new_tokens": 8,
         "temperature": 0.0, "samples_per_prompt": 1}
@@ -61,3 +64,18 @@ def test_corruption_before_the_end_is_an_error(tmp_path):
     path.write_text("\n".join(lines))
     with pytest.raises(ResponseStoreMismatch, match="line 2 is corrupt"):
         ResponseStore(path, META)
+
+
+def test_weights_signature_follows_every_parameter():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    sig = weights_signature(m)
+    assert sig == weights_signature(m) and len(sig) == 16
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    twin.load_state_dict(m.state_dict())
+    assert weights_signature(twin) == sig
+    with torch.no_grad():
+        m[1].bias[1] += 1e-3
+    changed = weights_signature(m)
+    assert changed != sig
+    assert weights_signature(m.to(torch.bfloat16)) != changed  # (converts m in place)

@@ -116,9 +116,12 @@ def main(argv=None) -> int:
                         seed=args.seed)
     store = None
     if args.responses:
-        from megatron_tlt.drafter_training.responses import ResponseStore, ResponseStoreMismatch
+        from megatron_tlt.drafter_training.responses import (ResponseStore,
+                                                             ResponseStoreMismatch,
+                                                             weights_signature)
 
-        meta = {"model": str(args.model), "task": task, "seed": args.seed,
+        meta = {"model": str(args.model), "weights": weights_signature(engine.runner.model),
+                "task": task, "seed": args.seed,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "samples_per_prompt": args.samples_per_prompt}
         try:

@@ -3,8 +3,9 @@
 Generating the self-distillation data is the slow part of a warm-up (minutes to hours
 on CPU), so ``tools/warmup_drafter.py --responses FILE`` appends every finished chunk
 of responses to a JSON-lines file and, when run again, generates only what is missing.
-The first line records the settings the responses depend on (model, task, seed,
-sampling); a later run with other settings is refused instead of mixing data.
+The first line records the settings the responses depend on (model and a signature of
+its weights, task, seed, sampling); a later run with other settings is refused instead
+of mixing data.
 
     store = ResponseStore(path, {"model": ..., "task": ..., "max_new_tokens": 256})
     todo = [i for i, p in enumerate(prompts) if store.get(i, p) is None]
@@ -18,9 +19,25 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ResponseStore", "ResponseStoreMismatch"]
+__all__ = ["ResponseStore", "ResponseStoreMismatch", "weights_signature"]
 
 _FORMAT = "megatron_tlt.responses/1"
+
+
+def weights_signature(model) -> str:
+    """SHA-256 (first 16 hex digits) over the names, shapes, dtypes and bytes of a
+    model's parameters: responses are kept per policy, so a store made with other
+    weights behind the same path is refused (~0.5 s for SmolLM2's 540 MB)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()[:16]
 
 
 class ResponseStoreMismatch(ValueError):
