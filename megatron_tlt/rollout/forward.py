@@ -146,18 +146,14 @@ class ModelRunner:
             self._panels, self._packed_stack = {}, None
             return
         old, self._panels = self._panels, {}
-        mats = []
-        for w in self.kernel_weights():
-            if all(m is not w for m in mats):
-                mats.append(w)
+        mats = list({id(w): w for w in self.kernel_weights()}.values())  # each once
         fps = self.kernels.fingerprint([w.detach() for w in mats]).tolist()
         ws, bufs = [], []
         for w, fp in zip(mats, fps):
+            shape = (-(-w.shape[0] // _PANEL), w.shape[1], _PANEL)
             prev = old.get(id(w))
-            same = prev is not None and prev[0] is w and prev[1].shape[1] == w.shape[1] \
-                and prev[1].shape[0] == -(-w.shape[0] // _PANEL)
-            buf = prev[1] if same else torch.empty(
-                (-(-w.shape[0] // _PANEL), w.shape[1], _PANEL), dtype=w.dtype)
+            same = prev is not None and prev[0] is w and tuple(prev[1].shape) == shape
+            buf = prev[1] if same else torch.empty(shape, dtype=w.dtype)
             self._panels[id(w)] = (w, buf, fp)
             if same and prev[2] == fp:
                 continue  # unchanged since it was packed
