@@ -31,13 +31,6 @@ import torch  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 
-class _Response:
-    """A prompt and its generated tokens (fresh from the engine or from --responses)."""
-
-    def __init__(self, prompt_token_ids, token_ids):
-        self.prompt_token_ids, self.token_ids = list(prompt_token_ids), list(token_ids)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--model", default="smollm2", help="HF folder, checkpoint or 'smollm2'")
@@ -138,17 +131,16 @@ def main(argv=None) -> int:
         idx = todo[c: c + args.chunk]
         for i, o in zip(idx, engine.generate([reqs[i] for i in idx], sp)):
             resp[i] = o.token_ids
-            if store is not None:
-                store.add(i, reqs[i], o.token_ids)
+        if store is not None:
+            store.add_many((i, reqs[i], resp[i]) for i in idx)
         print(f"  {c + len(idx)}/{len(todo)} generated ({time.perf_counter() - t0:.0f}s)",
               flush=True)
-    outs = [_Response(p, r) for p, r in zip(reqs, resp)]
     if args.generate_only:
-        print(f"{len(outs)} responses ({sum(len(r) for r in resp)} tokens) in "
+        print(f"{len(resp)} responses ({sum(len(r) for r in resp)} tokens) in "
               f"{args.responses}; done in {time.perf_counter() - t_start:.0f}s", flush=True)
         return 0
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    n_resp = sum(len(o.token_ids) for o in outs)
+    seqs = [p + r for p, r in zip(reqs, resp)]
+    n_resp = sum(len(r) for r in resp)
 
     # 2. features
     if args.init:
@@ -160,7 +152,7 @@ def main(argv=None) -> int:
         drafter.reset_parameters(args.seed)
         if args.draft_vocab:
             eos = [t for t in engine.eos_token_ids]
-            drafter.d2t.copy_(draft_vocabulary([o.token_ids for o in outs], args.draft_vocab,
+            drafter.d2t.copy_(draft_vocabulary(resp, args.draft_vocab,
                                                arch.vocab_size, always=eos))
     print(f"[2/4] target features for {len(seqs)} sequences ({n_resp} response tokens)",
           flush=True)
@@ -170,10 +162,10 @@ def main(argv=None) -> int:
         engine.runner, seqs, drafter.config.feature_layers,
         progress=lambda k: (k % every == 0 or k == len(seqs)) and print(
             f"  {k}/{len(seqs)} sequences ({time.perf_counter() - t1:.0f}s)", flush=True))
-    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
-               for s, o, (f, h) in zip(seqs, outs, feats)]
+    samples = [DraftSample(s, len(p), f, h)
+               for s, p, (f, h) in zip(seqs, reqs, feats)]
     if args.draft_vocab:
-        covered = torch.isin(torch.tensor([t for o in outs for t in o.token_ids]),
+        covered = torch.isin(torch.tensor([t for r in resp for t in r]),
                              drafter.d2t.cpu()).float().mean()
         print(f"  draft vocabulary {args.draft_vocab} tokens covers {covered:.1%} of "
               f"response tokens", flush=True)

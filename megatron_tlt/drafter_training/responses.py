@@ -10,14 +10,14 @@ of mixing data.
     store = ResponseStore(path, {"model": ..., "task": ..., "max_new_tokens": 256})
     todo = [i for i, p in enumerate(prompts) if store.get(i, p) is None]
     ...
-    store.add(i, prompt, tokens)          # appended and flushed at once
+    store.add(i, prompt, tokens)          # or add_many(records): appended, flushed
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["ResponseStore", "ResponseStoreMismatch", "weights_signature"]
 
@@ -111,8 +111,16 @@ class ResponseStore:
         return list(rec[1])
 
     def add(self, index: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
-        rec = (list(map(int, prompt)), list(map(int, tokens)))
-        self._records[index] = rec
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"i": int(index), "prompt": rec[0], "tokens": rec[1]}) + "\n")
-            f.flush()
+        self.add_many([(index, prompt, tokens)])
+
+    def add_many(self, records: Iterable[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """Append (index, prompt, tokens) records in one write, flushed."""
+        lines = []
+        for index, prompt, tokens in records:
+            rec = (list(map(int, prompt)), list(map(int, tokens)))
+            self._records[int(index)] = rec
+            lines.append(json.dumps({"i": int(index), "prompt": rec[0], "tokens": rec[1]}))
+        if lines:
+            with open(self.path, "a") as f:
+                f.write("\n".join(lines) + "\n")
+                f.flush()
