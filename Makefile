@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install assets demo test test-fast docs clean-venv
+.PHONY: install assets demo test test-gpu test-fast docs clean-venv
 
 # torch first, pinned to the local CPU build: an unpinned torch would pull several GB
 # of CUDA wheels. On GPU clusters install your CUDA torch, then `pip install -e .[gpu]`.
@@ -30,6 +30,10 @@ demo: assets
 
 test: assets
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# CUDA paths (GPU machines only; not part of `make test`)
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests_gpu -rs $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not multiproc" $(PYTEST_ARGS)

@@ -38,30 +38,36 @@ def tiny(tiny_hf_dirs, single_process_parallel):
             for name in TINY_CONFIGS}
 
 
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory, single_process_parallel):
+def build_one_layer(folder, device=torch.device("cpu"), dtype="float32"):
     """A one-layer tiny Llama and an oracle-like drafter: the target's own layer and
     final norm, fc selecting the token embedding. It sees the sequence shifted by one
-    position (the first token missing), so q is close to p but not equal."""
-    from megatron_tlt.platform import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,
-                          num_hidden_layers=1)
-    model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
+    position (the first token missing), so q is close to p but not equal. Also a
+    confident random drafter. (tests_gpu/ builds the same on CUDA.)"""
+    model, arch = load_model(folder, device=device, dtype=dtype, impl="local")
     with torch.no_grad():  # peaked next-token distributions (few tokens carry the mass)
         model.decoder.final_layernorm.weight.mul_(3.0)
-    good = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    wdt = model.decoder.final_layernorm.weight.dtype
+    good = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=wdt, device=device)
     with torch.no_grad():
         good.layer.load_state_dict(model.decoder.layers[0].state_dict())
         h = arch.hidden_size
         good.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
         good.norm.copy_(model.decoder.final_layernorm.weight)
-    bad = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    bad = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=wdt, device=device)
     bad.reset_parameters(seed=11)
     with torch.no_grad():  # adversarial: confident, random proposals
         bad.norm.mul_(8.0)
     return model, arch, good, bad
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory, single_process_parallel):
+    from megatron_tlt.platform import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,
+                          num_hidden_layers=1)
+    return build_one_layer(folder)
 
 
 def _prompts(lengths=(3, 9, 1, 17, 5, 12), seed=0):
@@ -182,10 +188,11 @@ def _exact_joint(model, arch, prompt, sp: SamplingParams, n_tokens: int) -> dict
     probs = {(): 1.0}
     for _ in range(n_tokens):
         prefixes = list(probs)
-        ids = torch.tensor([prompt + list(c) for c in prefixes])
+        ids = torch.tensor([prompt + list(c) for c in prefixes],
+                           device=model.decoder.final_layernorm.weight.device)
         with torch.no_grad():
             lg = gather_logits(forward_local_logits(model, ids), arch)[:, -1]
-            p = processed_logprobs(lg, sp.temperature, sp.top_k, sp.top_p).exp()
+            p = processed_logprobs(lg.float(), sp.temperature, sp.top_k, sp.top_p).exp().cpu()
         nxt = {}
         for i, c in enumerate(prefixes):
             for y in torch.nonzero(p[i] > 0)[:, 0].tolist():
@@ -522,3 +529,26 @@ def test_off_arm_lets_a_bucket_choose_plain_steps(tiny):
     s = eng.last_stats.spec
     assert s.arms.get("0_0_0", 0) > 0 and s.arms.get("3_1_3", 0) == s.steps > 0
     assert eng.tuner.stats()["buckets"]["3+"]["0_0_0"]["pulls"] == s.arms["0_0_0"]
+
+
+def test_fp8_training_pads_positions_without_changing_outputs(tiny, monkeypatch):
+    """FP8 GEMMs need the token count to be a multiple of 8, so fp8 training pads the
+    positions at the end; causal attention keeps the real positions' outputs unchanged.
+    (The padding runs here with fp8_context stubbed out; tests_gpu/ runs it under TE.)"""
+    import contextlib
+
+    from megatron_tlt.models import drafter as drafter_mod
+
+    model, arch = tiny["llama_tied"]
+    d = _random_drafter(arch, seed=3)
+    g = torch.Generator().manual_seed(0)
+    t, h = 13, arch.hidden_size
+    emb, hid = torch.randn(2, t, h, generator=g), torch.randn(2, t, h, generator=g)
+    rope = model.rotary_pos_emb(t)
+    with torch.no_grad():
+        ref = d(emb, hid, rope)
+        monkeypatch.setattr(drafter_mod, "fp8_context", lambda enabled: contextlib.nullcontext())
+        d.config.fp8 = True
+        got = d(emb, hid, rope)
+    assert got.shape == ref.shape == (2, t, h)
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()

@@ -78,7 +78,7 @@ def check_outputs(engine, prompts, ours, ref, tie_margin: float) -> dict:
     from megatron_tlt.models.inference import forward_local_logits, gather_logits
 
     def next_logits(ids):
-        local = forward_local_logits(engine.runner.model, torch.tensor([ids]))
+        local = forward_local_logits(engine.runner.model, torch.tensor([ids], device=engine.device))
         return gather_logits(local, engine.arch)[0, -1]
 
     return check_ties(prompts, ours, ref, next_logits, tie_margin,
@@ -96,9 +96,9 @@ def drafter_cost(engine, reps: int = 20) -> dict:
                     head_dim=r.head_dim, dtype=r.dtype, device=r.device)
     dcache = KVCache(num_layers=1, max_batch=1, kv_heads=d.groups, capacity=n + 8,
                      head_dim=d.head_dim, dtype=d.dtype, device=d.device)
-    tok = torch.tensor([[5]])
-    pos = torch.tensor([n])
-    h = torch.randn(1, r.arch.hidden_size)
+    tok = torch.tensor([[5]], device=r.device)
+    pos = torch.tensor([n], device=r.device)
+    h = torch.randn(1, r.arch.hidden_size, device=r.device, dtype=r.dtype)
 
     def target():
         r.logits(r.extend(cache, slice(0, 1), tok, pos)[:, 0])
@@ -247,14 +247,16 @@ def main(argv=None) -> int:
     bs1 = next((r for r in rows if r["batch"] == 1), None)
     result = {
         "benchmark": "bench_spec",
-        "config": dict(model="SmolLM2-135M-Instruct", dtype="float32", drafter=str(dpath),
+        "config": dict(model="SmolLM2-135M-Instruct",
+                       dtype=str(engine.runner.dtype).replace("torch.", ""), drafter=str(dpath),
                        drafter_config=drafter.config.to_dict(), batch_sizes=sizes,
                        strategies=strat, prompts=args.prompts, new_tokens=args.new_tokens,
                        pairs=args.pairs,
                        tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
                        threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
                        torch=torch.__version__, megatron_core=megatron.core.__version__,
-                       device=platform.processor() or platform.machine(),
+                       device=(torch.cuda.get_device_name() if engine.device.type == "cuda"
+                               else platform.processor() or platform.machine()),
                        threads=torch.get_num_threads(), cpus=os.cpu_count()),
         "results": rows, "tail": tail, "drafter_cost": cost,
         "speedup_bs1": bs1["speedup"] if bs1 else None,

@@ -175,7 +175,7 @@ class EagleDrafter(torch.nn.Module):
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, device=device))
         else:
             self.d2t = None
-        self.layer.to(dtype=dtype)
+        self.layer.to(device=device, dtype=dtype)  # torch-norm fallbacks start on the CPU
         self.reset_parameters()
 
     @torch.no_grad()
@@ -207,10 +207,17 @@ class EagleDrafter(torch.nn.Module):
         [B, T, H] (already reduced), causal over T, positions 0..T-1 (``rotary_pos_emb``
         from the target's ``rotary_pos_emb(T)``)."""
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        t = x.shape[1]
+        pad = (-t) % 8 if self.config.fp8 else 0
+        if pad:  # FP8 GEMMs need B*T % 8 == 0: extra positions at the end, which the
+            # causal layer keeps out of the real ones, cut off again below
+            x = F.pad(x, (0, 0, 0, pad))
+            rotary_pos_emb = torch.cat([rotary_pos_emb, rotary_pos_emb[-1:].expand(
+                pad, *rotary_pos_emb.shape[1:])], dim=0)
         with fp8_context(self.config.fp8):
             out, _ = self.layer(hidden_states=x.transpose(0, 1).contiguous(),
                                 attention_mask=None, rotary_pos_emb=rotary_pos_emb)
-        out = out.transpose(0, 1)
+        out = out.transpose(0, 1)[:, :t]
         return F.rms_norm(out, (out.shape[-1],), self.norm, self.config.norm_epsilon)
 
     # ---------------------------------------------------------------- state
@@ -267,7 +274,8 @@ def fp8_layer_spec():
     att = sub.self_attention.submodules
     att.linear_qkv, att.linear_proj = TEColumnParallelLinear, TERowParallelLinear
     att.core_attention = TEDotProductAttention
-    mlp = sub.mlp.submodules
+    # megatron-core 0.19 wraps the MLP spec in functools.partial(..., submodules=...)
+    mlp = getattr(sub.mlp, "submodules", None) or sub.mlp.keywords["submodules"]
     mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
     return spec
 

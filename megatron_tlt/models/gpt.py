@@ -277,8 +277,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
             parallel_output=True,
             **rope_kwargs,
         )
-    if dtype != torch.float32:
-        # megatron-core builds its local-spec norms in fp32; like Megatron-LM's
-        # Float16Module, the whole model runs in the low-precision dtype.
-        model = model.to(dtype=dtype)
-    return model
+    # megatron-core builds its torch-norm fallback on the CPU (Megatron-LM moves the
+    # model with .cuda() afterwards), and its local-spec norms in fp32; like
+    # Megatron-LM's Float16Module, the whole model runs in the low-precision dtype.
+    return model.to(device=device, dtype=dtype)

@@ -4,9 +4,12 @@ A decode step at small batch is dominated by kernel-launch overhead on a GPU. Th
 captures ``ModelRunner.extend`` for one new token per row, once per batch-size bucket
 (1, 2, 4, 8, ... up to the cache's rows), and replays it:
 
-- inputs are copied into static buffers; rows past the running batch are padding
-  (token 0 at position 0 of a free cache row, which nothing reads: a row is prefilled
-  from scratch before it runs);
+- inputs are copied into static buffers; rows past the running batch are padding:
+  token 0 written at the cache's last position of a free row. The warm-up runs before
+  capture do the same for every row of the bucket, the running ones included, so they
+  must not write where a running row has keys: the last position is written by the
+  step that reaches it before anything reads it (and a free row is prefilled from
+  scratch before it runs);
 - attention reads a fixed span (the cache's whole capacity) with a length mask, so no
   step depends on host-side values;
 - the graphs are tied to one cache: a new cache (a longer call) re-captures.
@@ -43,6 +46,7 @@ class GraphedDecoder:
     def _reset(self, cache: KVCache) -> None:
         self.graphs.clear()
         self.cache = cache
+        self.pad_position = cache.capacity - 1
         self.pool = torch.cuda.graph_pool_handle()
         self.runner.rope(torch.zeros(1, dtype=torch.long, device=self.runner.device),
                          limit=cache.capacity)
@@ -50,7 +54,8 @@ class GraphedDecoder:
     def _capture(self, bucket: int) -> tuple:
         cache, runner = self.cache, self.runner
         tokens = torch.zeros(bucket, 1, dtype=torch.long, device=runner.device)
-        start = torch.zeros(bucket, dtype=torch.long, device=runner.device)
+        start = torch.full((bucket,), self.pad_position, dtype=torch.long,
+                           device=runner.device)
 
         def step():
             return runner.extend(cache, slice(0, bucket), tokens, start, span=cache.capacity)
@@ -76,7 +81,7 @@ class GraphedDecoder:
             self.graphs[bucket] = self._capture(bucket)
         graph, s_tokens, s_start, out = self.graphs[bucket]
         s_tokens.zero_()
-        s_start.zero_()
+        s_start.fill_(self.pad_position)
         s_tokens[:b].copy_(tokens)
         s_start[:b].copy_(start)
         graph.replay()

@@ -1,0 +1,271 @@
+"""The CUDA paths, on a machine with a GPU: ``python -m pytest tests_gpu``.
+
+`make test` (CPU) does not collect this folder. Here every test needs CUDA; a machine
+without it fails at collection rather than skipping, so a GPU run cannot pass vacuously.
+Tests that need an optional package (Transformer Engine, flash-attn) skip with the reason
+when it is absent, and `tools/gpu_check.sh` prints which ones ran.
+
+Covered: the rollout engine on CUDA against the CPU engine (fp32), CUDA graphs against
+eager decoding, bf16 decoding, greedy speculation equal to plain decoding (chain and
+tree, with and without graphs), the sampled-speculation chi-square test on CUDA, the
+Transformer Engine target, the FP8 drafter (decoding, training, exactness, acceptance
+against bf16) and flash-attn's KV-cache kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    raise RuntimeError("tests_gpu/ needs a CUDA device (torch reports none)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from megatron_tlt.config import RolloutConfig, SpeculativeConfig  # noqa: E402
+from megatron_tlt.models import load_model  # noqa: E402
+from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter  # noqa: E402
+from megatron_tlt.models.gpt import te_available  # noqa: E402
+from megatron_tlt.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,  # noqa: E402
+                              build_one_layer)
+from tiny_models import TINY_CONFIGS, save_tiny_hf  # noqa: E402
+
+CUDA = torch.device("cuda", 0)
+needs_te = pytest.mark.skipif(not te_available(), reason="Transformer Engine not installed")
+
+
+def _has_flash() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def parallel():
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.platform import init_distributed
+
+    plat = init_distributed()
+    assert plat.device.type == "cuda" and plat.backend == "nccl"
+    initialize_model_parallel(1, 1, seed=1234)
+    return plat
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {name: save_tiny_hf(name, root / name) for name in TINY_CONFIGS}
+
+
+def _engine(model, arch, drafter=None, strategy="4_1_4", **cfg):
+    sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=1 << 20)
+    return RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
+                         eos_token_ids=[], drafter=drafter)
+
+
+def _random_drafter(arch, dtype, seed=1, **kw):
+    d = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch, dtype=dtype, device=CUDA)
+    d.reset_parameters(seed=seed)
+    return d
+
+
+SP = SamplingParams(temperature=0.0, max_new_tokens=14, return_hidden_states=True)
+
+
+# ----------------------------------------------------------------------------- plain decoding
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_cuda_engine_matches_transformers(parallel, hf_dirs, name):
+    """fp32 on CUDA (local modules, sdpa): the engine's greedy tokens and log-probs are
+    Hugging Face transformers' on the same GPU."""
+    from transformers import AutoModelForCausalLM
+
+    model, arch = load_model(hf_dirs[name], device=CUDA, dtype="float32", impl="local")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dirs[name], torch_dtype=torch.float32).to(CUDA)
+    prompts = _prompts()
+    outs = _engine(model, arch, max_batch_size=4).generate(prompts, SP)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p], device=CUDA)
+        with torch.no_grad():  # greedy by full forwards (no generate() EOS handling)
+            for _ in range(SP.max_new_tokens):
+                ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        assert o.token_ids == ids[0, len(p):].tolist()
+        with torch.no_grad():
+            full = torch.tensor([p + o.token_ids], device=CUDA)
+            lp = torch.log_softmax(hf(full).logits[0, len(p) - 1:-1].float(), -1)
+        want = lp.gather(1, torch.tensor(o.token_ids, device=CUDA)[:, None])[:, 0]
+        assert (torch.tensor(o.logprobs, device=CUDA) - want).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_match_eager_decoding(parallel, hf_dirs, dtype):
+    """Graph replay (fixed attention span with a length mask, padded buckets) gives the
+    eager engine's tokens; rows enter and leave mid-run (max_batch_size 4 < 6 prompts)."""
+    model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype=dtype, impl="local")
+    prompts = _prompts()
+    eager = _engine(model, arch, max_batch_size=4, attention="sdpa").generate(prompts, SP)
+    eng = _engine(model, arch, max_batch_size=4, attention="sdpa", cuda_graphs=True)
+    graphed = eng.generate(prompts, SP)
+    again = eng.generate(prompts, SP)  # replays the captured graphs
+    for e, g, a in zip(eager, graphed, again):
+        assert a.token_ids == g.token_ids and a.logprobs == g.logprobs  # replay is stable
+        assert g.token_ids[0] == e.token_ids[0]  # the prefill (not graphed)
+        if dtype == "float32":
+            assert g.token_ids == e.token_ids
+            assert max(abs(x - y) for x, y in zip(g.logprobs, e.logprobs)) < 1e-4
+        # bf16: the tiny random model's next-token distributions are nearly flat, and a
+        # graph's attention over the whole cache span sums in another order, so bf16
+        # may flip near-ties; exactness is checked in fp32
+
+
+def test_bf16_decoding_follows_fp32(parallel, hf_dirs):
+    """The bf16 engine's log-probs of fp32's greedy tokens stay close (first steps)."""
+    m32, arch = load_model(hf_dirs["qwen2"], device=CUDA, dtype="float32", impl="local")
+    m16, _ = load_model(hf_dirs["qwen2"], device=CUDA, dtype="bfloat16", impl="local")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=3)
+    prompts = _prompts()
+    ref = _engine(m32, arch).generate(prompts, sp)
+    got = _engine(m16, arch).generate(prompts, sp)
+    first = [g.token_ids[0] == r.token_ids[0] for g, r in zip(got, ref)]
+    assert sum(first) >= len(first) - 1
+    for g, r in zip(got, ref):
+        assert abs(g.logprobs[0] - r.logprobs[0]) < 0.15
+
+
+@needs_te
+def test_transformer_engine_target_matches_local(parallel, hf_dirs):
+    """The same checkpoint built with Transformer Engine modules decodes like the local
+    modules (the engine reads TE's fused-norm weight names)."""
+    local, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="float32", impl="local")
+    te, _ = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="float32",
+                       impl="transformer_engine")
+    prompts = _prompts()
+    a = _engine(local, arch).generate(prompts, SP)
+    b = _engine(te, arch).generate(prompts, SP)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-3
+
+
+@pytest.mark.skipif(not _has_flash(), reason="flash-attn not installed")
+def test_flash_attention_matches_sdpa(parallel, hf_dirs):
+    model, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="bfloat16", impl="local")
+    prompts = _prompts()
+    sdpa = _engine(model, arch, attention="sdpa").generate(prompts, SP)
+    flash = _engine(model, arch, attention="flash").generate(prompts, SP)
+    for s, f in zip(sdpa, flash):
+        assert s.token_ids[:4] == f.token_ids[:4]
+
+
+# ----------------------------------------------------------------------------- speculation
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_3_8", "1_1_1"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_speculation_equals_plain_on_cuda(parallel, hf_dirs, strategy, graphs):
+    model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype="float32",
+                             impl="local")
+    prompts = _prompts()
+    plain = _engine(model, arch, max_batch_size=4).generate(prompts, SP)
+    eng = _engine(model, arch, _random_drafter(arch, torch.float32), strategy,
+                  max_batch_size=4, cuda_graphs=graphs)
+    outs = eng.generate(prompts, SP)
+    for o, r in zip(outs, plain):
+        assert o.token_ids == r.token_ids
+        assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
+        assert (o.hidden_states - r.hidden_states).abs().max() < 1e-4
+    assert eng.last_stats.spec_fraction == 1.0
+
+
+@pytest.fixture(scope="module")
+def one_layer_cuda(parallel, tmp_path_factory):
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,
+                          num_hidden_layers=1)
+    return build_one_layer(folder, device=CUDA)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+@pytest.mark.parametrize("drafter", ["good", "bad"])
+def test_sampled_speculation_reproduces_target_distribution_on_cuda(one_layer_cuda, kind,
+                                                                    drafter):
+    """20,000 three-token continuations sampled through the CUDA engine follow the
+    target's exact joint distribution (chi-square), as on CPU."""
+    model, arch, good, bad = one_layer_cuda
+    sp = SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3)
+    eng = _engine(model, arch, good if drafter == "good" else bad,
+                  "3_2_5" if kind == "tree" else "3_1_3", max_batch_size=5000)
+    prompt = [7, 100, 33, 250, 3]
+    counts = collections.Counter()
+    for call in range(4):
+        outs = eng.generate([prompt] * 5000,
+                            SamplingParams(**{**sp.__dict__, "seed": 1000 * call + 17}))
+        counts.update(tuple(o.token_ids) for o in outs)
+    assert eng.last_stats.spec.summary()["steps"] > 0
+    pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), 20_000)
+    assert pval > P_MIN, (kind, drafter, pval)
+
+
+# ----------------------------------------------------------------------------- FP8 drafter
+def _acceptance(model, arch, drafter, prompts):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    ref = [o.token_ids for o in _engine(model, arch).generate(prompts, sp)]
+    eng = _engine(model, arch, drafter, "4_1_4")
+    got = [o.token_ids for o in eng.generate(prompts, sp)]
+    return eng.last_stats.spec.accept_len, sum(g == r for g, r in zip(got, ref)) / len(ref)
+
+
+@needs_te
+def test_fp8_drafter_keeps_acceptance(parallel, tmp_path):
+    """The near-oracle drafter of the one-layer target, run through Transformer Engine's
+    FP8 GEMMs, accepts nearly as many tokens as in bf16 (the failure this guards against:
+    an FP8 drafter whose drafts are never accepted). bf16 verification may part from
+    plain decoding at near-ties, so exactness is asserted as a share of identical
+    outputs. SmolLM2 with a warmed drafter: tools/drafter_precision.py."""
+    folder = save_tiny_hf("llama_tied", tmp_path / "one_layer", seed=5, num_hidden_layers=1)
+    model, arch, good, _ = build_one_layer(folder, device=CUDA, dtype="bfloat16")
+    fp8 = _random_drafter(arch, torch.bfloat16, fp8=True)
+    fp8.load_own_state(good.own_state())
+    prompts = _prompts(lengths=[3 + i % 9 for i in range(24)], seed=8)
+    acc = {name: _acceptance(model, arch, d, prompts) for name, d in
+           [("bf16", good), ("fp8", fp8),
+            ("random", _random_drafter(arch, torch.bfloat16, seed=9))]}
+    print("acceptance (mean tokens per step, share identical):", acc)
+    assert acc["bf16"][0] > acc["random"][0] + 0.5, acc
+    assert acc["fp8"][0] > 0.85 * acc["bf16"][0], acc
+    for _, share in acc.values():
+        assert share >= 0.75, acc
+
+
+@needs_te
+def test_fp8_drafter_trains_like_bf16(parallel, hf_dirs):
+    """Training under fp8_autocast lowers the held-out EAGLE loss about as much as bf16
+    training does, from the same start."""
+    from megatron_tlt.drafter_training.trainer import DraftSample, DrafterTrainer, target_features
+
+    model, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="bfloat16",
+                             impl="local")
+    plain = _engine(model, arch)
+    prompts = _prompts(lengths=[3 + i % 9 for i in range(340)], seed=8)
+    outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
+               for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
+    train, held = samples[:300], samples[300:]
+    result = {}
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        d = _random_drafter(arch, torch.bfloat16, seed=2, fp8=fp8)
+        trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
+        with torch.no_grad():
+            _, before = trainer.loss(held)
+        trainer.fit(train, epochs=12, batch_tokens=1024, log=None)
+        with torch.no_grad():
+            _, after = trainer.loss(held)
+        result[name] = (before["hidden"], after["hidden"])
+    print("held-out hidden loss (before, after):", result)
+    for name, (before, after) in result.items():
+        assert after < 0.85 * before, result
+    assert result["fp8"][1] < 1.15 * result["bf16"][1], result
