@@ -139,7 +139,7 @@ class SpeculativeConfig:
         "plain step), so a bucket can learn that speculation does not pay there. On the "
         "command line quote a value that starts with * (YAML reads * as an alias): "
         "rollout.speculative.arms='\"*:2_1_2\"'.",
-        "1:5_1_5,6_1_6,7_1_7,4_2_6;2:3_1_3,4_1_4,5_1_5;3-4:2_1_2,3_1_3,4_1_4;"
+        "1:6_1_6,7_1_7,8_1_8,4_2_6;2:3_1_3,4_1_4,5_1_5;3-4:3_1_3,4_1_4,5_1_5;"
         "5-8:0_0_0,1_1_1,2_1_2,3_1_3;*:0_0_0,1_1_1")
     min_draft_prob: float = _help(
         "Chains stop drafting once the drafter's probability of the whole draft would "

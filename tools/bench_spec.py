@@ -5,9 +5,9 @@
     python tools/bench_spec.py --quick                         # < 3 min once warmed up
 
 The drafter is ``--drafter`` or, by default, a warmed SmolLM2 drafter cached under
-``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use, ~62
-min on 2 cores; its training prompts use seed 0, the benchmark's prompts seed 1: held
-out).
+``$MEGATRON_TLT_CACHE/drafters/`` (made by tools/warmup_drafter.py on first use from
+8,192 prompts, ~2 h on 2 cores; its training prompts use seed 0, the benchmark's
+prompts seed 1: held out).
 
 (a) batch sizes 1, 2, 4, 8: the same 8 real reasoning-gym prompts run in batches of
     that size (real responses, EOS ends them, cap --new-tokens), speculation on with a
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
-DEFAULT_STRATEGIES = "1:6_1_6,2:3_1_3,4:3_1_3,8:3_1_3"
+DEFAULT_STRATEGIES = "1:7_1_7,2:4_1_4,4:4_1_4,8:3_1_3"
 
 
 def default_drafter_path() -> Path:
@@ -66,7 +66,7 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
         args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
                  "--batch-tokens", "1024"]
     else:  # responses are kept next to the drafter: an interrupted warm-up resumes
-        args += ["--train-prompts", "4096", "--max-new-tokens", "256", "--epochs", "3",
+        args += ["--train-prompts", "8192", "--max-new-tokens", "256", "--epochs", "3",
                  "--unroll", "2", "--batch-tokens", "1024", "--lr", "3e-3",
                  "--responses", str(path.with_suffix(".responses.jsonl"))]
     warmup_drafter.main(args)
