@@ -468,17 +468,23 @@ def test_pruned_vocabulary_and_eagle3_drafters_decode_exactly(tiny):
             assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
 
 
+def self_distilled_samples(plain: RolloutEngine, n_train=300, n_held=40):
+    """The target's own sampled responses to random prompts, with their features, as
+    (train, held-out) DraftSample lists. (tests_gpu/ uses it too.)"""
+    prompts = _prompts(lengths=[3 + i % 9 for i in range(n_train + n_held)], seed=8)
+    outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
+               for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
+    return samples[:n_train], samples[n_train:]
+
+
 def test_drafter_training_learns_the_target(tiny):
     """A few hundred steps of the EAGLE loss on the target's own responses lower the
     held-out loss (SmolLM2's acceptance after warm-up is checked in test_smollm2.py)."""
     model, arch = tiny["llama_tied"]
     plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
-    prompts = _prompts(lengths=[3 + i % 9 for i in range(340)], seed=8)
-    outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
-               for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
-    train, held = samples[:300], samples[300:]
+    train, held = self_distilled_samples(plain)
     d = _random_drafter(arch, seed=2)
     trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
     with torch.no_grad():

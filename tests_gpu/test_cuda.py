@@ -32,7 +32,7 @@ from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter  # noqa: E40
 from megatron_tlt.models.gpt import te_available  # noqa: E402
 from megatron_tlt.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,  # noqa: E402
-                              build_one_layer)
+                              build_one_layer, self_distilled_samples)
 from tiny_models import TINY_CONFIGS, save_tiny_hf  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -244,17 +244,12 @@ def test_fp8_drafter_keeps_acceptance(parallel, tmp_path):
 def test_fp8_drafter_trains_like_bf16(parallel, hf_dirs):
     """Training under fp8_autocast lowers the held-out EAGLE loss about as much as bf16
     training does, from the same start."""
-    from megatron_tlt.drafter_training.trainer import DraftSample, DrafterTrainer, target_features
+    from megatron_tlt.drafter_training.trainer import DrafterTrainer
 
     model, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="bfloat16",
                              impl="local")
     plain = _engine(model, arch)
-    prompts = _prompts(lengths=[3 + i % 9 for i in range(340)], seed=8)
-    outs = plain.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    samples = [DraftSample(s, len(o.prompt_token_ids), f, h)
-               for s, o, (f, h) in zip(seqs, outs, target_features(plain.runner, seqs))]
-    train, held = samples[:300], samples[300:]
+    train, held = self_distilled_samples(plain)
     result = {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
         d = _random_drafter(arch, torch.bfloat16, seed=2, fp8=fp8)
