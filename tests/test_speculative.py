@@ -75,14 +75,14 @@ def _prompts(lengths=(3, 9, 1, 17, 5, 12), seed=0):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _spec_engine(model, arch, drafter, strategy="4_1_4", threshold=1 << 20, **cfg):
+def _spec_engine(model, arch, drafter=None, strategy="4_1_4", threshold=1 << 20, **cfg):
     sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold)
     return RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
                          eos_token_ids=[], drafter=drafter)
 
 
-def _random_drafter(arch, seed=1, **kw):
-    d = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch)
+def _random_drafter(arch, seed=1, dtype=torch.float32, device="cpu", **kw):
+    d = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch, dtype=dtype, device=device)
     d.reset_parameters(seed=seed)
     return d
 
@@ -479,19 +479,24 @@ def self_distilled_samples(plain: RolloutEngine, n_train=300, n_held=40):
     return samples[:n_train], samples[n_train:]
 
 
+def train_and_measure(drafter, runner, train, held):
+    """Held-out loss parts before and after 12 epochs of EAGLE training."""
+    trainer = DrafterTrainer(drafter, runner, lr=3e-3, total_steps=300, warmup_steps=10)
+    with torch.no_grad():
+        _, before = trainer.loss(held)
+    trainer.fit(train, epochs=12, batch_tokens=1024, log=None)
+    with torch.no_grad():
+        _, after = trainer.loss(held)
+    return before, after
+
+
 def test_drafter_training_learns_the_target(tiny):
     """A few hundred steps of the EAGLE loss on the target's own responses lower the
     held-out loss (SmolLM2's acceptance after warm-up is checked in test_smollm2.py)."""
     model, arch = tiny["llama_tied"]
     plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     train, held = self_distilled_samples(plain)
-    d = _random_drafter(arch, seed=2)
-    trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
-    with torch.no_grad():
-        _, before = trainer.loss(held)
-    trainer.fit(train, epochs=12, batch_tokens=1024, log=None)
-    with torch.no_grad():
-        _, after = trainer.loss(held)
+    before, after = train_and_measure(_random_drafter(arch, seed=2), plain.runner, train, held)
     # the random tiny target's next-token distributions are nearly uniform (soft CE
     # ~ ln 251), so the learnable signal is the next hidden state
     assert after["hidden"] < 0.85 * before["hidden"], (before, after)

@@ -26,13 +26,13 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from megatron_tlt.config import RolloutConfig, SpeculativeConfig  # noqa: E402
 from megatron_tlt.models import load_model  # noqa: E402
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter  # noqa: E402
 from megatron_tlt.models.gpt import te_available  # noqa: E402
-from megatron_tlt.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from megatron_tlt.rollout import SamplingParams  # noqa: E402
 from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,  # noqa: E402
-                              build_one_layer, self_distilled_samples)
+                              _spec_engine, build_one_layer, self_distilled_samples,
+                              train_and_measure)
+from test_speculative import _random_drafter as _random_drafter_on  # noqa: E402
 from tiny_models import TINY_CONFIGS, save_tiny_hf  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -64,16 +64,11 @@ def hf_dirs(tmp_path_factory):
     return {name: save_tiny_hf(name, root / name) for name in TINY_CONFIGS}
 
 
-def _engine(model, arch, drafter=None, strategy="4_1_4", **cfg):
-    sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=1 << 20)
-    return RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
-                         eos_token_ids=[], drafter=drafter)
+_engine = _spec_engine  # speculation fixed at a strategy, on whenever a drafter is given
 
 
 def _random_drafter(arch, dtype, seed=1, **kw):
-    d = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch, dtype=dtype, device=CUDA)
-    d.reset_parameters(seed=seed)
-    return d
+    return _random_drafter_on(arch, seed=seed, dtype=dtype, device=CUDA, **kw)
 
 
 SP = SamplingParams(temperature=0.0, max_new_tokens=14, return_hidden_states=True)
@@ -244,21 +239,14 @@ def test_fp8_drafter_keeps_acceptance(parallel, tmp_path):
 def test_fp8_drafter_trains_like_bf16(parallel, hf_dirs):
     """Training under fp8_autocast lowers the held-out EAGLE loss about as much as bf16
     training does, from the same start."""
-    from megatron_tlt.drafter_training.trainer import DrafterTrainer
-
     model, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="bfloat16",
                              impl="local")
     plain = _engine(model, arch)
     train, held = self_distilled_samples(plain)
     result = {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
-        d = _random_drafter(arch, torch.bfloat16, seed=2, fp8=fp8)
-        trainer = DrafterTrainer(d, plain.runner, lr=3e-3, total_steps=300, warmup_steps=10)
-        with torch.no_grad():
-            _, before = trainer.loss(held)
-        trainer.fit(train, epochs=12, batch_tokens=1024, log=None)
-        with torch.no_grad():
-            _, after = trainer.loss(held)
+        before, after = train_and_measure(_random_drafter(arch, torch.bfloat16, seed=2, fp8=fp8),
+                                          plain.runner, train, held)
         result[name] = (before["hidden"], after["hidden"])
     print("held-out hidden loss (before, after):", result)
     for name, (before, after) in result.items():

@@ -46,7 +46,6 @@ class GraphedDecoder:
     def _reset(self, cache: KVCache) -> None:
         self.graphs.clear()
         self.cache = cache
-        self.pad_position = cache.capacity - 1
         self.pool = torch.cuda.graph_pool_handle()
         self.runner.rope(torch.zeros(1, dtype=torch.long, device=self.runner.device),
                          limit=cache.capacity)
@@ -54,7 +53,7 @@ class GraphedDecoder:
     def _capture(self, bucket: int) -> tuple:
         cache, runner = self.cache, self.runner
         tokens = torch.zeros(bucket, 1, dtype=torch.long, device=runner.device)
-        start = torch.full((bucket,), self.pad_position, dtype=torch.long,
+        start = torch.full((bucket,), cache.capacity - 1, dtype=torch.long,
                            device=runner.device)
 
         def step():
@@ -81,7 +80,7 @@ class GraphedDecoder:
             self.graphs[bucket] = self._capture(bucket)
         graph, s_tokens, s_start, out = self.graphs[bucket]
         s_tokens.zero_()
-        s_start.fill_(self.pad_position)
+        s_start.fill_(cache.capacity - 1)  # padding rows: see the module docstring
         s_tokens[:b].copy_(tokens)
         s_start[:b].copy_(start)
         graph.replay()
