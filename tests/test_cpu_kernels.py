@@ -113,6 +113,35 @@ def test_linear_rejects_bad_input(kern):
         kern.linear(torch.randn(8, 2).t(), kern.pack_weight(torch.randn(4, 8)), 4)
 
 
+def test_argmax_rows_matches_torch(kern):
+    """First of equal maxima, first NaN, all -inf, a column limit and a row stride, odd
+    widths (vector body and scalar tail)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 1000, 49152):
+        x = torch.randn(9, n, generator=g)
+        assert torch.equal(kern.argmax_rows(x, n), torch.argmax(x, dim=-1)), n
+    x = torch.randn(6, 100, generator=g)
+    x[0, [3, 40, 99]] = 50.0  # ties: the first
+    x[1, 70] = float("nan")
+    x[1, 80] = float("nan")
+    x[2] = float("-inf")
+    x[3, 96:] = 60.0  # the maximum in the scalar tail
+    x[4, 5] = -0.0
+    x[4] = -1.0
+    x[4, 7] = 0.0
+    x[4, 5] = -0.0  # -0.0 == 0.0: the first of the two
+    assert torch.equal(kern.argmax_rows(x, 100), torch.argmax(x, dim=-1))
+    assert kern.argmax_rows(x, 100).tolist()[:5] == [3, 70, 0, 96, 5]
+    wide = torch.randn(4, 130, generator=g)
+    assert torch.equal(kern.argmax_rows(wide, 100), torch.argmax(wide[:, :100], dim=-1))
+    view = wide[:, :100]  # row stride 130
+    assert torch.equal(kern.argmax_rows(view, 100), torch.argmax(view, dim=-1))
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        kern.argmax_rows(wide.t(), 4)
+    with pytest.raises(RuntimeError):
+        kern.argmax_rows(wide, 131)
+
+
 def test_rms_norm_and_silu_mul_match_torch(kern):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 77, generator=g) * 3

@@ -109,7 +109,7 @@ def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
     return float(sps.chisquare(obs, exp).pvalue)
 
 
-def _wrong_accept_chain(p, q, drafts, gen, greedy):
+def _wrong_accept_chain(p, q, drafts, gen, greedy, kernels=None):
     """A lossy rule seen in the wild: sample from p (not the residual) on rejection."""
     for i, x in enumerate(drafts):
         if float(torch.rand((), generator=gen)) * float(q[i, x].exp()) < float(p[i, x].exp()):
@@ -278,6 +278,56 @@ def test_greedy_speculation_equals_plain_decoding(tiny, name, strategy):
         assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
         assert (o.hidden_states - r.hidden_states).abs().max() < 1e-4
     assert eng.last_stats.spec_fraction == 1.0
+
+
+def _recorded_drafts(eng, prompts, sp):
+    """Every speculative step's chain drafts (per row), and the outputs."""
+    seen, verify = [], eng.spec._verify_chains
+
+    def record(cache, rows, drafts, hook):
+        seen.append([list(d) for d in drafts])
+        return verify(cache, rows, drafts, hook)
+    eng.spec._verify_chains = record
+    return seen, [o.token_ids for o in eng.generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("kind", ["good", "pruned", "eagle3"])
+def test_fused_greedy_drafting_equals_the_step_by_step_path(tiny, one_layer, kind,
+                                                            monkeypatch):
+    """cpu_kernels.draft_chain (catch-up and the whole greedy chain in one call) drafts
+    exactly what the step-by-step path drafts, step by step, with rows entering and
+    leaving the batch and multi-token catch-ups (a good drafter)."""
+    if kind == "good":
+        model, arch, drafter, _ = one_layer
+    else:
+        model, arch = tiny["qwen2"]
+        drafter = (_random_drafter(arch, seed=3, draft_vocab_size=64) if kind == "pruned"
+                   else _random_drafter(arch, seed=3, feature_layers="auto"))
+        if kind == "pruned":
+            drafter.d2t.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
+                              [:64].sort().values)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
+    prompts = _prompts(lengths=(3, 9, 1, 17, 5, 12, 4), seed=4)
+    fused = _spec_engine(model, arch, drafter, "5_1_5", max_batch_size=3)
+    calls = []
+    kernel = fused.spec.draft.kernels
+    assert kernel is not None
+
+    class Counting:  # count the fused calls, pass everything else through
+        def __getattr__(self, name):
+            if name == "draft_chain":
+                calls.append(1)
+            return getattr(kernel, name)
+    fused.spec.draft.kernels = Counting()
+    got_drafts, got = _recorded_drafts(fused, prompts, sp)
+    assert len(calls) == len(got_drafts) > 0
+    ref_eng = _spec_engine(model, arch, drafter, "5_1_5", max_batch_size=3)
+    monkeypatch.setattr(type(ref_eng.spec), "_fused_chain", lambda self, rows: False)
+    ref_drafts, ref = _recorded_drafts(ref_eng, prompts, sp)
+    assert got == ref
+    assert got_drafts == ref_drafts
+    if kind == "good":
+        assert fused.last_stats.spec.accept_len > 2.0  # catch-ups span several positions
 
 
 def test_drafter_shares_the_targets_packed_output_layer(tiny):
@@ -466,6 +516,47 @@ def test_pruned_vocabulary_and_eagle3_drafters_decode_exactly(tiny):
         for strategy in ("4_1_4", "3_2_5"):
             eng = _spec_engine(model, arch, d, strategy)
             assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
+
+
+def test_set_draft_vocabulary_reselects_rows_without_touching_weights(tiny, tmp_path):
+    """Re-selecting a trained drafter's draft vocabulary (warmup_drafter --init
+    --draft-vocab N --epochs 0): only d2t changes, the checkpoint keeps the choice, the
+    draft logits are the full head's logits at those ids, decoding stays exact."""
+    from megatron_tlt.rollout.speculative import DraftRunner
+
+    model, arch = tiny["qwen2"]
+    d = _random_drafter(arch, seed=4)
+    before = d.own_state()
+    ids = torch.tensor([7, 3, 90, 41, 5])
+    d.set_draft_vocabulary(ids)
+    assert d.config.draft_vocab_size == 5 and d.d2t.tolist() == [3, 5, 7, 41, 90]
+    after = d.own_state()
+    assert after.keys() - before.keys() == {"d2t"}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    loaded = load_drafter(save_drafter(d, tmp_path / "p.safetensors"), arch)
+    assert loaded.config.draft_vocab_size == 5 and torch.equal(loaded.d2t, d.d2t)
+
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    full = DraftRunner(_random_drafter(arch, seed=4), plain.runner)
+    pruned = DraftRunner(d, plain.runner)
+    for r in (full, pruned):
+        r.refresh()
+    h = torch.randn(3, arch.hidden_size)
+    assert torch.allclose(pruned.draft_logits(h), full.draft_logits(h)[:, d.d2t], atol=1e-5)
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+    prompts = _prompts()
+    ref = [o.token_ids for o in plain.generate(prompts, sp)]
+    d.set_draft_vocabulary(draft_vocabulary([p + r for p, r in zip(prompts, ref)], 32, VOCAB))
+    assert d.config.draft_vocab_size == 32
+    got = _spec_engine(model, arch, d, "4_1_4").generate(prompts, sp)
+    assert [o.token_ids for o in got] == ref
+
+    d.set_draft_vocabulary(None)  # back to the full vocabulary
+    assert d.d2t is None and d.config.draft_vocab_size == 0 and "d2t" not in d.own_state()
+    for bad in ([], [1, 1], [-1, 2], [VOCAB]):
+        with pytest.raises(ValueError, match="distinct target token ids"):
+            d.set_draft_vocabulary(torch.tensor(bad, dtype=torch.long))
 
 
 def self_distilled_samples(plain: RolloutEngine, n_train=300, n_held=40):

@@ -42,11 +42,14 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the training responses (0 = greedy)")
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=6,
+                    help="training epochs; 0 with --init: no training, only --draft-vocab's "
+                         "re-selection and the held-out evaluation")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="prune the draft vocabulary to the N most frequent tokens (0 = full)")
+                    help="prune the draft vocabulary to the N most frequent response tokens "
+                         "(0 = full; with --init: re-select, 0 keeps the checkpoint's)")
     ap.add_argument("--eagle3", action="store_true", help="three target layers as features")
     ap.add_argument("--unroll", type=int, default=1,
                     help="training passes; pass k feeds the drafter its own outputs (as "
@@ -71,17 +74,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     silence_expected_warnings()
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
-    from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer,
-                                                       draft_vocabulary, target_features)
+    from megatron_tlt.drafter_training.trainer import draft_vocabulary
     from megatron_tlt.models.drafter import (DrafterConfig, EagleDrafter, load_drafter,
                                              save_drafter)
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
     from megatron_tlt.rollout.tuner import Strategy
     from megatron_tlt.rollout.workload import DEFAULT_TASK, reasoning_gym_prompts
 
-    if args.train_prompts < 1 or args.eval_prompts < 0 or args.epochs < 1 or args.chunk < 1:
-        raise SystemExit("--train-prompts, --epochs and --chunk must be >= 1, "
+    if args.train_prompts < 1 or args.eval_prompts < 0 or args.epochs < 0 or args.chunk < 1:
+        raise SystemExit("--train-prompts and --chunk must be >= 1, --epochs and "
                          "--eval-prompts >= 0")
+    if args.epochs == 0 and not args.init:
+        raise SystemExit("--epochs 0 (no training) needs --init: a drafter to re-select the "
+                         "draft vocabulary of and evaluate")
     if args.generate_only and not args.responses:
         raise SystemExit("--generate-only needs --responses (where the responses are kept)")
     Strategy.parse(args.eval_strategy)
@@ -143,51 +148,46 @@ def main(argv=None) -> int:
     n_resp = sum(len(r) for r in resp)
 
     # 2. features
+    eos = list(engine.eos_token_ids)
     if args.init:
         drafter = load_drafter(args.init, arch, dtype=engine.runner.dtype, device=engine.device)
+        if args.draft_vocab:  # the head is the target's: re-selecting rows keeps the training
+            drafter.set_draft_vocabulary(draft_vocabulary(resp, args.draft_vocab,
+                                                          arch.vocab_size, always=eos))
     else:
         cfg = DrafterConfig.for_target(arch, feature_layers="auto" if args.eagle3 else (),
                                        draft_vocab_size=args.draft_vocab)
         drafter = EagleDrafter(cfg, arch, dtype=engine.runner.dtype, device=engine.device)
         drafter.reset_parameters(args.seed)
         if args.draft_vocab:
-            eos = [t for t in engine.eos_token_ids]
             drafter.d2t.copy_(draft_vocabulary(resp, args.draft_vocab,
                                                arch.vocab_size, always=eos))
-    print(f"[2/4] target features for {len(seqs)} sequences ({n_resp} response tokens)",
-          flush=True)
-    t1 = time.perf_counter()
-    every = max(1, len(seqs) // 10)
-    feats = target_features(
-        engine.runner, seqs, drafter.config.feature_layers,
-        progress=lambda k: (k % every == 0 or k == len(seqs)) and print(
-            f"  {k}/{len(seqs)} sequences ({time.perf_counter() - t1:.0f}s)", flush=True))
-    samples = [DraftSample(s, len(p), f, h)
-               for s, p, (f, h) in zip(seqs, reqs, feats)]
     if args.draft_vocab:
         covered = torch.isin(torch.tensor([t for r in resp for t in r]),
                              drafter.d2t.cpu()).float().mean()
         print(f"  draft vocabulary {args.draft_vocab} tokens covers {covered:.1%} of "
               f"response tokens", flush=True)
-
-    # 3. training
-    n_batches = max(1, sum(len(s) for s in seqs) // args.batch_tokens)
-    total = args.epochs * n_batches
-    print(f"[3/4] training: {args.epochs} epochs, ~{total} steps, lr {args.lr}", flush=True)
-    t2 = time.perf_counter()
-    trainer = DrafterTrainer(drafter, engine.runner, lr=args.lr, total_steps=total,
-                             warmup_steps=max(1, total // 20), unroll=args.unroll)
-    hist = trainer.fit(samples, epochs=args.epochs, batch_tokens=args.batch_tokens,
-                       seed=args.seed, log_every=max(1, total // 20))
-    out = save_drafter(drafter, args.out, extra={
-        "task": task, "train_prompts": args.train_prompts, "response_tokens": n_resp,
-        "epochs": args.epochs, "temperature": args.temperature})
+    t1 = time.perf_counter()
+    if args.epochs == 0:
+        print("[2/4] [3/4] no training (--epochs 0)", flush=True)
+        hist: list[dict] = []
+        t2 = time.perf_counter()
+    else:
+        hist, t2 = _train(args, engine, drafter, seqs, reqs, n_resp)
+    extra = {"task": task, "temperature": args.temperature}
+    if args.epochs:  # (without training the checkpoint keeps its own training record)
+        extra.update(train_prompts=args.train_prompts, response_tokens=n_resp,
+                     epochs=args.epochs)
+    if args.init:
+        extra["init"] = Path(args.init).name
+    out = save_drafter(drafter, args.out, extra=extra)
     print(f"  saved {out}", flush=True)
 
     # 4. evaluation
     result = {"checkpoint": str(out), "task": task, "response_tokens": n_resp,
-              "train_steps": len(hist), "final_loss": hist[-1]["loss"],
-              "final_top1": hist[-1]["top1"], "generate_seconds": t1 - t0,
+              "train_steps": len(hist),
+              "final_loss": hist[-1]["loss"] if hist else None,
+              "final_top1": hist[-1]["top1"] if hist else None, "generate_seconds": t1 - t0,
               "train_seconds": time.perf_counter() - t2}
     if eval_p:
         print(f"[4/4] held-out: {len(eval_p)} prompts, strategy {args.eval_strategy}, "
@@ -208,6 +208,35 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _train(args, engine, drafter, seqs, reqs, n_resp):
+    """Steps 2 and 3: the target's features over every sequence, then training.
+    Returns the training history and the time training started."""
+    from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer,
+                                                       target_features)
+
+    print(f"[2/4] target features for {len(seqs)} sequences ({n_resp} response tokens)",
+          flush=True)
+    t1 = time.perf_counter()
+    every = max(1, len(seqs) // 10)
+    feats = target_features(
+        engine.runner, seqs, drafter.config.feature_layers,
+        progress=lambda k: (k % every == 0 or k == len(seqs)) and print(
+            f"  {k}/{len(seqs)} sequences ({time.perf_counter() - t1:.0f}s)", flush=True))
+    samples = [DraftSample(s, len(p), f, h)
+               for s, p, (f, h) in zip(seqs, reqs, feats)]
+
+    # 3. training
+    n_batches = max(1, sum(len(s) for s in seqs) // args.batch_tokens)
+    total = args.epochs * n_batches
+    print(f"[3/4] training: {args.epochs} epochs, ~{total} steps, lr {args.lr}", flush=True)
+    t2 = time.perf_counter()
+    trainer = DrafterTrainer(drafter, engine.runner, lr=args.lr, total_steps=total,
+                             warmup_steps=max(1, total // 20), unroll=args.unroll)
+    hist = trainer.fit(samples, epochs=args.epochs, batch_tokens=args.batch_tokens,
+                       seed=args.seed, log_every=max(1, total // 20))
+    return hist, t2
 
 
 if __name__ == "__main__":

@@ -195,6 +195,30 @@ class EagleDrafter(torch.nn.Module):
             n = len(self.config.feature_layers)
             self.feature_fc.weight.add_(torch.cat([eye / n] * n, dim=1).to(self.feature_fc.weight))
 
+    @torch.no_grad()
+    def set_draft_vocabulary(self, ids: Optional[torch.Tensor]) -> None:
+        """Draft over target tokens ``ids`` (distinct, any order; stored sorted) or, with
+        None, the full vocabulary. The drafter's head is the target's output layer (rows
+        ``ids`` of it), so this changes no trained weight: it only decides which tokens
+        can be drafted and how many logits a draft step computes. A runner made from
+        this drafter must be rebuilt or ``refresh``-ed afterwards."""
+        if ids is None:
+            self.d2t = None
+            self.config.draft_vocab_size = 0
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if (ids.numel() == 0 or ids.unique().numel() != ids.numel() or int(ids.min()) < 0
+                or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError("a draft vocabulary is one or more distinct target token ids "
+                             f"in [0, {self.config.vocab_size})")
+        device = self.fc.weight.device
+        if "d2t" in self._buffers:
+            del self._buffers["d2t"]
+        else:
+            self.__dict__.pop("d2t", None)
+        self.register_buffer("d2t", torch.sort(ids).values.to(device))
+        self.config.draft_vocab_size = ids.numel()
+
     # ---------------------------------------------------------------- features
     def reduce_features(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., feature_width] -> h [..., H]."""

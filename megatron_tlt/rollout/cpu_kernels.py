@@ -23,7 +23,13 @@ kernels run the step close to the bandwidth floor:
   softmax's exp vectorised;
 - ``silu_mul(h)``: silu(h[:, :F]) * h[:, F:];
 - ``decode_layers(...)``: the whole decoder stack of one decode step (tensor parallel
-  size 1) in one call, from the embeddings to the final norm (packed matrices).
+  size 1) in one call, from the embeddings to the final norm (packed matrices);
+- ``argmax_rows(x, n)``: torch.argmax over the first n columns of each row (first of
+  equal maxima, NaN as the largest), a vectorised scan (torch's CPU argmax reads ~1 GB/s);
+- ``draft_chain(...)``: a speculative step's greedy drafting with the EAGLE drafter in
+  one call: its catch-up over the pending (token, feature) pairs, then every draft token
+  of every row (argmax, fc over [embedding; feature], ``decode_layers``, draft head),
+  the same operations in the same order as the step-by-step path.
 
 Vectors are written with GCC/Clang vector extensions (16 floats), so the same source
 builds AVX-512, AVX2 or SSE code for the machine it is compiled on (``-march=native``).
@@ -616,6 +622,180 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
   return out;
 }
 
+// ---------------------------------------------------------------- argmax, greedy drafting
+static inline bool any_lane(v16i m) {
+  int32_t a[16];
+  std::memcpy(a, &m, sizeof a);
+  int32_t r = 0;
+  for (int k = 0; k < 16; ++k) r |= a[k];
+  return r != 0;
+}
+
+// Index of the largest of x[0..n) as torch.argmax gives it: the first of equal maxima,
+// the first NaN when there is one.
+static int64_t argmax_row(const float* x, int64_t n) {
+  v16 m = splat(-INFINITY);
+  v16i nan = v16i{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = ld(x + i);
+    nan |= (v != v);
+    m = v > m ? v : m;
+  }
+  float mx = -INFINITY;
+  {
+    float a[16];
+    std::memcpy(a, &m, sizeof a);
+    for (int k = 0; k < 16; ++k) mx = std::max(mx, a[k]);
+  }
+  bool has_nan = any_lane(nan);
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) has_nan = true;
+    else mx = std::max(mx, x[j]);
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const v16 target = splat(mx);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    if (any_lane(ld(x + j) == target)) break;
+  for (; j < n; ++j)
+    if (x[j] == mx) return j;
+  return 0;  // n == 0
+}
+
+// argmax over the first n columns of every row of x [M, >= n] (unit column stride).
+torch::Tensor argmax_rows(torch::Tensor x, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 &&
+              x.stride(1) == 1 && n > 0 && n <= x.size(1),
+              "argmax_rows takes a float32 CPU matrix with unit column stride");
+  const int64_t M = x.size(0), ld = x.stride(0);
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) if (M * n >= (1 << 20))
+  for (int64_t m = 0; m < M; ++m) o[m] = argmax_row(xp + m * ld, n);
+  return out;
+}
+
+// fc([embed(tok[n]); feat[n]]) for N rows -> out [N, H] (fc_w packed, H x 2H).
+static torch::Tensor draft_inputs(const int64_t* tok, const float* feat, int64_t N, int64_t H,
+                                  const torch::Tensor& embed_w, const torch::Tensor& fc_w) {
+  const int64_t V = embed_w.size(0);
+  auto x = torch::empty({N, 2 * H}, embed_w.options());
+  float* xp = x.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(tok[n] >= 0 && tok[n] < V, "token outside the embedding");
+    std::memcpy(xp + n * 2 * H, embed_w.data_ptr<float>() + tok[n] * H, H * sizeof(float));
+    std::memcpy(xp + n * 2 * H + H, feat + n * H, H * sizeof(float));
+  }
+  auto out = torch::empty({N, H}, embed_w.options());
+  gemm(xp, N, 2 * H, fc_w.data_ptr<float>(), H, out.data_ptr<float>(), nullptr, false);
+  return out;
+}
+
+// RoPE rows for positions pos[0..N) from the model's tables (rotate-half signs applied).
+static void rope_rows(const int64_t* pos, int64_t N, int64_t D, const torch::Tensor& cos_table,
+                      const torch::Tensor& sin_table, torch::Tensor& cos, torch::Tensor& sin) {
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(pos[n] >= 0 && pos[n] < cos_table.size(0), "RoPE table too short");
+    const float* cs = cos_table.data_ptr<float>() + pos[n] * D;
+    const float* sn = sin_table.data_ptr<float>() + pos[n] * D;
+    float* co = cos.data_ptr<float>() + n * D;
+    float* so = sin.data_ptr<float>() + n * D;
+    for (int64_t d = 0; d < D; ++d) {
+      co[d] = cs[d];
+      so[d] = d < D / 2 ? -sn[d] : sn[d];
+    }
+  }
+}
+
+// Greedy chain drafting in one call, catch-up included. First the drafter runs on the
+// pending pairs (tok[n], feat[n]) -- query n at position pos[n] of cache row row_of[n]
+// (ragged chains per row, as decode_layers takes them) -- and each row's last pending
+// query (index last[b]) is its root: output h and draft logits. Then ``depth`` tokens per
+// row: token j = d2t[argmax of the first vocab logits] (the argmax without d2t); for
+// j < depth - 1 the drafter runs on (token j, h) at position start[b] + j of cache row b.
+// Each drafter run is fc([embed; h]) -> decode_layers (its layer(s) and final norm) ->
+// head (a packed weight of head_n rows). The same kernels in the same order as the
+// step-by-step path, so the same drafts. cos_table, sin_table [P, D]: the model's RoPE.
+// Returns the draft tokens [B, depth].
+torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor row_of,
+                          torch::Tensor pos, torch::Tensor last, torch::Tensor start,
+                          int64_t depth, int64_t vocab, torch::Tensor d2t,
+                          torch::Tensor embed_w, torch::Tensor fc_w,
+                          std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> qkv_w,
+                          std::vector<torch::Tensor> qkv_b, std::vector<torch::Tensor> proj_w,
+                          std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> fc1_w,
+                          std::vector<torch::Tensor> fc2_w, torch::Tensor final_norm,
+                          torch::Tensor k_cache, torch::Tensor v_cache,
+                          torch::Tensor cos_table, torch::Tensor sin_table,
+                          int64_t G, int64_t HPG, int64_t D, double scale, double eps,
+                          torch::Tensor head_w, int64_t head_n) {
+  check_f32(feat, "features"); check_f32(embed_w, "embedding");
+  check_f32(cos_table, "cos table"); check_f32(sin_table, "sin table");
+  for (auto* t : {&tok, &row_of, &pos, &last, &start})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kLong,
+                "token, row, position and index vectors must be contiguous int64");
+  const int64_t N = tok.numel(), B = start.numel(), H = embed_w.size(1);
+  TORCH_CHECK(feat.dim() == 2 && feat.size(0) == N && feat.size(1) == H && pos.numel() == N &&
+              row_of.numel() == N && last.numel() == B && B > 0 && depth >= 1,
+              "draft_chain shapes");
+  TORCH_CHECK(cos_table.size(1) == D && sin_table.sizes() == cos_table.sizes(), "RoPE tables");
+  check_panels(fc_w, H, 2 * H, "fc weight");
+  check_panels(head_w, head_n, H, "head weight");
+  const bool mapped = d2t.defined() && d2t.numel() > 0;
+  if (mapped)
+    TORCH_CHECK(d2t.is_contiguous() && d2t.scalar_type() == torch::kLong &&
+                d2t.numel() == vocab, "d2t must hold vocab int64 ids");
+  TORCH_CHECK(vocab > 0 && head_n >= vocab, "head_n < vocab");
+  const int64_t* lp_idx = last.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp_idx[b] >= 0 && lp_idx[b] < N, "last");
+  auto opts = embed_w.options();
+  // catch-up: the pending pairs, then each row's root
+  auto cos = torch::empty({std::max(N, B), D}, opts), sin = torch::empty({std::max(N, B), D}, opts);
+  rope_rows(pos.data_ptr<int64_t>(), N, D, cos_table, sin_table, cos, sin);
+  auto x = draft_inputs(tok.data_ptr<int64_t>(), feat.data_ptr<float>(), N, H, embed_w, fc_w);
+  auto h_all = decode_layers(x, ln1, qkv_w, qkv_b, proj_w, ln2, fc1_w, fc2_w, final_norm,
+                             k_cache, v_cache, cos.narrow(0, 0, N).contiguous(),
+                             sin.narrow(0, 0, N).contiguous(), pos, G, HPG, D, scale, eps,
+                             row_of);
+  auto h = torch::empty({B, H}, opts);
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(h.data_ptr<float>() + b * H, h_all.data_ptr<float>() + lp_idx[b] * H,
+                H * sizeof(float));
+  auto logits = torch::empty({B, head_n}, opts);
+  gemm(h.data_ptr<float>(), B, H, head_w.data_ptr<float>(), head_n, logits.data_ptr<float>(),
+       nullptr, false);
+  // the chain
+  auto out = torch::empty({B, depth}, start.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  auto step_tok = torch::empty({B}, start.options()), step_pos = torch::empty({B}, start.options());
+  auto bcos = torch::empty({B, D}, opts), bsin = torch::empty({B, D}, opts);
+  const int64_t* st = start.data_ptr<int64_t>();
+  for (int64_t j = 0; j < depth; ++j) {
+    int64_t* tk = step_tok.data_ptr<int64_t>();
+    int64_t* pp = step_pos.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t a = argmax_row(logits.data_ptr<float>() + b * head_n, vocab);
+      tk[b] = mapped ? d2t.data_ptr<int64_t>()[a] : a;
+      o[b * depth + j] = tk[b];
+      pp[b] = st[b] + j;
+    }
+    if (j == depth - 1) break;
+    rope_rows(pp, B, D, cos_table, sin_table, bcos, bsin);
+    auto xin = draft_inputs(tk, h.data_ptr<float>(), B, H, embed_w, fc_w);
+    h = decode_layers(xin, ln1, qkv_w, qkv_b, proj_w, ln2, fc1_w, fc2_w, final_norm,
+                      k_cache, v_cache, bcos, bsin, step_pos, G, HPG, D, scale, eps,
+                      c10::nullopt);
+    gemm(h.data_ptr<float>(), B, H, head_w.data_ptr<float>(), head_n,
+         logits.data_ptr<float>(), nullptr, false);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, py::arg("w"), py::arg("out") = py::none());
   m.def("pack_weights", &pack_weights, py::arg("ws"), py::arg("outs"));
@@ -627,6 +807,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attend", &rope_attend, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
         py::arg("kc"), py::arg("vc"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
         py::arg("D"), py::arg("scale"), py::arg("row_of") = py::none());
+  m.def("argmax_rows", &argmax_rows, py::arg("x"), py::arg("n"));
+  m.def("draft_chain", &draft_chain, py::arg("tok"), py::arg("feat"), py::arg("row_of"),
+        py::arg("pos"), py::arg("last"), py::arg("start"), py::arg("depth"), py::arg("vocab"),
+        py::arg("d2t"), py::arg("embed_w"), py::arg("fc_w"), py::arg("ln1"), py::arg("qkv_w"),
+        py::arg("qkv_b"), py::arg("proj_w"), py::arg("ln2"), py::arg("fc1_w"),
+        py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cos_table"), py::arg("sin_table"), py::arg("G"), py::arg("HPG"), py::arg("D"),
+        py::arg("scale"), py::arg("eps"), py::arg("head_w"), py::arg("head_n"));
   m.def("decode_layers", &decode_layers, py::arg("x"), py::arg("ln1"), py::arg("qkv_w"),
         py::arg("qkv_b"), py::arg("proj_w"), py::arg("ln2"), py::arg("fc1_w"),
         py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),

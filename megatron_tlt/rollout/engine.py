@@ -387,7 +387,8 @@ class RolloutEngine:
         """Sample one token for each of ``rows`` (cache rows first_row..) from ``hidden``."""
         logits = self.runner.logits(hidden)
         tokens, raw, processed = choose_tokens(
-            logits, [r.params for r in rows], [r.generator for r in rows])
+            logits, [r.params for r in rows], [r.generator for r in rows],
+            self.runner.kernels)
         tokens = self._from_tp_rank0(tokens)  # ranks agree already; this makes it certain
         if hidden_buf is not None:
             pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)

@@ -127,18 +127,30 @@ def sample_rows(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -
     return out
 
 
+def argmax_rows(x: torch.Tensor, kernels=None) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of 2-D ``x`` (the first of equal maxima; a NaN counts
+    as the largest), through the fused CPU kernels (``cpu_kernels.argmax_rows``) when
+    given and x is float32 on the CPU: torch's CPU argmax takes ~0.5 ms for 8 rows of a
+    49k vocabulary, the kernel's vectorised scan a few microseconds per row."""
+    if (kernels is not None and x.dim() == 2 and x.device.type == "cpu"
+            and x.dtype == torch.float32 and x.shape[-1] > 0 and x.stride(-1) == 1):
+        return kernels.argmax_rows(x, x.shape[-1])
+    return torch.argmax(x, dim=-1)
+
+
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]]
+                  generators: Sequence[Optional[torch.Generator]], kernels=None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick the next token for each row of ``logits`` [rows, vocab].
 
     Returns (tokens [rows] long, raw log-prob [rows], processed log-prob [rows]).
     Rows are grouped by their processing key so a uniform batch costs one call.
+    ``kernels``: the fused CPU kernels, for greedy rows' argmax (``argmax_rows``).
     """
     rows = logits.shape[0]
     if all(p.greedy for p in params):  # the common benchmark / eval case: no grouping
         x = logits.float()
-        tokens = torch.argmax(x, dim=-1)
+        tokens = argmax_rows(x, kernels)
         raw_lp = x.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
         return tokens, raw_lp, raw_lp
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
@@ -151,7 +163,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
         temperature, top_k, top_p = key
         index = torch.tensor(idx, device=logits.device)
         if temperature == 0.0:
-            tok = torch.argmax(raw.index_select(0, index), dim=-1)
+            tok = argmax_rows(raw.index_select(0, index), kernels)
             lp = raw.index_select(0, index).gather(-1, tok[:, None])[:, 0]
         else:
             lps = processed_logprobs(logits.index_select(0, index), temperature, top_k, top_p)
