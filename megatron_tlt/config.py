@@ -131,7 +131,7 @@ class SpeculativeConfig:
         "(always `strategy`, for benchmarks).", "egreedy")
     strategy: str = _help(
         "The fixed strategy, depth_topk_verifytokens (top-k 1 = chain, e.g. 6_1_6; tree "
-        "e.g. 5_4_16).", "6_1_6")
+        "e.g. 5_4_16).", "7_1_7")
     buckets: str = _help("Batch-size bucket upper bounds, ascending.", "1,2,4,8,16,32")
     arms: str = _help(
         "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
@@ -139,8 +139,8 @@ class SpeculativeConfig:
         "plain step), so a bucket can learn that speculation does not pay there. On the "
         "command line quote a value that starts with * (YAML reads * as an alias): "
         "rollout.speculative.arms='\"*:2_1_2\"'.",
-        "1:6_1_6,7_1_7,8_1_8,4_2_6;2:3_1_3,4_1_4,5_1_5;3-4:3_1_3,4_1_4,5_1_5;"
-        "5-8:0_0_0,1_1_1,2_1_2,3_1_3;*:0_0_0,1_1_1")
+        "1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
+        "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
     min_draft_prob: float = _help(
         "Chains stop drafting once the drafter's probability of the whole draft would "
         "fall below this (0 = always draft the arm's depth); verification then spends "

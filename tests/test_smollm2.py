@@ -150,6 +150,24 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     res = json.loads(summary.read_text())
     assert res["identical"] == res["eval_prompts"] == 3
     assert res["accept_len"] > 1.3  # a drafter that learned something (random: ~1.0)
+    # re-select the trained drafter's draft vocabulary: no features, no training
+    small, summary2 = tmp_path / "v256.safetensors", tmp_path / "v256.json"
+    r3 = run_script("tools/warmup_drafter.py", "--init", out, "--epochs", 0,
+                    "--draft-vocab", 256, "--out", small, "--train-prompts", 24,
+                    "--max-new-tokens", 96, "--responses", tmp_path / "resp.jsonl",
+                    "--eval-prompts", 3, "--eval-new-tokens", 48, "--json", summary2,
+                    timeout=600)
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    assert "no training" in r3.stdout and "target features" not in r3.stdout
+    res2 = json.loads(summary2.read_text())
+    assert res2["identical"] == 3 and res2["train_steps"] == 0
+    big, cut = load_drafter(out, arch), load_drafter(small, arch)
+    assert big.config.draft_vocab_size == 2048 and cut.config.draft_vocab_size == 256
+    assert cut.config.extra["init"] == out.name and cut.config.extra["epochs"] == 4
+    a, b = big.own_state(), cut.own_state()
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "d2t")
+    r4 = run_script("tools/warmup_drafter.py", "--out", small, "--epochs", 0, timeout=300)
+    assert r4.returncode != 0 and "--epochs 0 (no training) needs --init" in r4.stderr
     drafter = load_drafter(out, arch)
     prompts = [p.token_ids for p in reasoning_gym_prompts(tok, n=4, seed=11)]
     sp = SamplingParams(temperature=0.0, max_new_tokens=40)

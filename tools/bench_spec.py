@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench_common import check_ties  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
-DEFAULT_STRATEGIES = "1:7_1_7,2:4_1_4,4:4_1_4,8:3_1_3"
+DEFAULT_STRATEGIES = "1:7_1_7,2:5_1_5,4:4_1_4,8:4_1_4"
 
 
 def default_drafter_path() -> Path:
@@ -61,7 +61,7 @@ def ensure_drafter(path: Path, quick: bool) -> Path:
     print(f"no drafter at {path}: warming one up (tools/warmup_drafter.py)", flush=True)
     import warmup_drafter
 
-    args = ["--out", str(path), "--draft-vocab", "4096", "--eval-prompts", "4"]
+    args = ["--out", str(path), "--draft-vocab", "1024", "--eval-prompts", "4"]
     if quick:
         args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
                  "--batch-tokens", "1024"]
