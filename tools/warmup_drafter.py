@@ -148,21 +148,15 @@ def main(argv=None) -> int:
     n_resp = sum(len(r) for r in resp)
 
     # 2. features
-    eos = list(engine.eos_token_ids)
     if args.init:
         drafter = load_drafter(args.init, arch, dtype=engine.runner.dtype, device=engine.device)
-        if args.draft_vocab:  # the head is the target's: re-selecting rows keeps the training
-            drafter.set_draft_vocabulary(draft_vocabulary(resp, args.draft_vocab,
-                                                          arch.vocab_size, always=eos))
     else:
-        cfg = DrafterConfig.for_target(arch, feature_layers="auto" if args.eagle3 else (),
-                                       draft_vocab_size=args.draft_vocab)
+        cfg = DrafterConfig.for_target(arch, feature_layers="auto" if args.eagle3 else ())
         drafter = EagleDrafter(cfg, arch, dtype=engine.runner.dtype, device=engine.device)
         drafter.reset_parameters(args.seed)
-        if args.draft_vocab:
-            drafter.d2t.copy_(draft_vocabulary(resp, args.draft_vocab,
-                                               arch.vocab_size, always=eos))
-    if args.draft_vocab:
+    if args.draft_vocab:  # (the head is the target's: re-selecting keeps --init's training)
+        drafter.set_draft_vocabulary(draft_vocabulary(resp, args.draft_vocab, arch.vocab_size,
+                                                      always=list(engine.eos_token_ids)))
         covered = torch.isin(torch.tensor([t for r in resp for t in r]),
                              drafter.d2t.cpu()).float().mean()
         print(f"  draft vocabulary {args.draft_vocab} tokens covers {covered:.1%} of "

@@ -755,13 +755,11 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp_idx[b] >= 0 && lp_idx[b] < N, "last");
   auto opts = embed_w.options();
   // catch-up: the pending pairs, then each row's root
-  auto cos = torch::empty({std::max(N, B), D}, opts), sin = torch::empty({std::max(N, B), D}, opts);
+  auto cos = torch::empty({N, D}, opts), sin = torch::empty({N, D}, opts);
   rope_rows(pos.data_ptr<int64_t>(), N, D, cos_table, sin_table, cos, sin);
   auto x = draft_inputs(tok.data_ptr<int64_t>(), feat.data_ptr<float>(), N, H, embed_w, fc_w);
   auto h_all = decode_layers(x, ln1, qkv_w, qkv_b, proj_w, ln2, fc1_w, fc2_w, final_norm,
-                             k_cache, v_cache, cos.narrow(0, 0, N).contiguous(),
-                             sin.narrow(0, 0, N).contiguous(), pos, G, HPG, D, scale, eps,
-                             row_of);
+                             k_cache, v_cache, cos, sin, pos, G, HPG, D, scale, eps, row_of);
   auto h = torch::empty({B, H}, opts);
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(h.data_ptr<float>() + b * H, h_all.data_ptr<float>() + lp_idx[b] * H,
