@@ -47,8 +47,7 @@ class GraphedDecoder:
         self.graphs.clear()
         self.cache = cache
         self.pool = torch.cuda.graph_pool_handle()
-        self.runner.rope(torch.zeros(1, dtype=torch.long, device=self.runner.device),
-                         limit=cache.capacity)
+        self.runner.rope_tables(cache.capacity)  # grown now: never during capture
 
     def _capture(self, bucket: int) -> tuple:
         cache, runner = self.cache, self.runner

@@ -191,13 +191,18 @@ class ModelRunner:
         """
         need = limit if limit is not None else (
             int(positions.max().item()) + 1 if positions.numel() else 1)
+        cos, sin = self.rope_tables(need)
+        return cos[positions], sin[positions]
+
+    def rope_tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= need, head_dim] for positions 0.. (grown on demand)."""
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
             freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
             self._cos = torch.cos(freqs).to(self.dtype).to(self.device)
             self._sin = torch.sin(freqs).to(self.dtype).to(self.device)
             self._rope_len = n
-        return self._cos[positions], self._sin[positions]
+        return self._cos, self._sin
 
     # ------------------------------------------------------------------ pieces
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -129,12 +129,19 @@ class DraftRunner(ModelRunner):
         out = self._lin(flat.contiguous(), self.output_w).float()
         return out.view(*hidden.shape[:-1], -1)
 
+    def reduce_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target's features [N, F] as the drafter's h [N, H] (EAGLE-3: feature_fc
+        over the three layers; otherwise they are h already)."""
+        if self.feature_fc_w is None:
+            return feats
+        return self._lin(feats.contiguous(), self.feature_fc_w)
+
     def inputs(self, tokens: torch.Tensor, h: torch.Tensor, *, target_features: bool
                ) -> torch.Tensor:
         """fc(concat(embed(tokens), h)) for tokens [N] and h [N, F]; ``target_features``
         marks h as the target's (EAGLE-3 features are reduced first)."""
-        if target_features and self.feature_fc_w is not None:
-            h = self._lin(h.contiguous(), self.feature_fc_w)
+        if target_features:
+            h = self.reduce_features(h)
         x = torch.cat([self.embed(tokens), h.to(self.dtype)], dim=-1)
         return self._lin(x.contiguous(), self.fc_w)
 
@@ -390,16 +397,15 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         b = len(rows)
         dev = self.target.device
+        tree = q_lp = drafts = None
         if strategy.is_chain and self._fused_chain(rows):  # catch-up + chain, one call
-            drafts, q_lp, tree = self._draft_chain_fused(rows, strategy.depth, stats), None, None
-        elif strategy.is_chain:
-            root_h, root_logits = self._catch_up(rows, stats)
-            drafts, q_lp = self._draft_chain(rows, strategy.depth, root_h, root_logits)
-            tree = None
+            drafts = self._draft_chain_fused(rows, strategy.depth, stats)
         else:
             root_h, root_logits = self._catch_up(rows, stats)
-            vtokens, tree = self._draft_tree(rows, strategy, root_h, root_logits)
-            q_lp = drafts = None
+            if strategy.is_chain:
+                drafts, q_lp = self._draft_chain(rows, strategy.depth, root_h, root_logits)
+            else:
+                vtokens, tree = self._draft_tree(rows, strategy, root_h, root_logits)
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
 
@@ -658,18 +664,16 @@ class SpeculativeDecoder:
         drafts, without the ~0.2 ms of host work per drafter run."""
         d = self.draft
         tok, feats, counts, starts = self._pending(rows, stats)
-        if d.feature_fc_w is not None:  # EAGLE-3: the three layers' features reduced
-            feats = d._lin(feats.contiguous(), d.feature_fc_w)
+        feats = d.reduce_features(feats)
         row_of, pos = self._ragged(counts, starts)
         last = torch.tensor(counts).cumsum(0) - 1
         start = torch.tensor([r.length for r in rows], dtype=torch.long)
-        d.rope(start, limit=int(start.max()) + depth)  # the tables cover every position
         return d.kernels.draft_chain(
             tok, feats.to(d.dtype).contiguous(), row_of, pos, last, start, depth,
             d.output_w.shape[0] if d.d2t is not None else self.target.arch.vocab_size,
             d.d2t if d.d2t is not None else _NO_TENSOR, d.embed_w, d._panel(d.fc_w),
-            *d._fused_stack(), d.final_norm, self.cache.k, self.cache.v, d._cos, d._sin,
-            d.groups, d.heads_per_group, d.head_dim, d.scale, d.eps, d._panel(d.output_w),
+            *d._fused_stack(), d.final_norm, self.cache.k, self.cache.v,
+            *d.rope_tables(int(start.max()) + depth), d.groups, d.heads_per_group, d.head_dim, d.scale, d.eps, d._panel(d.output_w),
             d.output_w.shape[0]).tolist()
 
     def _draft_tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
