@@ -277,7 +277,32 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
             parallel_output=True,
             **rope_kwargs,
         )
+    mark_tensor_parallel_params(model)
     # megatron-core builds its torch-norm fallback on the CPU (Megatron-LM moves the
     # model with .cuda() afterwards), and its local-spec norms in fp32; like
     # Megatron-LM's Float16Module, the whole model runs in the low-precision dtype.
     return model.to(device=device, dtype=dtype)
+
+
+def mark_tensor_parallel_params(model) -> None:
+    """Tag TP-sharded parameters as megatron-core's initialisers would.
+
+    megatron-core sets ``tensor_model_parallel`` / ``partition_dim`` only inside its
+    weight initialisers, which ``perform_initialization=False`` skips (our weights come
+    from checkpoints). Without the tags its gradient-norm and checkpoint code takes every
+    shard for a TP duplicate: at TP=2 the clipping norm silently counted one shard.
+    """
+    from megatron.core import tensor_parallel as tpl
+
+    for module in model.modules():
+        if isinstance(module, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, tpl.RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
+        else:
+            continue
+        for name, dim in dims.items():
+            p = getattr(module, name, None)
+            if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel",
+                                                                 False):
+                tpl.set_tensor_model_parallel_attributes(p, True, dim, 1)

@@ -1,0 +1,1 @@
+"""GRPO reinforcement learning: losses, rewards and the trainer."""

@@ -1,0 +1,267 @@
+"""The trained policy: megatron-core DDP, megatron-core's optimizer and LR schedule, and
+the two passes the RL step needs (forward-only log-probs, forward/backward updates),
+both through megatron-core's pipeline schedule so TP, PP and DP work the same way.
+
+Gradients: the loss a micro-batch returns is already divided by the GLOBAL
+denominators of its mini-batch (``grpo.LossDenominators``), so the mini-batch loss is
+the plain sum over micro-batches and DP ranks. megatron-core is told exactly that:
+``calculate_per_token_loss=True`` makes its DDP sum gradients over DP (no 1/DP) and its
+schedule leave the loss unscaled; ``finalize_model_grads`` is called without a token
+count, so nothing rescales the gradients afterwards.
+
+Optimizer: megatron-core's (``get_megatron_optimizer``; its distributed optimizer on
+CUDA). Clipping uses the optimizer's own global norm (``get_grad_norm``: model-parallel
+aware, tied and TP-duplicated parameters counted once) and scales the gradients it
+steps on; megatron-core's fused clip asserts CUDA tensors, this path runs everywhere.
+``train.optimizer=torch`` steps torch.optim.AdamW on the same gradient buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..platform import cuda_placements_on_cpu
+from .samples import MicroBatch
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    lr: float
+    updated: bool  # False when the step was skipped (non-finite gradients)
+
+
+def _megatron_ddp(model, *, use_distributed_optimizer: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = model.config
+    config.calculate_per_token_loss = True  # see the module docstring
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        average_in_collective=False)
+    with cuda_placements_on_cpu():
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+class Policy:
+    """The model being trained plus its optimizer; one per rank (its TP/PP shard)."""
+
+    def __init__(self, model, arch, train_cfg, *, total_optimizer_steps: int):
+        from megatron.core import parallel_state as ps
+
+        self.arch = arch
+        self.cfg = train_cfg
+        self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        kind = train_cfg.optimizer
+        if kind == "auto":
+            kind = "megatron"
+        self.kind = kind
+        self.module = model  # the GPTModel the rollout engine reads in place
+        self.ddp = _megatron_ddp(model, use_distributed_optimizer=on_cuda and kind == "megatron")
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        model.config.finalize_model_grads_func = None  # called by train_step itself
+        if kind == "megatron":
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ocfg = OptimizerConfig(
+                optimizer="adam", lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+                weight_decay=train_cfg.weight_decay, adam_beta1=train_cfg.adam_beta1,
+                adam_beta2=train_cfg.adam_beta2, adam_eps=train_cfg.adam_eps,
+                clip_grad=0.0,  # clipped in train_step (see the module docstring)
+                bf16=model.config.bf16, fp16=model.config.fp16,
+                params_dtype=model.config.params_dtype,
+                use_distributed_optimizer=on_cuda)
+            with cuda_placements_on_cpu():
+                self.optimizer = get_megatron_optimizer(ocfg, [self.ddp])
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer, init_lr=0.0 if train_cfg.lr_warmup_steps else train_cfg.lr,
+                max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+                lr_warmup_steps=train_cfg.lr_warmup_steps,
+                lr_decay_steps=max(total_optimizer_steps, train_cfg.lr_warmup_steps + 1),
+                lr_decay_style=train_cfg.lr_decay, start_wd=train_cfg.weight_decay,
+                end_wd=train_cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.ddp.parameters() if p.requires_grad], lr=train_cfg.lr,
+                betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps,
+                weight_decay=train_cfg.weight_decay)
+            self.scheduler = _TorchSchedule(self.optimizer, train_cfg, total_optimizer_steps)
+
+    # ----------------------------------------------------------------- forward passes
+    def _schedule(self, micro_batches: Sequence[MicroBatch], forward_only: bool,
+                  loss_fn: Optional[Callable]):
+        """Run megatron-core's schedule over the micro-batches; returns, on the last
+        stage, one entry per micro-batch: ``loss_fn``'s metrics dict, or (forward only)
+        the local logits' log-probs of the targets."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from ..models.inference import token_logprobs
+
+        arch = self.arch
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            logits = model(mb.input_ids, mb.position_ids, attention_mask=None)
+
+            def finish(output, non_loss_data=False):
+                if loss_fn is None:
+                    return token_logprobs(output, mb.targets, arch).detach()
+                loss, metrics = loss_fn(mb, output)
+                return loss, torch.tensor(mb.tokens, dtype=torch.int), metrics
+
+            return logits, finish
+
+        if self.pp_size == 1:  # the same steps without the schedule's CUDA placements
+            out = []
+            for mb in micro_batches:
+                logits, finish = forward_step(iter([mb]), self.ddp)
+                result = finish(logits)
+                if loss_fn is not None:
+                    result[0].backward()
+                    result = result[2]
+                out.append(result)
+            return out
+        S = max(mb.input_ids.shape[1] for mb in micro_batches)
+        b = max(mb.input_ids.shape[0] for mb in micro_batches)
+        with cuda_placements_on_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                model=[self.ddp], num_microbatches=len(micro_batches), seq_length=S,
+                micro_batch_size=b, forward_only=forward_only,
+                collect_non_loss_data=forward_only)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]:
+        """Per micro-batch [b, S] log p(target) (last pipeline stage; None elsewhere)."""
+        self.ddp.eval()
+        out = self._schedule(micro_batches, forward_only=True, loss_fn=None)
+        return list(out) if self.is_last_stage else None
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable
+                   ) -> tuple[StepResult, list[dict]]:
+        """One optimizer step over ``micro_batches`` (gradient accumulation).
+
+        ``loss_fn(mb, local_logits) -> (loss, metrics)`` returns the micro-batch's share
+        of the mini-batch loss (global denominators). Returns the step result and, on
+        the last stage, each micro-batch's metrics.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self._schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
+        with cuda_placements_on_cpu():
+            finalize_model_grads([self.ddp], None)  # DP all-reduce, tied embeddings (PP)
+            result = self._optimizer_step()
+        return result, (list(metrics) if self.is_last_stage else [])
+
+    def _optimizer_step(self) -> StepResult:
+        clip = self.cfg.clip_grad
+        if self.kind == "megatron":
+            found_inf = self.optimizer.prepare_grads()
+            if found_inf:
+                self.scheduler.step(1)
+                return StepResult(float("nan"), self.lr, False)
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if not math.isfinite(grad_norm):
+                self.scheduler.step(1)
+                return StepResult(grad_norm, self.lr, False)
+            if clip > 0 and grad_norm > clip:
+                grads = [p.grad for p in self.optimizer.get_parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
+            lr = self.lr
+            self.optimizer.step_with_ready_grads()
+            self.scheduler.step(1)
+            return StepResult(grad_norm, lr, True)
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad
+        grad_norm = _model_parallel_grad_norm(params)
+        if not math.isfinite(grad_norm):
+            self.scheduler.step()
+            return StepResult(grad_norm, self.lr, False)
+        if clip > 0 and grad_norm > clip:
+            torch._foreach_mul_([p.grad for p in params], clip / (grad_norm + 1e-6))
+        lr = self.lr
+        self.optimizer.step()
+        self.scheduler.step()
+        return StepResult(grad_norm, lr, True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ----------------------------------------------------------------- run state
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _model_parallel_grad_norm(params) -> float:
+    """Global L2 norm of the gradients over the model-parallel group, each parameter
+    counted once (tied embeddings and TP-replicated norms are not double-counted)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and param_is_not_shared(p) and \
+                tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    group = ps.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        total = total.to(next(iter(params)).device)
+        dist.all_reduce(total, group=group)
+    return float(total.sqrt().item())
+
+
+class _TorchSchedule:
+    """Warm-up + constant/cosine for ``train.optimizer=torch`` (megatron-core's
+    scheduler drives megatron-core's optimizer)."""
+
+    def __init__(self, optimizer, cfg, total_steps: int):
+        self.optimizer, self.cfg, self.total = optimizer, cfg, max(total_steps, 1)
+        self.num_steps = 0
+        self._apply()
+
+    def _apply(self):
+        c, n = self.cfg, self.num_steps
+        if c.lr_warmup_steps and n < c.lr_warmup_steps:
+            lr = c.lr * n / c.lr_warmup_steps
+        elif c.lr_decay == "cosine":
+            span = max(self.total - c.lr_warmup_steps, 1)
+            frac = min((n - c.lr_warmup_steps) / span, 1.0)
+            lr = c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * frac))
+        else:
+            lr = c.lr
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def step(self):
+        self.num_steps += 1
+        self._apply()
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state):
+        self.num_steps = int(state["num_steps"])
+        self._apply()

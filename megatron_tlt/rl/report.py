@@ -1,0 +1,131 @@
+"""What a finished run shows: a per-step summary table and PNG plots of its JSONL.
+
+``write_plots`` is also ``tools/plot_run.py``: reward / accuracy / length curves, the
+speculative acceptance per batch-size bucket, and the per-step replica timeline
+(rollout, tail idle, update).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..tracking import read_metrics
+
+
+def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
+                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="GRPO with TLT rollouts: per step")
+    for col in ("step", "reward", "accuracy", "resp len", "rollout s", "tail s", "update s",
+                "step s", "accept len", "SD on", "eval acc"):
+        table.add_column(col, justify="right")
+    for h in history:
+        if "reward/mean" not in h:
+            continue
+        t = h.get("timing", {})
+        spec = h.get("spec", {})
+        table.add_row(
+            str(h["step"]), f"{h['reward/mean']:.3f}", f"{h['accuracy']:.2f}",
+            f"{h['response_length/mean']:.0f}", f"{t.get('rollout', 0):.1f}",
+            f"{t.get('tail', 0):.1f}", f"{t.get('update', 0):.1f}", f"{t.get('step', 0):.1f}",
+            f"{spec.get('accept_len', 0):.2f}" if spec else "-",
+            f"{spec.get('on_fraction', 0):.0%}" if spec else "-",
+            f"{h['eval/accuracy']:.2f}" if "eval/accuracy" in h else "")
+    console = Console()
+    console.print(table)
+    console.print(f"run folder : {run_dir}")
+    console.print(f"metrics    : {metrics}")
+    if wandb_dir:
+        console.print(f"W&B run    : {wandb_dir}  (offline: `wandb sync {wandb_dir}`)")
+    for p in plots:
+        console.print(f"plot       : {p}")
+    console.print(f"wall time  : {seconds / 60:.1f} min")
+
+
+def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """PNG plots of a run's metrics.jsonl into ``out_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if not train and not evals:
+        return paths
+
+    # 1. learning curves
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in train]
+    ax = axes[0]
+    ax.plot(steps, [r["reward/mean"] for r in train], marker="o", label="train reward")
+    ax.plot(steps, [r["accuracy"] for r in train], marker=".", label="train accuracy")
+    if evals:
+        es = [r["step"] for r in evals]
+        ev = [r["eval/reward"] for r in evals]
+        ci = [r.get("eval/reward_ci95", 0.0) for r in evals]
+        ax.errorbar(es, ev, yerr=ci, marker="s", capsize=3, label="held-out reward (95% CI)")
+    ax.set_xlabel("step")
+    ax.set_title("reward and accuracy")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(steps, [r["response_length/mean"] for r in train], label="mean")
+    ax.plot(steps, [r["response_length/p99"] for r in train], label="p99")
+    ax.plot(steps, [r["response_length/max"] for r in train], label="max")
+    ax.set_xlabel("step")
+    ax.set_title("response length (tokens)")
+    ax.legend()
+    ax = axes[2]
+    buckets = sorted({b for r in train for b in r.get("spec", {}).get("accept_len_by_bucket", {})},
+                     key=lambda b: int(str(b).split("-")[0]))
+    for b in buckets:
+        ax.plot(steps, [r.get("spec", {}).get("accept_len_by_bucket", {}).get(b, float("nan"))
+                        for r in train], marker=".", label=f"batch {b}")
+    if buckets:
+        ax.legend(fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title("speculative acceptance length per bucket")
+    fig.tight_layout()
+    p = out / "curves.png"
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    paths.append(p)
+
+    # 2. replica timeline: per step, each replica's rollout, tail idle, update
+    if train and "timeline" in train[0]:
+        n_rep = len(train[0]["timeline"]["replica_finish"])
+        fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * n_rep * min(len(train), 8)))
+        shown = train[-8:]
+        y = 0
+        labels = []
+        for r in shown:
+            fin = r["timeline"]["replica_finish"]
+            last = max(fin)
+            t = r["timing"]
+            upd_start = t["step"] - t["update"]
+            for k, f in enumerate(fin):
+                ax.barh(y, f, color="tab:blue")
+                ax.barh(y, last - f, left=f, color="tab:red", alpha=0.6)
+                ax.barh(y, upd_start - last, left=last, color="tab:gray", alpha=0.4)
+                ax.barh(y, t["update"], left=upd_start, color="tab:green")
+                labels.append(f"step {r['step']} replica {k}")
+                y += 1
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds since step start")
+        ax.set_title("replica timeline: rollout (blue), tail idle (red), log-probs (grey), "
+                     "update (green)")
+        fig.tight_layout()
+        p = out / "timeline.png"
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
+    return paths

@@ -1,0 +1,533 @@
+"""The RL step loop: GRPO on megatron-core with TLT rollouts.
+
+``Trainer.train_step`` is one synchronous, on-policy step, top to bottom:
+
+    prompts -> rollout (each DP replica its share, on the trained weights)
+            -> rewards -> [idle window until the last replica finishes]
+            -> advantages (per group) -> old / reference log-probs
+            -> update (ppo_epochs x mini-batches x micro-batches) -> metrics
+
+Layout: world = TP x PP x DP. Prompts are dealt to replicas whole (a GRPO group never
+spans replicas), so rewards and advantages are local; only scalars cross replicas
+(loss denominators, metrics, finish times). A prompt's mini-batch is fixed by its
+index (``p % mini_batches``) and its replica by ``(p // mini_batches) % DP``, so a
+mini-batch holds the same samples whatever the DP size: DP=2 computes exactly what DP=1
+computes on the same global batch.
+
+Everything a resumed run needs lives in ``self.state`` (``checkpointing.RunState``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpointing
+from ..config import Config, ConfigError
+from ..tracking import Tracker
+from . import grpo
+from .policy import Policy
+from .rollout import ReplicaRollout, pipeline_generate, rollout_replica, sampling_params
+from .samples import Sample, collate, plan_micro_batches
+
+
+def mini_batch_count(cfg: Config) -> int:
+    """Optimizer steps per ppo epoch (validated against the batch sizes)."""
+    g, t = cfg.grpo, cfg.train
+    total = g.prompts_per_step * g.group_size
+    gbs = t.global_batch_size or total
+    if gbs % g.group_size or total % gbs:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} must be a multiple of grpo.group_size="
+            f"{g.group_size} and divide grpo.prompts_per_step x group_size = {total}")
+    return total // gbs
+
+
+def check_layout(cfg: Config, dp: int) -> None:
+    m = mini_batch_count(cfg)
+    if cfg.grpo.prompts_per_step % (m * dp):
+        raise ConfigError(
+            f"grpo.prompts_per_step={cfg.grpo.prompts_per_step} must be divisible by "
+            f"mini-batches per step ({m}) x data-parallel size ({dp}) = {m * dp}, so "
+            f"every replica gets whole groups of every mini-batch")
+
+
+class Trainer:
+    """Owns the run's components; ``train()`` runs the loop, ``train_step`` one step."""
+
+    def __init__(self, cfg: Config, session, *, tracker: Optional[Tracker] = None):
+        from megatron.core import parallel_state as ps
+
+        from .data import PromptSampler, build_prompt_sets
+        from .rewards import Verifier
+
+        self.cfg = cfg
+        self.session = session
+        self.layout = session.layout
+        self.arch = session.arch
+        self.tokenizer = session.tokenizer
+        self.rank = dist.get_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        check_layout(cfg, self.layout.dp_size)
+        self.mini_batches = mini_batch_count(cfg)
+        self.train_prompts, self.eval_prompts = build_prompt_sets(cfg.data, self.tokenizer)
+        if not self.train_prompts:
+            raise ConfigError("the training prompt set is empty (data.train_size / data.path)")
+        self.verifier = Verifier(cfg.reward, cfg.data)
+        total_opt_steps = cfg.train.steps * cfg.grpo.ppo_epochs * self.mini_batches
+        self.policy = Policy(session.model, self.arch, cfg.train,
+                             total_optimizer_steps=total_opt_steps)
+        self.ref_model = self._reference_model() if cfg.grpo.kl_beta > 0 else None
+        self.engine = None
+        if self.layout.pp_size == 1:
+            from ..rollout import RolloutEngine
+
+            self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.rollout,
+                                        arch=self.arch)
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else self.tokenizer.eos_token_id or 0)
+        self.state = checkpointing.RunState(
+            policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
+            tuner=self.engine.tuner if self.engine is not None else None,
+            drafter=self.engine.spec.drafter if self.engine is not None and
+            self.engine.spec is not None else None)
+        self.tracker = tracker
+        # Called on every rank between this replica's rollout finishing and the step
+        # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
+        # here; the callback must return before the barrier can complete.
+        self.idle_window_hooks: list[Callable[[int, ReplicaRollout], None]] = []
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _reference_model(self):
+        """The frozen initial policy for the KL term (a second model instance)."""
+        from ..models import load_model
+
+        ref, _ = load_model(self.session.source, device=self.session.platform.device,
+                            dtype=self.cfg.model.dtype, impl=self.cfg.model.transformer_impl)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref.eval()
+
+    def replica_prompts(self, n_prompts: int) -> list[int]:
+        """Indices (into a step's prompt list) this DP replica generates for."""
+        m, dp = self.mini_batches, self.layout.dp_size
+        return [p for p in range(n_prompts) if (p // m) % dp == self.layout.dp_rank]
+
+    def _generate(self, prompt_ids, params):
+        if self.engine is not None:
+            return self.engine.generate(prompt_ids, params)
+        return pipeline_generate(self.policy.module, self.arch,
+                                 _eos_ids(self.tokenizer), self.arch.max_position_embeddings,
+                                 prompt_ids, params)
+
+    def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
+        params = sampling_params(self.cfg.grpo, seed)
+        stats = (lambda: self.engine.last_stats.summary()) if self.engine is not None else None
+        return rollout_replica(self._generate, [prompts[i] for i in indices], indices,
+                               self.cfg.grpo.group_size, params, t_step, stats)
+
+    def _score(self, samples: Sequence[Sample], prompts) -> None:
+        g = self.cfg.grpo
+        by_uid = {p.uid: p for p in prompts}
+        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                 for s in samples]
+        results = self.verifier.score_many([by_uid[s.uid] for s in samples], texts)
+        for s, r in zip(samples, results):
+            s.score, s.correct, s.reward = float(r.score), bool(r.correct), float(r.reward)
+        if g.overlong == "penalty" and samples:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            pen = grpo.overlong_penalty(lengths, g.max_new_tokens, g.overlong_buffer,
+                                        g.overlong_penalty)
+            for s, v in zip(samples, pen.tolist()):
+                s.reward += v
+
+    def _dp_all_gather(self, obj):
+        out = [None] * self.layout.dp_size
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
+    def _dp_sum(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, step: int) -> dict:
+        cfg, g = self.cfg, self.cfg.grpo
+        t_step = time.perf_counter()
+        timing: dict[str, float] = {}
+
+        # 1. prompts: the same list on every rank (the sampler is deterministic)
+        prompts = self.state.sampler.next_batch(g.prompts_per_step)
+        mine = self.replica_prompts(len(prompts))
+
+        # 2. rollout on the trained weights; 3. rewards
+        seed = cfg.platform.seed * 1_000_003 + step
+        roll = self._rollout(prompts, mine, seed, t_step)
+        self._score(roll.samples, prompts)
+        rounds, replaced = self._dynamic_sampling(roll, step, t_step)
+        roll.finished_at = time.perf_counter() - t_step
+        timing["rollout"] = roll.finished_at
+
+        # The window between this replica's finish and the step barrier (drafter group)
+        t_idle = time.perf_counter()
+        for hook in self.idle_window_hooks:
+            hook(step, roll)
+        finish_times = self._dp_all_gather(roll.finished_at)  # the step barrier
+        window = time.perf_counter() - t_idle
+        timing["barrier_wait"] = window
+
+        # 4. advantages per group (groups are local to the replica)
+        samples = roll.samples
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        adv = grpo.group_advantages(rewards, g.group_size, g.norm_adv_by_std) \
+            if samples else rewards
+        for s, a in zip(samples, adv.tolist()):
+            s.advantage = a
+        zero_std = int(grpo.zero_std_groups(rewards, g.group_size).sum()) if samples else 0
+        loss_mask = [not (g.overlong == "mask" and s.truncated) for s in samples]
+
+        # 5. old and reference log-probs
+        t0 = time.perf_counter()
+        fused_old = (not g.use_rollout_logprobs and g.ppo_epochs == 1
+                     and self.mini_batches == 1)
+        if g.use_rollout_logprobs:
+            for s in samples:
+                s.old_logprobs = torch.tensor(s.rollout_logprobs)
+        elif not fused_old:
+            self._fill_logprobs(samples, self.policy, "old_logprobs")
+        timing["old_logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self.ref_model is not None:
+            self._fill_logprobs(samples, self.ref_model, "ref_logprobs")
+        timing["ref_logprob"] = time.perf_counter() - t0
+
+        # 6. update: ppo_epochs x mini-batches, micro-batches accumulate
+        t0 = time.perf_counter()
+        update = self._update(samples, loss_mask, fused_old)
+        timing["update"] = time.perf_counter() - t0
+        timing["step"] = time.perf_counter() - t_step
+
+        # 7. metrics
+        metrics = self._metrics(step, samples, roll, finish_times, timing, update,
+                                zero_std, rounds, replaced)
+        self.state.step = step + 1
+        return metrics
+
+    # ------------------------------------------------------------------ step parts
+    def _dynamic_sampling(self, roll: ReplicaRollout, step: int, t_step: float):
+        """DAPO dynamic sampling: groups whose rewards are all equal are replaced by
+        groups of fresh prompts (drawn identically on every rank, dealt in rank order)
+        that do have reward variance, for at most ``dynamic_sampling_rounds`` rounds."""
+        g = self.cfg.grpo
+        if not g.dynamic_sampling:
+            return 0, 0
+        replaced = 0
+        for rnd in range(1, g.dynamic_sampling_rounds + 1):
+            groups = _groups(roll.samples, g.group_size)
+            flat = [gi for gi, grp in enumerate(groups)
+                    if len({s.reward for s in grp}) == 1]
+            counts = self._dp_all_gather(len(flat))
+            total = sum(counts)
+            if total == 0:
+                return rnd - 1, replaced
+            fresh = self.state.sampler.next_batch(total)
+            lo = sum(counts[: self.layout.dp_rank])
+            mine = fresh[lo: lo + len(flat)]
+            seed = (self.cfg.platform.seed * 1_000_003 + step) * 101 + rnd
+            extra = self._rollout(mine, list(range(len(mine))), seed, t_step)
+            self._score(extra.samples, mine)
+            new_groups = _groups(extra.samples, g.group_size)
+            for gi, new in zip(flat, new_groups):
+                if len({s.reward for s in new}) > 1:
+                    idx = groups[gi][0].prompt_index
+                    for s in new:
+                        s.prompt_index = idx
+                    start = gi * g.group_size
+                    roll.samples[start:start + g.group_size] = new
+                    replaced += 1
+            roll.generated_tokens += extra.generated_tokens
+        return g.dynamic_sampling_rounds, replaced
+
+    def _micro_batches(self, samples, indices, loss_mask, *, for_loss: bool):
+        t = self.cfg.train
+        plans = plan_micro_batches(samples, indices, micro_batch_size=t.micro_batch_size,
+                                   micro_batch_tokens=t.micro_batch_tokens)
+        device = self.policy.device
+        if self.layout.pp_size == 1:
+            return [collate(samples, p, pad_id=self.pad_id, device=device,
+                            loss_mask=loss_mask if for_loss else None) for p in plans]
+        # pipeline stages exchange fixed-shape activations: one [mbs, S] shape for all
+        width = max(samples[i].length for i in indices)
+        rows = max(len(p) for p in plans)
+        out = []
+        for p in plans:
+            mask = list(loss_mask) if for_loss else [True] * len(samples)
+            padded = p + [p[0]] * (rows - len(p))
+            mb = collate(samples, padded, pad_id=self.pad_id, width=width, device=device,
+                         loss_mask=mask)
+            mb.mask[len(p):] = 0.0  # filler rows carry no loss
+            mb.samples = p
+            out.append(mb)
+        return out
+
+    @torch.no_grad()
+    def _fill_logprobs(self, samples: Sequence[Sample], model, attr: str) -> None:
+        """Forward-only log-probs of each response under ``model`` (the policy or the
+        frozen reference), stored per sample on the last pipeline stage."""
+        if not samples:
+            return
+        mbs = self._micro_batches(samples, range(len(samples)), None, for_loss=False)
+        if isinstance(model, Policy):
+            outs = model.logprobs(mbs)
+        else:
+            from ..models.inference import forward_local_logits, token_logprobs
+
+            outs = []
+            for mb in mbs:
+                local = forward_local_logits(model, mb.input_ids)
+                outs.append(token_logprobs(local, mb.targets, self.arch)
+                            if local is not None else None)
+            outs = outs if self.policy.is_last_stage else None
+        if outs is None:
+            return
+        for mb, lp in zip(mbs, outs):
+            for r, i in enumerate(mb.samples):
+                s = samples[i]
+                p = len(s.prompt_ids)
+                setattr(s, attr, lp[r, p - 1:p - 1 + len(s.response_ids)].float().cpu())
+
+    def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool) -> dict:
+        from ..models.inference import token_logprobs
+
+        g = self.cfg.grpo
+        arch = self.arch
+        sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        losses, norms, lrs, skipped = [], [], [], 0
+        for _epoch in range(g.ppo_epochs):
+            for m in range(self.mini_batches):
+                idx = [i for i, s in enumerate(samples) if s.prompt_index % self.mini_batches == m]
+                tokens = sum(len(samples[i].response_ids) for i in idx if loss_mask[i])
+                seqs = sum(1 for i in idx if loss_mask[i])
+                tokens, seqs = self._dp_sum([tokens, seqs])
+                denoms = grpo.LossDenominators(tokens=max(tokens, 1.0),
+                                               sequences=max(seqs, 1.0),
+                                               max_len=float(g.max_new_tokens))
+                mbs = self._micro_batches(samples, idx, loss_mask, for_loss=True)
+
+                def loss_fn(mb, local_logits, denoms=denoms):
+                    logp = token_logprobs(local_logits, mb.targets, arch)
+                    ent_needed = g.entropy_coef > 0
+                    with torch.set_grad_enabled(ent_needed and torch.is_grad_enabled()):
+                        ent = grpo.vocab_parallel_entropy(
+                            local_logits if ent_needed else local_logits.detach(),
+                            vocab_size=arch.vocab_size)
+                    old = mb.old_logprobs if not fused_old else logp.detach()
+                    loss, met = grpo.policy_loss(
+                        logp, old, mb.advantages, mb.mask, g, denoms,
+                        ref_logp=mb.ref_logprobs, rollout_logp=mb.rollout_logprobs,
+                        entropy=ent)
+                    with torch.no_grad():
+                        diff = (old - mb.rollout_logprobs) * mb.mask
+                        met = dict(met)
+                        met["mismatch_abs_sum"] = diff.abs().sum()
+                        met["mismatch_ratio_err_sum"] = ((diff.exp() - 1).abs() * mb.mask).sum()
+                        met["loss"] = loss.detach()
+                    return loss, met
+
+                if not mbs:  # this replica has no samples in this mini-batch
+                    mbs = []
+                result, per_mb = self.policy.train_step(mbs, loss_fn)
+                for met in per_mb:
+                    for k, v in met.items():
+                        v = float(v)
+                        if k.endswith("_max"):
+                            maxes[k] = max(maxes.get(k, -math.inf), v)
+                        else:
+                            sums[k] = sums.get(k, 0.0) + v
+                norms.append(result.grad_norm)
+                lrs.append(result.lr)
+                skipped += 0 if result.updated else 1
+        keys = sorted(sums)
+        totals = dict(zip(keys, self._dp_sum([sums[k] for k in keys]))) if keys else {}
+        mk = sorted(maxes)
+        if mk and self.layout.dp_size > 1:
+            t = torch.tensor([maxes[k] for k in mk], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+            maxes = dict(zip(mk, t.tolist()))
+        return {"sums": totals, "maxes": maxes, "grad_norm": norms, "lr": lrs,
+                "skipped": skipped, "updates": g.ppo_epochs * self.mini_batches}
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, step, samples, roll: ReplicaRollout, finish_times, timing, update,
+                 zero_std, rounds, replaced) -> dict:
+        g = self.cfg.grpo
+        n = len(samples)
+        lengths = [len(s.response_ids) for s in samples]
+        rewards = [s.reward for s in samples]
+        local = [n, sum(rewards), sum(r * r for r in rewards), sum(s.correct for s in samples),
+                 sum(lengths), sum(s.truncated for s in samples), zero_std,
+                 roll.generated_tokens, replaced]
+        (N, rsum, rsq, correct, lsum, trunc, zstd, gen_tokens, repl) = self._dp_sum(local)
+        all_lengths = sorted(x for part in self._dp_all_gather(lengths) for x in part)
+        spec = self._dp_all_gather(roll.stats.get("spec")) if roll.stats else []
+        decode = self._dp_all_gather(roll.stats.get("decode_steps", 0) if roll.stats else 0)
+        # loss metrics live on the last pipeline stage: bring them to rank 0's stage
+        upd = update
+        if self.layout.pp_size > 1:
+            box = [update]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(
+                self.pp_group, self.layout.pp_size - 1), group=self.pp_group)
+            upd = box[0]
+        s, mx = upd["sums"], upd["maxes"]
+        tok = max(s.get("tokens", 0.0), 1.0)
+        mean_r = rsum / max(N, 1)
+        first, last = min(finish_times), max(finish_times)
+        out = {
+            "reward/mean": mean_r,
+            "reward/std": math.sqrt(max(rsq / max(N, 1) - mean_r ** 2, 0.0)),
+            "accuracy": correct / max(N, 1),
+            "groups_zero_std": zstd,
+            "dynamic_sampling/rounds": rounds, "dynamic_sampling/replaced": repl,
+            "response_length/mean": lsum / max(N, 1),
+            "response_length/p50": _percentile(all_lengths, 50),
+            "response_length/p99": _percentile(all_lengths, 99),
+            "response_length/max": all_lengths[-1] if all_lengths else 0,
+            "truncated_fraction": trunc / max(N, 1),
+            "loss/total": s.get("loss", 0.0) / max(upd["updates"], 1),
+            "loss/policy": s.get("pg_loss_sum", 0.0) / tok,
+            "loss/kl": s.get("kl_sum", 0.0) / tok,
+            "loss/entropy": s.get("entropy_sum", 0.0) / tok,
+            "clip_fraction/low": s.get("clip_low_count", 0.0) / tok,
+            "clip_fraction/high": s.get("clip_high_count", 0.0) / tok,
+            "ratio/mean": s.get("ratio_sum", 0.0) / tok,
+            "ratio/max": mx.get("ratio_max", float("nan")),
+            "mismatch/logprob_abs_diff": s.get("mismatch_abs_sum", 0.0) / tok,
+            "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
+            "grad_norm": sum(upd["grad_norm"]) / max(len(upd["grad_norm"]), 1),
+            "lr": upd["lr"][-1] if upd["lr"] else self.policy.lr,
+            "updates_skipped": upd["skipped"],
+            "timing": dict(timing, tail=last - first),
+            "idle_replica_seconds": sum(last - f for f in finish_times),
+            "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
+            "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
+        }
+        out["timing"]["reward"] = 0.0  # scored inside the rollout phase (per replica)
+        if any(x is not None for x in spec):
+            out["spec"] = _merge_spec([x for x in spec if x is not None], sum(decode))
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean reward and accuracy on the held-out prompts (one sample each)."""
+        prompts = self.eval_prompts
+        if not prompts:
+            return {}
+        dp, r = self.layout.dp_size, self.layout.dp_rank
+        mine = list(range(r, len(prompts), dp))
+        from ..rollout import SamplingParams
+
+        t = self.cfg.train.eval_temperature
+        params = SamplingParams(temperature=t, max_new_tokens=self.cfg.grpo.max_new_tokens,
+                                top_p=self.cfg.grpo.top_p if t else 1.0,
+                                seed=self.cfg.platform.seed if t else None)
+        outs = self._generate([prompts[i].token_ids for i in mine], params) if mine else []
+        texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        res = self.verifier.score_many([prompts[i] for i in mine], texts)
+        per = [(float(x.reward), float(x.correct)) for x in res]
+        gathered = [x for part in self._dp_all_gather(per) for x in part]
+        n = len(gathered)
+        rewards = [x[0] for x in gathered]
+        mean = sum(rewards) / n
+        var = sum((x - mean) ** 2 for x in rewards) / max(n - 1, 1)
+        return {"eval/reward": mean, "eval/reward_ci95": 1.96 * math.sqrt(var / n),
+                "eval/accuracy": sum(x[1] for x in gathered) / n, "eval/prompts": n}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        tracker = self.tracker
+        history = []
+        if tracker is not None:
+            tracker.start_progress(cfg.train.steps, self.state.step)
+        interval = cfg.train.eval_interval
+        if interval and self.state.step == 0:
+            ev = self.evaluate()
+            if tracker is not None and ev:
+                tracker.log(0, {**ev, "phase": "eval"})
+            history.append({"step": 0, **ev})
+        try:
+            while self.state.step < cfg.train.steps:
+                step = self.state.step
+                metrics = self.train_step(step)
+                done = self.state.step
+                if interval and done % interval == 0:
+                    metrics.update(self.evaluate())
+                if tracker is not None:
+                    tracker.log(done, metrics)
+                    tracker.step_done(f"reward {metrics['reward/mean']:.3f} "
+                                      f"acc {metrics['accuracy']:.2f} "
+                                      f"{metrics['timing']['step']:.0f}s")
+                history.append({"step": done, **metrics})
+                save = cfg.checkpoint.save
+                if save and ((cfg.checkpoint.save_interval and
+                              done % cfg.checkpoint.save_interval == 0)
+                             or done == cfg.train.steps):
+                    checkpointing.save(self.state, save, self.layout)
+        finally:
+            if tracker is not None:
+                tracker.close()
+        return history
+
+    def resume(self, folder: str | Path) -> Path:
+        return checkpointing.load(self.state, folder, self.layout)
+
+
+# ---------------------------------------------------------------------------------------
+
+def _groups(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
+    return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def _merge_spec(parts: list[dict], decode_steps: int) -> dict:
+    rows = sum(p.get("rows", 0) for p in parts)
+    accepted = sum(p.get("accept_len", 0.0) * p.get("rows", 0) for p in parts)
+    steps = sum(p.get("steps", 0) for p in parts)
+    arms: dict[str, int] = {}
+    buckets: dict[str, list[float]] = {}
+    for p in parts:
+        for k, v in p.get("arms", {}).items():
+            arms[k] = arms.get(k, 0) + v
+        for k, v in p.get("accept_len_by_bucket", {}).items():
+            buckets.setdefault(k, []).append(v)
+    return {"accept_len": accepted / rows if rows else 0.0,
+            "on_fraction": steps / decode_steps if decode_steps else 0.0,
+            "steps": steps, "arms": arms,
+            "accept_len_by_bucket": {k: sum(v) / len(v) for k, v in buckets.items()}}
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    from ..rollout.engine import _eos_ids as eos
+
+    return eos(tokenizer)
+
+
+def config_dict(cfg: Config) -> dict:
+    return asdict(cfg)

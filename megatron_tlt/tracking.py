@@ -1,0 +1,146 @@
+"""Where a run's metrics go: a JSONL file, Weights & Biases, the terminal.
+
+Only global rank 0 writes. Metrics are one flat namespace (``reward/mean``,
+``timing/rollout``, ``spec/accept_len``, ...); each step is one JSON line with its
+``step``; nested values (per-replica timelines, per-bucket acceptance) stay nested in
+the JSONL and are flattened for W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        elif isinstance(v, (int, float, bool)) and not isinstance(v, bool):
+            out[key] = v
+        elif isinstance(v, bool):
+            out[key] = int(v)
+    return out
+
+
+def _jsonable(v: Any):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "item"):
+        return _jsonable(v.item())
+    return v
+
+
+class Tracker:
+    """JSONL + optional W&B + rich progress; a no-op on ranks other than 0."""
+
+    def __init__(self, cfg, run_dir: Path, *, rank: int, config_dict: dict,
+                 resume: bool = False):
+        self.cfg = cfg
+        self.enabled = rank == 0
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.wandb_run = None
+        self._progress = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(_jsonable(config_dict), indent=1))
+        if not resume and self.metrics_path.exists():
+            self.metrics_path.unlink()
+        if cfg.wandb_project and cfg.wandb_mode != "disabled":
+            self.wandb_run = self._start_wandb(config_dict, resume)
+
+    def _start_wandb(self, config_dict: dict, resume: bool):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        return wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
+                          name=self.cfg.run_name or self.run_dir.name, mode=self.cfg.wandb_mode,
+                          dir=str(self.run_dir), config=_jsonable(config_dict),
+                          resume="allow" if resume else None,
+                          id=(self.run_dir.name if resume else None))
+
+    @property
+    def wandb_dir(self) -> Optional[str]:
+        if self.wandb_run is None:
+            return None
+        return str(Path(self.wandb_run.dir).parent)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **metrics}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(_flatten(metrics), step=step)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            if self._progress is not None:
+                self._progress.console.print(message)
+            else:
+                print(message, flush=True)
+
+    # ----------------------------------------------------------------- progress
+    def start_progress(self, total_steps: int, done: int = 0) -> None:
+        if not (self.enabled and self.cfg.progress):
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn("ETA"), TimeRemainingColumn(),
+                                  TextColumn("{task.fields[info]}"), transient=False)
+        self._progress.start()
+        self._steps = self._progress.add_task("RL steps", total=total_steps, completed=done,
+                                              info="")
+        self._phase = None
+
+    @contextmanager
+    def phase(self, name: str, total: Optional[int] = None):
+        """A progress line for one phase of a step (rollout, update, ...)."""
+        if self._progress is None:
+            yield None
+            return
+        task = self._progress.add_task(f"  {name}", total=total, info="")
+        try:
+            yield lambda n=1, info="": self._progress.update(task, advance=n, info=info)
+        finally:
+            self._progress.remove_task(task)
+
+    def step_done(self, info: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._steps, advance=1, info=info)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """A run's metrics.jsonl as a list of step records (resumed runs: last record per
+    step wins)."""
+    by_step: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[k] for k in sorted(by_step)]

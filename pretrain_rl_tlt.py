@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""GRPO training of a reasoning LLM on megatron-core, with TLT rollouts.
+
+    torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
+    torchrun --nproc_per_node 8 pretrain_rl_tlt.py --config examples/rl/qwen2.5_7b_grpo.yaml \\
+        --tensor-model-parallel-size 2 --lr 1e-6 --wandb-project my-rl
+    python pretrain_rl_tlt.py --config examples/rl/qwen2.5_32b_grpo.yaml --dry-run --world-size 64
+
+Configuration: defaults, then each --config recipe, then section.field=value overrides
+(--help-config lists every field). Megatron-LM's common flags are accepted as aliases
+of config fields (see MEGATRON_FLAGS); an alias and an override of the same field
+conflict only if they disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_tlt.assets import AssetError  # noqa: E402
+from megatron_tlt.config import ConfigError, build_parser, config_from_args  # noqa: E402
+from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
+
+# Megatron-LM flag -> config field
+MEGATRON_FLAGS = {
+    "--tensor-model-parallel-size": "parallel.tensor_model_parallel_size",
+    "--pipeline-model-parallel-size": "parallel.pipeline_model_parallel_size",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--global-batch-size": "train.global_batch_size",
+    "--lr": "train.lr",
+    "--min-lr": "train.min_lr",
+    "--lr-warmup-iters": "train.lr_warmup_steps",
+    "--lr-decay-style": "train.lr_decay",
+    "--clip-grad": "train.clip_grad",
+    "--weight-decay": "train.weight_decay",
+    "--train-iters": "train.steps",
+    "--seed": "platform.seed",
+    "--save": "checkpoint.save",
+    "--load": "checkpoint.load",
+    "--save-interval": "checkpoint.save_interval",
+    "--wandb-project": "tracking.wandb_project",
+    "--wandb-exp-name": "tracking.run_name",
+    "--grpo-group-size": "grpo.group_size",
+    "--grpo-prompts-per-step": "grpo.prompts_per_step",
+    "--grpo-clamp-eps-lower": "grpo.clip_eps_low",
+    "--grpo-clamp-eps-upper": "grpo.clip_eps_high",
+    "--grpo-kl-beta": "grpo.kl_beta",
+    "--grpo-iterations": "grpo.ppo_epochs",
+    "--hf-path": "model.hf_path",
+}
+
+
+def build_rl_parser():
+    parser = build_parser(__doc__.splitlines()[1])
+    for flag, key in MEGATRON_FLAGS.items():
+        parser.add_argument(flag, dest="alias:" + key, default=None, metavar="V",
+                            help=f"alias of {key}")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the recipe against --world-size, print the parallel "
+                             "layout and a memory estimate, load no weights")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: the world size to check (default: WORLD_SIZE or 1)")
+    return parser
+
+
+def parse(argv=None):
+    args = build_rl_parser().parse_args(argv)
+    overrides = []
+    for dest, value in vars(args).items():
+        if dest.startswith("alias:") and value is not None:
+            overrides.append(f"{dest[len('alias:'):]}={value}")
+    args.overrides = overrides + list(args.overrides)  # explicit overrides win
+    return args, config_from_args(args)
+
+
+def main(argv=None) -> int:
+    args, cfg = parse(argv)
+    if args.dry_run:
+        from megatron_tlt.rl.plan import dry_run
+
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        print(dry_run(cfg, world))
+        return 0
+    from megatron_tlt.platform import silence_expected_warnings
+
+    silence_expected_warnings()
+    from megatron_tlt.launch import setup, shutdown
+    from megatron_tlt.rl.report import print_summary, write_plots
+    from megatron_tlt.rl.trainer import Trainer, config_dict
+    from megatron_tlt.tracking import Tracker
+
+    t0 = time.perf_counter()
+    session = setup(cfg)
+    run_name = cfg.tracking.run_name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.tracking.output_dir) / run_name
+    rank = session.platform.rank
+    resume_from = cfg.checkpoint.load
+    tracker = Tracker(cfg.tracking, run_dir, rank=rank, config_dict=config_dict(cfg),
+                      resume=bool(resume_from))
+    trainer = Trainer(cfg, session, tracker=tracker)
+    if resume_from:
+        path = trainer.resume(resume_from)
+        tracker.info(f"resumed from {path} at step {trainer.state.step}")
+    lay = session.layout
+    tracker.info(f"GRPO on {session.source.name} ({session.arch.num_parameters / 1e6:.0f}M "
+                 f"params): world {session.platform.world_size} = TP {lay.tp_size} x PP "
+                 f"{lay.pp_size} x DP {lay.dp_size}, {session.platform.device.type}/"
+                 f"{session.platform.backend}; {cfg.grpo.prompts_per_step} prompts x "
+                 f"{cfg.grpo.group_size} samples per step, {cfg.train.steps} steps; "
+                 f"speculative decoding "
+                 f"{'on (' + cfg.rollout.speculative.drafter + ')' if trainer.engine is not None and trainer.engine.spec is not None else 'off'}")
+    history = trainer.train()
+    if rank == 0:
+        plots = write_plots(tracker.metrics_path, run_dir) if cfg.tracking.plots else []
+        print_summary(history, run_dir=run_dir, metrics=tracker.metrics_path,
+                      wandb_dir=tracker.wandb_dir, plots=plots,
+                      seconds=time.perf_counter() - t0)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"steps": trainer.state.step, "seconds": time.perf_counter() - t0}, indent=1))
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ConfigError, FileNotFoundError, AssetError, UnsupportedModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,98 @@
+"""Worker for tests/test_rl_parallel.py: one GRPO update on a fixed global batch.
+
+    torchrun --standalone --nproc_per_node 2 tests/mp_rl_worker.py --out r.json \
+        model.hf_path=DIR parallel.tensor_model_parallel_size=2 ...
+
+Every layout sees the same global batch: fixed responses for the step's prompts (random
+tokens from a fixed seed, varied lengths) with fixed rewards; each replica keeps its own
+prompts' groups. The worker fills old log-probs, runs the update (ppo_epochs x
+mini-batches) and writes the loss metrics, the gradient norms and the updated model's
+log-probs of a probe batch (layout-independent: full-vocabulary softmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_tlt.config import load_config  # noqa: E402
+
+
+def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0):
+    from megatron_tlt.rl import grpo
+    from megatron_tlt.rl.samples import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = trainer.train_prompts[:n_prompts]
+    out = []
+    for p_idx, p in enumerate(prompts):
+        for k in range(group):
+            n = int(torch.randint(3, 12, (1,), generator=gen))
+            resp = torch.randint(10, 40000, (n,), generator=gen).tolist()
+            reward = float((p_idx + k) % 3 == 0) + 0.25 * k
+            out.append(Sample(prompt_index=p_idx, prompt_ids=list(p.token_ids),
+                              response_ids=resp,
+                              rollout_logprobs=(-torch.rand(n, generator=gen)).tolist(),
+                              finish_reason="length" if n > 9 else "stop", reward=reward,
+                              uid=p.uid))
+    rewards = torch.tensor([s.reward for s in out])
+    adv = grpo.group_advantages(rewards, group, trainer.cfg.grpo.norm_adv_by_std)
+    for s, a in zip(out, adv.tolist()):
+        s.advantage = a
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = load_config([], args.overrides)
+    from megatron_tlt.launch import setup
+    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.rl.samples import collate
+    from megatron_tlt.rl.trainer import Trainer
+
+    silence_expected_warnings()
+    session = setup(cfg)
+    trainer = Trainer(cfg, session)
+    g = cfg.grpo
+    everything = fixed_samples(trainer, g.prompts_per_step, g.group_size)
+    mine = set(trainer.replica_prompts(g.prompts_per_step))
+    samples = [s for s in everything if s.prompt_index in mine]
+    loss_mask = [not (g.overlong == "mask" and s.truncated) for s in samples]
+    if not g.use_rollout_logprobs:
+        trainer._fill_logprobs(samples, trainer.policy, "old_logprobs")
+    else:
+        for s in samples:
+            s.old_logprobs = torch.tensor(s.rollout_logprobs)
+    if trainer.ref_model is not None:
+        trainer._fill_logprobs(samples, trainer.ref_model, "ref_logprobs")
+    update = trainer._update(samples, loss_mask, fused_old=False)
+    # probe: the updated model's log-probs of the first 4 fixed samples (every rank)
+    probe = [everything[i] for i in range(4)]
+    mb = collate(probe, list(range(4)), pad_id=0, device=trainer.policy.device)
+    lp = trainer.policy.logprobs([mb])
+    lay = trainer.layout
+    result = None
+    if lp is not None:
+        lp = (lp[0] * mb.mask).tolist()
+        result = {"probe_logprobs": lp, "grad_norm": update["grad_norm"],
+                  "sums": update["sums"], "maxes": update["maxes"],
+                  "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps([r for r in results if r is not None]))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
