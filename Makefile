@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: install assets demo test test-gpu test-fast docs clean-venv
 
@@ -25,8 +26,9 @@ install: $(STAMP)
 assets: $(STAMP)
 	$(PY) tools/prepare_assets.py
 
+# GRPO with TLT rollouts on SmolLM2-135M, 2 DP replicas (torchrun, gloo), a few steps
 demo: assets
-	$(PY) tools/generate.py --config examples/rl/smollm2_cpu.yaml
+	$(PY) tools/demo.py $(DEMO_ARGS)
 
 test: assets
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -106,6 +106,10 @@ def main(argv=None) -> int:
     if resume_from:
         path = trainer.resume(resume_from)
         tracker.info(f"resumed from {path} at step {trainer.state.step}")
+        if trainer.state.step >= cfg.train.steps:
+            tracker.info(f"warning: the checkpoint is at step {trainer.state.step} and "
+                         f"train.steps={cfg.train.steps}: no step left to run; raise "
+                         f"train.steps (--train-iters) to continue training")
     lay = session.layout
     tracker.info(f"GRPO on {session.source.name} ({session.arch.num_parameters / 1e6:.0f}M "
                  f"params): world {session.platform.world_size} = TP {lay.tp_size} x PP "

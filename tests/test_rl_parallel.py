@@ -73,7 +73,8 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     common = [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=2",
               "grpo.max_new_tokens=4", "train.steps=1", "data.train_size=8",
               "tracking.progress=false", "tracking.run_name=run",
-              "reward.format_reward=1.0", "reward.format_pattern=k"]
+              "reward.format_reward=1.0", "reward.format_pattern=k",
+              "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_rounds=1"]
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'dp'}",
                    f"rollout.speculative.drafter={drafter}",
                    "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2",
@@ -83,6 +84,8 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert len(rec["timeline"]["replica_finish"]) == 2
     assert rec["spec"]["steps"] > 0
     assert rec["timing"]["tail"] >= 0 and rec["idle_replica_seconds"] >= 0
+    assert rec["dynamic_sampling/rounds"] <= 1
+    assert 0 <= rec["dynamic_sampling/replaced"] <= 2  # at most every group of the step
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'pp'}",
                    "parallel.pipeline_model_parallel_size=2", nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

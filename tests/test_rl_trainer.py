@@ -97,6 +97,10 @@ def test_cli_two_steps_with_speculation_checkpoint_and_exact_resume(
         assert len(rec["timeline"]["replica_finish"]) == 1
     assert (full / "run" / "curves.png").stat().st_size > 0
     assert (full / "run" / "timeline.png").stat().st_size > 0
+    r = run_script("tools/plot_run.py", full / "run" / "metrics.jsonl", "--out", tmp_path / "p")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "p").glob("*.png")) == ["curves.png",
+                                                                      "timeline.png"]
 
     # the same run stopped after step 1 and resumed gives the same step 2
     ckpt = tmp_path / "ckpt"

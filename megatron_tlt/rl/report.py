@@ -35,6 +35,8 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
             f"{spec.get('on_fraction', 0):.0%}" if spec else "-",
             f"{h['eval/accuracy']:.2f}" if "eval/accuracy" in h else "")
     console = Console()
+    if console.width < 132:  # a pipe or a narrow terminal: keep the columns readable
+        console = Console(width=132)
     console.print(table)
     console.print(f"run folder : {run_dir}")
     console.print(f"metrics    : {metrics}")

@@ -19,6 +19,7 @@ Everything a resumed run needs lives in ``self.state`` (``checkpointing.RunState
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict
@@ -171,9 +172,10 @@ class Trainer:
 
         # 2. rollout on the trained weights; 3. rewards
         seed = cfg.platform.seed * 1_000_003 + step
-        roll = self._rollout(prompts, mine, seed, t_step)
-        self._score(roll.samples, prompts)
-        rounds, replaced = self._dynamic_sampling(roll, step, t_step)
+        with self._phase(f"step {step + 1}: rollout"):
+            roll = self._rollout(prompts, mine, seed, t_step)
+            self._score(roll.samples, prompts)
+            rounds, replaced = self._dynamic_sampling(roll, step, t_step)
         roll.finished_at = time.perf_counter() - t_step
         timing["rollout"] = roll.finished_at
 
@@ -212,7 +214,8 @@ class Trainer:
 
         # 6. update: ppo_epochs x mini-batches, micro-batches accumulate
         t0 = time.perf_counter()
-        update = self._update(samples, loss_mask, fused_old)
+        with self._phase(f"step {step + 1}: update", g.ppo_epochs * self.mini_batches) as tick:
+            update = self._update(samples, loss_mask, fused_old, tick)
         timing["update"] = time.perf_counter() - t0
         timing["step"] = time.perf_counter() - t_step
 
@@ -305,7 +308,14 @@ class Trainer:
                 p = len(s.prompt_ids)
                 setattr(s, attr, lp[r, p - 1:p - 1 + len(s.response_ids)].float().cpu())
 
-    def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool) -> dict:
+    def _phase(self, name: str, total: Optional[int] = None):
+        """A progress line on rank 0's terminal while a phase runs."""
+        if self.tracker is None:
+            return contextlib.nullcontext(None)
+        return self.tracker.phase(name, total)
+
+    def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
+                tick: Optional[Callable] = None) -> dict:
         from ..models.inference import token_logprobs
 
         g = self.cfg.grpo
@@ -322,41 +332,51 @@ class Trainer:
                 denoms = grpo.LossDenominators(tokens=max(tokens, 1.0),
                                                sequences=max(seqs, 1.0),
                                                max_len=float(g.max_new_tokens))
+                if g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1:
+                    # a zero-advantage sample's loss and gradient are exactly zero: skip
+                    # its forward/backward (the denominators above still count it)
+                    idx = [i for i in idx if samples[i].advantage != 0.0]
                 mbs = self._micro_batches(samples, idx, loss_mask, for_loss=True)
 
                 def loss_fn(mb, local_logits, denoms=denoms):
-                    logp = token_logprobs(local_logits, mb.targets, arch)
+                    # only response positions carry loss: the vocabulary-wide work
+                    # (log-softmax, entropy) runs on those rows alone
+                    sel = mb.mask > 0
+                    rows = local_logits[sel].unsqueeze(0)                   # [1, n, V/tp]
+                    lp = token_logprobs(rows, mb.targets[sel].unsqueeze(0), arch)[0]
+                    logp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device)
+                    logp = logp.masked_scatter(sel, lp)
                     ent_needed = g.entropy_coef > 0
                     with torch.set_grad_enabled(ent_needed and torch.is_grad_enabled()):
-                        ent = grpo.vocab_parallel_entropy(
-                            local_logits if ent_needed else local_logits.detach(),
-                            vocab_size=arch.vocab_size)
+                        e = grpo.vocab_parallel_entropy(rows if ent_needed else rows.detach(),
+                                                        vocab_size=arch.vocab_size)[0]
+                        ent = torch.zeros(sel.shape, dtype=e.dtype, device=e.device)
+                        ent = ent.masked_scatter(sel, e)
                     old = mb.old_logprobs if not fused_old else logp.detach()
                     loss, met = grpo.policy_loss(
                         logp, old, mb.advantages, mb.mask, g, denoms,
                         ref_logp=mb.ref_logprobs, rollout_logp=mb.rollout_logprobs,
                         entropy=ent)
-                    with torch.no_grad():
+                    with torch.no_grad():  # train/rollout mismatch: |exp(diff) - 1|
                         diff = (old - mb.rollout_logprobs) * mb.mask
                         met = dict(met)
-                        met["mismatch_abs_sum"] = diff.abs().sum()
                         met["mismatch_ratio_err_sum"] = ((diff.exp() - 1).abs() * mb.mask).sum()
                         met["loss"] = loss.detach()
                     return loss, met
 
-                if not mbs:  # this replica has no samples in this mini-batch
-                    mbs = []
                 result, per_mb = self.policy.train_step(mbs, loss_fn)
                 for met in per_mb:
                     for k, v in met.items():
                         v = float(v)
-                        if k.endswith("_max"):
+                        if k in grpo.MAX_METRICS:
                             maxes[k] = max(maxes.get(k, -math.inf), v)
                         else:
                             sums[k] = sums.get(k, 0.0) + v
                 norms.append(result.grad_norm)
                 lrs.append(result.lr)
                 skipped += 0 if result.updated else 1
+                if tick is not None:
+                    tick(1, f"loss {sum(float(m.get('loss', 0.0)) for m in per_mb):+.4f}")
         keys = sorted(sums)
         totals = dict(zip(keys, self._dp_sum([sums[k] for k in keys]))) if keys else {}
         mk = sorted(maxes)
@@ -411,7 +431,7 @@ class Trainer:
             "clip_fraction/high": s.get("clip_high_count", 0.0) / tok,
             "ratio/mean": s.get("ratio_sum", 0.0) / tok,
             "ratio/max": mx.get("ratio_max", float("nan")),
-            "mismatch/logprob_abs_diff": s.get("mismatch_abs_sum", 0.0) / tok,
+            "mismatch/logprob_abs_diff": s.get("rollout_logp_abs_diff_sum", 0.0) / tok,
             "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
             "grad_norm": sum(upd["grad_norm"]) / max(len(upd["grad_norm"]), 1),
             "lr": upd["lr"][-1] if upd["lr"] else self.policy.lr,

@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""`make demo`: GRPO with TLT rollouts on SmolLM2-135M-Instruct, 2 DP replicas on CPU.
+
+    python tools/demo.py [section.field=value ...]
+
+1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
+   (tools/warmup_drafter.py: self-distillation on 64 sampled chain_sum responses).
+2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
+   rollout.speculative.drafter=<it>` plus any overrides given here: a few GRPO steps, a
+   per-step summary table, and the paths of the W&B offline run, the JSONL and the plots.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+WARMUP = ["--task", "chain_sum", "--train-prompts", "64", "--eval-prompts", "4",
+          "--max-new-tokens", "128", "--temperature", "1.0", "--epochs", "4",
+          "--batch-tokens", "1024", "--draft-vocab", "1024", "--eval-strategy", "4_1_4",
+          "--eval-new-tokens", "64"]
+
+
+def demo_drafter() -> Path:
+    from megatron_tlt.assets import default_cache_dir
+
+    path = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo.safetensors"
+    if path.is_file():
+        print(f"[demo] drafter: {path} (cached)", flush=True)
+        return path
+    print(f"[demo] warming up a drafter for the demo (bounded, ~2-3 min on 2 cores) -> "
+          f"{path}", flush=True)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "warmup_drafter.py"),
+                        "--out", str(path), *WARMUP])
+    if r.returncode != 0:
+        raise SystemExit(f"drafter warm-up failed (exit {r.returncode})")
+    print(f"[demo] drafter ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def main(argv=None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+    drafter = demo_drafter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", "2", str(REPO / "pretrain_rl_tlt.py"),
+           "--config", str(REPO / "examples" / "rl" / "smollm2_cpu.yaml"),
+           f"rollout.speculative.drafter={drafter}", *overrides]
+    print("[demo] " + " ".join(cmd[1:]), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
+    r = subprocess.run(cmd, env=env, cwd=REPO)
+    print(f"[demo] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    return r.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
