@@ -52,6 +52,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.wandb_run = None
+        self._wandb_dir: Optional[str] = None
         self._progress = None
         if not self.enabled:
             return
@@ -61,6 +62,7 @@ class Tracker:
             self.metrics_path.unlink()
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
             self.wandb_run = self._start_wandb(config_dict, resume)
+            self._wandb_dir = str(Path(self.wandb_run.dir).parent)
 
     def _start_wandb(self, config_dict: dict, resume: bool):
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -74,9 +76,8 @@ class Tracker:
 
     @property
     def wandb_dir(self) -> Optional[str]:
-        if self.wandb_run is None:
-            return None
-        return str(Path(self.wandb_run.dir).parent)
+        """The W&B run folder (offline runs: `wandb sync` it), also after close()."""
+        return self._wandb_dir
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

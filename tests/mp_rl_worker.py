@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_tlt.config import load_config  # noqa: E402
 
 
-def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0):
+def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0,
+                  flat_prompts: frozenset = frozenset()):
     from megatron_tlt.rl import grpo
     from megatron_tlt.rl.samples import Sample
 
@@ -36,7 +37,7 @@ def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0):
         for k in range(group):
             n = int(torch.randint(3, 12, (1,), generator=gen))
             resp = torch.randint(10, 40000, (n,), generator=gen).tolist()
-            reward = float((p_idx + k) % 3 == 0) + 0.25 * k
+            reward = 0.5 if p_idx in flat_prompts else float((p_idx + k) % 3 == 0) + 0.25 * k
             out.append(Sample(prompt_index=p_idx, prompt_ids=list(p.token_ids),
                               response_ids=resp,
                               rollout_logprobs=(-torch.rand(n, generator=gen)).tolist(),
@@ -52,6 +53,9 @@ def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--flat-prompts", default="",
+                        help="comma-separated prompt indices whose group rewards are equal "
+                             "(zero advantages)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config([], args.overrides)
@@ -64,7 +68,8 @@ def main() -> None:
     session = setup(cfg)
     trainer = Trainer(cfg, session)
     g = cfg.grpo
-    everything = fixed_samples(trainer, g.prompts_per_step, g.group_size)
+    flat = frozenset(int(x) for x in args.flat_prompts.split(",") if x)
+    everything = fixed_samples(trainer, g.prompts_per_step, g.group_size, flat_prompts=flat)
     mine = set(trainer.replica_prompts(g.prompts_per_step))
     samples = [s for s in everything if s.prompt_index in mine]
     loss_mask = [not (g.overlong == "mask" and s.truncated) for s in samples]

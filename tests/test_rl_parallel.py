@@ -38,6 +38,24 @@ def single(policy, tmp_path_factory):
     return res
 
 
+def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(policy, tmp_path):
+    """Replica 1's groups all have equal rewards, so it skips every forward/backward
+    (exact: their loss is zero); the replicas must still agree on every reduction."""
+    update = [u for u in UPDATE if not u.startswith(("grpo.kl_beta", "grpo.entropy"))]
+    # prompts 2 and 3 go to replica 1 (mini-batches = 2: replica (p // 2) % 2)
+    args = ["--flat-prompts", "2,3", f"model.hf_path={policy}", *update]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    r = run_script("tests/mp_rl_worker.py", "--out", one, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script("tests/mp_rl_worker.py", "--out", two, *args, nproc=2, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (single_res,) = json.loads(one.read_text())
+    for res in json.loads(two.read_text()):
+        np.testing.assert_allclose(res["probe_logprobs"], single_res["probe_logprobs"],
+                                   atol=2e-4, rtol=0)
+        assert res["sums"]["tokens"] == single_res["sums"]["tokens"]
+
+
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_parallel_update_equals_single_process(layout, policy, single, tmp_path):
     extra = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],

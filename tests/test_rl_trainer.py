@@ -30,6 +30,7 @@ def _tiny_args(policy: Path, out: Path, *extra: str) -> list[str]:
     return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
             "grpo.max_new_tokens=8", "train.lr=1e-3", "data.train_size=16",
             f"tracking.output_dir={out}", "tracking.run_name=run", "tracking.progress=false",
+            "tracking.wandb_project=test", "tracking.wandb_mode=offline",
             # a random policy never answers right: reward the letter k so groups vary
             "reward.format_reward=1.0", "reward.format_pattern=k", *extra]
 
@@ -96,6 +97,7 @@ def test_cli_two_steps_with_speculation_checkpoint_and_exact_resume(
         assert math.isfinite(rec["loss/total"]) and rec["grad_norm"] > 0
         assert len(rec["timeline"]["replica_finish"]) == 1
     assert (full / "run" / "curves.png").stat().st_size > 0
+    assert "W&B run" in r.stdout and list((full / "run" / "wandb").glob("offline-run-*"))
     assert (full / "run" / "timeline.png").stat().st_size > 0
     r = run_script("tools/plot_run.py", full / "run" / "metrics.jsonl", "--out", tmp_path / "p")
     assert r.returncode == 0, r.stderr

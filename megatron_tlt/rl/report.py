@@ -92,6 +92,9 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
                         for r in train], marker=".", label=f"batch {b}")
     if buckets:
         ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no speculative steps in this run", ha="center",
+                transform=ax.transAxes)
     ax.set_xlabel("step")
     ax.set_title("speculative acceptance length per bucket")
     fig.tight_layout()

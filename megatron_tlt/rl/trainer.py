@@ -104,6 +104,7 @@ class Trainer:
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
         # here; the callback must return before the barrier can complete.
         self.idle_window_hooks: list[Callable[[int, ReplicaRollout], None]] = []
+        self._reward_seconds = 0.0
 
     # ------------------------------------------------------------------ set-up helpers
     def _reference_model(self):
@@ -135,6 +136,7 @@ class Trainer:
                                self.cfg.grpo.group_size, params, t_step, stats)
 
     def _score(self, samples: Sequence[Sample], prompts) -> None:
+        t0 = time.perf_counter()
         g = self.cfg.grpo
         by_uid = {p.uid: p for p in prompts}
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
@@ -148,6 +150,7 @@ class Trainer:
                                         g.overlong_penalty)
             for s, v in zip(samples, pen.tolist()):
                 s.reward += v
+        self._reward_seconds += time.perf_counter() - t0
 
     def _dp_all_gather(self, obj):
         out = [None] * self.layout.dp_size
@@ -165,6 +168,7 @@ class Trainer:
         cfg, g = self.cfg, self.cfg.grpo
         t_step = time.perf_counter()
         timing: dict[str, float] = {}
+        self._reward_seconds = 0.0
 
         # 1. prompts: the same list on every rank (the sampler is deterministic)
         prompts = self.state.sampler.next_batch(g.prompts_per_step)
@@ -177,7 +181,8 @@ class Trainer:
             self._score(roll.samples, prompts)
             rounds, replaced = self._dynamic_sampling(roll, step, t_step)
         roll.finished_at = time.perf_counter() - t_step
-        timing["rollout"] = roll.finished_at
+        timing["rollout"] = roll.finished_at  # generation + scoring, this replica
+        timing["reward"] = self._reward_seconds
 
         # The window between this replica's finish and the step barrier (drafter group)
         t_idle = time.perf_counter()
@@ -377,11 +382,14 @@ class Trainer:
                 skipped += 0 if result.updated else 1
                 if tick is not None:
                     tick(1, f"loss {sum(float(m.get('loss', 0.0)) for m in per_mb):+.4f}")
-        keys = sorted(sums)
-        totals = dict(zip(keys, self._dp_sum([sums[k] for k in keys]))) if keys else {}
-        mk = sorted(maxes)
+        # a replica may have run no micro-batch (every sample's advantage was zero):
+        # agree on the metric names first so every rank reduces the same vector
+        names = self._dp_all_gather((sorted(sums), sorted(maxes)))
+        keys = sorted({k for ks, _ in names for k in ks})
+        mk = sorted({k for _, ms in names for k in ms})
+        totals = dict(zip(keys, self._dp_sum([sums.get(k, 0.0) for k in keys])))
         if mk and self.layout.dp_size > 1:
-            t = torch.tensor([maxes[k] for k in mk], dtype=torch.float64)
+            t = torch.tensor([maxes.get(k, -math.inf) for k in mk], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
             maxes = dict(zip(mk, t.tolist()))
         return {"sums": totals, "maxes": maxes, "grad_norm": norms, "lr": lrs,
@@ -441,7 +449,6 @@ class Trainer:
             "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
             "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
         }
-        out["timing"]["reward"] = 0.0  # scored inside the rollout phase (per replica)
         if any(x is not None for x in spec):
             out["spec"] = _merge_spec([x for x in spec if x is not None], sum(decode))
         return out
