@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -24,9 +25,13 @@ from typing import Any, Optional, Sequence
 
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
-    "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "build_parser", "config_from_args", "load_config", "parse_args",
+    "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
+    "GRPOConfig", "TrainConfig", "CheckpointConfig", "TrackingConfig", "build_parser", "config_from_args", "load_config", "parse_args",
     "validate_for_run",
 ]
+
+
+_UNDERSCORED_INT = re.compile(r"\d+(_\d+)+")
 
 
 class ConfigError(ValueError):
@@ -148,6 +153,19 @@ class SpeculativeConfig:
     epsilon: float = _help("egreedy: probability of a random arm.", 0.1)
     window: int = _help("Rewards per arm kept for the median (sliding window).", 50)
     ucb_c: float = _help("ucb1: exploration weight.", 1.0)
+    break_even: bool = _help(
+        "Break-even gate (egreedy, ucb1): every bucket may decline to speculate. From this "
+        "run's own step times (plain decoding's at each batch size; each arm's relative to "
+        "it, with its tokens per sequence) a bucket decodes plainly while its best arm's "
+        "estimated rate is below plain's, and re-measures at a bounded cost "
+        "(probe_budget), so a weak or stale drafter costs at most that and a retrained one "
+        "is picked up again. false = the bandit alone (0_0_0 arms only where listed).",
+        True)
+    probe_budget: float = _help(
+        "Break-even gate: the share of recent decode time (~200 steps, per bucket and "
+        "over all buckets) that speculative steps may lose against plain decoding, "
+        "probes included; a probe that confirms the loss halves it (down to an eighth).",
+        0.01)
     seed: int = _help("Seed of the tuner's own random stream.", 0)
     tuner_state: str = _help(
         "JSON file the tuner's state is loaded from when it exists and saved to after "
@@ -157,6 +175,9 @@ class SpeculativeConfig:
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, ("egreedy", "ucb1", "fixed"))
         _positive("rollout.speculative", "window", self.window)
+        if not 0.0 <= self.probe_budget < 1.0:
+            raise ConfigError(f"rollout.speculative.probe_budget must be in [0, 1), got "
+                              f"{self.probe_budget}")
         if not 0.0 <= self.min_draft_prob < 1.0:
             raise ConfigError(f"rollout.speculative.min_draft_prob must be in [0, 1), got "
                               f"{self.min_draft_prob}")
@@ -190,11 +211,16 @@ class RolloutConfig:
     attention: str = _help(
         "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
         "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
-    cpu_kernels: bool = _help(
-        "Fused CPU kernels for one-token decode steps of up to 64 rows in float32 "
-        "(panel-packed GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole "
-        "layer stack in one call at TP=1); compiled on first use (~1 min, cached), eager "
-        "torch ops if compiling fails.", True)
+    cpu_kernels: str = _help(
+        "Fused CPU kernels for decode steps of up to 64 rows in float32 (panel-packed "
+        "GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole layer stack in "
+        "one call at TP=1), compiled on first use for the CPU's instruction set (~1 min, "
+        "cached; MEGATRON_TLT_CPU_ISA=avx512|avx2|portable forces a variant). auto: a "
+        "calibration on the build's first use (a few seconds, stored next to the build, "
+        "logged) times each kernel family against eager torch ops and they run only at "
+        "the batch sizes where they measured faster; true: at every size; false: never "
+        "(also MEGATRON_TLT_NO_CPU_KERNELS=1). Eager torch ops if compiling fails.",
+        "auto")
     cuda_graphs: bool = _help(
         "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
         "bucket).", False)
@@ -211,8 +237,246 @@ class RolloutConfig:
                               f"got {self.max_seq_len}")
         _positive("rollout", "prefill_tokens", self.prefill_tokens)
         _choice("rollout", "attention", self.attention, ("auto", "sdpa", "flash"))
+        # YAML / CLI booleans arrive as True / "False"; Python callers may pass bools
+        self.cpu_kernels = str(self.cpu_kernels).strip().lower()
+        _choice("rollout", "cpu_kernels", self.cpu_kernels, ("auto", "true", "false"))
         _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
                 ("auto", "float32", "bfloat16", "float16"))
+
+
+# -------------------------------------------------------------------------------------
+# RL training (pretrain_rl_tlt.py)
+# -------------------------------------------------------------------------------------
+
+@dataclass
+class DataConfig:
+    """Prompts: a reasoning-gym task, or a JSONL / Parquet file with reference answers."""
+
+    source: str = _help(
+        "reasoning_gym (a procedurally generated task, see data.task), jsonl or parquet "
+        "(data.path, read with the `datasets` library).", "reasoning_gym")
+    task: str = _help("reasoning-gym task name (data.source=reasoning_gym).",
+                      "basic_arithmetic")
+    task_params: dict = _help(
+        "reasoning-gym task parameters, e.g. {min_terms: 2, max_terms: 2}; they override "
+        "the task's preset key by key.", factory=dict)
+    path: str = _help("Prompt file (data.source=jsonl or parquet).", "")
+    prompt_field: str = _help(
+        "Field holding the prompt: a string (the user message) or a list of chat messages "
+        "({role, content}).", "prompt")
+    answer_field: str = _help("Field holding the reference answer.", "answer")
+    instruction: str = _help(
+        "Appended to every user message on a new line (answer-format instruction); empty "
+        "= none.", "Explain your steps, then state the final answer.")
+    system_prompt: str = _help("System message; empty keeps the chat template's default.",
+                               "")
+    train_size: int = _help(
+        "reasoning-gym: prompts in the training set (the run cycles through it, shuffled "
+        "per epoch); files: 0 = every row.", 10000)
+    eval_size: int = _help(
+        "Held-out prompts scored every train.eval_interval steps (reasoning-gym: drawn "
+        "from a disjoint seed; files: the last eval_size rows). 0 = no evaluation.", 0)
+    seed: int = _help("Seed of the prompt set and of the per-epoch shuffle.", 0)
+    max_prompt_tokens: int = _help(
+        "Prompts longer than this (after the chat template) are an error (or skipped "
+        "with data.skip_bad_rows).", 1024)
+    skip_bad_rows: bool = _help(
+        "Skip malformed rows (counted and reported) instead of stopping with an error "
+        "that names the file, line and field.", False)
+
+    def __post_init__(self):
+        _choice("data", "source", self.source, ("reasoning_gym", "jsonl", "parquet"))
+        if self.source != "reasoning_gym" and not self.path:
+            raise ConfigError(f"data.source={self.source} needs data.path (the prompt file)")
+        if self.train_size < 0 or self.eval_size < 0:
+            raise ConfigError("data.train_size and data.eval_size must be >= 0")
+        _positive("data", "max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass
+class RewardConfig:
+    """Verifiers: how a response is scored against the reference answer."""
+
+    verifier: str = _help(
+        "auto (reasoning_gym for reasoning-gym tasks, math otherwise), reasoning_gym (the "
+        "task's own score_answer), math (math-verify equivalence), exact (normalised "
+        "string match).", "auto")
+    answer_extraction: str = _help(
+        "How the answer is taken from a response: auto (<answer> tag, else \\boxed{}, "
+        "else the last number), answer_tag, boxed, last_number, last_line.", "auto")
+    format_reward: float = _help(
+        "Added to the reward when the response matches reward.format_pattern (0 = off).",
+        0.0)
+    format_pattern: str = _help(
+        "Regular expression (searched, DOTALL) a well-formatted response matches.",
+        r"<answer>.*?</answer>")
+    correct_threshold: float = _help(
+        "A response counts as correct (the accuracy metric) when its verifier score is at "
+        "least this.", 1.0)
+    timeout_seconds: float = _help(
+        "Wall-clock bound per math-verify call (no SIGALRM: it runs in worker threads).",
+        5.0)
+
+    def __post_init__(self):
+        _choice("reward", "verifier", self.verifier,
+                ("auto", "reasoning_gym", "math", "exact"))
+        _choice("reward", "answer_extraction", self.answer_extraction,
+                ("auto", "answer_tag", "boxed", "last_number", "last_line"))
+        import re as _re
+
+        try:
+            _re.compile(self.format_pattern)
+        except _re.error as e:
+            raise ConfigError(f"reward.format_pattern is not a valid regex: {e}") from None
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO loss family (GRPO, DAPO, Dr. GRPO): sampling, advantages, loss."""
+
+    prompts_per_step: int = _help("Prompts per RL step (over all DP replicas).", 32)
+    group_size: int = _help("Responses sampled per prompt (the GRPO group).", 8)
+    max_new_tokens: int = _help("Response length cap in tokens.", 1024)
+    temperature: float = _help("Rollout sampling temperature.", 1.0)
+    top_p: float = _help("Rollout top-p (1.0 = off).", 1.0)
+    top_k: int = _help("Rollout top-k (0 = off).", 0)
+    norm_adv_by_std: bool = _help(
+        "Divide group-centred rewards by the group's std (GRPO); false = Dr. GRPO.", True)
+    clip_eps_low: float = _help("PPO ratio clip below: 1 - clip_eps_low.", 0.2)
+    clip_eps_high: float = _help("PPO ratio clip above: 1 + clip_eps_high (DAPO "
+                                 "clip-higher uses 0.28).", 0.28)
+    dual_clip_c: float = _help("Dual-clip constant c > 1 for negative advantages "
+                               "(0 = off).", 0.0)
+    kl_beta: float = _help("KL-to-reference coefficient (0 = off, no reference model).",
+                           0.0)
+    kl_type: str = _help("KL estimator: k1 (logp - logp_ref) or k3 (exp(r) - r - 1, "
+                         "r = logp_ref - logp).", "k3")
+    entropy_coef: float = _help("Entropy bonus coefficient (entropy is reported "
+                                "always).", 0.0)
+    loss_agg: str = _help(
+        "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO: "
+        "token sums / max_new_tokens); denominators are global to the mini-batch.",
+        "token-mean")
+    overlong: str = _help(
+        "Responses that hit max_new_tokens: none, mask (excluded from the loss) or penalty "
+        "(DAPO soft punishment over the last overlong_buffer tokens).", "none")
+    overlong_buffer: int = _help("penalty: length of the linear penalty zone.", 64)
+    overlong_penalty: float = _help("penalty: reward subtracted at the cap.", 1.0)
+    dynamic_sampling: bool = _help(
+        "DAPO dynamic sampling: replace groups whose rewards are all equal by fresh "
+        "prompts, up to dynamic_sampling_rounds extra rollouts.", False)
+    dynamic_sampling_rounds: int = _help("Extra rollout rounds at most per step.", 2)
+    use_rollout_logprobs: bool = _help(
+        "Use the engine's log-probs as the old log-probs instead of a forward pass of the "
+        "pre-update model (saves a forward; exact only when engine and training forward "
+        "agree).", False)
+    tis_cap: float = _help(
+        "Truncated importance sampling for the train/rollout mismatch: weight each token "
+        "by min(exp(logp_old - logp_rollout), tis_cap) (0 = off).", 0.0)
+    ppo_epochs: int = _help("Passes over the step's samples.", 1)
+
+    def __post_init__(self):
+        _positive("grpo", "prompts_per_step", self.prompts_per_step)
+        _positive("grpo", "group_size", self.group_size)
+        _positive("grpo", "max_new_tokens", self.max_new_tokens)
+        _positive("grpo", "ppo_epochs", self.ppo_epochs)
+        _choice("grpo", "kl_type", self.kl_type, ("k1", "k3"))
+        _choice("grpo", "loss_agg", self.loss_agg,
+                ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+        _choice("grpo", "overlong", self.overlong, ("none", "mask", "penalty"))
+        if self.temperature <= 0:
+            raise ConfigError("grpo.temperature must be > 0 (RL samples; greedy rollouts "
+                              "give every group equal rewards)")
+        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
+            raise ConfigError("grpo.clip_eps_low must be in [0, 1) and grpo.clip_eps_high "
+                              ">= 0")
+        if self.dual_clip_c and self.dual_clip_c <= 1:
+            raise ConfigError(f"grpo.dual_clip_c must be > 1 (or 0 = off), got "
+                              f"{self.dual_clip_c}")
+        if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"grpo.overlong_buffer must be in [1, grpo.max_new_tokens="
+                              f"{self.max_new_tokens}] with grpo.overlong=penalty, got "
+                              f"{self.overlong_buffer}")
+        if self.tis_cap < 0 or self.kl_beta < 0:
+            raise ConfigError("grpo.tis_cap and grpo.kl_beta must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: steps, batches, optimizer, schedule, evaluation."""
+
+    steps: int = _help("RL steps to run (a resumed run continues up to this many).", 100)
+    global_batch_size: int = _help(
+        "Samples (responses) per optimizer step, over all DP replicas; 0 = all of a step's "
+        "samples (one optimizer step per ppo epoch). Must divide prompts_per_step x "
+        "group_size.", 0)
+    micro_batch_size: int = _help("Samples per forward/backward at most.", 4)
+    micro_batch_tokens: int = _help(
+        "Padded tokens per micro-batch at most (samples are sorted by length to minimise "
+        "padding); bounds the logits' memory (tokens x vocabulary / TP x 4 bytes, a few "
+        "copies); 0 = no token budget.", 4096)
+    optimizer: str = _help(
+        "auto (megatron-core's optimizer; its distributed optimizer on CUDA), megatron, "
+        "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers).", "auto")
+    lr: float = _help("Peak learning rate.", 1e-6)
+    min_lr: float = _help("Final learning rate of the cosine decay.", 0.0)
+    lr_warmup_steps: int = _help("Linear warm-up, in optimizer steps.", 0)
+    lr_decay: str = _help("After warm-up: constant or cosine (to min_lr at the last "
+                          "optimizer step).", "constant")
+    weight_decay: float = _help("AdamW weight decay.", 0.0)
+    adam_beta1: float = _help("AdamW beta1.", 0.9)
+    adam_beta2: float = _help("AdamW beta2.", 0.999)
+    adam_eps: float = _help("AdamW epsilon.", 1e-8)
+    clip_grad: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
+    eval_interval: int = _help("Evaluate on the held-out prompts every N steps (and "
+                               "before the first); 0 = never.", 0)
+    eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
+                                    0.0)
+
+    def __post_init__(self):
+        _positive("train", "steps", self.steps)
+        _positive("train", "micro_batch_size", self.micro_batch_size)
+        _choice("train", "optimizer", self.optimizer, ("auto", "megatron", "torch"))
+        _choice("train", "lr_decay", self.lr_decay, ("constant", "cosine"))
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError("train.lr must be >= 0 and 0 <= train.min_lr <= train.lr")
+        if self.global_batch_size < 0 or self.micro_batch_tokens < 0:
+            raise ConfigError("train.global_batch_size and train.micro_batch_tokens must "
+                              "be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Run state on disk: model, optimizer, data position, RNG, tuner, drafter."""
+
+    save: str = _help("Folder for checkpoints (empty = none are written).", "")
+    load: str = _help("Folder to resume from (its latest checkpoint); empty = start "
+                      "fresh.", "")
+    save_interval: int = _help("Save every N steps (and at the end); 0 = only at the "
+                               "end.", 0)
+
+    def __post_init__(self):
+        if self.save_interval < 0:
+            raise ConfigError("checkpoint.save_interval must be >= 0")
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go: JSONL, Weights & Biases, the terminal."""
+
+    output_dir: str = _help("Run folder: metrics.jsonl, plots, W&B files.", "runs/rl")
+    run_name: str = _help("Run name (W&B and the run folder); empty = a timestamp.", "")
+    wandb_project: str = _help("W&B project; empty = W&B off.", "")
+    wandb_mode: str = _help("offline (default: no network, sync later with `wandb sync`), "
+                            "online, disabled.", "offline")
+    wandb_entity: str = _help("W&B entity (team); empty = the default.", "")
+    progress: bool = _help("Rich progress bars with ETA on the terminal (rank 0).", True)
+    plots: bool = _help("Write PNG plots of the run at the end (tools/plot_run.py).",
+                        True)
+
+    def __post_init__(self):
+        _choice("tracking", "wandb_mode", self.wandb_mode,
+                ("offline", "online", "disabled"))
 
 
 @dataclass
@@ -224,6 +488,12 @@ class Config:
     platform: PlatformConfig = _help("Device, backend, seed.", factory=PlatformConfig)
     generate: GenerateConfig = _help("Plain generation.", factory=GenerateConfig)
     rollout: RolloutConfig = _help("Rollout engine.", factory=RolloutConfig)
+    data: DataConfig = _help("Prompts.", factory=DataConfig)
+    reward: RewardConfig = _help("Verifiers.", factory=RewardConfig)
+    grpo: GRPOConfig = _help("GRPO loss family.", factory=GRPOConfig)
+    train: TrainConfig = _help("Optimisation.", factory=TrainConfig)
+    checkpoint: CheckpointConfig = _help("Checkpoints.", factory=CheckpointConfig)
+    tracking: TrackingConfig = _help("Metrics and logging.", factory=TrackingConfig)
 
 
 # -------------------------------------------------------------------------------------
@@ -314,6 +584,10 @@ def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str
                 f"command-line override {item!r} is not of the form section.field=value "
                 f"(e.g. parallel.tensor_model_parallel_size=2)")
         try:
+            key, value = item.split("=", 1)
+            if _UNDERSCORED_INT.fullmatch(value.strip()):
+                # YAML 1.1 reads 6_1_6 as the integer 616; strategies are strings
+                item = f"{key}='{value.strip()}'"
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise _translate(e, cls, "command line") from None

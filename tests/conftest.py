@@ -15,6 +15,18 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}:UserWarning")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_everywhere():
+    """Engines made by tests use the fused CPU kernels wherever they apply, as with
+    rollout.cpu_kernels=true, so which paths a test exercises never depends on this
+    machine's timings; tests/test_kernel_policy.py tests the calibration itself."""
+    from megatron_tlt.rollout import kernel_policy
+
+    kernel_policy.pinned = kernel_policy.ALWAYS
+    yield
+    kernel_policy.pinned = None
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Prepared SmolLM2-135M-Instruct folder (converted on first use, ~40 s, then cached).

@@ -1,10 +1,15 @@
 """The fused CPU decode kernels (megatron_tlt/rollout/cpu_kernels.py) against torch.
 
 Each kernel is compared with the eager torch expression it replaces, on shapes that
-reach every code path: the panel GEMM's row tiles (1-8 rows, and blocks of 8 beyond),
-partial panels (N not a multiple of 48), any K; attention with
-head sizes the kernel specialises (64, 128) and any other (24), at cache position 0
-and at positions that are not a multiple of 16.
+reach every code path: the panel GEMM's row tiles (1 to the tile's rows, and blocks of
+them beyond), partial panels (N not a multiple of the panel width), any K; attention
+with head sizes the kernel specialises (64, 128) and any other (24), at cache position 0
+and at positions that are not a multiple of 16; the whole decoder stack against the
+eager path.
+
+Every instruction-set variant this CPU can run is built and tested (an AVX-512 machine
+also runs the AVX2 and portable builds users of other CPUs get): the ``kern`` fixture
+is parametrised over ``cpu_kernels.available_isas()``.
 """
 
 from __future__ import annotations
@@ -18,24 +23,59 @@ import torch.nn.functional as F
 from megatron_tlt.rollout import cpu_kernels
 
 
-@pytest.fixture(scope="module")
-def kern():
-    k = cpu_kernels.get()
+# panel width and rows per register tile of each variant
+TILES = {"avx512": (48, 8), "avx2": (16, 6), "portable": (8, 6)}
+
+
+@pytest.fixture(scope="module", params=cpu_kernels.available_isas())
+def kern(request):
+    k = cpu_kernels.get(request.param)
     assert k is not None, "the CPU kernels did not build (needs a C++ compiler and ninja)"
     return k
 
 
+def test_each_variant_compiles_its_own_tile(kern):
+    """The build for an instruction set takes that set's code path (a forced AVX2 build
+    on an AVX-512 CPU really is AVX2 code) and links torch's OpenMP runtime, so the
+    process holds one thread pool."""
+    assert (kern.PANEL, kern.GEMM_ROWS) == TILES[kern.ISA]
+    assert f"/{kern.ISA}-" in kern.__file__
+    mine = cpu_kernels.openmp_runtime_of(kern.__file__)
+    if mine is not None:  # Linux
+        assert mine == cpu_kernels.openmp_runtime_of(cpu_kernels._libtorch())
+
+
+def test_variant_selection(monkeypatch):
+    best = cpu_kernels.detect_isa()
+    assert cpu_kernels.available_isas()[0] == best
+    assert cpu_kernels.requested_isa() == best
+    monkeypatch.setenv("MEGATRON_TLT_CPU_ISA", "portable")
+    assert cpu_kernels.requested_isa() == "portable"
+    with pytest.raises(ValueError, match="unknown"):
+        cpu_kernels.requested_isa("sse9")
+    for isa in cpu_kernels.ISAS:
+        if isa not in cpu_kernels.available_isas():
+            with pytest.raises(ValueError, match="cannot run"):
+                cpu_kernels.requested_isa(isa)
+    assert "-march=native" in cpu_kernels.compile_flags(best)
+    monkeypatch.setenv("MEGATRON_TLT_NO_CPU_KERNELS", "1")
+    assert cpu_kernels.get() is None
+
+
 def test_pack_weight_layout(kern):
-    """Panel p, row k, lane j holds w[48p + j, k]; rows past N are zeros."""
-    w = torch.randn(100, 7)
+    """Panel p, row k, lane j holds w[P p + j, k] (P = kern.PANEL); rows past N are
+    zeros."""
+    P = kern.PANEL
+    n = 2 * P + 4
+    w = torch.randn(n, 7)
     wp = kern.pack_weight(w)
-    assert wp.shape == (3, 7, 48)
-    ref = torch.zeros(144, 7)
-    ref[:100] = w
-    assert torch.equal(wp, ref.view(3, 48, 7).transpose(1, 2))
+    assert wp.shape == (3, 7, P)
+    ref = torch.zeros(3 * P, 7)
+    ref[:n] = w
+    assert torch.equal(wp, ref.view(3, P, 7).transpose(1, 2))
     again = kern.pack_weight(w * 2, wp)  # into an existing buffer
     assert again.data_ptr() == wp.data_ptr()
-    assert torch.equal(wp, 2 * ref.view(3, 48, 7).transpose(1, 2))
+    assert torch.equal(wp, 2 * ref.view(3, P, 7).transpose(1, 2))
 
 
 def test_fingerprint_sees_every_element(kern):
@@ -59,16 +99,17 @@ def test_fingerprint_sees_every_element(kern):
 
 
 def test_pack_weights_packs_many_like_one(kern):
+    P = kern.PANEL
     ws = [torch.randn(n, k) for n, k in ((100, 7), (48, 64), (5, 3), (200, 33))]
-    outs = [torch.full((-(-w.shape[0] // 48), w.shape[1], 48), float("nan")) for w in ws]
+    outs = [torch.full((-(-w.shape[0] // P), w.shape[1], P), float("nan")) for w in ws]
     kern.pack_weights(ws, outs)
     for w, o in zip(ws, outs):
         assert torch.equal(o, kern.pack_weight(w))
     with pytest.raises(RuntimeError, match="packed weight"):
-        kern.pack_weights([torch.randn(49, 4)], [torch.empty(1, 4, 48)])
+        kern.pack_weights([torch.randn(P + 1, 4)], [torch.empty(1, 4, P)])
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (5, 7), (130, 1536)])
 def test_linear_matches_torch(kern, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -95,9 +136,10 @@ def test_linear_rows_are_independent_of_the_batch(kern):
     wp = kern.pack_weight(w)
     x = torch.randn(19, 576, generator=g)
     full = kern.linear(x, wp, 200)
-    for i in (0, 7, 8, 18):
+    for i in (0, 5, 6, 7, 8, 18):
         assert torch.equal(kern.linear(x[i: i + 1].contiguous(), wp, 200), full[i: i + 1])
     assert torch.equal(kern.linear(x[3:12].contiguous(), wp, 200), full[3:12])
+    assert torch.equal(kern.linear(x[1:14].contiguous(), wp, 200), full[1:14])
 
 
 def test_linear_rejects_bad_input(kern):
@@ -106,7 +148,7 @@ def test_linear_rejects_bad_input(kern):
     with pytest.raises(RuntimeError, match="packed weight"):
         kern.linear(torch.randn(2, 8), torch.randn(4, 8), 4)  # not packed
     with pytest.raises(RuntimeError, match="packed weight"):
-        kern.linear(torch.randn(2, 8), kern.pack_weight(torch.randn(4, 8)), 60)
+        kern.linear(torch.randn(2, 8), kern.pack_weight(torch.randn(4, 8)), kern.PANEL + 12)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         kern.linear(torch.randn(2, 8, dtype=torch.float64), kern.pack_weight(torch.randn(4, 8)), 4)
     with pytest.raises(RuntimeError, match="contiguous float32"):
@@ -193,3 +235,48 @@ def test_rope_attend_matches_torch(kern, d, hpg):
     assert torch.equal(vc, vref)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
         kern.rope_attend(qkv, cos, sin, kc, vc, torch.tensor([0, 1, 70, 2]), g, hpg, d, 1.0)
+
+
+def test_decode_layers_match_the_eager_path(kern):
+    """The whole decoder stack in one call (``decode_layers``, through
+    ``ModelRunner.extend``) against the eager layers, on random weights with a QKV bias
+    and head size 64: hidden states and the KV cache, at mixed positions, batches of 1,
+    the tile's rows + 1 and 11 rows."""
+    from megatron_tlt.rollout.forward import ModelRunner, _Layer
+    from megatron_tlt.rollout.kernel_policy import ALWAYS, PolicyKernels
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    h, groups, hpg, d, f, vocab = 96, 2, 2, 64, 160, 300
+
+    def mat(n, k):
+        return torch.randn(n, k, generator=g) * k ** -0.5
+
+    layers = [_Layer(ln1=1 + 0.1 * torch.randn(h, generator=g),
+                     qkv_w=mat(groups * (hpg + 2) * d, h),
+                     qkv_b=0.1 * torch.randn(groups * (hpg + 2) * d, generator=g),
+                     proj_w=mat(h, groups * hpg * d), ln2=1 + 0.1 * torch.randn(h, generator=g),
+                     fc1_w=mat(2 * f, h), fc2_w=mat(h, f)) for _ in range(2)]
+    runner = ModelRunner.from_tensors(embed_w=torch.randn(vocab, h, generator=g),
+                                      layers=layers, final_norm=torch.ones(h),
+                                      output_w=mat(vocab, h), groups=groups,
+                                      heads_per_group=hpg, eps=1e-6)
+    runner.kernels = PolicyKernels(kern, ALWAYS)
+    runner.pack_weights()
+    for b in (1, kern.GEMM_ROWS + 1, 11):
+        caches = [KVCache(num_layers=2, max_batch=b, kv_heads=groups, capacity=40,
+                          head_dim=d, dtype=torch.float32, device=torch.device("cpu"))
+                  for _ in range(2)]
+        for c in caches[1:]:
+            c.k.copy_(caches[0].k.normal_(generator=g))
+            c.v.copy_(caches[0].v.normal_(generator=g))
+        tok = torch.randint(0, vocab, (b, 1), generator=g)
+        start = torch.randint(0, 39, (b,), generator=g)
+        with torch.no_grad():
+            fused = runner.extend(caches[0], slice(0, b), tok, start)
+            runner.kernels, saved = None, runner.kernels
+            eager = runner.extend(caches[1], slice(0, b), tok, start)
+            runner.kernels = saved
+        torch.testing.assert_close(fused, eager, rtol=0, atol=3e-5)
+        torch.testing.assert_close(caches[0].k, caches[1].k, rtol=0, atol=1e-5)
+        torch.testing.assert_close(caches[0].v, caches[1].v, rtol=0, atol=1e-5)

@@ -375,8 +375,7 @@ def test_cpu_kernels_fall_back_to_eager_when_they_cannot_build(tiny, monkeypatch
 
     built = cpu_kernels.get()
     assert built is not None  # the test machine has a compiler: the real path is tested
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_kernels", None)
+    monkeypatch.setattr(cpu_kernels, "_builds", {})  # nothing built yet in this process
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
@@ -388,6 +387,6 @@ def test_cpu_kernels_fall_back_to_eager_when_they_cannot_build(tiny, monkeypatch
     assert "fused CPU decode kernels unavailable" in caplog.text
     out = engine.generate(_prompts((5,)), SamplingParams(temperature=0.0, max_new_tokens=4))
     assert len(out[0].token_ids) == 4
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
     monkeypatch.setenv("MEGATRON_TLT_NO_CPU_KERNELS", "1")
     assert cpu_kernels.get() is None

@@ -330,6 +330,34 @@ def test_fused_greedy_drafting_equals_the_step_by_step_path(tiny, one_layer, kin
         assert fused.last_stats.spec.accept_len > 2.0  # catch-ups span several positions
 
 
+@pytest.mark.parametrize("kernels", ["true", "false"])
+def test_catch_up_apart_drafts_what_the_step_would(tiny, kernels, monkeypatch):
+    """Before a speculative step the engine feeds the positions the drafter missed
+    (prompts, plain steps) in one call timed apart (SpeculativeDecoder.catch_up; the
+    step then feeds only the roots). The drafts are those of the step's own catch-up,
+    on the fused-kernel and the eager path, and outputs equal plain decoding."""
+    model, arch = tiny["qwen2"]
+    drafter = _random_drafter(arch, seed=3)
+    prompts = _prompts(lengths=(3, 9, 1, 17, 5, 12, 4), seed=4)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+              for n in (3, 20, 5, 30, 8, 2, 16)]
+    plain = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                                eos_token_ids=[]).generate(prompts, params)]
+    eng = _spec_engine(model, arch, drafter, "3_1_3", threshold=2, max_batch_size=3,
+                       cpu_kernels=kernels)
+    assert (eng.runner.kernels is not None) == (kernels == "true")
+    got_drafts, got = _recorded_drafts(eng, prompts, params)
+    st = eng.last_stats.spec
+    assert st.catchup_seconds > 0 and st.catchup_tokens > 0
+    monkeypatch.setattr(spec_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
+    ref_eng = _spec_engine(model, arch, drafter, "3_1_3", threshold=2, max_batch_size=3,
+                           cpu_kernels=kernels)
+    ref_drafts, ref = _recorded_drafts(ref_eng, prompts, params)
+    assert got == ref == plain
+    assert got_drafts == ref_drafts
+    assert ref_eng.last_stats.spec.catchup_tokens == st.catchup_tokens
+
+
 def test_drafter_shares_the_targets_packed_output_layer(tiny):
     """A drafter with the full vocabulary multiplies by the target's output layer: its
     runner reads the target's panel copy instead of packing a second one."""
@@ -412,7 +440,8 @@ def test_metrics_and_tuner_state(tiny, tmp_path):
     model, arch = tiny["llama_tied"]
     state = tmp_path / "tuner.json"
     sc = SpeculativeConfig(policy="egreedy", threshold=8, buckets="1,2,4,8",
-                           arms="*:2_1_2,3_1_3,2_2_3", tuner_state=str(state))
+                           arms="*:2_1_2,3_1_3,2_2_3", tuner_state=str(state),
+                           break_even=False)  # the bandit's own bookkeeping
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch, eos_token_ids=[],
                         drafter=_random_drafter(arch))
     eng.generate(_prompts(), SamplingParams(temperature=0.0, max_new_tokens=12))
@@ -630,7 +659,78 @@ def test_off_arm_lets_a_bucket_choose_plain_steps(tiny):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
     s = eng.last_stats.spec
     assert s.arms.get("0_0_0", 0) > 0 and s.arms.get("3_1_3", 0) == s.steps > 0
-    assert eng.tuner.stats()["buckets"]["3+"]["0_0_0"]["pulls"] == s.arms["0_0_0"]
+    buckets = eng.tuner.stats()["buckets"]
+    assert set(buckets["3+"]) == {"0_0_0"}  # a bucket without drafting arms never drafts
+    # plain steps the tuner chose: all of bucket 3+'s, and those bucket 1-2's break-even
+    # gate declined (a random drafter loses)
+    assert sum(b.get("0_0_0", {}).get("pulls", 0) for b in buckets.values()) == \
+        s.arms["0_0_0"] == s.declined
+
+
+def _simulated_clock(eng, monkeypatch, spec_cost):
+    """The engine's clock, simulated: a plain decode step takes 1.0, a speculative step
+    ``spec_cost(strategy)`` (and the rest no time), so the tuner's decisions depend on
+    the drafter's acceptance, not on this machine's speed."""
+    import types
+
+    from megatron_tlt.rollout import engine as engine_mod
+
+    now = [0.0]
+    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    emit, step = eng._emit, eng._spec_step
+
+    def timed_emit(*args, **kw):
+        now[0] += 1.0
+        return emit(*args, **kw)
+
+    def timed_step(cache, rows, strategy, *args, **kw):
+        now[0] += spec_cost(strategy)
+        return step(cache, rows, strategy, *args, **kw)
+    eng._emit, eng._spec_step = timed_emit, timed_step
+
+
+@pytest.mark.parametrize("kind", ["random", "good"])
+def test_break_even_gate_declines_a_random_drafter_and_keeps_a_good_one(tiny, one_layer,
+                                                                          kind, monkeypatch):
+    """The default (egreedy + break-even gate) tuner in the engine, with step times
+    simulated (a speculative step costs 1.5-1.7 plain steps): with a random drafter
+    (acceptance ~1.1) almost every step is declined (plain) apart from a few probes;
+    with a good one (acceptance ~2.5-3) speculation stays on. Greedy outputs equal plain
+    decoding either way, and summary()['spec'] reports the decision per bucket."""
+    if kind == "good":
+        model, arch, drafter, _ = one_layer
+    else:
+        model, arch = tiny["llama_untied"]
+        drafter = _random_drafter(arch)
+    sp = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 160, 90, 20)]
+    prompts = _prompts(lengths=(3, 9, 5, 12), seed=6)
+    ref = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                              eos_token_ids=[]).generate(prompts, sp)]
+    sc = SpeculativeConfig(threshold=64, buckets="1,2,4", arms="*:3_1_3,5_1_5")
+    assert sc.break_even and sc.policy == "egreedy"  # the defaults
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[], drafter=drafter)
+    _simulated_clock(eng, monkeypatch, lambda s: 1.2 + 0.1 * s.depth)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+    s = eng.last_stats.summary()["spec"]
+    json.dumps(s)
+    b1 = s["buckets"]["1"]  # the 70-step tail of the longest request
+    steps = eng.last_stats.decode_steps
+    assert sum(b["steps"] for b in s["buckets"].values()) == steps  # all tuned (<= 64)
+    assert s["declined"] == sum(b["declined"] for b in s["buckets"].values())
+    assert s["declined"] + s["steps"] == steps
+    assert b1["tuner"]["plain_tok_s"] == pytest.approx(1.0)  # the simulated clock
+    if kind == "random":
+        assert s["declined_fraction"] > 0.85, json.dumps(s, indent=1)
+        assert 0 < s["probes"] == s["steps"]  # it only speculated to re-measure
+        assert not any(b["tuner"]["speculating"] for b in s["buckets"].values())
+        assert b1["tuner"]["arm_speedup"] < 1.0 and b1["spec_tok_s"] < b1["plain_tok_s"]
+    else:
+        # plain steps: the reference each bucket measures first (three), hardly more
+        assert s["declined"] <= 3 * len(s["buckets"]) + 2
+        assert all(b["tuner"]["speculating"] for b in s["buckets"].values())
+        assert b1["tuner"]["arm_speedup"] > 1.3 and b1["speedup"] > 1.3
+        assert s["accept_len"] > 2.0
 
 
 def test_fp8_training_pads_positions_without_changing_outputs(tiny, monkeypatch):

@@ -380,3 +380,272 @@ def test_load_keeps_own_policy_and_trims_window():
     assert narrow.policy == "ucb1"
     assert list(narrow._windows[0][CHAIN6.name]) == [7.0, 8.0, 9.0]
     assert narrow.stats()["buckets"]["1+"]["6_1_6"]["pulls"] == 10
+
+
+# ------------------------------------------------------------------ break-even gate
+OFF = Strategy.parse("0_0_0")
+
+
+def simulate(tuner: StrategyTuner, steps: int, spec_of, batch_size: int = 1,
+             plain_seconds: float = 1.0):
+    """Drive choose/update with controlled step times: a plain step emits one token per
+    sequence in ``plain_seconds``; ``spec_of(arm, batch_size)`` gives a speculative
+    step's per-sequence accepted draft counts and its seconds. Returns the chosen arms
+    and the realised tokens per second per sequence relative to plain decoding's."""
+    chosen, tokens, seconds = [], 0.0, 0.0
+    for _ in range(steps):
+        arm = tuner.choose(batch_size)
+        if arm.is_off:
+            acc, sec, tpr = None, plain_seconds, 1.0
+        else:
+            acc, sec = spec_of(arm, batch_size)
+            tpr = sum(a + 1 for a in acc) / batch_size
+        tuner.update(batch_size, arm, tpr * batch_size, sec, accepted_drafts=acc)
+        chosen.append(arm)
+        tokens += tpr
+        seconds += sec
+    return chosen, (tokens / seconds) * plain_seconds
+
+
+def drafter(p_accept: float, seed: int = 0, step_cost=lambda arm: 1.0 + 0.1 * arm.depth):
+    """A simulated drafter whose every draft token is accepted with ``p_accept`` (given
+    the ones before it), on hardware where a depth-d chain step costs ``step_cost``
+    plain steps."""
+    rng = random.Random(seed)
+
+    def spec_of(arm, batch_size):
+        acc = []
+        for _ in range(batch_size):
+            a = 0
+            while a < arm.depth and rng.random() < p_accept:
+                a += 1
+            acc.append(a)
+        return acc, step_cost(arm)
+    return spec_of
+
+
+def gated(arms=(CHAIN4, CHAIN6), **kw) -> StrategyTuner:
+    return StrategyTuner([1, 2, 4, 8], {i: list(arms) for i in range(4)},
+                         **{"break_even": True, **kw})
+
+
+def test_gate_is_off_by_default_and_under_fixed():
+    assert not one_bucket([CHAIN6]).break_even
+    t = StrategyTuner([1], {0: [CHAIN6]}, policy="fixed", fixed=CHAIN4, break_even=True)
+    chosen, _ = simulate(t, 20, drafter(0.1))
+    assert set(chosen) == {CHAIN4}  # benchmarks of fixed strategies are not gated
+    assert "gate" not in t.stats()
+
+
+def test_gate_validation():
+    with pytest.raises(ValueError, match="probe_budget must be in \\[0, 1\\), got 1.5"):
+        gated(probe_budget=1.5)
+    with pytest.raises(ValueError, match="break_even must be a bool"):
+        gated(break_even=1)
+    with pytest.raises(ValueError, match="gate_window must be an int >= 1"):
+        gated(gate_window=0)
+
+
+def test_gate_converges_to_plain_with_a_random_drafter():
+    """A drafter that loses (a random one: 1.1 tokens for 1.4-1.6 plain steps): plain
+    decoding first (three steps: the reference), then a probe, then plain steps with
+    re-probes at a bounded cost; the realised rate stays within the probe budget of
+    plain's."""
+    t = gated(probe_budget=0.02)
+    chosen, rel = simulate(t, 2000, drafter(0.1))
+    assert chosen[:3] == [OFF] * 3 and chosen[3] == CHAIN4  # measure plain, then probe
+    assert t.last_decision is None  # charged by update
+    late = chosen[1000:]
+    spec = sum(not a.is_off for a in late)
+    # re-tried at a bounded rate: each probe loses ~0.3-0.5 of a plain step; the budget
+    # (2 %) allows one every ~20 steps, and backs off to an eighth of it once probes
+    # keep confirming the loss
+    assert 0.003 * len(late) < spec < 0.03 * len(late)
+    assert 0.99 < rel < 1.0, rel
+    assert t.best(1) == OFF
+    g = t.stats()["gate"]["1"]
+    assert g["speculating"] is False and g["arm_speedup"] < 1.0
+    assert g["declined"] == sum(a.is_off for a in chosen) and g["probes"] >= spec
+    assert g["plain_tok_s"] == 1.0 and 0.0 < g["probe_loss"] < 0.01
+    # the deeper chain costs at least what the shallower one does and cannot accept
+    # more than the acceptance profile allows: bounded below break-even, never probed
+    assert set(g["arms"]) == {CHAIN4.name} and CHAIN6 not in chosen
+    assert t.acceptance_profile()[0] == pytest.approx(0.1, abs=0.1)
+
+
+def test_gate_converges_to_speculation_with_a_good_drafter():
+    t = gated()
+    chosen, rel = simulate(t, 1000, drafter(0.85))
+    assert chosen[:3] == [OFF] * 3
+    # far above break-even: plain decoding is only re-measured every 128 steps
+    assert [i for i, a in enumerate(chosen) if a.is_off][3:] == [131, 260, 389, 518, 647,
+                                                                 776, 905]
+    assert rel > 2.4  # CHAIN4: 3.7 tokens per 1.4 steps = 2.64x, CHAIN6: 4.5 / 1.6 = 2.8x
+    assert t.best(1) in (CHAIN4, CHAIN6)
+    g = t.stats()["gate"]["1"]
+    assert g["speculating"] and g["arm_speedup"] > 2.0
+    assert g["arm_tok_s"] == pytest.approx(g["arm_speedup"] * g["plain_tok_s"])
+    # the acceptance profile (decayed over ~16 sequence-steps: noisy, but it follows)
+    assert t.expected_tokens(CHAIN4) == pytest.approx(1 + .85 + .85**2 + .85**3 + .85**4,
+                                                      abs=1.0)
+    assert t.expected_tokens(TREE16) is None  # trees use their own measured mean
+
+
+def test_gate_rechecks_plain_near_break_even():
+    """Speculating at a small margin, plain decoding is re-measured now and then (its
+    reference may be stale), within the budget."""
+    t = gated(arms=(CHAIN4,))
+    chosen, rel = simulate(t, 2000, drafter(0.6, step_cost=lambda a: 1.75))  # 1.3x
+    late = chosen[500:]
+    plain = sum(a.is_off for a in late)
+    assert 0 < plain < 0.1 * len(late)
+    assert rel > 1.2
+
+
+def test_gate_picks_up_a_retrained_drafter_and_drops_a_stale_one():
+    t = gated(probe_budget=0.02)
+    simulate(t, 600, drafter(0.1))
+    assert t.best(1) == OFF
+    chosen, _ = simulate(t, 400, drafter(0.85, seed=1))  # the drafter was retrained
+    first = next(i for i, a in enumerate(chosen) if not a.is_off)
+    assert first < 150  # the next probe comes within the (backed-off) budget's spacing
+    # and speculation stays on (plain decoding re-measured every 128 steps)
+    assert sum(a.is_off for a in chosen[first + 15:]) <= 3
+    # the policy drifted: the drafter is stale. What speculating loses is charged
+    # against the budget, which stops it within ~25 steps; then probes resume at the
+    # budget's rate
+    chosen, rel = simulate(t, 600, drafter(0.1, seed=2))
+    spec_steps = [i for i, a in enumerate(chosen) if not a.is_off]
+    assert spec_steps[:10] == list(range(10)) and len(spec_steps) < 80
+    assert rel > 0.95
+
+
+def test_gate_compares_at_the_same_batch_size():
+    """Plain step times are kept per batch size, so a bucket spanning 5-8 compares a
+    speculative step at 5 with plain decoding at 5, not with an 8-row step."""
+    t = StrategyTuner([8], {0: [CHAIN4]}, break_even=True)
+    for _ in range(3):
+        t.update(8, OFF, 8, 1.6)
+        t.update(5, OFF, 5, 1.0)
+    assert t.plain_seconds(8) == 1.6 and t.plain_seconds(5) == 1.0
+    assert t.plain_seconds(6) == 1.0 and t.plain_seconds(7) == 1.6  # nearest in the bucket
+    t.update(5, CHAIN4, 5 * 1.2, 1.1)  # 1.2 tokens per sequence in 1.1 plain-5 steps
+    assert t.gate_stats()["1+"]["arm_speedup"] == pytest.approx(1.2 / 1.1)
+    assert t.best(5) == CHAIN4
+    t2 = StrategyTuner([2, 8], {0: [CHAIN4], 1: [CHAIN4]}, break_even=True)
+    t2.observe_plain(2, 1.0)  # another bucket's plain data is not used
+    assert t2.plain_seconds(3) is None and t2.choose(3) == OFF
+    assert t2.last_decision.declined and not t2.last_decision.probe
+
+
+def test_gate_reference_survives_an_outlier_and_switch_costs_charge_losing_probes():
+    """The plain reference is a median over three or more steps (a first step that paid
+    for a one-off, e.g. a kernel build, must not make every drafter look fast); the
+    drafter's catch-up before a step (switch_seconds) is charged only to a probe that
+    finds speculation losing."""
+    t = gated(arms=(CHAIN4,))
+    for sec in (30.0, 1.0, 1.0):
+        assert t.choose(1) == OFF
+        t.update(1, OFF, 1, sec)
+    assert t.plain_seconds(1) == 1.0
+    t2 = gated(arms=(CHAIN4,))
+    for sec in (1.0, 1.0, 1.0):
+        t2.choose(1)
+        t2.update(1, OFF, 1, sec)
+    assert t2.choose(1) == CHAIN4 and t2.last_decision.probe
+    t2.update(1, CHAIN4, 3, 1.4, accepted_drafts=[2], switch_seconds=5.0)  # pays: 2.1x
+    g = t2._gates[0]
+    assert g.lost == 0.0 and g.elapsed == pytest.approx(9.4, abs=0.05)  # (decayed)
+    assert t2.choose(1) == CHAIN4 and not t2.last_decision.probe
+    t3 = gated(arms=(CHAIN4,))
+    for sec in (1.0, 1.0, 1.0):
+        t3.choose(1)
+        t3.update(1, OFF, 1, sec)
+    t3.choose(1)
+    t3.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=5.0)  # loses
+    assert t3._gates[0].lost == pytest.approx(0.4 + 5.0)
+    assert t3.choose(1) == OFF and t3.last_decision.declined
+
+
+def test_gate_state_round_trip(tmp_path):
+    t = gated(probe_budget=0.05, seed=4)
+    simulate(t, 300, drafter(0.5, step_cost=lambda a: 1.0 + 0.15 * a.depth))
+    path = tmp_path / "tuner.json"
+    t.save(path)
+    loaded = StrategyTuner.load(path)
+    assert loaded.break_even and loaded.probe_budget == 0.05
+    assert loaded.state_dict() == t.state_dict()
+    a, _ = simulate(t, 300, drafter(0.6, seed=5))
+    b, _ = simulate(loaded, 300, drafter(0.6, seed=5))
+    assert a == b
+    assert loaded.stats() == t.stats()
+    # a version-1 state (before the gate) loads with an empty gate
+    v1 = {k: v for k, v in t.state_dict().items() if k != "gate"}
+    v1["version"] = 1
+    fresh = gated(probe_budget=0.05, seed=4)
+    fresh.load_state_dict(v1)
+    assert fresh.gate_stats() == {} and fresh.choose(1) == OFF
+
+
+def test_gate_bounds_probing_over_a_long_tail():
+    """A long tail walks down the buckets (8 -> 1); each first probe of a weak drafter
+    costs a catch-up and a slow step. The overall account keeps the buckets after the
+    first from each probing on their own allowance: the tail stays within a few percent
+    of plain decoding, and with a good drafter every bucket still speculates."""
+    def run(p_accept):
+        t = StrategyTuner([1, 2, 4, 8], parse_arms("1:6_1_6;2:4_1_4;3-4:3_1_3;5-8:2_1_2",
+                                                   [1, 2, 4, 8]), break_even=True)
+        spec_of = drafter(p_accept, step_cost=lambda a: 1.5 + 0.1 * a.depth)
+        plain_time = spec_time = 0.0
+        chosen = {}
+        for b in [8] * 40 + [7] * 30 + [6] * 20 + [5] * 20 + [4] * 20 + [3] * 15 + \
+                [2] * 30 + [1] * 60:
+            t_plain = 0.5 + 0.06 * b
+            arm = t.choose(b)
+            if arm.is_off:
+                t.update(b, arm, b, t_plain)
+                spec_time += t_plain
+            else:  # the first probe in a bucket also catches up the prompts
+                acc, rel = spec_of(arm, b)
+                switch = 2.0 * t_plain if not any(not a.is_off for a in chosen.get(
+                    t.bucket_of(b), [])) else 0.0
+                t.update(b, arm, sum(a + 1 for a in acc), rel * t_plain,
+                         accepted_drafts=acc, switch_seconds=switch)
+                spec_time += rel * t_plain * b / sum(a + 1 for a in acc) + switch
+            plain_time += t_plain
+            chosen.setdefault(t.bucket_of(b), []).append(arm)
+        return plain_time / spec_time, chosen
+
+    rel, chosen = run(0.05)
+    assert rel > 0.97, rel
+    probed = [b for b, arms in chosen.items() if any(not a.is_off for a in arms)]
+    assert 0 < len(probed) < 4  # not every bucket paid for a first probe
+    rel, chosen = run(0.9)
+    assert rel > 1.3
+    assert all(sum(not a.is_off for a in arms) > len(arms) / 2 for arms in chosen.values())
+
+
+def test_gate_refreshes_a_plain_reference_measured_on_a_busy_machine():
+    """Plain decoding measured while the machine was busy (3x slower) makes any drafter
+    look fast; speculating, the gate re-measures plain decoding now and then, and a
+    re-measurement far off the reference is repeated until the median is new, after
+    which a random drafter is declined."""
+    t = gated(arms=(CHAIN4,))
+    for _ in range(3):
+        t.choose(1)
+        t.update(1, OFF, 1, 3.0)  # busy
+    spec_of = drafter(0.05)
+    chosen = []
+    for _ in range(400):
+        arm = t.choose(1)
+        if arm.is_off:
+            t.update(1, arm, 1, 1.0)  # quiet again
+        else:
+            acc, sec = spec_of(arm, 1)
+            t.update(1, arm, acc[0] + 1, sec, accepted_drafts=acc)
+        chosen.append(arm)
+    first_plain = chosen.index(OFF)
+    assert first_plain <= 4 * 32 + 1
+    assert chosen[first_plain: first_plain + 3] == [OFF] * 3  # re-measured three times
+    assert t.plain_seconds(1) == 1.0 and t.best(1) == OFF
+    assert sum(not a.is_off for a in chosen[first_plain + 50:]) < 10

@@ -21,7 +21,11 @@ transformers' own logits (checked with a full forward). Any other difference fai
 
 JSON summary keys: ``min_ratio`` (min over batch sizes of engine tok/s / transformers
 tok/s) and ``bound_ratio_bs1`` (engine batch-1 decode step time / weight-streaming
-floor, the floor re-measured next to each engine run; median over runs).
+floor, the floor re-measured next to each engine run; median over runs). ``config``
+records the CPU (model name, its vector instruction-set flags), the CPU-kernel variant
+the engine built (``kernel_isa``: avx512 / avx2 / portable, forced with
+MEGATRON_TLT_CPU_ISA) and where it uses them (``kernel_policy``: rollout.cpu_kernels,
+``--cpu-kernels``), so results from different CPU families can be told apart.
 """
 
 from __future__ import annotations
@@ -77,6 +81,35 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
     return best
 
 
+# vector instruction-set flags worth recording (/proc/cpuinfo names)
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_description(engine) -> dict:
+    """CPU model, its instruction-set flags, and the engine's CPU-kernel build and policy."""
+    from megatron_tlt.rollout import cpu_kernels
+
+    model, flags = cpu_kernels._cpuinfo()
+    kern = engine.runner.kernels
+    policy = getattr(kern, "policy", None)
+    import os
+
+    env = {k: os.environ[k] for k in ("MEGATRON_TLT_CPU_ISA", "MEGATRON_TLT_NO_CPU_KERNELS",
+                                      "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                      "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+           if k in os.environ}
+    return dict(cpu=model, arch=pyplatform.machine(),
+                cpu_isa_flags=[f for f in ISA_FLAGS if f in flags],
+                cpu_best_isa=cpu_kernels.detect_isa(),
+                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), env=env,
+                cpu_kernels=engine.config.cpu_kernels,
+                kernel_isa=getattr(kern, "ISA", None),
+                kernel_panel=getattr(kern, "PANEL", None),
+                kernel_policy=policy.describe() if policy is not None else "eager torch ops",
+                kernel_policy_source=getattr(policy, "source", None))
+
+
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -110,6 +143,9 @@ def main() -> None:
     ap.add_argument("--tie-margin", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "true", "false"),
+                    help="rollout.cpu_kernels for the engine (default auto: where this "
+                         "machine's calibration measured them faster)")
     args = ap.parse_args()
     if args.quick:
         args.new_tokens, args.pairs = 32, 2
@@ -120,11 +156,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.config import RolloutConfig
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
     from megatron_tlt.rollout.workload import reasoning_gym_prompts
 
     src = require_smollm2()
-    engine = RolloutEngine.from_pretrained(src, dtype=args.dtype)
+    engine = RolloutEngine.from_pretrained(src, RolloutConfig(cpu_kernels=args.cpu_kernels),
+                                           dtype=args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
     tok = engine.tokenizer
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -132,6 +170,10 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    cpu = cpu_description(engine)
+    print(f"cpu: {cpu['cpu']} ({' '.join(cpu['cpu_isa_flags'])}); kernels: "
+          f"{cpu['kernel_isa'] or 'none'} build, rollout.cpu_kernels={cpu['cpu_kernels']}: "
+          f"{cpu['kernel_policy']}", flush=True)
     floors = {b: weight_floor(engine.runner, b) for b in sorted(set([1, 8, 32] + sizes))}
     print(f"weight-streaming floor ({args.dtype}): " + ", ".join(
         f"bs{b} {t * 1e3:.1f} ms" for b, t in floors.items()), flush=True)
@@ -186,8 +228,7 @@ def main() -> None:
                     prompts="reasoning_gym basic_arithmetic (workload default)",
                     torch=torch.__version__, megatron_core=megatron.core.__version__,
                     transformers=transformers.__version__, device=str(engine.device),
-                    cpu=pyplatform.processor() or pyplatform.machine(),
-                    threads=torch.get_num_threads()),
+                    threads=torch.get_num_threads(), **cpu_description(engine)),
         floor_ms={str(b): t * 1e3 for b, t in floors.items()},
         results=rows,
         min_ratio=min(r["ratio"] for r in rows),

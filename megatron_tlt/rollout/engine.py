@@ -127,11 +127,13 @@ class RolloutEngine:
         self.attention = _resolve_attention(self.config.attention, self.device,
                                             self.runner.dtype)
         self.runner.attention = self.attention
-        if (self.config.cpu_kernels and self.device.type == "cpu"
+        if (self.config.cpu_kernels != "false" and self.device.type == "cpu"
                 and self.runner.dtype == torch.float32 and self.attention == "sdpa"):
-            from . import cpu_kernels
+            from . import cpu_kernels, kernel_policy
 
-            self.runner.kernels = cpu_kernels.get()
+            # auto: only where this machine's calibration measured them faster
+            self.runner.kernels = kernel_policy.resolve(self.config.cpu_kernels,
+                                                        cpu_kernels.get())
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
@@ -182,7 +184,8 @@ class RolloutEngine:
             return StrategyTuner.load(state)
         return StrategyTuner(sc.buckets, parse_arms(sc.arms, sc.buckets), policy=sc.policy,
                              epsilon=sc.epsilon, window=sc.window, ucb_c=sc.ucb_c,
-                             fixed=Strategy.parse(sc.strategy), seed=sc.seed)
+                             fixed=Strategy.parse(sc.strategy), seed=sc.seed,
+                             break_even=sc.break_even, probe_budget=sc.probe_budget)
 
     def _spec_slack(self) -> int:
         """Cache slots beyond a sequence's length that drafting/verification may use."""
@@ -281,11 +284,26 @@ class RolloutEngine:
             t0 = time.perf_counter()
             b = len(rows)
             stats.batch_sizes.append(b)
-            strategy = self.tuner.choose(b) if spec is not None and b <= threshold else None
+            tuned = spec is not None and b <= threshold
+            strategy = self.tuner.choose(b) if tuned else None
+            decision = self.tuner.last_decision if tuned else None
+            probe = decision is not None and decision.probe
+            label = self.tuner.bucket_label(self.tuner.bucket_of(b)) if tuned else ""
             if strategy is not None and not strategy.is_off:
-                self._spec_step(cache, rows, strategy, hidden_buf, stats)
+                # what the drafter missed (plain steps, new rows) is fed first and timed
+                # apart: a switching cost, not a property of the strategy
+                t1 = time.perf_counter()
+                switch = time.perf_counter() - t1 if spec.catch_up(rows, stats.spec) else 0.0
+                emitted, accepted = self._spec_step(cache, rows, strategy, hidden_buf, stats,
+                                                    label)
+                seconds = time.perf_counter() - t0
+                # the step's time measured like a plain step's, the switching cost apart
+                self.tuner.update(b, strategy, emitted, seconds - switch,
+                                  accepted_drafts=accepted, switch_seconds=switch)
+                stats.spec.record_tuned(label, declined=False, probe=probe, rows=b,
+                                        tokens=emitted, seconds=seconds)
                 stats.decode_steps += 1
-                stats.decode_seconds += time.perf_counter() - t0
+                stats.decode_seconds += seconds
                 self._retire(cache, rows, outputs, hidden_buf)
                 continue
             last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
@@ -310,17 +328,22 @@ class RolloutEngine:
             if strategy is not None:  # the tuner chose not to speculate: reward it too
                 self.tuner.update(b, strategy, b, seconds)
                 stats.spec.arms[strategy.name] = stats.spec.arms.get(strategy.name, 0) + 1
+                stats.spec.record_tuned(label, declined=True, probe=probe, rows=b, tokens=b,
+                                        seconds=seconds)
+            elif spec is not None:  # above the threshold: plain decoding's reference time
+                self.tuner.observe_plain(b, seconds)
             self._retire(cache, rows, outputs, hidden_buf)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
+        if spec is not None and self.tuner.break_even:
+            stats.spec.gate = self.tuner.gate_stats()
         if spec is not None and self.config.speculative.tuner_state:
             self.tuner.save(self.config.speculative.tuner_state)
         return outputs  # type: ignore[return-value]
 
     def _spec_step(self, cache: KVCache, rows: list[_Row], strategy, hidden_buf,
-                   stats: GenerateStats) -> None:
-        """One speculative step for every running row: draft, verify, emit, rewind."""
-        t0 = time.perf_counter()
-        b = len(rows)
+                   stats: GenerateStats, bucket: str) -> tuple[int, list[int]]:
+        """One speculative step for every running row: draft, verify, emit, rewind.
+        Returns the number of tokens emitted and each row's accepted draft count."""
         emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
         emitted, accepted = [], []
         for i, (r, e) in enumerate(zip(rows, emissions)):
@@ -346,10 +369,8 @@ class RolloutEngine:
             self.spec.compact(cache, i, L, e.nodes[1:m])
             emitted.append(m)
             accepted.append(len(e.tokens) - 1)
-        seconds = time.perf_counter() - t0
-        self.tuner.update(b, strategy, sum(emitted), seconds)
-        stats.spec.record(strategy, self.tuner.bucket_label(self.tuner.bucket_of(b)),
-                          accepted, emitted)
+        stats.spec.record(strategy, bucket, accepted, emitted)
+        return sum(emitted), accepted
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import ModelArch
-from .cpu_kernels import MAX_FUSED_ROWS, PANEL as _PANEL
+from .cpu_kernels import MAX_FUSED_ROWS
 from .kv_cache import KVCache
 
 
@@ -91,13 +91,40 @@ class ModelRunner:
         self._panels: dict[int, tuple] = {}
         self._packed_stack: Optional[tuple] = None
         self.refresh()
+        self._finish_init()
+
+    @classmethod
+    def from_tensors(cls, *, embed_w: torch.Tensor, layers: list["_Layer"],
+                     final_norm: torch.Tensor, output_w: torch.Tensor, groups: int,
+                     heads_per_group: int, eps: float = 1e-5,
+                     rope_theta: float = 10000.0) -> "ModelRunner":
+        """A runner over plain weight tensors (no megatron-core model, TP 1, rotate-half
+        RoPE with base ``rope_theta``): the same decode paths as a model's runner. The
+        CPU kernels' calibration (``kernel_policy``) times them on synthetic weights."""
+        self = cls.__new__(cls)
+        self.model = self.arch = None
+        self.tp_size, self.tp_rank, self.tp_group = 1, 0, None
+        self.groups, self.heads_per_group = groups, heads_per_group
+        self.head_dim = layers[0].qkv_w.shape[0] // (groups * (heads_per_group + 2))
+        self.eps = eps
+        self.scale = self.head_dim ** -0.5
+        self._panels, self._packed_stack = {}, None
+        self.embed_w, self.vocab_start = embed_w, 0
+        self.layers = list(layers)
+        self.final_norm, self.output_w = final_norm, output_w
+        self._rope_theta = rope_theta
+        self._finish_init()
+        return self
+
+    def _finish_init(self) -> None:
         self.dtype = self.embed_w.dtype
         self.device = self.embed_w.device
         self._rope_len = 0
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
-        self.kernels = None  # fused CPU decode kernels (set by the engine, fp32 CPU only)
-        self.fused_max_rows = MAX_FUSED_ROWS  # batch sizes up to this use them
+        # fused CPU decode kernels (set by the engine, fp32 CPU only): the built module,
+        # or kernel_policy.PolicyKernels (the module and where it measured faster)
+        self.kernels = None
         half = self.head_dim // 2
         self._sin_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(
             device=self.device, dtype=self.dtype)
@@ -126,6 +153,28 @@ class ModelRunner:
         self._panels = {}
         self._packed_stack = None
 
+    # ------------------------------------------------------------------ kernel choice
+    def fused_ok(self, family: str, rows: int) -> bool:
+        """Whether the fused CPU kernels run ``rows`` rows of ``family`` ("decode": the
+        fused decoder stack; "linear": the panel GEMM of the LM head and of the general
+        path; "argmax"): built, at most MAX_FUSED_ROWS rows, and where their policy
+        (rollout.cpu_kernels=auto: the per-build calibration) says they are faster."""
+        k = self.kernels
+        if k is None or rows > MAX_FUSED_ROWS:
+            return False
+        policy = getattr(k, "policy", None)
+        return policy is None or policy.allows(family, rows)
+
+    @property
+    def fused_max_rows(self) -> int:
+        """Decode batches of 1..this many rows use the fused decoder stack."""
+        k = self.kernels
+        if k is None:
+            return 0
+        policy = getattr(k, "policy", None)
+        return MAX_FUSED_ROWS if policy is None else min(MAX_FUSED_ROWS,
+                                                         policy.max_rows("decode"))
+
     # ------------------------------------------------------------------ panel copies
     def kernel_weights(self) -> list[torch.Tensor]:
         """The weight matrices the fused CPU kernels multiply by."""
@@ -149,8 +198,9 @@ class ModelRunner:
         mats = list({id(w): w for w in self.kernel_weights()}.values())  # each once
         fps = self.kernels.fingerprint([w.detach() for w in mats]).tolist()
         ws, bufs = [], []
+        panel = self.kernels.PANEL
         for w, fp in zip(mats, fps):
-            shape = (-(-w.shape[0] // _PANEL), w.shape[1], _PANEL)
+            shape = (-(-w.shape[0] // panel), w.shape[1], panel)
             prev = old.get(id(w))
             same = prev is not None and prev[0] is w and tuple(prev[1].shape) == shape
             buf = prev[1] if same else torch.empty(shape, dtype=w.dtype)
@@ -198,7 +248,13 @@ class ModelRunner:
         """cos, sin [>= need, head_dim] for positions 0.. (grown on demand)."""
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
-            freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
+            if self.model is not None:
+                freqs = self.model.rotary_pos_emb.get_emb(n).reshape(n, -1).float()
+            else:  # from_tensors: rotate-half RoPE with base _rope_theta
+                d = self.head_dim
+                inv = 1.0 / self._rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+                f = torch.outer(torch.arange(n, dtype=torch.float64), inv).float()
+                freqs = torch.cat([f, f], dim=-1)
             self._cos = torch.cos(freqs).to(self.dtype).to(self.device)
             self._sin = torch.sin(freqs).to(self.dtype).to(self.device)
             self._rope_len = n
@@ -221,7 +277,7 @@ class ModelRunner:
         """``_linear`` through the fused CPU GEMM when few rows (verification and
         drafting forwards are a handful of tokens per sequence)."""
         rows = x.numel() // x.shape[-1]
-        if self.kernels is None or rows > self.fused_max_rows:
+        if not self.fused_ok("linear", rows):
             return _linear(x, w, b, residual)
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
@@ -245,7 +301,7 @@ class ModelRunner:
         """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.kernels is not None and flat.shape[0] <= self.fused_max_rows:
+        if self.fused_ok("linear", flat.shape[0]):
             local = self.kernels.linear(flat.contiguous(), self._panel(self.output_w),
                                         self.output_w.shape[0]).view(*lead, -1)
         else:
@@ -278,9 +334,9 @@ class ModelRunner:
         input (the drafter's fused input); ``tokens`` then only gives the shape.
         """
         b, t = tokens.shape
-        if (self.kernels is not None and b * t <= self.fused_max_rows
-                and new_token_mask is None and rope_positions is None
-                and isinstance(rows, slice) and cache.layout == "bgsd"):
+        if (self.fused_ok("decode", b * t) and new_token_mask is None
+                and rope_positions is None and isinstance(rows, slice)
+                and cache.layout == "bgsd"):
             return self._decode_fused(cache, rows, tokens, start, capture, embeds)
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]

@@ -130,10 +130,13 @@ def sample_rows(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -
 def argmax_rows(x: torch.Tensor, kernels=None) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` of 2-D ``x`` (the first of equal maxima; a NaN counts
     as the largest), through the fused CPU kernels (``cpu_kernels.argmax_rows``) when
-    given and x is float32 on the CPU: torch's CPU argmax takes ~0.5 ms for 8 rows of a
-    49k vocabulary, the kernel's vectorised scan a few microseconds per row."""
+    given and x is float32 on the CPU (and their policy allows it at this row count):
+    torch's CPU argmax takes ~0.5 ms for 8 rows of a 49k vocabulary, the kernel's
+    vectorised scan a few microseconds per row."""
     if (kernels is not None and x.dim() == 2 and x.device.type == "cpu"
-            and x.dtype == torch.float32 and x.shape[-1] > 0 and x.stride(-1) == 1):
+            and x.dtype == torch.float32 and x.shape[-1] > 0 and x.stride(-1) == 1
+            and (getattr(kernels, "policy", None) is None
+                 or kernels.policy.allows("argmax", x.shape[0]))):
         return kernels.argmax_rows(x, x.shape[-1])
     return torch.argmax(x, dim=-1)
 

@@ -252,12 +252,19 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     catchup_tokens: int = 0  # drafter positions recomputed from target features
+    catchup_seconds: float = 0.0  # of them, fed apart before a step (SpeculativeDecoder.catch_up)
     drafted: int = 0  # draft tokens sent to verification
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, list[int]] = field(default_factory=dict)  # label -> [rows, emitted]
     by_depth: dict[int, list[int]] = field(default_factory=dict)  # depth -> [rows, emitted]
     arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps chosen
     # (including "0_0_0": plain steps the tuner chose below the threshold)
+    declined: int = 0  # steps below the threshold that ran plain (break-even gate or 0_0_0)
+    probes: int = 0  # steps taken against the gate's decision to re-measure the other side
+    # bucket label -> [tuned steps, declined, probes, spec steps, spec tokens per sequence,
+    # spec seconds, plain steps, plain seconds]: steps where the tuner was asked
+    tuned: dict[str, list] = field(default_factory=dict)
+    gate: dict = field(default_factory=dict)  # StrategyTuner.gate_stats() after the call
 
     @property
     def accept_len(self) -> float:
@@ -277,11 +284,43 @@ class SpecStats:
             row[0] += len(emitted)
             row[1] += sum(emitted)
 
+    def record_tuned(self, bucket: str, *, declined: bool, probe: bool, rows: int,
+                     tokens: int, seconds: float) -> None:
+        """One decode step at or below the threshold (the tuner chose it): plain when
+        ``declined``, else speculative; ``tokens`` emitted by the batch of ``rows``."""
+        t = self.tuned.setdefault(bucket, [0, 0, 0, 0, 0.0, 0.0, 0, 0.0])
+        t[0] += 1
+        t[1] += int(declined)
+        t[2] += int(probe)
+        if declined:
+            t[6] += 1
+            t[7] += seconds
+        else:
+            t[3] += 1
+            t[4] += tokens / rows
+            t[5] += seconds
+        self.declined += int(declined)
+        self.probes += int(probe)
+
     def summary(self) -> dict:
         """JSON-able: mean acceptance length overall, per bucket and per depth, the
-        rate at which the j-th draft token was accepted, times and chosen arms."""
+        rate at which the j-th draft token was accepted, times and chosen arms; how
+        often speculation was declined; per bucket (``buckets``) this call's tokens/s
+        per sequence of speculative and of plain steps and, under ``tuner``, the
+        break-even gate's estimates (best arm, its rate and speedup, plain's rate)."""
         def mean(row):
             return row[1] / row[0] if row[0] else 0.0
+        tuned_steps = sum(t[0] for t in self.tuned.values())
+        buckets = {}
+        for label, t in self.tuned.items():
+            spec_rate = t[4] / t[5] if t[5] > 0 else None
+            plain_rate = t[6] / t[7] if t[7] > 0 else None
+            buckets[label] = {
+                "steps": t[0], "declined": t[1], "probes": t[2], "spec_steps": t[3],
+                "spec_tok_s": spec_rate, "plain_tok_s": plain_rate,
+                "speedup": spec_rate / plain_rate if spec_rate and plain_rate else None}
+            if label in self.gate:
+                buckets[label]["tuner"] = self.gate[label]
         n = self.rows
         reach = {}
         if n:
@@ -295,8 +334,12 @@ class SpecStats:
             "accept_len_by_depth": {str(k): mean(v) for k, v in self.by_depth.items()},
             "accept_rate_at_position": {str(k): v for k, v in reach.items()},
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
-            "catchup_tokens": self.catchup_tokens, "arms": dict(self.arms),
+            "catchup_tokens": self.catchup_tokens, "catchup_seconds": self.catchup_seconds,
+            "arms": dict(self.arms),
             "drafted_per_row": self.drafted / n if n else 0.0,
+            "declined": self.declined,
+            "declined_fraction": self.declined / tuned_steps if tuned_steps else 0.0,
+            "probes": self.probes, "buckets": buckets,
         }
 
 
@@ -522,21 +565,59 @@ class SpeculativeDecoder:
             out.append(Emission(toks, nodes))
         return out
 
-    def _pending(self, rows: Sequence, stats: SpecStats):
+    def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
         """Every row's pending drafter inputs: the pairs (tok_{p+1}, h_p) for positions
-        p = draft_len .. L-1 (the last one is the root). Returns the tokens [N], the
-        target features [N, F], the row counts and their first positions."""
+        p = draft_len .. L-1 (the last one is the root; ``root=False`` stops before it).
+        Returns the tokens [N], the target features [N, F], the row counts and their
+        first positions."""
         counts, toks, feats, starts = [], [], [], []
         for i, r in enumerate(rows):
-            lo, hi = self.draft_len[i], r.length  # positions lo..hi-1
+            lo, hi = self.draft_len[i], r.length - (0 if root else 1)  # positions lo..hi-1
+            hi = max(hi, lo)
             seq_next = (r.prompt + r.tokens)[lo + 1: hi + 1]
             counts.append(hi - lo)
             toks.extend(seq_next)
             feats.append(self.features[i, lo:hi])
             starts.append(lo)
-        stats.catchup_tokens += sum(counts) - len(rows)
+        stats.catchup_tokens += sum(counts) - (len(rows) if root else 0)
         tok = torch.tensor(toks, dtype=torch.long, device=self.target.device)
         return tok, torch.cat(feats, dim=0), counts, starts
+
+    def pending(self, rows: Sequence) -> int:
+        """Drafter positions the rows missed (decoded plainly, or since their prefill),
+        not counting each row's root."""
+        return sum(max(0, r.length - 1 - self.draft_len[i]) for i, r in enumerate(rows))
+
+    @torch.no_grad()
+    def catch_up(self, rows: Sequence, stats: SpecStats) -> int:
+        """Feed every row's missed drafter inputs but the root (positions draft_len ..
+        L-2) in one forward, so the next ``step`` feeds only the roots and costs what a
+        steady speculative step costs; the engine times this switching cost apart (the
+        tuner's break-even gate compares steady steps). Returns the positions fed."""
+        if self.pending(rows) == 0:
+            return 0
+        dev = self.target.device
+        t0 = time.perf_counter()
+        tok, feats, counts, starts = self._pending(rows, stats, root=False)
+        x = self.draft.inputs(tok, feats, target_features=True)
+        if self.draft.kernels is not None:  # ragged: rows with nothing pending add none
+            row_of, pos = self._ragged(counts, starts)
+            self.draft.extend_chains(self.cache, row_of, pos, x)
+        else:  # padded [B, T]: pad slots lie at or past each row's draft_len (invalid)
+            b, t_max = len(rows), max(counts)
+            xp = torch.zeros(b, t_max, x.shape[-1], dtype=x.dtype, device=dev)
+            off = 0
+            for i, c in enumerate(counts):
+                xp[i, :c] = x[off: off + c]
+                off += c
+            start = torch.tensor(starts, dtype=torch.long, device=dev)
+            self.draft.extend(self.cache, slice(0, b),
+                              torch.zeros(b, t_max, dtype=torch.long, device=dev), start,
+                              embeds=xp)
+        for i, (s, c) in enumerate(zip(starts, counts)):
+            self.draft_len[i] = s + c
+        stats.catchup_seconds += time.perf_counter() - t0
+        return sum(counts)
 
     def _catch_up(self, rows: Sequence, stats: SpecStats) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's pending (tok_{p+1}, h_p) pairs; returns the root outputs
