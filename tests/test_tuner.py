@@ -649,3 +649,19 @@ def test_gate_refreshes_a_plain_reference_measured_on_a_busy_machine():
     assert chosen[first_plain: first_plain + 3] == [OFF] * 3  # re-measured three times
     assert t.plain_seconds(1) == 1.0 and t.best(1) == OFF
     assert sum(not a.is_off for a in chosen[first_plain + 50:]) < 10
+
+
+def test_gate_remeasures_plain_when_a_speculative_step_beats_it():
+    """A speculative step cannot be faster than a plain one (it verifies a superset);
+    one that is means the plain reference is stale: it is re-measured at once."""
+    t = gated(arms=(CHAIN4,))
+    for _ in range(3):
+        t.choose(1)
+        t.update(1, OFF, 1, 3.0)  # measured while the machine was busy
+    assert t.choose(1) == CHAIN4
+    t.update(1, CHAIN4, 2, 1.4, accepted_drafts=[1])  # 0.47 of a plain step
+    plain = 0
+    while t.choose(1) == OFF and plain < 10:  # re-measured until the median is new
+        t.update(1, OFF, 1, 1.0)
+        plain += 1
+    assert 3 <= plain < 10 and t.plain_seconds(1) == 1.0

@@ -639,6 +639,7 @@ class StrategyTuner:
         self.last_decision = None  # a decision is charged once
         ref = self.plain_seconds(batch_size)  # plain reference before this sample
         per_row = tokens / batch_size
+        suspect = gate.refresh_left > 0  # re-measuring a reference found off
         if strategy.is_off:
             self._plain.setdefault(batch_size, deque(maxlen=PLAIN_KEEP)).append(float(seconds))
             gate.since_plain = 0
@@ -650,6 +651,10 @@ class StrategyTuner:
                 gate.refresh_left = MIN_PLAIN - 1
         else:
             gate.since_plain += 1
+            if ref is not None and seconds < 0.8 * ref:
+                # a speculative step (a verification forward and drafting) faster than
+                # a plain step: the reference was measured while the machine was busier
+                gate.refresh_left = MIN_PLAIN
             if ref is not None:
                 window = gate.samples.get(strategy.name)
                 if window is None:
@@ -663,7 +668,7 @@ class StrategyTuner:
         gate.probes += int(probe)
         best = self._best_speedup(b)
         if strategy.is_off:
-            if probe:  # time lost against speculating at the best estimate
+            if probe and not suspect:  # time lost against speculating at the estimate
                 speed = best[1] if best is not None else 1.0
                 self._charge(gate, seconds * (1.0 - 1.0 / max(speed, 1.0)))
             return
