@@ -227,6 +227,16 @@ class RolloutConfig:
     hidden_states_dtype: str = _help(
         "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
         "bfloat16, float16.", "auto")
+    sampling_mode: str = _help(
+        "How sampled (temperature > 0) tokens are drawn. standard: per-request random "
+        "generators; speculative decoding accepts drafts by rejection sampling (exact in "
+        "distribution). coupled: every token is argmax(log p + Gumbel noise) with the "
+        "noise a hash of (request seed, position in the response, token id), so a "
+        "request's response is the same token for token whatever its batch, whether "
+        "speculation is on, the drafter, the TP size or the device (up to floating-point "
+        "near-ties); the drafter drafts with the same noise and verification accepts "
+        "while its token equals the target's. Same distribution, reproducible rollouts; "
+        "acceptance per token >= (1-TV)/(1+TV) instead of 1-TV.", "standard")
     speculative: SpeculativeConfig = _help("Speculative decoding.",
                                            factory=SpeculativeConfig)
 
@@ -242,6 +252,7 @@ class RolloutConfig:
         _choice("rollout", "cpu_kernels", self.cpu_kernels, ("auto", "true", "false"))
         _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
                 ("auto", "float32", "bfloat16", "float16"))
+        _choice("rollout", "sampling_mode", self.sampling_mode, ("standard", "coupled"))
 
 
 # -------------------------------------------------------------------------------------

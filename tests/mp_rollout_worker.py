@@ -25,7 +25,8 @@ from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
 from megatron_tlt.platform import apply_cpu_redirection, init_distributed  # noqa: E402
 from megatron_tlt.rollout import RolloutEngine  # noqa: E402
-from rollout_cases import CASES, SPEC_CASES, SPEC_MODEL, case_prompts, spec_config  # noqa: E402,E501
+from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,  # noqa: E402
+                           SPEC_MODEL, case_prompts, spec_config)
 
 
 def main() -> None:
@@ -59,6 +60,12 @@ def main() -> None:
                 spec = RolloutEngine(model, None, spec_config(strategy), arch=arch,
                                      eos_token_ids=[], drafter=drafter)
                 outs = spec.generate(case_prompts(), params)
+                results[f"{folder.name}/{case}"] = [
+                    dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
+            for case, strategy in COUPLED_CASES.items():
+                eng = RolloutEngine(model, None, spec_config(strategy, "coupled"), arch=arch,
+                                    eos_token_ids=[], drafter=drafter if strategy else None)
+                outs = eng.generate(case_prompts(), COUPLED_PARAMS)
                 results[f"{folder.name}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
     gathered = [None] * dist.get_world_size()

@@ -31,8 +31,14 @@ SPEC_CASES = {
 }
 
 
-def spec_config(strategy: str):
+# coupled sampling (rollout.sampling_mode=coupled) on SPEC_MODEL: plain, chain and tree
+# speculation must give the same tokens, at TP=2 as at TP=1
+COUPLED_PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, seed=9)
+COUPLED_CASES = {"coupled_plain": None, "coupled_chain": "3_1_3", "coupled_tree": "3_2_5"}
+
+
+def spec_config(strategy: str, sampling_mode: str = "standard"):
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 
-    return RolloutConfig(speculative=SpeculativeConfig(policy="fixed", strategy=strategy,
-                                                       threshold=64))
+    sc = SpeculativeConfig(policy="fixed", strategy=strategy or "3_1_3", threshold=64)
+    return RolloutConfig(sampling_mode=sampling_mode, speculative=sc)

@@ -10,7 +10,8 @@ import torch
 from cli import run_script
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine
-from rollout_cases import CASES, SPEC_CASES, SPEC_MODEL, case_prompts, spec_config
+from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES, SPEC_MODEL,
+                           case_prompts, spec_config)
 from tiny_models import TINY_CONFIGS
 
 pytestmark = pytest.mark.multiproc
@@ -63,6 +64,17 @@ def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path)
         for o, g in zip(ref, got):
             assert g["tokens"] == o.token_ids, case
             assert max(abs(a - b) for a, b in zip(g["logprobs"], o.logprobs)) <= 1e-4, case
+
+    # coupled sampling: the same tokens with speculation off, chain and tree, at TP=2 as
+    # at TP=1
+    plain = tp2[f"{SPEC_MODEL}/coupled_plain"]
+    for case, strategy in COUPLED_CASES.items():
+        engine = RolloutEngine(model, None, spec_config(strategy, "coupled"), arch=arch,
+                               eos_token_ids=[], drafter=drafter if strategy else None)
+        ref = engine.generate(case_prompts(), COUPLED_PARAMS)
+        got = tp2[f"{SPEC_MODEL}/{case}"]
+        assert [g["tokens"] for g in got] == [o.token_ids for o in ref], case
+        assert [g["tokens"] for g in got] == [g["tokens"] for g in plain], case
 
 
 def _spec_drafter(model_dir, path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform as pyplatform
 from typing import Callable, Sequence
 
 import torch
@@ -33,3 +35,30 @@ def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
                              f"logit gap {gap:.2e} > {tie_margin:.0e}")
         tie_splits += 1
     return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+
+
+# vector instruction-set flags worth recording (/proc/cpuinfo names)
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_description(engine) -> dict:
+    """CPU model, its instruction-set flags, and the engine's CPU-kernel build and policy."""
+    from megatron_tlt.rollout import cpu_kernels
+
+    model, flags = cpu_kernels._cpuinfo()
+    kern = engine.runner.kernels
+    policy = getattr(kern, "policy", None)
+    env = {k: os.environ[k] for k in ("MEGATRON_TLT_CPU_ISA", "MEGATRON_TLT_NO_CPU_KERNELS",
+                                      "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                      "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+           if k in os.environ}
+    return dict(cpu=model, arch=pyplatform.machine(),
+                cpu_isa_flags=[f for f in ISA_FLAGS if f in flags],
+                cpu_best_isa=cpu_kernels.detect_isa(),
+                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), env=env,
+                cpu_kernels=engine.config.cpu_kernels,
+                kernel_isa=getattr(kern, "ISA", None),
+                kernel_panel=getattr(kern, "PANEL", None),
+                kernel_policy=policy.describe() if policy is not None else "eager torch ops",
+                kernel_policy_source=getattr(policy, "source", None))

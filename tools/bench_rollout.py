@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform as pyplatform
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_common import check_ties  # noqa: E402
+from bench_common import check_ties, cpu_description  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 
@@ -79,35 +78,6 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
                 times.append(time.perf_counter() - t0)
             best = min(best, statistics.median(times))
     return best
-
-
-# vector instruction-set flags worth recording (/proc/cpuinfo names)
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-             "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
-
-
-def cpu_description(engine) -> dict:
-    """CPU model, its instruction-set flags, and the engine's CPU-kernel build and policy."""
-    from megatron_tlt.rollout import cpu_kernels
-
-    model, flags = cpu_kernels._cpuinfo()
-    kern = engine.runner.kernels
-    policy = getattr(kern, "policy", None)
-    import os
-
-    env = {k: os.environ[k] for k in ("MEGATRON_TLT_CPU_ISA", "MEGATRON_TLT_NO_CPU_KERNELS",
-                                      "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
-                                      "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
-           if k in os.environ}
-    return dict(cpu=model, arch=pyplatform.machine(),
-                cpu_isa_flags=[f for f in ISA_FLAGS if f in flags],
-                cpu_best_isa=cpu_kernels.detect_isa(),
-                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), env=env,
-                cpu_kernels=engine.config.cpu_kernels,
-                kernel_isa=getattr(kern, "ISA", None),
-                kernel_panel=getattr(kern, "PANEL", None),
-                kernel_policy=policy.describe() if policy is not None else "eager torch ops",
-                kernel_policy_source=getattr(policy, "source", None))
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):

@@ -22,6 +22,12 @@ is cached. Training prompts use seed 0, the benchmark's prompts seed 1: held out
     --tail-tokens), the adaptive engine (speculation below the threshold, default
     policy) vs plain decoding, one tuner across the pairs.
 
+--sampling-mode coupled (with --temperature > 0): rollout.sampling_mode=coupled, where a
+request's sampled response is the same token for token with and without speculation;
+outputs are compared with plain decoding's (the count of identical responses is
+reported; a mismatch can only come from a floating-point near-tie). Run it next to the
+standard mode for the cost of invariance (acceptance and speed, coupled vs standard).
+
 Greedy (the default): outputs must be identical to plain decoding; a sequence may part
 from it only where plain decoding's top-2 logits are tied to within --tie-margin
 (verification runs different matrix shapes, so the last bits of a logit may differ).
@@ -53,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import check_ties  # noqa: E402
+from bench_common import check_ties, cpu_description  # noqa: E402
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 DEFAULT_STRATEGIES = "1:7_1_7,2:5_1_5,4:4_1_4,8:4_1_4"
@@ -219,6 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature (0 = greedy, outputs checked against plain "
                          "decoding; > 0: seeded samples, speeds in tokens/s, no check)")
+    ap.add_argument("--sampling-mode", choices=("standard", "coupled"), default="standard",
+                    help="rollout.sampling_mode (coupled: sampled outputs are compared "
+                         "with plain decoding's token for token)")
     ap.add_argument("--tie-margin", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true",
@@ -242,7 +251,8 @@ def main(argv=None) -> int:
     from megatron_tlt.rollout.workload import reasoning_gym_prompts
 
     src = require_smollm2()
-    engine = RolloutEngine.from_pretrained(src, RolloutConfig(max_batch_size=64))
+    engine = RolloutEngine.from_pretrained(
+        src, RolloutConfig(max_batch_size=64, sampling_mode=args.sampling_mode))
     drafter, dname = resolve_drafter(args.drafter, args.quick, engine, args.seed)
     print(f"drafter: {dname}", flush=True)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -251,17 +261,24 @@ def main(argv=None) -> int:
         engine.tokenizer, n=max(sizes + [args.tail_prompts, args.prompts]), seed=args.seed)]
     greedy = args.temperature <= 0
     temp = 0.0 if greedy else args.temperature
+    coupled = args.sampling_mode == "coupled" and not greedy
 
     def params(max_new):
         return SamplingParams(temperature=temp, max_new_tokens=max_new,
                               seed=None if greedy else args.seed)
 
     def check(prompts, got, ref):
+        if coupled:  # the same samples with and without speculation
+            return dict(identical=sum(a == b for a, b in zip(got, ref)), tie_splits=None,
+                        worst_tie_gap=None)
         if not greedy:  # samples: exact in distribution, not token by token
             return dict(identical=None, tie_splits=None, worst_tie_gap=None)
         return check_outputs(engine, prompts, got, ref, args.tie_margin)
 
     def merge(checks):
+        if coupled:
+            return dict(identical=sum(c["identical"] for c in checks), tie_splits=None,
+                        worst_tie_gap=None)
         if not greedy:
             return dict(identical=None, tie_splits=None, worst_tie_gap=None)
         return dict(identical=sum(c["identical"] for c in checks),
@@ -331,7 +348,7 @@ def main(argv=None) -> int:
         rows.append(row)
         ident = (f"identical {row['identical']}/{len(pool_a) * args.pairs} (tie splits "
                  f"{row['tie_splits']}), adaptive {row['adaptive_check']['identical']}"
-                 if greedy else "sampled")
+                 if greedy or coupled else "sampled")
         print(f"bs {b:>2} {s:>7}: plain {row['plain_tok_s']:6.1f} tok/s  spec "
               f"{row['spec_tok_s']:6.1f} tok/s  speedup {row['speedup']:.2f} "
               f"[{row['speedup_min']:.2f}, {row['speedup_max']:.2f}]  accept "
@@ -357,7 +374,8 @@ def main(argv=None) -> int:
                          plain_tokens=sum(map(len, ref)), adaptive_tokens=sum(map(len, got)),
                          **tuned_summary(st), **c, spec=st.spec.summary()))
         lengths = sorted(map(len, ref))
-        ident = (f"identical {c['identical']}/{len(tail_prompts)}" if greedy else "sampled")
+        ident = (f"identical {c['identical']}/{len(tail_prompts)}" if greedy or coupled
+                 else "sampled")
         print(f"tail batch of {len(tail_prompts)} (lengths {lengths[0]}..{lengths[-1]}, "
               f"median {statistics.median(lengths)}): plain {tp:.1f}s  adaptive {ts:.1f}s  "
               f"speedup {ratio:.2f}  speculating in {st.spec_fraction:.0%} of steps, "
@@ -378,8 +396,9 @@ def main(argv=None) -> int:
                        tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
                        threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
                        break_even=cfg.break_even, probe_budget=cfg.probe_budget,
-                       temperature=temp, tie_margin=args.tie_margin,
-                       cpu_kernels=engine.runner.kernels is not None,
+                       temperature=temp, sampling_mode=args.sampling_mode,
+                       tie_margin=args.tie_margin, **cpu_description(engine),
+                       kernels_on=engine.runner.kernels is not None,
                        torch=torch.__version__, megatron_core=megatron.core.__version__,
                        device=(torch.cuda.get_device_name() if engine.device.type == "cuda"
                                else platform.processor() or platform.machine()),

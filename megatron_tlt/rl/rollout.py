@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..rollout import SamplingParams
 from ..rollout.engine import RolloutOutput
+from ..rollout.sampling import request_seed, seeded_generator
 from .samples import Sample
 
 
@@ -35,18 +36,27 @@ def sampling_params(grpo_cfg, seed: int, *, hidden: bool = False) -> SamplingPar
                           seed=seed, return_hidden_states=hidden)
 
 
+def sample_seed(seed: int, prompt_index: int, j: int, group_size: int) -> int:
+    """Response j of prompt ``prompt_index``'s own seed under the step's ``seed``: the
+    same whichever replica generates it and whoever shares its batch, so a rollout
+    does not depend on the DP layout (and, with coupled sampling, neither on
+    speculation: the same responses token for token)."""
+    return request_seed(seed, prompt_index * group_size + j)
+
+
 def rollout_replica(generate, prompts: Sequence, prompt_indices: Sequence[int],
                     group_size: int, params: SamplingParams, step_start: float,
                     stats_fn=None) -> ReplicaRollout:
     """Generate ``group_size`` responses for each prompt with ``generate`` (the engine's
     or the pipeline's) and wrap them as samples, grouped prompt by prompt."""
-    ids, owners = [], []
+    ids, owners, seeds = [], [], []
     for p, idx in zip(prompts, prompt_indices):
-        for _ in range(group_size):
+        for j in range(group_size):
             ids.append(p.token_ids)
             owners.append((p, idx))
+            seeds.append(sample_seed(params.seed, idx, j, group_size))
     t0 = time.perf_counter()
-    outs: list[RolloutOutput] = generate(ids, params) if ids else []
+    outs: list[RolloutOutput] = generate(ids, params, request_seeds=seeds) if ids else []
     seconds = time.perf_counter() - t0
     samples = [Sample(prompt_index=idx, prompt_ids=list(o.prompt_token_ids),
                       response_ids=list(o.token_ids), rollout_logprobs=list(o.logprobs),
@@ -59,18 +69,21 @@ def rollout_replica(generate, prompts: Sequence, prompt_indices: Sequence[int],
 
 @torch.no_grad()
 def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
-                      prompts: Sequence[Sequence[int]], params: SamplingParams
-                      ) -> list[RolloutOutput]:
+                      prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                      request_seeds: Optional[Sequence[int]] = None,
+                      sampling_mode: str = "standard") -> list[RolloutOutput]:
     """Sampling through a pipeline-parallel model, one sequence at a time, recomputing
     the full sequence per token (no KV cache). Every rank of the model-parallel group
     calls it with the same arguments and gets the same outputs: the last stage samples
     (``choose_tokens``, per-request generators as the engine seeds them) and broadcasts
-    each token along the pipeline. Log-probs are raw, as the engine's default."""
+    each token along the pipeline. Log-probs are raw, as the engine's default.
+    ``request_seeds`` and ``sampling_mode`` as ``RolloutEngine.generate`` and
+    ``rollout.sampling_mode``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from ..models.inference import forward_local_logits, gather_logits
-    from ..rollout.sampling import choose_tokens, make_generators
+    from ..rollout.sampling import choose_tokens
 
     device = next(model.parameters()).device
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -78,7 +91,10 @@ def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     eos = set(int(t) for t in eos_token_ids)
     outs = []
     for i, prompt in enumerate(prompts):
-        gen = None if params.greedy else make_generators(params.seed, 1, device, offset=i)[0]
+        rs = request_seed(params.seed if params.seed is not None else 0, i) \
+            if request_seeds is None else int(request_seeds[i]) % (2**63 - 1)
+        coupled = sampling_mode == "coupled" and not params.greedy
+        gen = None if params.greedy or coupled else seeded_generator(rs, device)
         seq = list(prompt)
         tokens, logprobs, reason = [], [], "length"
         while len(tokens) < params.max_new_tokens and len(seq) < context:
@@ -87,7 +103,8 @@ def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
             msg = torch.zeros(2, dtype=torch.float64, device=device)
             if local is not None:
                 logits = gather_logits(local[:, -1:], arch)[:, -1].float()
-                tok, raw, _ = choose_tokens(logits, [params], [gen])
+                tok, raw, _ = choose_tokens(logits, [params], [gen],
+                                            coupled=[(rs, len(tokens))] if coupled else None)
                 msg[0], msg[1] = float(tok[0]), float(raw[0])
             dist.broadcast(msg, src=last, group=pp_group)
             tok = int(msg[0])

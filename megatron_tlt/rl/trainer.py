@@ -122,12 +122,13 @@ class Trainer:
         m, dp = self.mini_batches, self.layout.dp_size
         return [p for p in range(n_prompts) if (p // m) % dp == self.layout.dp_rank]
 
-    def _generate(self, prompt_ids, params):
+    def _generate(self, prompt_ids, params, request_seeds=None):
         if self.engine is not None:
-            return self.engine.generate(prompt_ids, params)
+            return self.engine.generate(prompt_ids, params, request_seeds=request_seeds)
         return pipeline_generate(self.policy.module, self.arch,
                                  _eos_ids(self.tokenizer), self.arch.max_position_embeddings,
-                                 prompt_ids, params)
+                                 prompt_ids, params, request_seeds=request_seeds,
+                                 sampling_mode=self.cfg.rollout.sampling_mode)
 
     def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
         params = sampling_params(self.cfg.grpo, seed)

@@ -32,7 +32,7 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .forward import ModelRunner
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens, make_generators
+from .sampling import SamplingParams, choose_tokens, request_seed, seeded_generator
 from .speculative import SpecStats
 
 
@@ -101,6 +101,7 @@ class _Row:
     generator: Optional[torch.Generator]
     length: int  # positions held in the cache
     prompt: list[int]
+    key: Optional[int] = None  # coupled sampling: the request's noise key (else None)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -134,6 +135,7 @@ class RolloutEngine:
             # auto: only where this machine's calibration measured them faster
             self.runner.kernels = kernel_policy.resolve(self.config.cpu_kernels,
                                                         cpu_kernels.get())
+        self.coupled = self.config.sampling_mode == "coupled"
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
@@ -230,10 +232,15 @@ class RolloutEngine:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
-                 params: ParamsArg = SamplingParams()) -> list[RolloutOutput]:
+                 params: ParamsArg = SamplingParams(), *,
+                 request_seeds: Optional[Sequence[int]] = None) -> list[RolloutOutput]:
         """Generate a completion for every prompt; outputs are in prompt order.
 
         ``params`` is one SamplingParams for all prompts or one per prompt.
+        ``request_seeds``: each request's own seed (its random stream, or its noise key
+        under coupled sampling) instead of one derived from ``params.seed`` and its index
+        in this call, so a request samples the same way whichever call, batch or replica
+        it runs in.
         """
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         n = len(prompts)
@@ -245,7 +252,9 @@ class RolloutEngine:
         self._check_prompts(prompts)
         stats = GenerateStats(prompts=n)
         self.last_stats = stats
-        gens = self._generators(plist)
+        if request_seeds is not None and len(request_seeds) != n:
+            raise ValueError(f"got {len(request_seeds)} request seeds for {n} prompts")
+        gens, keys = self._generators(plist, request_seeds)
         capacity = max(min(len(p) + sp.max_new_tokens, self.context)
                        for p, sp in zip(prompts, plist))
         max_batch = min(self.config.max_batch_size, n)
@@ -274,7 +283,8 @@ class RolloutEngine:
                 admitted = []
                 while queue and len(rows) + len(admitted) < max_batch:
                     i = queue.popleft()
-                    admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i]))
+                    admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i],
+                                         keys[i]))
                 t0 = time.perf_counter()
                 self._prefill(cache, rows, admitted, hidden_buf, stats)
                 stats.prefill_seconds += time.perf_counter() - t0
@@ -407,9 +417,11 @@ class RolloutEngine:
               hidden_buf: Optional[torch.Tensor]) -> None:
         """Sample one token for each of ``rows`` (cache rows first_row..) from ``hidden``."""
         logits = self.runner.logits(hidden)
+        coupled = ([None if r.key is None else (r.key, len(r.tokens)) for r in rows]
+                   if self.coupled else None)
         tokens, raw, processed = choose_tokens(
             logits, [r.params for r in rows], [r.generator for r in rows],
-            self.runner.kernels)
+            self.runner.kernels, coupled=coupled)
         tokens = self._from_tp_rank0(tokens)  # ranks agree already; this makes it certain
         if hidden_buf is not None:
             pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)
@@ -467,20 +479,34 @@ class RolloutEngine:
                            group=self.runner.tp_group)
         return tensor
 
-    def _generators(self, plist: Sequence[SamplingParams]) -> list[Optional[torch.Generator]]:
+    def _generators(self, plist: Sequence[SamplingParams],
+                    request_seeds: Optional[Sequence[int]] = None):
+        """Per request: its generator (standard sampling) and its coupled-noise key
+        (coupled sampling); None for greedy requests and for the unused one."""
         gens: list[Optional[torch.Generator]] = []
+        keys: list[Optional[int]] = []
         drawn = None
         for i, sp in enumerate(plist):
             if sp.greedy:
                 gens.append(None)
+                keys.append(None)
                 continue
-            seed = sp.seed
-            if seed is None:
-                if drawn is None:
-                    drawn = self._shared_seed()
-                seed = drawn
-            gens.append(make_generators(seed, 1, self.device, offset=i)[0])
-        return gens
+            if request_seeds is not None:
+                rs = int(request_seeds[i]) % (2**63 - 1)
+            else:
+                seed = sp.seed
+                if seed is None:
+                    if drawn is None:
+                        drawn = self._shared_seed()
+                    seed = drawn
+                rs = request_seed(seed, i)
+            if self.coupled:
+                gens.append(None)
+                keys.append(rs)
+            else:
+                gens.append(seeded_generator(rs, self.device))
+                keys.append(None)
+        return gens, keys
 
     def _shared_seed(self) -> int:
         """A fresh seed, the same on every TP rank."""

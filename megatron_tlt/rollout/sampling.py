@@ -10,6 +10,13 @@ Randomness comes from one ``torch.Generator`` per sequence, seeded from
 ``SamplingParams.seed`` and the request's index, so a request's tokens do not depend on
 which other requests share its batch (up to floating-point batch effects), and every
 tensor-parallel rank draws the same token from the same (all-gathered) logits.
+
+Coupled sampling (``rollout.sampling_mode=coupled``) draws token t of a request as
+argmax_v(log p~[v] + g[v]) (the Gumbel-max form of sampling from p~) with the noise
+g = -log(-log U) and U a counter-based hash of (request key, t, v): no generator state,
+nothing that depends on the batch row, the batch size, speculation, the TP size or the
+device. ``coupled_gumbel`` makes the noise; speculative decoding drafts and verifies
+with the same noise (``speculative.py``), so its output is the plain coupled sample.
 """
 
 from __future__ import annotations
@@ -105,12 +112,95 @@ def make_generators(seed: Optional[int], n: int, device: torch.device,
     """One generator per request; request i's stream depends only on (seed, offset+i)."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    gens = []
-    for i in range(n):
-        g = torch.Generator(device=device)
-        g.manual_seed((int(seed) * 1_000_003 + offset + i) % (2**63 - 1))
-        gens.append(g)
-    return gens
+    return [seeded_generator(request_seed(seed, offset + i), device) for i in range(n)]
+
+
+def seeded_generator(seed: int, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed) % (2**63 - 1))
+    return g
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Request ``index``'s own seed under call seed ``seed``: its generator's seed
+    (``make_generators``) and its coupled-noise key."""
+    return (int(seed) * 1_000_003 + int(index)) % (2**63 - 1)
+
+
+# ----------------------------------------------------------------- coupled sampling noise
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser (a bijection with full avalanche), Python ints."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _fmix32_t(h: torch.Tensor) -> torch.Tensor:
+    """``_fmix32`` elementwise on int64 tensors holding 32-bit values (products wrap
+    modulo 2**64 and are masked back to their low 32 bits: exact on every device)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _salts(keys: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """One 32-bit salt per (key, position): the 64-bit key and the position each pass
+    through the finaliser, so nearby keys and positions give unrelated salts."""
+    out = []
+    for k, t in zip(keys, positions):
+        k = int(k) & ((1 << 64) - 1)
+        a = _fmix32((k & _M32) ^ 0x243F6A88)
+        a = _fmix32(a ^ ((k >> 32) & _M32) ^ 0x85A308D3)
+        out.append(_fmix32(a ^ ((int(t) * 0x9E3779B9 + 0x13198A2E) & _M32)))
+    return out
+
+
+_TOKEN_HASH: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """fmix32 of each token id (salted), [vocab] int64, made once per vocab and device."""
+    key = (vocab, str(device))
+    t = _TOKEN_HASH.get(key)
+    if t is None:
+        ids = torch.arange(vocab, dtype=torch.int64, device=device)
+        t = _fmix32_t((ids * 0x9E3779B1 + 0x7F4A7C15) & _M32)
+        _TOKEN_HASH[key] = t
+    return t
+
+
+def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
+                   device) -> torch.Tensor:
+    """Gumbel noise g[i, v] for (keys[i], positions[i], v), [n, vocab] float32.
+
+    U = (h + 1/2) / 2**32 with h a 32-bit hash of (key, position, token id) computed in
+    integers, E = -log U in float64 (the tail of small E, where g is large and decides
+    rare tokens, keeps its 32 bits), g = -log E in float32: the same values on every
+    batch layout and TP size, and on every device up to the last bit of a float32 log
+    (a near-tie, like the logits' own device differences). Gumbel-max: argmax(log p + g)
+    is distributed as p."""
+    device = torch.device(device)
+    if not len(keys):
+        return torch.zeros(0, vocab, dtype=torch.float32, device=device)
+    salt = torch.tensor(_salts(keys, positions), dtype=torch.int64, device=device)
+    h = _fmix32_t(_token_hash(vocab, device)[None, :] ^ salt[:, None])
+    e = -torch.log((h.double() + 0.5) * (1.0 / 4294967296.0))
+    return -torch.log(e.float())
+
+
+def coupled_argmax(logprobs: torch.Tensor, keys: Sequence[int], positions: Sequence[int],
+                   kernels=None) -> torch.Tensor:
+    """The coupled token of each row of ``logprobs`` [rows, vocab] (processed
+    log-probabilities; -inf for tokens top-k / top-p removed)."""
+    g = coupled_gumbel(keys, positions, logprobs.shape[-1], logprobs.device)
+    return argmax_rows(logprobs.float() + g, kernels)
 
 
 def sample_rows(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -142,13 +232,16 @@ def argmax_rows(x: torch.Tensor, kernels=None) -> torch.Tensor:
 
 
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]], kernels=None
+                  generators: Sequence[Optional[torch.Generator]], kernels=None,
+                  coupled: Optional[Sequence[Optional[tuple[int, int]]]] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick the next token for each row of ``logits`` [rows, vocab].
 
     Returns (tokens [rows] long, raw log-prob [rows], processed log-prob [rows]).
     Rows are grouped by their processing key so a uniform batch costs one call.
     ``kernels``: the fused CPU kernels, for greedy rows' argmax (``argmax_rows``).
+    ``coupled``: per row, (request key, position in the response) for coupled sampling
+    (``coupled_argmax``) or None (the row's generator samples).
     """
     rows = logits.shape[0]
     if all(p.greedy for p in params):  # the common benchmark / eval case: no grouping
@@ -170,7 +263,14 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
             lp = raw.index_select(0, index).gather(-1, tok[:, None])[:, 0]
         else:
             lps = processed_logprobs(logits.index_select(0, index), temperature, top_k, top_p)
-            tok = sample_rows(lps, [generators[r] for r in idx])
+            if coupled is not None and all(coupled[r] is not None for r in idx):
+                tok = coupled_argmax(lps, [coupled[r][0] for r in idx],
+                                     [coupled[r][1] for r in idx], kernels)
+            elif coupled is not None and any(coupled[r] is not None for r in idx):
+                raise ValueError("coupled and standard sampled rows share a setting; "
+                                 "one sampling mode per call")
+            else:
+                tok = sample_rows(lps, [generators[r] for r in idx])
             lp = lps.gather(-1, tok[:, None])[:, 0]
         tokens[index] = tok
         processed[index] = lp

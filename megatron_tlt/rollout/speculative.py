@@ -26,6 +26,15 @@ last sampled token x_L not yet in the target's cache):
    rewind: rejected slots are simply beyond the new length), features are stored,
    and tokens, log-probs and hidden states are emitted exactly as plain decoding
    emits them (stop tokens and length limits cut the accepted run).
+
+Coupled sampling (``rollout.sampling_mode=coupled``, a row with a noise ``key``): the
+token at response position t is argmax(log p~ + g_t) with g_t the request's counter-based
+Gumbel noise (``sampling.coupled_gumbel``). The drafter drafts argmax(log q~ + g_t) with
+the same noise (chains; trees rank children by their perturbed score, so the drafter's
+own coupled token is always the first child), and verification is greedy verification
+on log p~ + g_t: drafts are accepted while they equal the target's coupled token, and
+the first mismatch emits it. The output is the plain coupled sample, whatever the
+drafter and whether speculation is on.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch.distributed as dist
 from ..models.drafter import EagleDrafter
 from .forward import _NO_TENSOR, ModelRunner
 from .kv_cache import KVCache
-from .sampling import argmax_rows, processed_logprobs
+from .sampling import argmax_rows, coupled_gumbel, processed_logprobs
 from .tuner import Strategy
 
 
@@ -472,18 +481,21 @@ class SpeculativeDecoder:
         split = lambda t: list(torch.split(t, counts))  # noqa: E731
         hidden_r, logits_r, plp_r, feats_r = split(hidden), split(logits), split(plp), split(feats)
 
+        noisy = self._verify_noise(rows, counts, tree)
         emissions: list[Emission] = []
         for i, r in enumerate(rows):
             sp = r.params
+            coupled = noisy[i] is not None  # greedy verification of log p~ + noise
+            scores = plp_r[i] + noisy[i] if coupled else plp_r[i]
             if tree is None:
-                a, nxt = accept_chain(plp_r[i], None if q_lp is None else q_lp[i], drafts[i],
-                                      r.generator, greedy=sp.greedy,
+                a, nxt = accept_chain(scores, None if q_lp is None else q_lp[i], drafts[i],
+                                      r.generator, greedy=sp.greedy or coupled,
                                       kernels=self.target.kernels)
                 toks = list(drafts[i][:a]) + [nxt]
                 nodes = list(range(a + 1))
             else:
-                path, nxt = accept_tree(plp_r[i], tree["tokens"][i], tree["children"][i],
-                                        r.generator, greedy=sp.greedy)
+                path, nxt = accept_tree(scores, tree["tokens"][i], tree["children"][i],
+                                        r.generator, greedy=sp.greedy or coupled)
                 toks = [tree["tokens"][i][c] for c in path] + [nxt]
                 nodes = [0] + path
             emissions.append(Emission(toks, nodes))
@@ -495,6 +507,65 @@ class SpeculativeDecoder:
             self.draft_len[i] = r.length  # drafted positions >= L are stale now
         stats.verify_seconds += time.perf_counter() - t1
         return emissions, hidden_r, logits_r, plp_r
+
+    @staticmethod
+    def _coupled(r) -> bool:
+        return getattr(r, "key", None) is not None and not r.params.greedy
+
+    def _verify_noise(self, rows, counts: Sequence[int], tree) -> list:
+        """Per row, the coupled noise of each verified node [nodes, V] (a node at
+        depth d predicts response position len(tokens) + d), or None (not coupled)."""
+        keys, pos, owner = [], [], []
+        for i, r in enumerate(rows):
+            if not self._coupled(r):
+                continue
+            t0 = len(r.tokens)
+            depths = range(counts[i]) if tree is None else tree["depth"][i].tolist()
+            for d in depths:
+                keys.append(r.key)
+                pos.append(t0 + int(d))
+            owner.append(i)
+        out: list = [None] * len(rows)
+        if not keys:
+            return out
+        g = coupled_gumbel(keys, pos, self.target.arch.vocab_size, self.target.device)
+        for i, part in zip(owner, torch.split(g, [counts[i] for i in owner])):
+            out[i] = part
+        return out
+
+    def _draft_noise(self, rows, offset: int):
+        """Coupled rows' noise at response position len(tokens) + offset over the draft
+        vocabulary, [B, V_draft] (zeros for other rows), their mask [B] and temperatures
+        [B]; None when no row is coupled."""
+        idx = [i for i, r in enumerate(rows) if self._coupled(r)]
+        if not idx:
+            return None
+        dev = self.target.device
+        g = coupled_gumbel([rows[i].key for i in idx],
+                           [len(rows[i].tokens) + offset for i in idx],
+                           self.target.arch.vocab_size, dev)
+        if self.draft.d2t is not None:
+            g = g[:, self.draft.d2t]
+        full = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32, device=dev)
+        index = torch.tensor(idx, device=dev)
+        full[index] = g
+        mask = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        mask[index] = True
+        temp = torch.tensor([max(r.params.temperature, 1e-6) for r in rows],
+                            dtype=torch.float32, device=dev)
+        return full, mask, temp
+
+    @staticmethod
+    def _coupled_scores(logits: torch.Tensor, lp: torch.Tensor, noise) -> torch.Tensor:
+        """Tree drafting's scores: coupled rows' log_softmax(logits / T) + noise, shifted
+        so each row's (or node's) best is 0 (the drafter's coupled token first); other
+        rows keep ``lp``. ``logits`` / ``lp`` [B, V] or [B, K, V]."""
+        g, mask, temp = noise
+        extra = (None,) * (logits.dim() - 2)
+        x = torch.log_softmax(logits.float() / temp[(slice(None),) + extra + (None,)], dim=-1)
+        x = x + g[(slice(None),) + extra]
+        x = x - x.max(dim=-1, keepdim=True).values
+        return torch.where(mask[(slice(None),) + extra + (None,)], x, lp)
 
     def _verify_chains(self, cache: KVCache, rows, drafts: list[list[int]], hook):
         """Target forward over each row's [x_L, drafts...] (chains of any lengths).
@@ -685,6 +756,7 @@ class SpeculativeDecoder:
         sampled rows, the drafter's sampling distributions [n_i, V] (None for greedy)."""
         dev = self.target.device
         b = len(rows)
+        coupled = [self._coupled(r) for r in rows]
         sampled = [not r.params.greedy for r in rows]
         any_sampled = any(sampled)
         min_prob = self.min_draft_prob
@@ -698,6 +770,15 @@ class SpeculativeDecoder:
             full_tok = self._to_target(top_id)
             q_all = self._q(logits, rows) if any_sampled else None
             tok_l, conf_l = full_tok.tolist(), top_p.tolist()
+            coupled_tok = {}
+            idx = [i for i in range(b) if coupled[i] and alive[i]]
+            if idx:  # the drafter's coupled tokens: the target's noise at position t0 + j
+                g = coupled_gumbel([rows[i].key for i in idx],
+                                   [len(rows[i].tokens) + j for i in idx],
+                                   q_all.shape[-1], dev)
+                index = torch.tensor(idx, device=dev)
+                best_tok = argmax_rows(q_all.index_select(0, index) + g, self.draft.kernels)
+                coupled_tok = dict(zip(idx, best_tok.tolist()))
             for i, r in enumerate(rows):
                 if not alive[i]:
                     continue
@@ -707,14 +788,17 @@ class SpeculativeDecoder:
                 if min_prob > 0 and cum[i] * best < min_prob:
                     alive[i] = False
                     continue
-                if sampled[i]:
+                if coupled[i]:
+                    tok = coupled_tok[i]
+                    cum[i] *= float(q_all[i, tok].exp())
+                elif sampled[i]:
                     tok = _sample(q_all[i].exp(), r.generator)
                     cum[i] *= float(q_all[i, tok].exp())
                 else:
                     tok = tok_l[i]
                     cum[i] *= best
                 drafts[i].append(tok)
-                if sampled[i]:
+                if sampled[i] and not coupled[i]:
                     q_rows[i].append(q_all[i])
             if j == depth - 1 or not any(alive):
                 break
@@ -727,7 +811,7 @@ class SpeculativeDecoder:
                                   embeds=x[:, None])[:, 0]
             logits = self.draft.draft_logits(h)
         q_lp = None
-        if any_sampled:
+        if any(sampled[i] and not coupled[i] for i in range(b)):
             q_lp = [torch.stack(q) if q else None for q in q_rows]
         return drafts, q_lp
 
@@ -765,6 +849,9 @@ class SpeculativeDecoder:
         b, k, n = len(rows), s.top_k, s.verify_tokens
         L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
         lp = torch.log_softmax(logits, dim=-1)
+        noise = self._draft_noise(rows, 0)
+        if noise is not None:  # coupled rows: children ranked by perturbed draft scores
+            lp = self._coupled_scores(logits, lp, noise)
         top_lp, top_id = lp.topk(k, dim=-1)  # depth-1 candidates [B, K]
         pool_tok, pool_par, pool_score, pool_depth = [top_id], [torch.full_like(top_id, -1)], \
             [top_lp], [torch.ones_like(top_id)]
@@ -793,7 +880,11 @@ class SpeculativeDecoder:
                 self.cache, slice(0, b), full_tok, L + w,
                 rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
                 embeds=x)  # [B, K, H]
-            child_lp = torch.log_softmax(self.draft.draft_logits(out), dim=-1)
+            child_logits = self.draft.draft_logits(out)
+            child_lp = torch.log_softmax(child_logits, dim=-1)
+            noise = self._draft_noise(rows, depth)  # children predict position t0 + depth
+            if noise is not None:
+                child_lp = self._coupled_scores(child_logits, child_lp, noise)
             c_lp, c_id = child_lp.topk(k, dim=-1)  # [B, K, K]
             c_score = (front_score[:, :, None] + c_lp).reshape(b, k * k)
             c_par = front_idx[:, :, None].expand(b, k, k).reshape(b, k * k)

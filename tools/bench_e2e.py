@@ -1,0 +1,624 @@
+#!/usr/bin/env python
+"""End to end: whole GRPO steps with TLT rollouts (adaptive speculation) vs without.
+
+    python tools/bench_e2e.py --quick                     # both sampling modes, ~5 min
+    python tools/bench_e2e.py --json docs/results/bench_e2e_cpu.json
+    python tools/bench_e2e.py --sampling-mode coupled --task basic_arithmetic --steps 4
+    python tools/bench_e2e.py --quick --drafter off       # A/A: both arms plain
+    python tools/bench_e2e.py --quick --drafter random    # an untrained drafter (loses)
+
+The same recipe (examples/rl/smollm2_cpu.yaml plus the flags below and any
+``section.field=value`` overrides), seed and prompts for N GRPO steps, two arms
+interleaved step by step from the same starting weights: ``tlt`` (the drafter attached,
+``rollout.speculative.drafter=PATH``) and ``off`` (``rollout.speculative.drafter=""``).
+Each step runs both arms' ``Trainer.train_step`` one after the other, the first arm
+alternating (TLT first on steps 1, 3, ...), so drift of a shared machine cancels over
+pairs.
+
+The script starts ``torchrun --nproc_per_node 2`` (2 DP replicas, gloo, one thread per
+process) on itself with ``--worker``. Every rank builds both arms: two megatron-core
+models loaded from the same source, two optimizers, two rollout engines, one parallel
+state (SmolLM2-135M fp32 + Adam + the CPU kernels' weight copies: ~4 GB per rank built,
+~8.5 GB peak with the update's activations). No tracking (no W&B).
+
+``--sampling-mode`` (default both: coupled, then standard, each from fresh weights):
+``rollout.sampling_mode`` for both arms. Coupled sampling makes a response the same
+token for token whether speculation is on, so the two arms see the same responses
+(their trajectories coincide up to floating-point near-ties); standard sampling gives
+the same distribution, not the same samples.
+
+Reported per step and overall (medians of per-step ratios, with min and max):
+rollout time (the last replica's finish: generation + scoring, ``timeline``), step time
+(slowest rank), ``rollout_fraction`` f (rollout / step of the ``off`` arm),
+``rollout_speedup`` s (``off`` rollout / ``tlt`` rollout), ``step_speedup``, the Amdahl
+bound 1 / ((1 - f) + f / s) (the step speedup a rollout speedup s can give when the
+rest of the step is unchanged), tail (last replica finish - first), idle
+replica-seconds, acceptance length (the engine's spec summary), and whether the arms
+agree: fraction of responses token-identical across arms (``coupled_identical``), of
+rewards equal, the largest |parameter difference| between the arms after each step,
+and the mean reward difference tlt - off paired over (step, prompt) with a 95 %
+interval. ``--drafter off`` runs both arms without speculation (an A/A run: the noise
+floor of the ratios; the arms must agree exactly).
+
+JSON (``--json``): ``benchmark``, ``config`` (recipe, sizes, seed, drafter, versions,
+CPU model and instruction set), ``results`` (one row per mode and step) and ``modes``
+with, per sampling mode, ``rollout_speedup``, ``step_speedup``, ``amdahl_bound``,
+``rollout_fraction``, ``coupled_identical``, ``reward_delta`` and the per-step rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
+ARMS = ("tlt", "off")
+QUICK = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=512)
+FULL = dict(steps=6, prompts_per_step=4, group_size=8, max_new_tokens=512)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--sampling-mode", choices=("coupled", "standard", "both"),
+                    default="both", help="rollout.sampling_mode of both arms (both: "
+                    "coupled, then standard)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"GRPO steps per mode (default {FULL['steps']}; --quick "
+                         f"{QUICK['steps']})")
+    ap.add_argument("--prompts-per-step", type=int, default=None,
+                    help=f"grpo.prompts_per_step (default {FULL['prompts_per_step']}; "
+                         f"--quick {QUICK['prompts_per_step']})")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help=f"grpo.group_size (default {FULL['group_size']}; --quick "
+                         f"{QUICK['group_size']})")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"grpo.max_new_tokens, the response cap (default "
+                         f"{FULL['max_new_tokens']})")
+    ap.add_argument("--seed", type=int, default=1234,
+                    help="platform.seed (sampling) and data.seed (the prompt set)")
+    ap.add_argument("--task", default=None,
+                    help="reasoning-gym task (default: the recipe's, chain_sum)")
+    ap.add_argument("--task-params", default=None,
+                    help="JSON object of task parameters (default: the recipe's for its "
+                         "own task, the task's preset for another task)")
+    ap.add_argument("--drafter", default=None,
+                    help="drafter checkpoint for the tlt arm (default: the demo's, "
+                         "tools/demo.py, warmed up if absent); 'random': an untrained "
+                         "drafter of the target's shape (seeded; a drafter that loses); "
+                         "'off': no drafter in either arm (A/A)")
+    ap.add_argument("--config", default=str(RECIPE), help="base recipe (YAML)")
+    ap.add_argument("--nproc", type=int, default=2, help="DP replicas (processes)")
+    ap.add_argument("--warmup-tokens", type=int, default=16,
+                    help="before the first step of a mode, each arm's engine generates "
+                         "this many tokens for one prompt (kernels, caches; 0 = none)")
+    ap.add_argument("--strict", action="store_true",
+                    help="fail when coupled mode gives responses that differ across arms")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{QUICK['steps']} steps of {QUICK['prompts_per_step']} prompts x "
+                         f"{QUICK['group_size']}, cap {QUICK['max_new_tokens']} (explicit "
+                         f"flags win)")
+    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", metavar="section.field=value",
+                    help="config overrides applied to both arms (after the flags above)")
+    return ap
+
+
+def resolve_sizes(args) -> None:
+    base = QUICK if args.quick else FULL
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+# --------------------------------------------------------------------------- statistics
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+         2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
+         2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """Student's t 97.5 % quantile (two-sided 95 %); 1.96 + 2.37/df above 30 (within
+    0.002 of the exact value)."""
+    if df < 1:
+        return float("nan")
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.37 / df
+
+
+def mean_ci95(values) -> dict:
+    """Mean and 95 % interval (Student's t) of paired differences."""
+    v = [float(x) for x in values]
+    n = len(v)
+    if n == 0:
+        return {"mean": None, "ci95": [None, None], "pairs": 0}
+    m = sum(v) / n
+    if n == 1:
+        return {"mean": m, "ci95": [None, None], "pairs": 1}
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1))
+    h = t975(n - 1) * sd / math.sqrt(n)
+    return {"mean": m, "ci95": [m - h, m + h], "pairs": n}
+
+
+def amdahl(f: float, s: float) -> float:
+    """Step speedup when a fraction f of the step runs s times faster."""
+    return 1.0 / ((1.0 - f) + f / s)
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
+
+
+def step_row(step: int, first: str, arms: dict, agree: dict) -> dict:
+    """One step of one mode: both arms' numbers and the ratios between them."""
+    off, tlt = arms["off"], arms["tlt"]
+    f = off["rollout"] / off["step"]
+    s = off["rollout"] / tlt["rollout"]
+    return dict(step=step, first=first, arms=arms, rollout_fraction=f, rollout_speedup=s,
+                step_speedup=off["step"] / tlt["step"], amdahl_bound=amdahl(f, s),
+                accept_len=tlt.get("accept_len"), **agree)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """A mode's summary from its step rows (medians of per-step ratios)."""
+    out = {}
+    for key in ("rollout_speedup", "step_speedup", "rollout_fraction"):
+        m, lo, hi = _med([r[key] for r in rows])
+        out[key], out[key + "_min"], out[key + "_max"] = m, lo, hi
+    tot = {a: {k: sum(r["arms"][a][k] for r in rows) for k in ("rollout", "step")}
+           for a in ARMS}
+    out["rollout_speedup_total"] = tot["off"]["rollout"] / tot["tlt"]["rollout"]
+    out["step_speedup_total"] = tot["off"]["step"] / tot["tlt"]["step"]
+    out["amdahl_bound"] = amdahl(out["rollout_fraction"], out["rollout_speedup"])
+    n = sum(r["responses"] for r in rows)
+    out["coupled_identical"] = sum(r["identical"] for r in rows) / n if n else None
+    out["rewards_identical"] = sum(r["rewards_equal"] for r in rows) / n if n else None
+    out["reward_delta"] = mean_ci95([d for r in rows for d in r["reward_deltas"]])
+    out["max_param_delta"] = max(r["max_param_delta"] for r in rows)
+    out["weights_identical"] = out["max_param_delta"] == 0.0
+    # steps whose update moved both arms' weights (all groups with equal rewards: no
+    # gradient, and equal weights say nothing)
+    out["steps_with_update"] = sum(all(r["arms"][a]["param_moved"] > 0 for a in ARMS)
+                                   for r in rows)
+    acc = [r["accept_len"] for r in rows if r["accept_len"] is not None]
+    on = [r["arms"]["tlt"].get("spec_on_fraction") for r in rows]
+    out["acceptance"] = dict(
+        accept_len=statistics.mean(acc) if acc else None,
+        on_fraction=statistics.mean(x for x in on if x is not None)
+        if any(x is not None for x in on) else None,
+        per_step=acc)
+    for key in ("tail", "idle_replica_seconds", "rollout", "step", "generated_tokens"):
+        out[key] = {a: statistics.mean(r["arms"][a][key] for r in rows) for a in ARMS}
+    out["reward_mean"] = {a: statistics.mean(r["arms"][a]["reward"] for r in rows)
+                          for a in ARMS}
+    out["steps"] = rows
+    return out
+
+
+# --------------------------------------------------------------------------- the worker
+class Arm:
+    """One arm on this rank: a Trainer on its own model instance, and what its idle
+    window hook saw of the step's responses."""
+
+    def __init__(self, name: str, cfg, session, model):
+        from megatron_tlt.rl.trainer import Trainer
+
+        self.name = name
+        self.cfg = cfg
+        self.model = model
+        self.trainer = Trainer(cfg, replace(session, model=model), tracker=None)
+        self.seen: list = []
+        self.trainer.idle_window_hooks.append(self._capture)
+
+    def _capture(self, step: int, roll) -> None:
+        """(prompt index, place in its group, response tokens, reward) of every sample
+        of this replica, after scoring."""
+        place: dict[int, int] = {}
+        seen = []
+        for s in roll.samples:
+            j = place.get(s.prompt_index, 0)
+            place[s.prompt_index] = j + 1
+            seen.append((s.prompt_index, j, list(s.response_ids), float(s.reward)))
+        self.seen = seen
+
+    def warm_up(self, tokens: int) -> None:
+        """Kernels, caches and weight copies of the engine, outside the timed steps."""
+        t = self.trainer
+        if tokens <= 0 or t.engine is None:
+            return
+        from megatron_tlt.rollout import SamplingParams
+
+        t.engine.generate([t.train_prompts[0].token_ids],
+                          SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=7))
+
+    def probe(self):
+        """A small parameter (the last one) to tell whether a step moved the weights."""
+        return list(self.model.parameters())[-1].detach().clone()
+
+
+def max_param_delta(model_a, model_b) -> float:
+    """max |a - b| over every parameter of two models of the same structure (which
+    must not share storage: that would make the comparison vacuous)."""
+    import torch
+
+    worst = 0.0
+    pa, pb = list(model_a.parameters()), list(model_b.parameters())
+    if len(pa) != len(pb):
+        raise RuntimeError("the two arms' models differ in structure")
+    with torch.no_grad():
+        for a, b in zip(pa, pb):
+            if a.data_ptr() == b.data_ptr():
+                raise RuntimeError("the two arms share a parameter tensor")
+            worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def compare_responses(parts_tlt: list, parts_off: list, step: int) -> dict:
+    """Pair the arms' samples by (prompt, place in its group) over all replicas."""
+    a = {(p, j): (r, w) for part in parts_tlt for p, j, r, w in part}
+    b = {(p, j): (r, w) for part in parts_off for p, j, r, w in part}
+    if set(a) != set(b):
+        raise RuntimeError(f"step {step}: the arms generated for different prompts")
+    keys = sorted(a)
+    identical = sum(a[k][0] == b[k][0] for k in keys)
+    rewards_equal = sum(a[k][1] == b[k][1] for k in keys)
+    per_prompt: dict[int, list[float]] = {}
+    for k in keys:
+        per_prompt.setdefault(k[0], []).append(a[k][1] - b[k][1])
+    deltas = [sum(v) / len(v) for _, v in sorted(per_prompt.items())]
+    first_split = None
+    for k in keys:
+        ra, rb = a[k][0], b[k][0]
+        if ra != rb:
+            pos = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y),
+                       min(len(ra), len(rb)))
+            first_split = dict(prompt=k[0], sample=k[1], position=pos)
+            break
+    return dict(responses=len(keys), identical=identical, rewards_equal=rewards_equal,
+                reward_deltas=deltas, first_split=first_split)
+
+
+def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
+    t = metrics["timing"]
+    finish = metrics["timeline"]["replica_finish"]
+    spec = metrics.get("spec")
+    return dict(
+        rollout=max(finish), step=step_time, tail=t["tail"],
+        idle_replica_seconds=metrics["idle_replica_seconds"],
+        replica_finish=finish, update=t["update"], old_logprob=t["old_logprob"],
+        reward_seconds=t["reward"],
+        generated_tokens=sum(len(r) for part in seen_parts for _, _, r, _ in part),
+        reward=metrics["reward/mean"], accuracy=metrics["accuracy"],
+        response_length_mean=metrics["response_length/mean"],
+        response_length_max=metrics["response_length/max"],
+        truncated_fraction=metrics["truncated_fraction"],
+        groups_zero_std=metrics["groups_zero_std"], grad_norm=metrics["grad_norm"],
+        updates_skipped=metrics["updates_skipped"],
+        rollout_tokens_per_second=metrics["rollout_tokens_per_second"],
+        accept_len=spec["accept_len"] if spec and spec["steps"] else None,
+        spec_on_fraction=spec["on_fraction"] if spec else None,
+        spec_steps=spec["steps"] if spec else None,
+        spec_arms=spec["arms"] if spec else None)
+
+
+def attach_random_drafter(engine, seed: int) -> None:
+    """An untrained drafter of the target's shape (a 1,024-token draft vocabulary, as
+    the warmed ones), seeded, on the engine; its tuner as the config makes it."""
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+
+    d = EagleDrafter(DrafterConfig.for_target(engine.arch, draft_vocab_size=min(
+        1024, engine.arch.vocab_size)), engine.arch, dtype=engine.runner.dtype,
+        device=engine.device)
+    d.reset_parameters(seed=seed)
+    engine.attach_drafter(d)
+
+
+def make_config(args, mode: str):
+    from megatron_tlt.config import load_config
+
+    overrides = [f"grpo.prompts_per_step={args.prompts_per_step}",
+                 f"grpo.group_size={args.group_size}",
+                 f"grpo.max_new_tokens={args.max_new_tokens}",
+                 f"train.steps={args.steps}", f"platform.seed={args.seed}",
+                 f"data.seed={args.seed}",
+                 f"data.train_size={max(64, args.steps * args.prompts_per_step)}",
+                 "data.eval_size=0", "train.eval_interval=0",
+                 f"rollout.sampling_mode={mode}"]
+    if args.task:
+        overrides.append(f"data.task={args.task}")
+    cfg = load_config([args.config], overrides + list(args.overrides))
+    if args.task_params is not None:
+        cfg.data.task_params = json.loads(args.task_params)
+    elif args.task:
+        cfg.data.task_params = {}
+    return cfg
+
+
+def run_mode(args, mode: str, session, first_model, log) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_tlt.models import load_model
+    from megatron_tlt.platform import seed_everything
+
+    cfg = make_config(args, mode)
+    drafter = "" if args.drafter in ("off", "random") else str(args.drafter)
+    cfgs = {"tlt": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
+        cfg.rollout.speculative, drafter=drafter))),
+        "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
+            cfg.rollout.speculative, drafter="")))}
+    seed_everything(cfg.platform.seed)
+    arms = {}
+    for name in ARMS:
+        model = first_model.pop() if first_model else load_model(
+            session.source, device=session.platform.device, dtype=cfg.model.dtype,
+            impl=cfg.model.transformer_impl)[0]
+        arms[name] = Arm(name, cfgs[name], session, model)
+    if args.drafter == "random":
+        attach_random_drafter(arms["tlt"].trainer.engine, args.seed)
+    start = max_param_delta(arms["tlt"].model, arms["off"].model)
+    if start != 0.0:
+        raise RuntimeError(f"the arms start from different weights (max |diff| {start})")
+    for arm in arms.values():
+        arm.warm_up(args.warmup_tokens)
+    rss_built = _rss_gb()
+    dp_group = arms["off"].trainer.dp_group
+    rows = []
+    for step in range(args.steps):
+        order = ARMS if step % 2 == 0 else ARMS[::-1]
+        metrics, probes = {}, {}
+        for name in order:
+            arm = arms[name]
+            probes[name] = arm.probe()
+            metrics[name] = arm.trainer.train_step(step)
+            log(f"[bench_e2e] {mode} step {step + 1}/{args.steps} {name}: rollout "
+                f"{max(metrics[name]['timeline']['replica_finish']):.1f} s, step "
+                f"{metrics[name]['timing']['step']:.1f} s, reward "
+                f"{metrics[name]['reward/mean']:.3f}")
+        # what crosses ranks: step times (max), weight difference and motion (max),
+        # the responses (gathered over the replicas)
+        moved = {n: float((arms[n].probe() - probes[n]).abs().max()) for n in ARMS}
+        red = torch.tensor([metrics["tlt"]["timing"]["step"], metrics["off"]["timing"]["step"],
+                            max_param_delta(arms["tlt"].model, arms["off"].model),
+                            moved["tlt"], moved["off"]], dtype=torch.float64)
+        dist.all_reduce(red, op=dist.ReduceOp.MAX)
+        seen = {}
+        for n in ARMS:
+            parts = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(parts, arms[n].seen, group=dp_group)
+            seen[n] = parts
+        agree = compare_responses(seen["tlt"], seen["off"], step)
+        agree["max_param_delta"] = float(red[2])
+        numbers = {"tlt": arm_numbers(metrics["tlt"], float(red[0]), seen["tlt"]),
+                   "off": arm_numbers(metrics["off"], float(red[1]), seen["off"])}
+        numbers["tlt"]["param_moved"], numbers["off"]["param_moved"] = float(red[3]), float(red[4])
+        rows.append(step_row(step + 1, order[0], numbers, agree))
+    from bench_common import cpu_description
+
+    cpu = cpu_description(arms["tlt"].trainer.engine)
+    mem = torch.tensor([rss_built, _rss_gb(), _peak_rss_gb()], dtype=torch.float64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    del arms
+    gc.collect()
+    out = summarize(rows)
+    out["memory_gb"] = dict(zip(("rss_after_build", "rss_at_end", "peak_rss"),
+                                mem.tolist()), per="rank (the largest over ranks)")
+    out["cpu"] = cpu
+    return out
+
+
+def _rss_gb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def worker(args) -> int:
+    import megatron.core
+    import torch
+    import torch.distributed as dist
+
+    from megatron_tlt.launch import setup, shutdown
+    from megatron_tlt.platform import silence_expected_warnings
+
+    silence_expected_warnings()
+    modes = ["coupled", "standard"] if args.sampling_mode == "both" else [args.sampling_mode]
+    t0 = time.perf_counter()
+    session = setup(make_config(args, modes[0]))
+    rank = dist.get_rank()
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    first_model = [session.model]
+    session = replace(session, model=None)
+    results = {}
+    for mode in modes:
+        t_mode = time.perf_counter()
+        results[mode] = run_mode(args, mode, session, first_model, log)
+        results[mode]["wall_seconds"] = time.perf_counter() - t_mode
+        gc.collect()
+    cpu = next(iter(results.values())).pop("cpu")
+    for r in results.values():
+        r.pop("cpu", None)
+    cfg = make_config(args, modes[0])
+    result = {
+        "benchmark": "bench_e2e",
+        "date": date.today().isoformat(),
+        "config": dict(
+            model=session.source.name, model_path=str(session.source),
+            params=session.arch.num_parameters, dtype=cfg.model.dtype,
+            recipe=str(args.config), overrides=list(args.overrides),
+            task=cfg.data.task, task_params=cfg.data.task_params, steps=args.steps,
+            prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+            max_new_tokens=args.max_new_tokens, temperature=cfg.grpo.temperature,
+            seed=args.seed, sampling_modes=modes,
+            drafter=None if args.drafter == "off" else str(args.drafter),
+            aa_control=args.drafter == "off",
+            speculative=dict(threshold=cfg.rollout.speculative.threshold,
+                             policy=cfg.rollout.speculative.policy,
+                             arms=cfg.rollout.speculative.arms,
+                             break_even=cfg.rollout.speculative.break_even),
+            dp=session.layout.dp_size, tp=session.layout.tp_size,
+            threads_per_rank=torch.get_num_threads(), cpus=os.cpu_count(),
+            warmup_tokens=args.warmup_tokens, torch=torch.__version__,
+            megatron_core=megatron.core.__version__,
+            device=(torch.cuda.get_device_name() if session.platform.device.type == "cuda"
+                    else "cpu"), **cpu),
+        "results": [dict(mode=m, **{k: v for k, v in row.items()})
+                    for m, r in results.items() for row in r["steps"]],
+        "modes": results,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    failed = []
+    for m, r in results.items():
+        if m == "coupled" and r["coupled_identical"] != 1.0 and args.drafter != "off":
+            msg = (f"coupled mode: {r['coupled_identical']:.1%} of responses identical "
+                   f"across arms (expected all, up to floating-point near-ties)")
+            log(f"[bench_e2e] warning: {msg}")
+            if args.strict:
+                failed.append(msg)
+        if args.drafter == "off" and not (r["weights_identical"] and
+                                          r["coupled_identical"] == 1.0):
+            failed.append(f"{m}: A/A arms differ (max |dW| {r['max_param_delta']:.3g}, "
+                          f"identical {r['coupled_identical']:.1%})")
+    if rank == 0:
+        print(report(result), flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(_jsonable(result), indent=1))
+            print(f"[bench_e2e] wrote {args.json}", flush=True)
+    shutdown()
+    for msg in failed:
+        log(f"[bench_e2e] FAILED: {msg}")
+    return 1 if failed else 0
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+# --------------------------------------------------------------------------- the report
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def report(result: dict) -> str:
+    c = result["config"]
+    lines = [f"bench_e2e: {c['model']} on {c['task']}, {c['dp']} replicas x "
+             f"{c['threads_per_rank']} thread(s), {c['prompts_per_step']} prompts x "
+             f"{c['group_size']} per step, cap {c['max_new_tokens']}, seed {c['seed']}; "
+             f"drafter {c['drafter'] or 'off (A/A)'}; CPU {c.get('cpu')} "
+             f"({' '.join(c.get('cpu_isa_flags') or [])})"]
+    head = ("step first | rollout off  tlt     s | step off   tlt   x   |  f    Amdahl | "
+            "tail off tlt | idle off tlt | accept | ident  max|dW|")
+    for mode, r in result["modes"].items():
+        mem = r.get("memory_gb", {})
+        lines += ["", f"sampling mode {mode} ({r['wall_seconds'] / 60:.1f} min; per rank "
+                  f"{_f(mem.get('rss_after_build'), '{:.1f}')} GB with both arms built, "
+                  f"peak {_f(mem.get('peak_rss'), '{:.1f}')} GB)", head]
+        for row in r["steps"]:
+            a, b = row["arms"]["off"], row["arms"]["tlt"]
+            lines.append(
+                f"{row['step']:>4} {row['first']:>5} | {a['rollout']:>10.1f} "
+                f"{b['rollout']:>5.1f} {row['rollout_speedup']:>5.2f} | "
+                f"{a['step']:>7.1f} {b['step']:>5.1f} {row['step_speedup']:>5.2f} | "
+                f"{row['rollout_fraction']:.2f} {row['amdahl_bound']:>6.2f} | "
+                f"{a['tail']:>7.1f} {b['tail']:>4.1f} | "
+                f"{a['idle_replica_seconds']:>7.1f} {b['idle_replica_seconds']:>4.1f} | "
+                f"{_f(row['accept_len']):>6} | {row['identical']:>2}/{row['responses']:<3} "
+                f"{row['max_param_delta']:.1e}")
+        rd = r["reward_delta"]
+        ci = rd["ci95"]
+        lines += [
+            f"rollout speedup s {_f(r['rollout_speedup'])} [{_f(r['rollout_speedup_min'])}, "
+            f"{_f(r['rollout_speedup_max'])}] (total {_f(r['rollout_speedup_total'])}); "
+            f"step speedup {_f(r['step_speedup'])} [{_f(r['step_speedup_min'])}, "
+            f"{_f(r['step_speedup_max'])}] (total {_f(r['step_speedup_total'])})",
+            f"rollout fraction f {_f(r['rollout_fraction'])} [{_f(r['rollout_fraction_min'])}"
+            f", {_f(r['rollout_fraction_max'])}]; Amdahl bound 1/((1-f)+f/s) "
+            f"{_f(r['amdahl_bound'])}",
+            f"acceptance {_f(r['acceptance']['accept_len'])}, speculating in "
+            f"{_f(r['acceptance']['on_fraction'], '{:.0%}')} of decode steps; responses "
+            f"identical {_f(r['coupled_identical'], '{:.0%}')}, rewards equal "
+            f"{_f(r['rewards_identical'], '{:.0%}')}, max |dW| {r['max_param_delta']:.2e} "
+            f"(weights moved in {r['steps_with_update']}/{len(r['steps'])} steps)",
+            f"reward tlt - off {_f(rd['mean'], '{:+.3f}')} (95 % CI "
+            f"[{_f(ci[0], '{:+.3f}')}, {_f(ci[1], '{:+.3f}')}], {rd['pairs']} prompt pairs); "
+            f"mean reward off {r['reward_mean']['off']:.3f} tlt {r['reward_mean']['tlt']:.3f}",
+        ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- launcher
+def launch(args, argv: list[str]) -> int:
+    from megatron_tlt.config import ConfigError
+
+    t0 = time.perf_counter()
+    try:  # recipe, flags and overrides checked before anything starts
+        for mode in ("coupled", "standard"):
+            make_config(args, mode)
+        if args.task_params is not None and not isinstance(json.loads(args.task_params), dict):
+            raise ConfigError("--task-params must be a JSON object")
+    except (ConfigError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.drafter not in (None, "off", "random") and not Path(args.drafter).is_file():
+        print(f"error: no drafter checkpoint at {args.drafter}", file=sys.stderr)
+        return 2
+    extra = []
+    if args.drafter is None:
+        from demo import demo_drafter
+
+        extra = ["--drafter", str(demo_drafter())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(args.nproc), str(Path(__file__).resolve()), "--worker",
+           *extra, *argv]
+    print("[bench_e2e] " + " ".join(cmd[1:]), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
+    r = subprocess.run(cmd, env=env, cwd=REPO)
+    print(f"[bench_e2e] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    return r.returncode
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_intermixed_args(argv)
+    resolve_sizes(args)
+    if not args.worker:
+        return launch(args, argv)
+    if args.drafter is None:
+        raise SystemExit("--worker needs --drafter PATH, random or off")
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
