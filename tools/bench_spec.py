@@ -17,7 +17,8 @@ is cached. Training prompts use seed 0, the benchmark's prompts seed 1: held out
     that size (real responses, EOS ends them, cap --new-tokens): plain decoding, a
     fixed strategy per batch size, and the adaptive engine (the default policy:
     BEG-MAB with the break-even gate, one tuner per batch size kept across its runs,
-    as an engine keeps it across rollouts), interleaved; median ratios of tokens/s;
+    as an engine keeps it across rollouts), interleaved (the order of the three
+    alternating from group to group); median ratios of tokens/s;
 (b) a long-tail batch: 32 prompts, real response lengths (EOS ends a response, cap
     --tail-tokens), the adaptive engine (speculation below the threshold, default
     policy) vs plain decoding, one tuner across the pairs.
@@ -305,22 +306,25 @@ def main(argv=None) -> int:
             modes.run(mode, groups[0], warm, fixed_cfg)
         runs = {m: [] for m in ("plain", "fixed", "adaptive")}
         accept, checks, adaptive_checks, decisions = [], [], [], []
-        for _ in range(args.pairs):
+        for pair in range(args.pairs):
             tot = {m: [0.0, 0] for m in runs}
             acc_rows, acc_sum = 0, 0
-            for g in groups:
-                t, ref, _ = modes.run("plain", g, sp)
-                tot["plain"][0] += t
-                tot["plain"][1] += sum(map(len, ref))
-                t, got, st = modes.run("fixed", g, sp, fixed_cfg)
-                tot["fixed"][0] += t
-                tot["fixed"][1] += sum(map(len, got))
+            for gi, g in enumerate(groups):
+                # the order alternates (plain first, then last), so a drift of the
+                # machine within a group's three runs does not favour one mode
+                order = ("plain", "fixed", "adaptive") if (pair + gi) % 2 == 0 else \
+                    ("adaptive", "fixed", "plain")
+                out = {}
+                for m in order:
+                    out[m] = modes.run(m, g, sp, fixed_cfg)
+                    tot[m][0] += out[m][0]
+                    tot[m][1] += sum(map(len, out[m][1]))
+                ref = out["plain"][1]
+                _, got, st = out["fixed"]
                 checks.append(check(g, got, ref))
                 acc_rows += st.spec.rows
                 acc_sum += st.spec.emitted
-                t, got, st = modes.run("adaptive", g, sp)
-                tot["adaptive"][0] += t
-                tot["adaptive"][1] += sum(map(len, got))
+                _, got, st = out["adaptive"]
                 adaptive_checks.append(check(g, got, ref))
                 decisions.append(tuned_summary(st))
             for m, (sec, tok) in tot.items():
@@ -365,9 +369,13 @@ def main(argv=None) -> int:
     modes.adaptive_cfg = cfg
     modes.new_tuner()  # one tuner across the pairs: it keeps learning
     tail = []
-    for _ in range(args.tail_pairs):
-        tp, ref, pst = modes.run("plain", tail_prompts, tsp)
-        ts, got, st = modes.run("adaptive", tail_prompts, tsp)
+    for pair in range(args.tail_pairs):
+        if pair % 2 == 0:  # alternating order, as above
+            tp, ref, pst = modes.run("plain", tail_prompts, tsp)
+            ts, got, st = modes.run("adaptive", tail_prompts, tsp)
+        else:
+            ts, got, st = modes.run("adaptive", tail_prompts, tsp)
+            tp, ref, pst = modes.run("plain", tail_prompts, tsp)
         c = check(tail_prompts, got, ref)
         ratio = rate_ratio(sum(map(len, got)), ts, sum(map(len, ref)), tp)
         tail.append(dict(plain_s=tp, adaptive_s=ts, ratio=ratio,

@@ -30,8 +30,8 @@ its own recent mean for trees) over its relative step time. Speculative steps ar
 charged what they lose against plain steps for the same expected tokens (never below
 zero, decayed over ``budget_horizon`` steps); while that exceeds ``probe_budget`` of
 the bucket's recent decode time the bucket decodes plainly ("declined"). Where the
-best estimate is at least 1 the bandit picks the arm; below 1 each speculative step
-is a probe (an arm not measured yet, else the closest one), its allowance halving
+best estimate reaches ``PAYS_FROM`` (1.05; then as long as it stays at least 1) the
+bandit picks the arm; otherwise each speculative step is a probe (an arm not measured yet, else the closest one), its allowance halving
 after each probe that confirms the loss (down to ``2**-MAX_BACKOFF``), and a losing
 probe is charged its catch-up too. A winning probe costs nothing, so a retrained
 drafter is picked up at the next probe; a weak one costs at most the budget. While
@@ -68,6 +68,9 @@ STALE_BELOW = 0.9  # a speculating bucket whose estimate falls below this went s
 MAX_BACKOFF = 3  # probes of a losing drafter get down to 1/8 of the budget ...
 MIN_EVIDENCE = 4  # ... once its best arm was measured this many times, or at once
 CLEAR_LOSS = 0.75  # when even the best arm's estimate is below this
+PAYS_FROM = 1.05  # a bucket starts speculating when the best estimate reaches this, and
+# keeps on while it stays at or above 1 (hysteresis: near break-even the estimate's
+# noise and the catch-ups of switching back and forth would lose more than it gains)
 MIN_HORIZON = 100  # plain steps: the least decode time the budget is a share of
 ACCEPT_HORIZON = 16  # sequence-steps over which the acceptance profile is averaged
 
@@ -553,7 +556,7 @@ class StrategyTuner:
         if self._plain_count(b) < MIN_PLAIN:  # measure plain decoding here first
             return Decision(b, OFF, True)
         best = self._best_speedup(b)
-        pays = best is not None and best[1] >= 1.0
+        pays = best is not None and best[1] >= (1.0 if gate.paying else PAYS_FROM)
         if gate.paying and best is not None and best[1] < STALE_BELOW:
             # the drafter went stale (not just a dip near break-even): probes start
             # over from the least allowance, as on a bucket's first probe
