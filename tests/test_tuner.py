@@ -567,6 +567,51 @@ def test_gate_reference_survives_an_outlier_and_switch_costs_charge_losing_probe
     assert t3.choose(1) == OFF and t3.last_decision.declined
 
 
+def test_probe_whose_catch_up_exceeds_the_budget_is_declined():
+    """A probe late in long responses would feed the drafter every position it missed;
+    the engine asks ``probe_affordable`` first and runs the step plainly when the
+    estimated catch-up (a prior, then the measured seconds per position) does not fit
+    in the bucket's remaining allowance. Speculation that pays is never held back."""
+    t = gated(arms=(CHAIN4,))
+    for _ in range(3):
+        t.choose(1)
+        t.update(1, OFF, 1, 1.0)
+    assert t.choose(1) == CHAIN4 and t.last_decision.probe
+    assert t.probe_affordable(1, 10_000)  # the first catch-up is measured, whatever it costs
+    # 0.4 s over 400 positions = 1 ms each; the losing probe is charged 0.4 + 0.4 s
+    t.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.4, switch_positions=400)
+    assert t._catchup == pytest.approx(0.001)
+    for _ in range(400):  # plain steps until the allowance (1 % of the decode time) is back
+        if t.choose(1) != OFF:
+            break
+        t.update(1, OFF, 1, 1.0)
+    for _ in range(100):  # more decode time: a larger allowance left
+        t.update(1, OFF, 1, 1.0)
+    assert t.choose(1) == CHAIN4 and t.last_decision.probe
+    g = t._gates[0]
+    left = 0.01 * max(g.elapsed, 100 * t.plain_seconds(1)) / 2 ** g.backoff - g.lost
+    assert left > 0.01
+    assert t.probe_affordable(1, int(0.5 * left / 0.001))
+    assert not t.probe_affordable(1, int(2 * left / 0.001) + 10)
+    assert t.decline_probe() == OFF and t.last_decision.declined
+    probes = t._gates[0].probes
+    t.update(1, OFF, 1, 1.0)
+    assert t._gates[0].probes == probes  # counted as a declined (plain) step
+    state = t.state_dict()
+    t2 = gated(arms=(CHAIN4,))
+    t2.load_state_dict(json.loads(json.dumps(state)))
+    assert t2._catchup == pytest.approx(0.001)
+    # not a probe (a paying arm, or a plain step): always affordable
+    good = gated(arms=(CHAIN4,))
+    for _ in range(3):
+        good.choose(1)
+        good.update(1, OFF, 1, 1.0)
+    good.choose(1)
+    good.update(1, CHAIN4, 5, 1.2, accepted_drafts=[4])  # 4.2x
+    assert good.choose(1) == CHAIN4 and not good.last_decision.probe
+    assert good.probe_affordable(1, 10_000)
+
+
 def test_gate_state_round_trip(tmp_path):
     t = gated(probe_budget=0.05, seed=4)
     simulate(t, 300, drafter(0.5, step_cost=lambda a: 1.0 + 0.15 * a.depth))

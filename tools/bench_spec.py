@@ -389,6 +389,8 @@ def main(argv=None) -> int:
               f"speedup {ratio:.2f}  speculating in {st.spec_fraction:.0%} of steps, "
               f"declined {tail[-1]['declined_fraction']:.0%} of the tuned steps  "
               f"accept {st.spec.accept_len:.2f}  {ident}", flush=True)
+    if engine.spec is None:  # the last run was plain: the drafter is measured attached
+        engine.attach_drafter(drafter)
     cost = drafter_cost(engine)
     print(f"drafter forward {cost['drafter'] * 1e3:.2f} ms vs target decode step "
           f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)

@@ -297,19 +297,27 @@ class RolloutEngine:
             tuned = spec is not None and b <= threshold
             strategy = self.tuner.choose(b) if tuned else None
             decision = self.tuner.last_decision if tuned else None
+            if (decision is not None and decision.probe and not strategy.is_off
+                    and not self.tuner.probe_affordable(b, spec.pending(rows))):
+                # a probe whose drafter catch-up would exceed the probe budget
+                strategy = self.tuner.decline_probe()
+                decision = self.tuner.last_decision
             probe = decision is not None and decision.probe
             label = self.tuner.bucket_label(self.tuner.bucket_of(b)) if tuned else ""
             if strategy is not None and not strategy.is_off:
                 # what the drafter missed (plain steps, new rows) is fed first and timed
                 # apart: a switching cost, not a property of the strategy
                 t1 = time.perf_counter()
-                switch = time.perf_counter() - t1 if spec.catch_up(rows, stats.spec) else 0.0
+                fed = spec.catch_up(rows, stats.spec)
+                switch = time.perf_counter() - t1 if fed else 0.0
                 emitted, accepted = self._spec_step(cache, rows, strategy, hidden_buf, stats,
                                                     label)
                 seconds = time.perf_counter() - t0
+                seconds, switch = self._tp_times(seconds, switch)
                 # the step's time measured like a plain step's, the switching cost apart
                 self.tuner.update(b, strategy, emitted, seconds - switch,
-                                  accepted_drafts=accepted, switch_seconds=switch)
+                                  accepted_drafts=accepted, switch_seconds=switch,
+                                  switch_positions=fed)
                 stats.spec.record_tuned(label, declined=False, probe=probe, rows=b,
                                         tokens=emitted, seconds=seconds)
                 stats.decode_steps += 1
@@ -335,6 +343,8 @@ class RolloutEngine:
             stats.decode_steps += 1
             seconds = time.perf_counter() - t0
             stats.decode_seconds += seconds
+            if spec is not None:  # TP ranks feed their tuners the same times (rank 0's),
+                seconds = self._tp_times(seconds)[0]  # so they decide alike
             if strategy is not None:  # the tuner chose not to speculate: reward it too
                 self.tuner.update(b, strategy, b, seconds)
                 stats.spec.arms[strategy.name] = stats.spec.arms.get(strategy.name, 0) + 1
@@ -478,6 +488,14 @@ class RolloutEngine:
             dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
                            group=self.runner.tp_group)
         return tensor
+
+    def _tp_times(self, *values: float) -> list[float]:
+        """``values`` as TP rank 0 measured them, on every TP rank: the tuner's
+        decisions follow measured times, and TP ranks must take the same ones."""
+        if self.runner.tp_group is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self._from_tp_rank0(t).tolist()
 
     def _generators(self, plist: Sequence[SamplingParams],
                     request_seeds: Optional[Sequence[int]] = None):

@@ -397,6 +397,7 @@ class StrategyTuner:
         self._gates = [_Gate(gate_window) for _ in range(n)]
         self._reach: list[list[float]] = []  # per draft position j: [accepted, drafted]
         self._overall = [0.0, 0.0]  # decode seconds and lost seconds over all buckets
+        self._catchup: Optional[float] = None  # drafter catch-up seconds per position
         self.last_decision: Optional[Decision] = None  # of the latest ``choose``
 
     # ----------------------------------------------------------------- buckets
@@ -602,6 +603,34 @@ class StrategyTuner:
                     return False
         return True
 
+    def probe_affordable(self, batch_size: int, positions: int) -> bool:
+        """Whether the probe just chosen may pay the drafter's catch-up over
+        ``positions`` missed positions: its estimated cost (seconds per position, as
+        measured by earlier catch-ups; the tuner's first catch-up is let through to
+        measure it) must fit in what is left of the bucket's probe allowance. A probe
+        late in long responses would otherwise cost far more than the budget (the whole
+        history of every row goes through the drafter). Speculation that pays, and
+        anything that is not a probe, is always affordable (its catch-up is an
+        investment)."""
+        d = self.last_decision
+        if d is None or not d.probe or d.strategy.is_off or positions <= 0 \
+                or not self._gated(d.bucket):
+            return True
+        plain = self.plain_seconds(batch_size)
+        per = self._catchup
+        if per is None:  # the tuner's first catch-up: it measures what the next ones cost
+            return True
+        gate = self._gates[d.bucket]
+        horizon = max(gate.elapsed, MIN_HORIZON * (plain or 0.0))
+        allowance = self.probe_budget * horizon / 2 ** gate.backoff
+        return positions * per <= allowance - gate.lost
+
+    def decline_probe(self) -> Strategy:
+        """Turn the probe just chosen into a declined (plain) step; returns ``0_0_0``."""
+        d = self.last_decision
+        self.last_decision = Decision(d.bucket if d is not None else 0, OFF, True)
+        return OFF
+
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """A plain step the tuner did not choose (above the speculation threshold): its
         time is kept, as the break-even reference at that batch size, and counts in the
@@ -693,14 +722,16 @@ class StrategyTuner:
     # ---------------------------------------------------------------- updates
     def update(self, batch_size: int, strategy: Strategy, accepted_tokens: int,
                seconds: float, accepted_drafts: Optional[Sequence[int]] = None,
-               switch_seconds: float = 0.0) -> None:
+               switch_seconds: float = 0.0, switch_positions: int = 0) -> None:
         """Record ``accepted_tokens / seconds`` for ``strategy`` in the batch's bucket.
 
         ``accepted_drafts``: per sequence, how many of its draft tokens were accepted (a
         chain step's; it feeds the break-even gate's acceptance profile).
         ``switch_seconds``: the drafter's catch-up before this step (positions it missed
         while the rows decoded plainly), not in ``seconds``: the gate charges it to a
-        probe that finds speculation losing, and to nothing else.
+        probe that finds speculation losing, and to nothing else; with
+        ``switch_positions`` (the positions it fed) it also updates the per-position
+        catch-up cost ``probe_affordable`` estimates with.
 
         Steps with ``seconds <= 0`` (or a non-finite reward) are ignored entirely.
         """
@@ -721,6 +752,9 @@ class StrategyTuner:
             window = self._windows[b][name] = deque(maxlen=self.window)
         window.append(float(reward))
         self._pulls[b][name] = self._pulls[b].get(name, 0) + 1
+        if switch_positions > 0 and switch_seconds > 0 and math.isfinite(switch_seconds):
+            per = float(switch_seconds) / int(switch_positions)
+            self._catchup = per if self._catchup is None else 0.7 * self._catchup + 0.3 * per
         if self._gated(b):
             if accepted_drafts is not None and strategy.is_chain and not strategy.is_off:
                 self._record_acceptance(strategy, accepted_drafts)
@@ -802,7 +836,7 @@ class StrategyTuner:
             "gate": {"plain": {str(s): list(d) for s, d in sorted(self._plain.items())},
                      "buckets": [g.state() for g in self._gates],
                      "reach": [list(r) for r in self._reach],
-                     "overall": list(self._overall)},
+                     "overall": list(self._overall), "catchup": self._catchup},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -844,6 +878,7 @@ class StrategyTuner:
         gates = [_Gate(self.gate_window) for _ in range(n)]
         reach: list[list[float]] = []
         overall = [0.0, 0.0]
+        catchup = None
         if "gate" in state:
             try:
                 g = state["gate"]
@@ -851,6 +886,7 @@ class StrategyTuner:
                          for s, d in g["plain"].items()}
                 reach = [[float(a), float(d)] for a, d in g["reach"]]
                 overall = [float(x) for x in g["overall"]]
+                catchup = None if g.get("catchup") is None else float(g["catchup"])
                 if len(g["buckets"]) != n:
                     raise ValueError(f"{len(g['buckets'])} buckets, expected {n}")
                 for gate, gs in zip(gates, g["buckets"]):
@@ -862,6 +898,7 @@ class StrategyTuner:
         self._pulls = [{name: int(c) for name, c in per.items()} for per in pulls]
         self._rng = new_rng
         self._plain, self._gates, self._reach, self._overall = plain, gates, reach, overall
+        self._catchup = catchup
         self.last_decision = None
 
     def save(self, path: Union[str, os.PathLike]) -> None:
