@@ -30,16 +30,21 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _jsonable(v: Any):
+def jsonable(v: Any):
+    """``v`` with non-finite floats as None, tensors / numpy scalars as numbers and
+    dict keys as strings, so ``json.dumps`` writes strict JSON."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if hasattr(v, "item"):
-        return _jsonable(v.item())
+        return jsonable(v.item())
     return v
+
+
+_jsonable = jsonable
 
 
 class Tracker:

@@ -504,25 +504,17 @@ def worker(args) -> int:
             failed.append(f"{m}: A/A arms differ (max |dW| {r['max_param_delta']:.3g}, "
                           f"identical {r['coupled_identical']:.1%})")
     if rank == 0:
+        from megatron_tlt.tracking import jsonable
+
         print(report(result), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(_jsonable(result), indent=1))
+            Path(args.json).write_text(json.dumps(jsonable(result), indent=1))
             print(f"[bench_e2e] wrote {args.json}", flush=True)
     shutdown()
     for msg in failed:
         log(f"[bench_e2e] FAILED: {msg}")
     return 1 if failed else 0
-
-
-def _jsonable(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return v
 
 
 # --------------------------------------------------------------------------- the report
