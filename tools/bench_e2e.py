@@ -54,7 +54,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -585,20 +584,11 @@ def launch(args, argv: list[str]) -> int:
     if args.drafter not in (None, "off", "random") and not Path(args.drafter).is_file():
         print(f"error: no drafter checkpoint at {args.drafter}", file=sys.stderr)
         return 2
-    extra = []
-    if args.drafter is None:
-        from demo import demo_drafter
+    from demo import demo_drafter, torchrun
 
-        extra = ["--drafter", str(demo_drafter())]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(args.nproc), str(Path(__file__).resolve()), "--worker",
-           *extra, *argv]
-    print("[bench_e2e] " + " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
-    r = subprocess.run(cmd, env=env, cwd=REPO)
-    print(f"[bench_e2e] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    return r.returncode
+    extra = ["--drafter", demo_drafter()] if args.drafter is None else []
+    return torchrun("bench_e2e", args.nproc, Path(__file__).resolve(),
+                    ["--worker", *extra, *argv], t0)
 
 
 def main(argv=None) -> int:

@@ -46,20 +46,27 @@ def demo_drafter() -> Path:
     return path
 
 
+def torchrun(tag: str, nproc: int, script, args, t0: float) -> int:
+    """``torchrun --standalone --nproc_per_node nproc script args`` from the repository
+    root, one thread per process unless OMP_NUM_THREADS says otherwise; prints the
+    command and the total time since ``t0``; returns the exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), str(script), *map(str, args)]
+    print(f"[{tag}] " + " ".join(cmd[1:]), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
+    r = subprocess.run(cmd, env=env, cwd=REPO)
+    print(f"[{tag}] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    return r.returncode
+
+
 def main(argv=None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     drafter = demo_drafter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", "2", str(REPO / "pretrain_rl_tlt.py"),
-           "--config", str(REPO / "examples" / "rl" / "smollm2_cpu.yaml"),
-           f"rollout.speculative.drafter={drafter}", *overrides]
-    print("[demo] " + " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
-    r = subprocess.run(cmd, env=env, cwd=REPO)
-    print(f"[demo] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    return r.returncode
+    return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
+                    ["--config", REPO / "examples" / "rl" / "smollm2_cpu.yaml",
+                     f"rollout.speculative.drafter={drafter}", *overrides], t0)
 
 
 if __name__ == "__main__":

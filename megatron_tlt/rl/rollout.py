@@ -17,7 +17,7 @@ import torch
 
 from ..rollout import SamplingParams
 from ..rollout.engine import RolloutOutput
-from ..rollout.sampling import request_seed, seeded_generator
+from ..rollout.sampling import own_seed, request_seed, seeded_generator
 from .samples import Sample
 
 
@@ -89,10 +89,12 @@ def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     pp_group = ps.get_pipeline_model_parallel_group()
     last = ps.get_pipeline_model_parallel_last_rank()
     eos = set(int(t) for t in eos_token_ids)
+    seed = params.seed
+    if seed is None and request_seeds is None and not params.greedy:
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # a fresh draw, as the engine's
     outs = []
     for i, prompt in enumerate(prompts):
-        rs = request_seed(params.seed if params.seed is not None else 0, i) \
-            if request_seeds is None else int(request_seeds[i]) % (2**63 - 1)
+        rs = None if params.greedy else own_seed(seed, i, request_seeds)
         coupled = sampling_mode == "coupled" and not params.greedy
         gen = None if params.greedy or coupled else seeded_generator(rs, device)
         seq = list(prompt)

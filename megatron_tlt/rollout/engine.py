@@ -32,7 +32,7 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .forward import ModelRunner
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens, request_seed, seeded_generator
+from .sampling import SamplingParams, choose_tokens, own_seed, seeded_generator
 from .speculative import SpecStats
 
 
@@ -509,15 +509,12 @@ class RolloutEngine:
                 gens.append(None)
                 keys.append(None)
                 continue
-            if request_seeds is not None:
-                rs = int(request_seeds[i]) % (2**63 - 1)
-            else:
-                seed = sp.seed
-                if seed is None:
-                    if drawn is None:
-                        drawn = self._shared_seed()
-                    seed = drawn
-                rs = request_seed(seed, i)
+            seed = sp.seed
+            if seed is None and request_seeds is None:
+                if drawn is None:
+                    drawn = self._shared_seed()
+                seed = drawn
+            rs = own_seed(seed, i, request_seeds)
             if self.coupled:
                 gens.append(None)
                 keys.append(rs)

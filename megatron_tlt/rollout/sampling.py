@@ -127,6 +127,15 @@ def request_seed(seed: int, index: int) -> int:
     return (int(seed) * 1_000_003 + int(index)) % (2**63 - 1)
 
 
+def own_seed(seed: Optional[int], index: int,
+             request_seeds: Optional[Sequence[int]] = None) -> int:
+    """Request ``index``'s seed: the caller's ``request_seeds[index]`` when given, else
+    ``request_seed(seed, index)``."""
+    if request_seeds is not None:
+        return int(request_seeds[index]) % (2**63 - 1)
+    return request_seed(seed, index)
+
+
 # ----------------------------------------------------------------- coupled sampling noise
 _M32 = 0xFFFFFFFF
 
@@ -177,8 +186,9 @@ def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
-                   device) -> torch.Tensor:
-    """Gumbel noise g[i, v] for (keys[i], positions[i], v), [n, vocab] float32.
+                   device, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gumbel noise g[i, v] for (keys[i], positions[i], v), [n, vocab] float32
+    (``token_ids``: only those tokens' columns, [n, len(token_ids)]).
 
     U = (h + 1/2) / 2**32 with h a 32-bit hash of (key, position, token id) computed in
     integers, E = -log U in float64 (the tail of small E, where g is large and decides
@@ -187,10 +197,13 @@ def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
     (a near-tie, like the logits' own device differences). Gumbel-max: argmax(log p + g)
     is distributed as p."""
     device = torch.device(device)
+    table = _token_hash(vocab, device)
+    if token_ids is not None:
+        table = table[token_ids]
     if not len(keys):
-        return torch.zeros(0, vocab, dtype=torch.float32, device=device)
+        return torch.zeros(0, table.shape[0], dtype=torch.float32, device=device)
     salt = torch.tensor(_salts(keys, positions), dtype=torch.int64, device=device)
-    h = _fmix32_t(_token_hash(vocab, device)[None, :] ^ salt[:, None])
+    h = _fmix32_t(table[None, :] ^ salt[:, None])
     e = -torch.log((h.double() + 0.5) * (1.0 / 4294967296.0))
     return -torch.log(e.float())
 

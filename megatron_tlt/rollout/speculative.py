@@ -543,9 +543,7 @@ class SpeculativeDecoder:
         dev = self.target.device
         g = coupled_gumbel([rows[i].key for i in idx],
                            [len(rows[i].tokens) + offset for i in idx],
-                           self.target.arch.vocab_size, dev)
-        if self.draft.d2t is not None:
-            g = g[:, self.draft.d2t]
+                           self.target.arch.vocab_size, dev, token_ids=self.draft.d2t)
         full = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32, device=dev)
         index = torch.tensor(idx, device=dev)
         full[index] = g
@@ -675,12 +673,8 @@ class SpeculativeDecoder:
             row_of, pos = self._ragged(counts, starts)
             self.draft.extend_chains(self.cache, row_of, pos, x)
         else:  # padded [B, T]: pad slots lie at or past each row's draft_len (invalid)
-            b, t_max = len(rows), max(counts)
-            xp = torch.zeros(b, t_max, x.shape[-1], dtype=x.dtype, device=dev)
-            off = 0
-            for i, c in enumerate(counts):
-                xp[i, :c] = x[off: off + c]
-                off += c
+            xp = self._padded(x, counts)
+            b, t_max = xp.shape[:2]
             start = torch.tensor(starts, dtype=torch.long, device=dev)
             self.draft.extend(self.cache, slice(0, b),
                               torch.zeros(b, t_max, dtype=torch.long, device=dev), start,
@@ -710,11 +704,7 @@ class SpeculativeDecoder:
             last = torch.tensor(counts, device=dev).cumsum(0) - 1
         else:  # padded [B, T]: pad slots lie beyond each row's valid range (the cache
             # has a full capacity of slack for them, see ``begin``)
-            xp = torch.zeros(b, t_max, x.shape[-1], dtype=x.dtype, device=dev)
-            off = 0
-            for i, c in enumerate(counts):
-                xp[i, :c] = x[off: off + c]
-                off += c
+            xp = self._padded(x, counts)
             start = torch.tensor(starts, dtype=torch.long, device=dev)
             out = self.draft.extend(self.cache, slice(0, b),
                                     torch.zeros(b, t_max, dtype=torch.long, device=dev),
@@ -722,6 +712,18 @@ class SpeculativeDecoder:
             last = torch.arange(b, device=dev) * t_max + torch.tensor(counts, device=dev) - 1
         root_h = out.index_select(0, last)
         return root_h, self.draft.draft_logits(root_h)
+
+    @staticmethod
+    def _padded(x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Rows' consecutive runs of ``x`` [sum(counts), H] as [B, max(counts), H],
+        zero-padded at the end of each row."""
+        xp = torch.zeros(len(counts), max(counts), x.shape[-1], dtype=x.dtype,
+                         device=x.device)
+        off = 0
+        for i, c in enumerate(counts):
+            xp[i, :c] = x[off: off + c]
+            off += c
+        return xp
 
     def _ragged(self, counts: Sequence[int], starts: Sequence[int]):
         """Cache row and position of every pending query (``extend_chains``' layout)."""

@@ -567,8 +567,7 @@ class StrategyTuner:
         # recent decode time (at least MIN_HORIZON plain steps' worth, so one unlucky
         # step of a good drafter does not stop it); while the estimate says it loses,
         # probes back off
-        horizon = max(gate.elapsed, MIN_HORIZON * self.plain_seconds(batch_size))
-        allowance = self.probe_budget * horizon / (1 if pays else 2 ** gate.backoff)
+        horizon, allowance = self._allowance(gate, batch_size, pays)
         if gate.lost > allowance:
             return Decision(b, OFF, True)  # declined
         if not pays and self._overall[1] > self.probe_budget * max(
@@ -616,14 +615,18 @@ class StrategyTuner:
         if d is None or not d.probe or d.strategy.is_off or positions <= 0 \
                 or not self._gated(d.bucket):
             return True
-        plain = self.plain_seconds(batch_size)
-        per = self._catchup
-        if per is None:  # the tuner's first catch-up: it measures what the next ones cost
+        if self._catchup is None:  # the tuner's first catch-up: it measures the next ones
             return True
         gate = self._gates[d.bucket]
-        horizon = max(gate.elapsed, MIN_HORIZON * (plain or 0.0))
-        allowance = self.probe_budget * horizon / 2 ** gate.backoff
-        return positions * per <= allowance - gate.lost
+        _, allowance = self._allowance(gate, batch_size, pays=False)
+        return positions * self._catchup <= allowance - gate.lost
+
+    def _allowance(self, gate: _Gate, batch_size: int, pays: bool) -> tuple[float, float]:
+        """(horizon, allowance): the bucket's recent decode time, at least MIN_HORIZON
+        plain steps' worth, and the share of it speculation may lose (backing off while
+        it does not pay)."""
+        horizon = max(gate.elapsed, MIN_HORIZON * (self.plain_seconds(batch_size) or 0.0))
+        return horizon, self.probe_budget * horizon / (1 if pays else 2 ** gate.backoff)
 
     def decline_probe(self) -> Strategy:
         """Turn the probe just chosen into a declined (plain) step; returns ``0_0_0``."""
