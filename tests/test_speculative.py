@@ -434,6 +434,12 @@ def test_speculation_switches_on_in_the_tail_without_prefill(tiny):
     assert st.prefill_tokens == plain_eng.last_stats.prefill_tokens
     assert st.spec.catchup_tokens > 0  # the drafter caught up on what it missed
     assert all(b <= 2 for b in st.batch_sizes[-st.spec.steps:])
+    # per-step records line up with the steps: the speculative ones are the last, timed
+    assert len(st.step_seconds) == len(st.step_speculative) == st.decode_steps
+    assert st.step_speculative == [False] * (st.decode_steps - st.spec.steps) + \
+        [True] * st.spec.steps
+    assert all(s > 0 for s in st.step_seconds)
+    assert sum(st.step_seconds) == pytest.approx(st.decode_seconds)
 
 
 def test_metrics_and_tuner_state(tiny, tmp_path):

@@ -491,6 +491,41 @@ def test_gate_converges_to_speculation_with_a_good_drafter():
     assert t.expected_tokens(TREE16) is None  # trees use their own measured mean
 
 
+def stretchy_drafter(seed: int = 0, period: int = 40, easy: float = 0.95, hard: float = 0.5):
+    """Acceptance that follows the text: stretches of ``period`` steps alternate between
+    easy (``easy`` per draft token) and hard text; a depth-4 chain step costs 1.4 plain
+    steps and a depth-6 one 2.0, so CHAIN4 is the better arm on either kind of text."""
+    rng, step = random.Random(seed), [0]
+
+    def spec_of(arm, batch_size):
+        p = easy if (step[0] // period) % 2 == 0 else hard
+        step[0] += 1
+        acc = []
+        for _ in range(batch_size):
+            a = 0
+            while a < arm.depth and rng.random() < p:
+                a += 1
+            acc.append(a)
+        return acc, {4: 1.4, 6: 2.0}[arm.depth]
+    return spec_of
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gate_compares_arms_on_the_same_text(seed):
+    """An arm's own tokens/s mixes its merit with the text it happened to decode (an
+    arm last pulled on easy text keeps the lead through a hard stretch); the gate's
+    estimates share one acceptance profile, so where speculation pays egreedy exploits
+    the arm that is better on the same text, and realises more than the bandit alone."""
+    gated_t = gated(arms=(CHAIN4, CHAIN6), epsilon=0.0, seed=seed)
+    chosen, rel = simulate(gated_t, 2000, stretchy_drafter(seed))
+    late = [a for a in chosen[200:] if not a.is_off]
+    assert sum(a == CHAIN6 for a in late) <= 0.01 * len(late)
+    bandit = StrategyTuner([1, 2, 4, 8], {i: [CHAIN4, CHAIN6] for i in range(4)},
+                           epsilon=0.0, seed=seed)
+    _, rel_bandit = simulate(bandit, 2000, stretchy_drafter(seed))
+    assert rel > rel_bandit
+
+
 def test_gate_rechecks_plain_near_break_even():
     """Speculating at a small margin, plain decoding is re-measured now and then (its
     reference may be stale), within the budget."""
@@ -592,7 +627,8 @@ def test_probe_whose_catch_up_exceeds_the_budget_is_declined():
     left = 0.01 * max(g.elapsed, 100 * t.plain_seconds(1)) / 2 ** g.backoff - g.lost
     assert left > 0.01
     assert t.probe_affordable(1, int(0.5 * left / 0.001))
-    assert not t.probe_affordable(1, int(2 * left / 0.001) + 10)
+    # ... or what the bucket saved since its last probe (see the next test)
+    assert not t.probe_affordable(1, int(2 * max(left, g.saved) / 0.001) + 10)
     assert t.decline_probe() == OFF and t.last_decision.declined
     probes = t._gates[0].probes
     t.update(1, OFF, 1, 1.0)
@@ -610,6 +646,49 @@ def test_probe_whose_catch_up_exceeds_the_budget_is_declined():
     good.update(1, CHAIN4, 5, 1.2, accepted_drafts=[4])  # 4.2x
     assert good.choose(1) == CHAIN4 and not good.last_decision.probe
     assert good.probe_affordable(1, 10_000)
+
+
+def test_probe_with_a_large_catch_up_waits_until_it_is_saved_up():
+    """A drafter that lost its first probes is re-tried even when every later probe's
+    catch-up (a long prompt, a long plainly decoded stretch) costs more than a window's
+    allowance: the bucket saves its allowance at the budget's (backed-off) rate, so the
+    large probe runs after a bounded wait, spends what was saved, and a drafter that
+    pays now is picked up (the lock-out this replaces: a good drafter misjudged by its
+    first steps never speculated again)."""
+    t = gated(arms=(CHAIN4,))
+    for _ in range(3):
+        t.choose(1)
+        t.update(1, OFF, 1, 1.0)
+    assert t.choose(1) == CHAIN4 and t.last_decision.probe
+    assert t.probe_affordable(1, 200)  # the first catch-up is measured
+    # a bad start: 1 token per 1.4 s, catch-up 0.2 s over 200 positions (1 ms each)
+    t.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.2, switch_positions=200)
+    g = t._gates[0]
+    big = 3000  # positions: 3 s of catch-up, more than any window's allowance (~1-2 s)
+    waited, ran = 0, False
+    for _ in range(20_000):
+        s = t.choose(1)
+        if s != OFF and t.probe_affordable(1, big):
+            ran = True
+            break
+        if s != OFF:
+            t.decline_probe()
+        assert 0.01 * max(g.elapsed, 100.0) / 2 ** g.backoff < big * 0.001
+        t.update(1, OFF, 1, 1.0)
+        waited += 1
+    assert ran
+    # saved at 1 % of the decode time, backed off: 3 s take 300-2,400 plain steps
+    assert 300 <= waited <= 2400
+    assert g.saved >= big * 0.001
+    # the probe pays now (4.2x): its catch-up is spent from the savings, speculation on
+    t.update(1, CHAIN4, 5, 1.2, accepted_drafts=[4], switch_seconds=3.0, switch_positions=big)
+    assert g.saved < 0.1
+    assert t.choose(1) == CHAIN4 and not t.last_decision.probe
+    state = json.loads(json.dumps(t.state_dict()))
+    assert state["gate"]["buckets"][0]["saved"] == pytest.approx(g.saved)
+    t2 = gated(arms=(CHAIN4,))
+    t2.load_state_dict(state)
+    assert t2._gates[0].saved == pytest.approx(g.saved)
 
 
 def test_gate_state_round_trip(tmp_path):

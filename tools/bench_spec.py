@@ -17,11 +17,18 @@ is cached. Training prompts use seed 0, the benchmark's prompts seed 1: held out
     that size (real responses, EOS ends them, cap --new-tokens): plain decoding, a
     fixed strategy per batch size, and the adaptive engine (the default policy:
     BEG-MAB with the break-even gate, one tuner per batch size kept across its runs,
-    as an engine keeps it across rollouts), interleaved (the order of the three
-    alternating from group to group); median ratios of tokens/s;
+    as an engine keeps it across rollouts), interleaved (the order alternating from
+    group to group); median ratios of tokens/s;
 (b) a long-tail batch: 32 prompts, real response lengths (EOS ends a response, cap
     --tail-tokens), the adaptive engine (speculation below the threshold, default
-    policy) vs plain decoding, one tuner across the pairs.
+    policy; one tuner across the pairs) and each fixed strategy of --tail-fixed (below
+    the same threshold) vs plain decoding.
+
+Both parts also run plain decoding a second time (the A/A control): the ratio of two
+runs of identical work shows how far this machine's noise alone moves a ratio, so an
+adaptive ratio can be read against it. And per adaptive run, the time of its plain
+(declined) steps over plain decoding's at the same batch sizes (median): the gate's
+own per-step cost, free of probes and speculative steps.
 
 --sampling-mode coupled (with --temperature > 0): rollout.sampling_mode=coupled, where a
 request's sampled response is the same token for token with and without speculation;
@@ -41,7 +48,11 @@ batch 1 (drafter layer + fc + draft head vs the whole target).
 
 JSON summary keys: ``speedup_bs1``, ``accept_len_bs1``, ``tail_batch_speedup``,
 ``adaptive_min_ratio`` (the smallest adaptive / plain speed over the batch sizes and
-the long-tail batch).
+the long-tail batch), ``aa_min_ratio`` (the same statistic for plain / plain: the noise
+floor), ``declined_step_ratio`` (declined step / plain step time, median over the
+batch sizes and the tail), ``adaptive_vs_fixed_bs1`` (adaptive / the fixed strategy at
+batch 1), ``tail_best_fixed`` and ``adaptive_vs_best_fixed_tail`` (adaptive / the
+fastest fixed strategy on the long-tail batch).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -194,6 +206,33 @@ def rate_ratio(tok_a, sec_a, tok_p, sec_p) -> float:
     return (tok_a / sec_a) / (tok_p / sec_p)
 
 
+def plain_step_medians(st) -> dict:
+    """Median time of the plain (not speculative) decode steps at each batch size."""
+    per: dict = {}
+    for b, sec, spec in zip(st.batch_sizes, st.step_seconds, st.step_speculative):
+        if not spec:
+            per.setdefault(b, []).append(sec)
+    return {b: statistics.median(v) for b, v in per.items()}
+
+
+def declined_step_ratio(adaptive_st, plain_st) -> Optional[float]:
+    """Median over batch sizes of (the adaptive run's plain-step time / plain decoding's
+    step time at that batch size): what the gate's declined path costs per step (1 = the
+    same as plain decoding), free of the run's probes and speculative steps."""
+    a, p = plain_step_medians(adaptive_st), plain_step_medians(plain_st)
+    common = sorted(set(a) & set(p))
+    return statistics.median(a[b] / p[b] for b in common) if common else None
+
+
+def _median_or_none(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def tuned_summary(st) -> dict:
     """Decision counts of one adaptive run, from GenerateStats."""
     s = st.spec.summary()
@@ -219,6 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tail-tokens", type=int, default=384)
     ap.add_argument("--tail-pairs", type=int, default=None,
                     help="long-tail pairs (default 2; 1 under --quick)")
+    ap.add_argument("--tail-fixed", default=None,
+                    help="fixed strategies also run on the long-tail batch, comma-separated "
+                         "(default: those of --strategies; 'none': skip)")
     ap.add_argument("--threshold", type=int, default=None,
                     help="adaptive engine's speculation threshold (default: the config's)")
     ap.add_argument("--break-even", choices=("on", "off"), default="on",
@@ -304,19 +346,20 @@ def main(argv=None) -> int:
         warm = params(4)
         for mode in ("plain", "fixed", "adaptive"):  # warm-up (the tuner starts here)
             modes.run(mode, groups[0], warm, fixed_cfg)
-        runs = {m: [] for m in ("plain", "fixed", "adaptive")}
-        accept, checks, adaptive_checks, decisions = [], [], [], []
+        runs = {m: [] for m in ("plain", "fixed", "adaptive", "aa")}
+        accept, checks, adaptive_checks, decisions, step_ratios = [], [], [], [], []
         for pair in range(args.pairs):
             tot = {m: [0.0, 0] for m in runs}
             acc_rows, acc_sum = 0, 0
             for gi, g in enumerate(groups):
                 # the order alternates (plain first, then last), so a drift of the
-                # machine within a group's three runs does not favour one mode
-                order = ("plain", "fixed", "adaptive") if (pair + gi) % 2 == 0 else \
-                    ("adaptive", "fixed", "plain")
+                # machine within a group's runs does not favour one mode; "aa" is plain
+                # decoding again, the A/A control: how far identical work measures apart
+                order = ("plain", "fixed", "adaptive", "aa") if (pair + gi) % 2 == 0 else \
+                    ("aa", "adaptive", "fixed", "plain")
                 out = {}
                 for m in order:
-                    out[m] = modes.run(m, g, sp, fixed_cfg)
+                    out[m] = modes.run("plain" if m == "aa" else m, g, sp, fixed_cfg)
                     tot[m][0] += out[m][0]
                     tot[m][1] += sum(map(len, out[m][1]))
                 ref = out["plain"][1]
@@ -327,12 +370,13 @@ def main(argv=None) -> int:
                 _, got, st = out["adaptive"]
                 adaptive_checks.append(check(g, got, ref))
                 decisions.append(tuned_summary(st))
+                step_ratios.append(declined_step_ratio(st, out["plain"][2]))
             for m, (sec, tok) in tot.items():
                 runs[m].append((sec, tok))
             accept.append(acc_sum / max(1, acc_rows))
         tps = {m: [tok / sec for sec, tok in runs[m]] for m in runs}
         ratios = {m: [rate_ratio(a[1], a[0], p[1], p[0]) for a, p in zip(runs[m], runs["plain"])]
-                  for m in ("fixed", "adaptive")}
+                  for m in ("fixed", "adaptive", "aa")}
         declined = sum(d["declined"] for d in decisions) / max(1, sum(
             d["tuned_steps"] for d in decisions))
         row = dict(batch=b, strategy=s, plain_tok_s=statistics.median(tps["plain"]),
@@ -348,6 +392,11 @@ def main(argv=None) -> int:
                    adaptive_declined_fraction=declined,
                    adaptive_probes=sum(d["probes"] for d in decisions),
                    adaptive_check=merge(adaptive_checks),
+                   adaptive_vs_fixed=statistics.median(
+                       a / f for a, f in zip(ratios["adaptive"], ratios["fixed"])),
+                   declined_step_ratio=_median_or_none(step_ratios),
+                   aa_ratio=statistics.median(ratios["aa"]), aa_ratio_min=min(ratios["aa"]),
+                   aa_ratio_max=max(ratios["aa"]),
                    adaptive_tuner=modes.tuner.gate_stats() if break_even else None)
         rows.append(row)
         ident = (f"identical {row['identical']}/{len(pool_a) * args.pairs} (tie splits "
@@ -360,35 +409,60 @@ def main(argv=None) -> int:
               f"{row['adaptive_speedup']:.2f} [{row['adaptive_speedup_min']:.2f}, "
               f"{row['adaptive_speedup_max']:.2f}]  speculating "
               f"{row['adaptive_spec_fraction']:.0%}, declined "
-              f"{row['adaptive_declined_fraction']:.0%}, {row['adaptive_probes']} probes  "
+              f"{row['adaptive_declined_fraction']:.0%}, {row['adaptive_probes']} probes, "
+              f"declined step {_fmt(row['declined_step_ratio'])}x plain's  | A/A "
+              f"{row['aa_ratio']:.2f} [{row['aa_ratio_min']:.2f}, {row['aa_ratio_max']:.2f}]  "
               f"| {ident}", flush=True)
 
-    # (b) long-tail batch, adaptive engine
+    # (b) long-tail batch: plain decoding, the adaptive engine, each fixed strategy of
+    # --tail-fixed (speculating below the same threshold) and the A/A control
     tail_prompts = pool[: args.tail_prompts]
     tsp = params(args.tail_tokens)
     modes.adaptive_cfg = cfg
     modes.new_tuner()  # one tuner across the pairs: it keeps learning
+    tail_fixed = [] if args.tail_fixed == "none" else list(dict.fromkeys(
+        (args.tail_fixed or ",".join(strat.values())).split(",")))
+    fixed_cfgs = {f"fixed:{f}": SpeculativeConfig(policy="fixed", strategy=f,
+                                                  threshold=cfg.threshold)
+                  for f in tail_fixed}
     tail = []
     for pair in range(args.tail_pairs):
-        if pair % 2 == 0:  # alternating order, as above
-            tp, ref, pst = modes.run("plain", tail_prompts, tsp)
-            ts, got, st = modes.run("adaptive", tail_prompts, tsp)
-        else:
-            ts, got, st = modes.run("adaptive", tail_prompts, tsp)
-            tp, ref, pst = modes.run("plain", tail_prompts, tsp)
+        order = ["plain", "adaptive", *fixed_cfgs, "aa"]
+        if pair % 2:  # alternating order, as above
+            order.reverse()
+        out = {}
+        for m in order:
+            out[m] = modes.run("plain" if m == "aa" else "fixed" if m in fixed_cfgs else m,
+                               tail_prompts, tsp, fixed_cfgs.get(m))
+        tp, ref, pst = out["plain"]
+        ts, got, st = out["adaptive"]
         c = check(tail_prompts, got, ref)
         ratio = rate_ratio(sum(map(len, got)), ts, sum(map(len, ref)), tp)
+        fixed = {}
+        for m in fixed_cfgs:
+            fs, fgot, fst = out[m]
+            fixed[m.split(":", 1)[1]] = dict(
+                seconds=fs, ratio=rate_ratio(sum(map(len, fgot)), fs, sum(map(len, ref)), tp),
+                identical=check(tail_prompts, fgot, ref)["identical"],
+                accept_len=fst.spec.accept_len, spec_fraction=fst.spec_fraction)
+        aa = out["aa"]
         tail.append(dict(plain_s=tp, adaptive_s=ts, ratio=ratio,
                          plain_tokens=sum(map(len, ref)), adaptive_tokens=sum(map(len, got)),
+                         aa_s=aa[0], aa_ratio=rate_ratio(sum(map(len, aa[1])), aa[0],
+                                                         sum(map(len, ref)), tp),
+                         declined_step_ratio=declined_step_ratio(st, pst), fixed=fixed,
                          **tuned_summary(st), **c, spec=st.spec.summary()))
         lengths = sorted(map(len, ref))
         ident = (f"identical {c['identical']}/{len(tail_prompts)}" if greedy or coupled
                  else "sampled")
+        fixed_text = "".join(f"  {f} {v['ratio']:.2f}" for f, v in fixed.items())
         print(f"tail batch of {len(tail_prompts)} (lengths {lengths[0]}..{lengths[-1]}, "
               f"median {statistics.median(lengths)}): plain {tp:.1f}s  adaptive {ts:.1f}s  "
               f"speedup {ratio:.2f}  speculating in {st.spec_fraction:.0%} of steps, "
               f"declined {tail[-1]['declined_fraction']:.0%} of the tuned steps  "
-              f"accept {st.spec.accept_len:.2f}  {ident}", flush=True)
+              f"accept {st.spec.accept_len:.2f}  {ident}  | fixed:{fixed_text or ' -'}  "
+              f"| A/A {tail[-1]['aa_ratio']:.2f}  declined step "
+              f"{_fmt(tail[-1]['declined_step_ratio'])}x plain's", flush=True)
     if engine.spec is None:  # the last run was plain: the drafter is measured attached
         engine.attach_drafter(drafter)
     cost = drafter_cost(engine)
@@ -396,6 +470,8 @@ def main(argv=None) -> int:
           f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)
 
     bs1 = next((r for r in rows if r["batch"] == 1), None)
+    best_fixed = max(((f, statistics.median(t["fixed"][f]["ratio"] for t in tail))
+                      for f in tail_fixed), key=lambda x: x[1], default=None)
     result = {
         "benchmark": "bench_spec",
         "config": dict(model="SmolLM2-135M-Instruct",
@@ -404,6 +480,7 @@ def main(argv=None) -> int:
                        strategies=strat, prompts=args.prompts, new_tokens=args.new_tokens,
                        pairs=args.pairs,
                        tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
+                       tail_pairs=args.tail_pairs, tail_fixed=tail_fixed,
                        threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
                        break_even=cfg.break_even, probe_budget=cfg.probe_budget,
                        temperature=temp, sampling_mode=args.sampling_mode,
@@ -419,9 +496,21 @@ def main(argv=None) -> int:
         "tail_batch_speedup": statistics.median(t["ratio"] for t in tail),
         "adaptive_min_ratio": min([r["adaptive_speedup"] for r in rows]
                                   + [statistics.median(t["ratio"] for t in tail)]),
+        # the same statistic for plain decoding run twice: the noise floor of the above
+        "aa_min_ratio": min([r["aa_ratio"] for r in rows]
+                            + [statistics.median(t["aa_ratio"] for t in tail)]),
+        "declined_step_ratio": _median_or_none(
+            [r["declined_step_ratio"] for r in rows]
+            + [t["declined_step_ratio"] for t in tail]),
+        "adaptive_vs_fixed_bs1": bs1["adaptive_vs_fixed"] if bs1 else None,
+        "tail_best_fixed": best_fixed[0] if best_fixed else None,
+        "adaptive_vs_best_fixed_tail": (statistics.median(t["ratio"] for t in tail)
+                                        / best_fixed[1] if best_fixed else None),
     }
-    print(json.dumps({k: result[k] for k in ("speedup_bs1", "accept_len_bs1",
-                                             "tail_batch_speedup", "adaptive_min_ratio")}))
+    print(json.dumps({k: result[k] for k in (
+        "speedup_bs1", "accept_len_bs1", "tail_batch_speedup", "adaptive_min_ratio",
+        "aa_min_ratio", "declined_step_ratio", "adaptive_vs_fixed_bs1",
+        "adaptive_vs_best_fixed_tail")}))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

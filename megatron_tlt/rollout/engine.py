@@ -75,6 +75,8 @@ class GenerateStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)  # running batch per decode step
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's time
+    step_speculative: list[bool] = field(default_factory=list)  # ... whether it speculated
     kv_cache_bytes: int = 0
     spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
 
@@ -322,6 +324,8 @@ class RolloutEngine:
                                         tokens=emitted, seconds=seconds)
                 stats.decode_steps += 1
                 stats.decode_seconds += seconds
+                stats.step_seconds.append(seconds)
+                stats.step_speculative.append(True)
                 self._retire(cache, rows, outputs, hidden_buf)
                 continue
             last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
@@ -343,6 +347,8 @@ class RolloutEngine:
             stats.decode_steps += 1
             seconds = time.perf_counter() - t0
             stats.decode_seconds += seconds
+            stats.step_seconds.append(seconds)
+            stats.step_speculative.append(False)
             if spec is not None:  # TP ranks feed their tuners the same times (rank 0's),
                 seconds = self._tp_times(seconds)[0]  # so they decide alike
             if strategy is not None:  # the tuner chose not to speculate: reward it too

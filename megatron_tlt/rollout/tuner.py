@@ -31,9 +31,13 @@ charged what they lose against plain steps for the same expected tokens (never b
 zero, decayed over ``budget_horizon`` steps); while that exceeds ``probe_budget`` of
 the bucket's recent decode time the bucket decodes plainly ("declined"). Where the
 best estimate reaches ``PAYS_FROM`` (1.05; then as long as it stays at least 1) the
-bandit picks the arm; otherwise each speculative step is a probe (an arm not measured yet, else the closest one), its allowance halving
-after each probe that confirms the loss (down to ``2**-MAX_BACKOFF``), and a losing
-probe is charged its catch-up too. A winning probe costs nothing, so a retrained
+bandit picks the arm; otherwise each speculative step is a probe (an arm not measured
+yet, else the closest one), its allowance halving after each probe that confirms the
+loss (down to ``2**-MAX_BACKOFF``), and a losing probe is charged its catch-up too. A
+probe whose drafter catch-up (the positions the drafter missed, at the measured cost
+per position) does not fit in what is left of the allowance runs plainly until the
+bucket has saved that much allowance since its last probe, so a probe late in long
+responses is rare but never ruled out. A winning probe costs nothing, so a retrained
 drafter is picked up at the next probe; a weak one costs at most the budget. While
 speculating near break-even a plain step now and then refreshes the reference.
 
@@ -72,6 +76,8 @@ PAYS_FROM = 1.05  # a bucket starts speculating when the best estimate reaches t
 # keeps on while it stays at or above 1 (hysteresis: near break-even the estimate's
 # noise and the catch-ups of switching back and forth would lose more than it gains)
 MIN_HORIZON = 100  # plain steps: the least decode time the budget is a share of
+SAVE_WINDOWS = 20  # a bucket saves its probe allowance for catch-ups over at most this
+# many budget horizons (a probe whose catch-up is larger waits until it is saved up)
 ACCEPT_HORIZON = 16  # sequence-steps over which the acceptance profile is averaged
 
 
@@ -176,6 +182,7 @@ class _Gate:
         self.backoff = 0  # probes in a row that found speculation losing (capped)
         self.paying = False  # the last decision's estimate: speculation pays
         self.refresh_left = 0  # plain steps still to take to re-measure the reference
+        self.saved = 0.0  # probe allowance saved for a catch-up (seconds; see probe_affordable)
         self.steps = self.declined = self.probes = 0  # lifetime counts
 
     def speedup(self, name: str, tokens: Optional[float] = None) -> Optional[float]:
@@ -197,7 +204,7 @@ class _Gate:
         return {"samples": {n: [list(x) for x in d] for n, d in self.samples.items()},
                 "elapsed": self.elapsed, "lost": self.lost, "since_plain": self.since_plain,
                 "backoff": self.backoff, "paying": self.paying,
-                "refresh_left": self.refresh_left,
+                "refresh_left": self.refresh_left, "saved": self.saved,
                 "counts": [self.steps, self.declined, self.probes]}
 
     def load(self, state: dict) -> None:
@@ -208,6 +215,7 @@ class _Gate:
         self.since_plain, self.backoff = int(state["since_plain"]), int(state["backoff"])
         self.paying = bool(state["paying"])
         self.refresh_left = int(state["refresh_left"])
+        self.saved = float(state.get("saved", 0.0))
         self.steps, self.declined, self.probes = (int(c) for c in state["counts"])
 
 
@@ -580,12 +588,30 @@ class StrategyTuner:
             every = PLAIN_REFRESH * (1 if best[1] < REFRESH_BELOW else 4)
             if gate.refresh_left > 0 or gate.since_plain >= every:
                 return Decision(b, OFF, True, probe=True)  # re-measure plain decoding
-            return Decision(b, self._bandit(b, spec), False)
+            return Decision(b, self._paying_arm(b, spec, best[0]), False)
         # a probe where speculation looks worse: an arm not measured yet that could
         # still pay, else the one the estimate says comes closest
         arm = next((a for a in spec if a.name not in gate.samples
                     and self._could_pay(b, a)), None) or (best[0] if best else spec[0])
         return Decision(b, arm, False, probe=True)
+
+    def _paying_arm(self, b: int, spec: list[Strategy], best: Strategy) -> Strategy:
+        """The arm of a bucket where speculation pays. egreedy: an arm the gate has not
+        measured yet that could still pay, else with probability ``epsilon`` a random
+        arm, else the gate's best estimate: the acceptance profile is shared by the
+        chains, so their estimates compare arms on the same text, where an arm's own
+        tokens/s also reflects the stretch of text it happened to decode (an arm pulled
+        on easy text keeps the lead). ucb1: the bandit over the spec arms."""
+        if self.policy != "egreedy":
+            return self._bandit(b, spec)
+        gate = self._gates[b]
+        untried = next((a for a in spec if a.name not in gate.samples
+                        and self._could_pay(b, a)), None)
+        if untried is not None:
+            return untried
+        if self._rng.random() < self.epsilon:
+            return self._rng.choice(spec)
+        return best
 
     def _could_pay(self, b: int, arm: Strategy) -> bool:
         """For an arm not measured in bucket ``b``: False when a measured shallower
@@ -606,11 +632,13 @@ class StrategyTuner:
         """Whether the probe just chosen may pay the drafter's catch-up over
         ``positions`` missed positions: its estimated cost (seconds per position, as
         measured by earlier catch-ups; the tuner's first catch-up is let through to
-        measure it) must fit in what is left of the bucket's probe allowance. A probe
-        late in long responses would otherwise cost far more than the budget (the whole
-        history of every row goes through the drafter). Speculation that pays, and
-        anything that is not a probe, is always affordable (its catch-up is an
-        investment)."""
+        measure it) must fit in what is left of the bucket's probe allowance, or in what
+        the bucket saved of it since its last probe. A probe late in long responses
+        would otherwise cost far more than the budget (the whole history of every row
+        goes through the drafter); one that costs more than a window's allowance waits
+        until it is saved up (at the budget's rate, backed off like the allowance), so
+        a drafter that lost once is still re-tried. Speculation that pays, and anything
+        that is not a probe, is always affordable (its catch-up is an investment)."""
         d = self.last_decision
         if d is None or not d.probe or d.strategy.is_off or positions <= 0 \
                 or not self._gated(d.bucket):
@@ -619,7 +647,7 @@ class StrategyTuner:
             return True
         gate = self._gates[d.bucket]
         _, allowance = self._allowance(gate, batch_size, pays=False)
-        return positions * self._catchup <= allowance - gate.lost
+        return positions * self._catchup <= max(allowance - gate.lost, gate.saved)
 
     def _allowance(self, gate: _Gate, batch_size: int, pays: bool) -> tuple[float, float]:
         """(horizon, allowance): the bucket's recent decode time, at least MIN_HORIZON
@@ -698,6 +726,10 @@ class StrategyTuner:
         decay = 1.0 - 1.0 / self.budget_horizon
         gate.elapsed = gate.elapsed * decay + seconds + switch
         gate.lost *= decay
+        horizon, _ = self._allowance(gate, batch_size, pays=False)
+        gate.saved = min(gate.saved - switch * int(probe) + self.probe_budget * (
+            seconds + switch) / 2 ** gate.backoff, SAVE_WINDOWS * self.probe_budget * horizon)
+        gate.saved = max(0.0, gate.saved)
         self._tick(seconds + switch)
         gate.steps += 1
         gate.probes += int(probe)
