@@ -132,8 +132,10 @@ class SpeculativeConfig:
         "drafter pass over the positions it missed, never a target re-prefill.", 16)
     policy: str = _help(
         "Strategy choice per batch-size bucket: egreedy (BEG-MAB: epsilon-greedy over the "
-        "median of a sliding window of accepted tokens per second), ucb1, or fixed "
-        "(always `strategy`, for benchmarks).", "egreedy")
+        "median of a sliding window of accepted tokens per second; with break_even, where "
+        "speculation pays, the greedy arm is the gate's best speedup estimate, which "
+        "compares chains on one shared acceptance profile), ucb1, or fixed (always "
+        "`strategy`, for benchmarks).", "egreedy")
     strategy: str = _help(
         "The fixed strategy, depth_topk_verifytokens (top-k 1 = chain, e.g. 6_1_6; tree "
         "e.g. 5_4_16).", "7_1_7")
