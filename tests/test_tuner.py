@@ -407,6 +407,19 @@ def simulate(tuner: StrategyTuner, steps: int, spec_of, batch_size: int = 1,
     return chosen, (tokens / seconds) * plain_seconds
 
 
+def accepted_counts(rng: random.Random, depth: int, p_accept: float,
+                    batch_size: int) -> list[int]:
+    """Per sequence, how many of ``depth`` draft tokens are accepted when each is with
+    ``p_accept`` (given the ones before it)."""
+    acc = []
+    for _ in range(batch_size):
+        a = 0
+        while a < depth and rng.random() < p_accept:
+            a += 1
+        acc.append(a)
+    return acc
+
+
 def drafter(p_accept: float, seed: int = 0, step_cost=lambda arm: 1.0 + 0.1 * arm.depth):
     """A simulated drafter whose every draft token is accepted with ``p_accept`` (given
     the ones before it), on hardware where a depth-d chain step costs ``step_cost``
@@ -414,13 +427,7 @@ def drafter(p_accept: float, seed: int = 0, step_cost=lambda arm: 1.0 + 0.1 * ar
     rng = random.Random(seed)
 
     def spec_of(arm, batch_size):
-        acc = []
-        for _ in range(batch_size):
-            a = 0
-            while a < arm.depth and rng.random() < p_accept:
-                a += 1
-            acc.append(a)
-        return acc, step_cost(arm)
+        return accepted_counts(rng, arm.depth, p_accept, batch_size), step_cost(arm)
     return spec_of
 
 
@@ -500,13 +507,7 @@ def stretchy_drafter(seed: int = 0, period: int = 40, easy: float = 0.95, hard: 
     def spec_of(arm, batch_size):
         p = easy if (step[0] // period) % 2 == 0 else hard
         step[0] += 1
-        acc = []
-        for _ in range(batch_size):
-            a = 0
-            while a < arm.depth and rng.random() < p:
-                a += 1
-            acc.append(a)
-        return acc, {4: 1.4, 6: 2.0}[arm.depth]
+        return accepted_counts(rng, arm.depth, p, batch_size), {4: 1.4, 6: 2.0}[arm.depth]
     return spec_of
 
 
