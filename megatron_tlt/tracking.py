@@ -44,8 +44,6 @@ def jsonable(v: Any):
     return v
 
 
-_jsonable = jsonable
-
 
 class Tracker:
     """JSONL + optional W&B + rich progress; a no-op on ranks other than 0."""
@@ -62,7 +60,7 @@ class Tracker:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(_jsonable(config_dict), indent=1))
+        (self.run_dir / "config.json").write_text(json.dumps(jsonable(config_dict), indent=1))
         if not resume and self.metrics_path.exists():
             self.metrics_path.unlink()
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
@@ -75,7 +73,7 @@ class Tracker:
 
         return wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
                           name=self.cfg.run_name or self.run_dir.name, mode=self.cfg.wandb_mode,
-                          dir=str(self.run_dir), config=_jsonable(config_dict),
+                          dir=str(self.run_dir), config=jsonable(config_dict),
                           resume="allow" if resume else None,
                           id=(self.run_dir.name if resume else None))
 
@@ -89,7 +87,7 @@ class Tracker:
             return
         record = {"step": step, "time": time.time(), **metrics}
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(_jsonable(record)) + "\n")
+            f.write(json.dumps(jsonable(record)) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(_flatten(metrics), step=step)
 

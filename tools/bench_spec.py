@@ -206,6 +206,11 @@ def rate_ratio(tok_a, sec_a, tok_p, sec_p) -> float:
     return (tok_a / sec_a) / (tok_p / sec_p)
 
 
+def run_ratio(run, plain_run) -> float:
+    """``rate_ratio`` of two ``Modes.run`` results (seconds, outputs, stats)."""
+    return rate_ratio(sum(map(len, run[1])), run[0], sum(map(len, plain_run[1])), plain_run[0])
+
+
 def plain_step_medians(st) -> dict:
     """Median time of the plain (not speculative) decode steps at each batch size."""
     per: dict = {}
@@ -437,19 +442,17 @@ def main(argv=None) -> int:
         tp, ref, pst = out["plain"]
         ts, got, st = out["adaptive"]
         c = check(tail_prompts, got, ref)
-        ratio = rate_ratio(sum(map(len, got)), ts, sum(map(len, ref)), tp)
+        ratio = run_ratio(out["adaptive"], out["plain"])
         fixed = {}
         for m in fixed_cfgs:
             fs, fgot, fst = out[m]
             fixed[m.split(":", 1)[1]] = dict(
-                seconds=fs, ratio=rate_ratio(sum(map(len, fgot)), fs, sum(map(len, ref)), tp),
+                seconds=fs, ratio=run_ratio(out[m], out["plain"]),
                 identical=check(tail_prompts, fgot, ref)["identical"],
                 accept_len=fst.spec.accept_len, spec_fraction=fst.spec_fraction)
-        aa = out["aa"]
         tail.append(dict(plain_s=tp, adaptive_s=ts, ratio=ratio,
                          plain_tokens=sum(map(len, ref)), adaptive_tokens=sum(map(len, got)),
-                         aa_s=aa[0], aa_ratio=rate_ratio(sum(map(len, aa[1])), aa[0],
-                                                         sum(map(len, ref)), tp),
+                         aa_s=out["aa"][0], aa_ratio=run_ratio(out["aa"], out["plain"]),
                          declined_step_ratio=declined_step_ratio(st, pst), fixed=fixed,
                          **tuned_summary(st), **c, spec=st.spec.summary()))
         lengths = sorted(map(len, ref))

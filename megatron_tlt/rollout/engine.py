@@ -80,6 +80,13 @@ class GenerateStats:
     kv_cache_bytes: int = 0
     spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
 
+    def record_step(self, seconds: float, speculative: bool) -> None:
+        """Count one decode step (the running batch size is recorded before it runs)."""
+        self.decode_steps += 1
+        self.decode_seconds += seconds
+        self.step_seconds.append(seconds)
+        self.step_speculative.append(speculative)
+
     @property
     def spec_fraction(self) -> float:
         """Fraction of decode steps that speculated."""
@@ -322,10 +329,7 @@ class RolloutEngine:
                                   switch_positions=fed)
                 stats.spec.record_tuned(label, declined=False, probe=probe, rows=b,
                                         tokens=emitted, seconds=seconds)
-                stats.decode_steps += 1
-                stats.decode_seconds += seconds
-                stats.step_seconds.append(seconds)
-                stats.step_speculative.append(True)
+                stats.record_step(seconds, speculative=True)
                 self._retire(cache, rows, outputs, hidden_buf)
                 continue
             last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
@@ -344,11 +348,8 @@ class RolloutEngine:
             for r in rows:
                 r.length += 1
             self._emit(rows, 0, hidden, hidden_buf)
-            stats.decode_steps += 1
             seconds = time.perf_counter() - t0
-            stats.decode_seconds += seconds
-            stats.step_seconds.append(seconds)
-            stats.step_speculative.append(False)
+            stats.record_step(seconds, speculative=False)
             if spec is not None:  # TP ranks feed their tuners the same times (rank 0's),
                 seconds = self._tp_times(seconds)[0]  # so they decide alike
             if strategy is not None:  # the tuner chose not to speculate: reward it too

@@ -591,8 +591,7 @@ class StrategyTuner:
             return Decision(b, self._paying_arm(b, spec, best[0]), False)
         # a probe where speculation looks worse: an arm not measured yet that could
         # still pay, else the one the estimate says comes closest
-        arm = next((a for a in spec if a.name not in gate.samples
-                    and self._could_pay(b, a)), None) or (best[0] if best else spec[0])
+        arm = self._unmeasured(b, spec) or (best[0] if best else spec[0])
         return Decision(b, arm, False, probe=True)
 
     def _paying_arm(self, b: int, spec: list[Strategy], best: Strategy) -> Strategy:
@@ -604,14 +603,18 @@ class StrategyTuner:
         on easy text keeps the lead). ucb1: the bandit over the spec arms."""
         if self.policy != "egreedy":
             return self._bandit(b, spec)
-        gate = self._gates[b]
-        untried = next((a for a in spec if a.name not in gate.samples
-                        and self._could_pay(b, a)), None)
+        untried = self._unmeasured(b, spec)
         if untried is not None:
             return untried
         if self._rng.random() < self.epsilon:
             return self._rng.choice(spec)
         return best
+
+    def _unmeasured(self, b: int, spec: list[Strategy]) -> Optional[Strategy]:
+        """The first arm the gate has not measured in bucket ``b`` that could still pay."""
+        gate = self._gates[b]
+        return next((a for a in spec if a.name not in gate.samples
+                     and self._could_pay(b, a)), None)
 
     def _could_pay(self, b: int, arm: Strategy) -> bool:
         """For an arm not measured in bucket ``b``: False when a measured shallower
@@ -727,9 +730,9 @@ class StrategyTuner:
         gate.elapsed = gate.elapsed * decay + seconds + switch
         gate.lost *= decay
         horizon, _ = self._allowance(gate, batch_size, pays=False)
-        gate.saved = min(gate.saved - switch * int(probe) + self.probe_budget * (
-            seconds + switch) / 2 ** gate.backoff, SAVE_WINDOWS * self.probe_budget * horizon)
-        gate.saved = max(0.0, gate.saved)
+        saved = gate.saved - switch * int(probe) + self.probe_budget * (
+            seconds + switch) / 2 ** gate.backoff  # a probe spends its catch-up
+        gate.saved = min(max(0.0, saved), SAVE_WINDOWS * self.probe_budget * horizon)
         self._tick(seconds + switch)
         gate.steps += 1
         gate.probes += int(probe)
