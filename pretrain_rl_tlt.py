@@ -23,8 +23,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_tlt.assets import AssetError  # noqa: E402
+from megatron_tlt.checkpointing import CheckpointError  # noqa: E402
 from megatron_tlt.config import ConfigError, build_parser, config_from_args  # noqa: E402
+from megatron_tlt.fileio import write_text_atomic  # noqa: E402
+from megatron_tlt.models.drafter import DrafterMismatchError  # noqa: E402
 from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
+from megatron_tlt.rl.data import DataError  # noqa: E402
 
 # Megatron-LM flag -> config field
 MEGATRON_FLAGS = {
@@ -90,22 +94,33 @@ def main(argv=None) -> int:
 
     silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown
+    from megatron_tlt.rl import run_dir
     from megatron_tlt.rl.report import print_summary, write_plots
     from megatron_tlt.rl.trainer import Trainer, config_dict
     from megatron_tlt.tracking import Tracker
 
+    # Every check comes before the first write: the run folder (read only), then the
+    # model and tokenizer (setup), the data, verifier and drafter (Trainer), the
+    # checkpoint (resume). Only then is the run folder opened (rl/run_dir.py).
     t0 = time.perf_counter()
-    session = setup(cfg)
     run_name = cfg.tracking.run_name or time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.tracking.output_dir) / run_name
-    rank = session.platform.rank
     resume_from = cfg.checkpoint.load
-    tracker = Tracker(cfg.tracking, run_dir, rank=rank, config_dict=config_dict(cfg),
-                      resume=bool(resume_from))
-    trainer = Trainer(cfg, session, tracker=tracker)
-    if resume_from:
-        path = trainer.resume(resume_from)
-        tracker.info(f"resumed from {path} at step {trainer.state.step}")
+    requested = run_dir.choose(cfg.tracking, run_name, resume=bool(resume_from))
+    session = setup(cfg)
+    rank = session.platform.rank
+    trainer = Trainer(cfg, session)
+    resumed = trainer.resume(resume_from) if resume_from else None
+
+    opened = run_dir.open_run(cfg.tracking, run_name,
+                              resumed_step=trainer.state.step if resumed else None,
+                              config=config_dict(cfg)) if rank == 0 else None
+    folder = opened.path if opened is not None else requested
+    tracker = Tracker(cfg.tracking, folder, rank=rank, config_dict=config_dict(cfg))
+    trainer.tracker = tracker
+    if opened is not None:
+        tracker.info(opened.describe(Path(cfg.tracking.output_dir).expanduser() / run_name))
+    if resumed:
+        tracker.info(f"resumed from {resumed} at step {trainer.state.step}")
         if trainer.state.step >= cfg.train.steps:
             tracker.info(f"warning: the checkpoint is at step {trainer.state.step} and "
                          f"train.steps={cfg.train.steps}: no step left to run; raise "
@@ -120,11 +135,11 @@ def main(argv=None) -> int:
                  f"{'on (' + cfg.rollout.speculative.drafter + ')' if trainer.engine is not None and trainer.engine.spec is not None else 'off'}")
     history = trainer.train()
     if rank == 0:
-        plots = write_plots(tracker.metrics_path, run_dir) if cfg.tracking.plots else []
-        print_summary(history, run_dir=run_dir, metrics=tracker.metrics_path,
+        plots = write_plots(tracker.metrics_path, folder) if cfg.tracking.plots else []
+        print_summary(history, run_dir=folder, metrics=tracker.metrics_path,
                       wandb_dir=tracker.wandb_dir, plots=plots,
                       seconds=time.perf_counter() - t0)
-        (run_dir / "summary.json").write_text(json.dumps(
+        write_text_atomic(folder / "summary.json", json.dumps(
             {"steps": trainer.state.step, "seconds": time.perf_counter() - t0}, indent=1))
     shutdown()
     return 0
@@ -133,6 +148,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ConfigError, FileNotFoundError, AssetError, UnsupportedModelError) as e:
+    except (ConfigError, FileNotFoundError, AssetError, UnsupportedModelError,
+            CheckpointError, DataError, DrafterMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -477,8 +477,20 @@ class CheckpointConfig:
 class TrackingConfig:
     """Where metrics go: JSONL, Weights & Biases, the terminal."""
 
-    output_dir: str = _help("Run folder: metrics.jsonl, plots, W&B files.", "runs/rl")
-    run_name: str = _help("Run name (W&B and the run folder); empty = a timestamp.", "")
+    output_dir: str = _help("Where run folders go: a run writes {output_dir}/{run_name}/ "
+                            "(config.json, metrics.jsonl, summary.json, plots, W&B files).",
+                            "runs/rl")
+    run_name: str = _help("Run name (W&B and the run folder); empty = the start time "
+                          "(a clash takes a versioned name, as on_existing_run=new_version).",
+                          "")
+    on_existing_run: str = _help(
+        "A new run (checkpoint.load empty) whose run folder already holds files: error "
+        "= stop before anything is loaded or written, naming the folder and the ways on; "
+        "new_version = write {run_name}-1 (then -2, ...) instead. Nothing is ever "
+        "overwritten: a resumed run (checkpoint.load set) appends to its folder after the "
+        "resumed step, moves records an interrupted attempt wrote past that step to "
+        "metrics.after-step-N.jsonl, and keeps each attempt's config "
+        "(config.json, config.resume-1.json, ...).", "error")
     wandb_project: str = _help("W&B project; empty = W&B off.", "")
     wandb_mode: str = _help("offline (default: no network, sync later with `wandb sync`), "
                             "online, disabled.", "offline")
@@ -490,6 +502,8 @@ class TrackingConfig:
     def __post_init__(self):
         _choice("tracking", "wandb_mode", self.wandb_mode,
                 ("offline", "online", "disabled"))
+        _choice("tracking", "on_existing_run", self.on_existing_run,
+                ("error", "new_version"))
 
 
 @dataclass

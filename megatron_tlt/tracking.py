@@ -11,10 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
+
+from .fileio import write_text_atomic
+
+WANDB_ID_FILE = "wandb_id.txt"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -46,10 +51,12 @@ def jsonable(v: Any):
 
 
 class Tracker:
-    """JSONL + optional W&B + rich progress; a no-op on ranks other than 0."""
+    """JSONL + optional W&B + rich progress; a no-op on ranks other than 0.
 
-    def __init__(self, cfg, run_dir: Path, *, rank: int, config_dict: dict,
-                 resume: bool = False):
+    It only appends to ``metrics.jsonl`` and adds a W&B folder per attempt: the run
+    folder itself (config, what a resume keeps) is ``rl.run_dir``'s job."""
+
+    def __init__(self, cfg, run_dir: Path, *, rank: int, config_dict: dict):
         self.cfg = cfg
         self.enabled = rank == 0
         self.run_dir = Path(run_dir)
@@ -60,22 +67,25 @@ class Tracker:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(jsonable(config_dict), indent=1))
-        if not resume and self.metrics_path.exists():
-            self.metrics_path.unlink()
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
-            self.wandb_run = self._start_wandb(config_dict, resume)
+            self.wandb_run = self._start_wandb(config_dict)
             self._wandb_dir = str(Path(self.wandb_run.dir).parent)
 
-    def _start_wandb(self, config_dict: dict, resume: bool):
+    def _start_wandb(self, config_dict: dict):
+        """One W&B run per run folder: its id is kept in ``wandb_id.txt``, so a later
+        attempt in the folder (a resume) continues it, in a W&B folder of its own."""
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
+        id_file = self.run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = secrets.token_hex(4)
+            write_text_atomic(id_file, run_id + "\n")
         return wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
-                          name=self.cfg.run_name or self.run_dir.name, mode=self.cfg.wandb_mode,
+                          name=self.run_dir.name, mode=self.cfg.wandb_mode,
                           dir=str(self.run_dir), config=jsonable(config_dict),
-                          resume="allow" if resume else None,
-                          id=(self.run_dir.name if resume else None))
+                          id=run_id, resume="allow")
 
     @property
     def wandb_dir(self) -> Optional[str]:

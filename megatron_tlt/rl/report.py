@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..fileio import atomic_write
 from ..tracking import read_metrics
 
 
@@ -99,7 +100,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     ax.set_title("speculative acceptance length per bucket")
     fig.tight_layout()
     p = out / "curves.png"
-    fig.savefig(p, dpi=90)
+    _save(fig, p)
     plt.close(fig)
     paths.append(p)
 
@@ -130,7 +131,13 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
                      "update (green)")
         fig.tight_layout()
         p = out / "timeline.png"
-        fig.savefig(p, dpi=90)
+        _save(fig, p)
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+def _save(fig, path: Path) -> None:
+    """The PNG replaces an earlier one only once it is complete."""
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=90)

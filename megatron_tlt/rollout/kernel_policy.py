@@ -52,6 +52,7 @@ from typing import Optional
 
 import torch
 
+from ..fileio import write_text_atomic
 from .cpu_kernels import MAX_FUSED_ROWS
 
 log = logging.getLogger(__name__)
@@ -373,9 +374,7 @@ def measured_policy(module, *, recalibrate: bool = False) -> KernelPolicy:
                       "against eager torch ops (once per build, a few seconds)",
                       file=sys.stderr, flush=True)
                 data = calibrate(module)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(data, indent=1))
-                os.replace(tmp, path)
+                write_text_atomic(path, json.dumps(data, indent=1))
                 measured = True
     policy = KernelPolicy.from_json(data, source=str(path))
     _policies[str(path)] = policy

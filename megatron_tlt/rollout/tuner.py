@@ -54,10 +54,11 @@ import math
 import os
 import random
 import statistics
-import tempfile
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
+
+from ..fileio import atomic_write
 
 POLICIES = ("egreedy", "ucb1", "fixed")
 STATE_VERSION = 2  # 2: break-even gate state (version 1 states load with an empty gate)
@@ -940,22 +941,9 @@ class StrategyTuner:
         self.last_decision = None
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write ``state_dict()`` as JSON atomically (temporary file + ``os.replace``)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".tuner-", suffix=".json.tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.state_dict(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        """Write ``state_dict()`` as JSON atomically (``fileio.atomic_write``)."""
+        with atomic_write(path) as f:
+            json.dump(self.state_dict(), f)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> StrategyTuner:
