@@ -85,6 +85,10 @@ def test_a_new_run_into_a_folder_holding_a_run_stops_naming_the_folder_and_optio
                    str(tmp_path / "run-1"), "checkpoint.load"):
         assert option in msg, option
     assert snapshot(tmp_path) == before
+    (tmp_path / "a-file").write_text("x")
+    for resume in (False, True):
+        with pytest.raises(ConfigError, match="is a file; choose another tracking.run_name"):
+            run_dir.choose(_tracking(tmp_path), "a-file", resume=resume)
     # an empty folder holds no run: it is used as is
     (tmp_path / "empty").mkdir()
     assert run_dir.choose(_tracking(tmp_path), "empty", resume=False) == tmp_path / "empty"
@@ -228,7 +232,7 @@ def test_a_resume_after_sigkill_keeps_every_earlier_record_exactly_once(tiny_pol
                                                                         tmp_path):
     out, ckpt = tmp_path / "runs", tmp_path / "ckpt"
     folder = out / "run"
-    args = _args(tiny_policy, out, "train.steps=4", "grpo.max_new_tokens=32",
+    args = _args(tiny_policy, out, "train.steps=4", "grpo.max_new_tokens=16",
                  f"checkpoint.save={ckpt}", "checkpoint.save_interval=2")
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_rl_tlt.py"), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

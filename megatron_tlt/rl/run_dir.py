@@ -54,6 +54,9 @@ def choose(cfg: TrackingConfig, name: str, *, resume: bool) -> Path:
             ``tracking.on_existing_run=error`` and an explicit ``tracking.run_name``.
     """
     base = Path(cfg.output_dir).expanduser() / name
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"the run folder {base} is a file; choose another "
+                          f"tracking.run_name or tracking.output_dir")
     if resume or not holds_run(base):
         return base
     versions = (base.with_name(f"{base.name}-{k}") for k in itertools.count(1))
@@ -77,14 +80,14 @@ class OpenedRun:
 
     def describe(self, requested: Path) -> str:
         """One line for the log: the folder, and anything that was not plain."""
-        parts = [f"run folder {self.path}"]
+        line = f"run folder {self.path}"
         if self.path != requested:
-            parts.append(f"({requested} already holds a run)")
+            line += f" ({requested} already holds a run)"
         if self.config_file.name != "config.json":
-            parts.append(f"; this attempt's config: {self.config_file.name}")
+            line += f"; this attempt's config: {self.config_file.name}"
         if self.set_aside is not None:
-            parts.append(f"; records past the resumed step moved to {self.set_aside.name}")
-        return " ".join(parts)
+            line += f"; records past the resumed step moved to {self.set_aside.name}"
+        return line
 
 
 def open_run(cfg: TrackingConfig, name: str, *, resumed_step: Optional[int],
@@ -150,7 +153,5 @@ def _first_free(folder: Path, names: Iterable[str]) -> Path:
 
 
 def _listing(folder: Path, limit: int = 4) -> str:
-    if not folder.is_dir():
-        return "a file of that name"
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
