@@ -168,7 +168,7 @@ class Policy:
         """``loss`` times the float16 loss scale (unchanged without a scaler)."""
         if self.kind != "megatron" or not self.model_fp16:
             return loss
-        return (self.optimizer.get_loss_scale().to(loss.device) * loss).sum()
+        return self.optimizer.scale_loss(loss).sum()  # the scale is a [1] tensor
 
     @property
     def model_fp16(self) -> bool:
