@@ -68,7 +68,8 @@ class ModelConfig:
         "SmolLM2-135M-Instruct asset (tools/prepare_assets.py).", None)
     dtype: str = _help(
         "Parameter and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
-        "bfloat16, float16.", "auto")
+        "bfloat16, float16 (trained with megatron-core's dynamic loss scaling; steps whose "
+        "gradients overflow are skipped and counted in updates_skipped).", "auto")
     transformer_impl: str = _help(
         "Layer implementation: auto (Transformer Engine when installed and CUDA is "
         "present, else local), local (megatron-core modules), transformer_engine.", "auto")
@@ -348,11 +349,17 @@ class GRPOConfig:
     """The GRPO loss family (GRPO, DAPO, Dr. GRPO): sampling, advantages, loss."""
 
     prompts_per_step: int = _help("Prompts per RL step (over all DP replicas).", 32)
-    group_size: int = _help("Responses sampled per prompt (the GRPO group).", 8)
+    group_size: int = _help(
+        "Responses sampled per prompt (the GRPO group); >= 2: advantages are relative to "
+        "the group, so a group of one has no baseline.", 8)
     max_new_tokens: int = _help("Response length cap in tokens.", 1024)
-    temperature: float = _help("Rollout sampling temperature.", 1.0)
-    top_p: float = _help("Rollout top-p (1.0 = off).", 1.0)
-    top_k: int = _help("Rollout top-k (0 = off).", 0)
+    temperature: float = _help(
+        "Rollout sampling temperature T. The training, old, reference and rollout "
+        "log-probs are all taken at it, log softmax(logits / T), so the PPO ratio, the TIS "
+        "weight and the mismatch metric compare the distribution the sampler used.", 1.0)
+    top_p: float = _help("Rollout top-p (1.0 = off). Shapes the sampling only: log-probs "
+                         "are not truncated (verl's convention; see temperature).", 1.0)
+    top_k: int = _help("Rollout top-k (0 = off). Shapes the sampling only, as top_p.", 0)
     norm_adv_by_std: bool = _help(
         "Divide group-centred rewards by the group's std (GRPO); false = Dr. GRPO.", True)
     clip_eps_low: float = _help("PPO ratio clip below: 1 - clip_eps_low.", 0.2)
@@ -374,7 +381,8 @@ class GRPOConfig:
         "Responses that hit max_new_tokens: none, mask (excluded from the loss) or penalty "
         "(DAPO soft punishment over the last overlong_buffer tokens).", "none")
     overlong_buffer: int = _help("penalty: length of the linear penalty zone.", 64)
-    overlong_penalty: float = _help("penalty: reward subtracted at the cap.", 1.0)
+    overlong_penalty: float = _help("penalty: reward subtracted at the cap (and "
+                                    "beyond it: the penalty is floored there).", 1.0)
     dynamic_sampling: bool = _help(
         "DAPO dynamic sampling: replace groups whose rewards are all equal by fresh "
         "prompts, up to dynamic_sampling_rounds extra rollouts.", False)
@@ -390,7 +398,12 @@ class GRPOConfig:
 
     def __post_init__(self):
         _positive("grpo", "prompts_per_step", self.prompts_per_step)
-        _positive("grpo", "group_size", self.group_size)
+        if self.group_size < 2:
+            raise ConfigError(
+                f"grpo.group_size must be >= 2, got {self.group_size}: GRPO's advantage "
+                f"is a response's reward relative to the others of its prompt's group, so a "
+                f"group of one always has advantage 0 and nothing would be learned; "
+                f"sample at least 2 responses per prompt")
         _positive("grpo", "max_new_tokens", self.max_new_tokens)
         _positive("grpo", "ppo_epochs", self.ppo_epochs)
         _choice("grpo", "kl_type", self.kl_type, ("k1", "k3"))
@@ -430,7 +443,8 @@ class TrainConfig:
         "copies); 0 = no token budget.", 4096)
     optimizer: str = _help(
         "auto (megatron-core's optimizer; its distributed optimizer on CUDA), megatron, "
-        "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers).", "auto")
+        "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers; no fp32 main "
+        "weights and no loss scaling: refused with model.dtype=float16).", "auto")
     lr: float = _help("Peak learning rate.", 1e-6)
     min_lr: float = _help("Final learning rate of the cosine decay.", 0.0)
     lr_warmup_steps: int = _help("Linear warm-up, in optimizer steps.", 0)

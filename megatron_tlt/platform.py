@@ -144,13 +144,18 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Maps explicit CUDA placements (device="cuda", Tensor.cuda(), .to("cuda")) to CPU.
 
     megatron-core's pipeline schedules, DDP buffers and a few utilities create tensors
-    on "cuda" directly. Used only while CUDA is absent.
+    on "cuda" directly. Used only while CUDA is absent. ``Tensor.type()`` (the query,
+    no arguments) names a CPU tensor's CUDA type: megatron-core's mixed-precision
+    optimizer sorts its parameters by "torch.cuda.BFloat16Tensor" and the like.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

@@ -89,7 +89,8 @@ def test_greedy_batch_matches_transformers_and_full_forward(name, fused, tiny):
 
 def test_sampled_logprobs_and_hidden_states_match_full_forward(tiny):
     """Sampling paths use the same cache: raw log-probs of sampled tokens equal a
-    recompute, and 'processed' log-probs equal the processed distribution's."""
+    recompute, 'processed' log-probs equal the processed distribution's and 'tempered'
+    ones log softmax(logits / T)'s."""
     from megatron_tlt.rollout.sampling import processed_logprobs
 
     model, arch = tiny["qwen2"]
@@ -100,8 +101,11 @@ def test_sampled_logprobs_and_hidden_states_match_full_forward(tiny):
     proc = _engine(tiny, "qwen2").generate(prompts, SamplingParams(
         temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10, seed=3,
         logprobs="processed"))
-    for p, o, q in zip(prompts, raw, proc):
-        assert o.token_ids == q.token_ids  # same seed, same tokens
+    tempered = _engine(tiny, "qwen2").generate(prompts, SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10, seed=3,
+        logprobs="tempered"))
+    for p, o, q, t in zip(prompts, raw, proc, tempered):
+        assert o.token_ids == q.token_ids == t.token_ids  # same seed, same tokens
         lp, hidden = _full_forward(model, arch, p, o.token_ids)
         assert (torch.tensor(o.logprobs) - lp).abs().max().item() <= 1e-4
         assert (o.hidden_states - hidden).abs().max().item() <= 1e-4
@@ -111,6 +115,9 @@ def test_sampled_logprobs_and_hidden_states_match_full_forward(tiny):
         ref = processed_logprobs(logits, 0.8, 40, 0.9).gather(
             -1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert (torch.tensor(q.logprobs) - ref).abs().max().item() <= 1e-4
+        ref = processed_logprobs(logits, 0.8).gather(  # logits / T, not truncated
+            -1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(t.logprobs) - ref).abs().max().item() <= 1e-4
         assert all(x <= y + 1e-6 for x, y in zip(o.logprobs, q.logprobs))  # truncation
 
 

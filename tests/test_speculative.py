@@ -260,6 +260,28 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     assert _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), 20_000) < 1e-8
 
 
+@pytest.mark.parametrize("mode", ["raw", "tempered", "processed"])
+def test_sampled_speculation_returns_the_requested_logprobs(tiny, mode):
+    """Each token a speculative step emits carries the log-prob its request asked for:
+    raw, log softmax(logits / T) (no top-k/top-p) or the processed distribution's,
+    equal to a full forward's."""
+    model, arch = tiny["llama_tied"]
+    sp = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, max_new_tokens=12, seed=4,
+                        logprobs=mode)
+    prompts = _prompts()[:3]
+    eng = _spec_engine(model, arch, _random_drafter(arch), "3_3_8", max_batch_size=4)
+    outs = eng.generate(prompts, sp)
+    assert eng.last_stats.spec_fraction == 1.0
+    settings = {"raw": (1.0,), "tempered": (0.7,), "processed": (0.7, 50, 0.9)}[mode]
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            z = gather_logits(forward_local_logits(model, torch.tensor([p + o.token_ids])),
+                              arch)[0, len(p) - 1:-1].float()
+        want = processed_logprobs(z, *settings).gather(
+            -1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(o.logprobs) - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("strategy", ["4_1_4", "3_3_8", "1_1_1"])
 def test_greedy_speculation_equals_plain_decoding(tiny, name, strategy):

@@ -82,8 +82,8 @@ def gather_logits(local_logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
 
 
 def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor,
-                   arch: ModelArch) -> torch.Tensor:
-    """log p(targets) under the softmax of the logits, computed vocabulary-parallel.
+                   arch: ModelArch, temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets) under softmax(logits / temperature), computed vocabulary-parallel.
 
     ``local_logits`` [b, s, v/tp] from ``forward_local_logits``; ``targets`` [b, s].
     Differentiable (megatron-core's vocab-parallel cross-entropy); no full-vocabulary
@@ -98,6 +98,8 @@ def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor,
         logits = seq_first.clone(memory_format=torch.contiguous_format)
     else:
         logits = seq_first.to(torch.float32, memory_format=torch.contiguous_format)
+    if temperature != 1.0:
+        logits.div_(temperature)
     _mask_vocab_padding_(logits, arch)
     nll = vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
     return -nll.transpose(0, 1)

@@ -52,8 +52,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool,
     A_i =  R_i - mean_g R                      (Dr. GRPO)
 
     std_g is the unbiased (Bessel-corrected, n - 1) standard deviation, torch.std's
-    default, as GRPO and verl use. Groups whose rewards are all equal (and groups of
-    one response) give exactly 0.
+    default, as GRPO and verl use. Groups whose rewards are all equal give exactly 0,
+    and so does a group of one response: it has no baseline (verl returns R_i there,
+    REINFORCE without a baseline; the config refuses grpo.group_size=1 instead).
     """
     r = _groups(rewards, group_size)
     flat = zero_std_groups(rewards, group_size).unsqueeze(1)
@@ -68,11 +69,11 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int,
     """DAPO's soft overlong punishment, a reward term <= 0 per response.
 
     With L = max_new_tokens - buffer: 0 for len <= L, else -penalty * (len - L) / buffer,
-    which falls linearly to -penalty at len = max_new_tokens.
+    which falls linearly to -penalty at len = max_new_tokens and stays there beyond.
     """
     if buffer <= 0:
         raise ValueError(f"overlong buffer must be > 0, got {buffer}")
-    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0, max=buffer)
     return -penalty * excess / buffer
 
 

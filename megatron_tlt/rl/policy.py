@@ -14,6 +14,14 @@ CUDA). Clipping uses the optimizer's own global norm (``get_grad_norm``: model-p
 aware, tied and TP-duplicated parameters counted once) and scales the gradients it
 steps on; megatron-core's fused clip asserts CUDA tensors, this path runs everywhere.
 ``train.optimizer=torch`` steps torch.optim.AdamW on the same gradient buffers.
+
+float16: megatron-core's dynamic loss scaler (its optimizer owns it). The loss is
+multiplied by the current scale before backward (``scale_loss``: here at PP = 1, through
+the model config's ``grad_scale_func`` in megatron-core's pipeline schedules at PP > 1);
+``prepare_grads`` divides the gradients by it, checks them for inf/nan and updates the
+scale (halved after ``hysteresis`` overflowing steps, doubled after 1000 clean ones). A
+step whose gradients overflowed is skipped (``StepResult.updated`` False). bfloat16 and
+float32 have no scaler (scale 1).
 """
 
 from __future__ import annotations
@@ -28,11 +36,17 @@ from ..platform import cuda_placements_on_cpu
 from .samples import MicroBatch
 
 
+# The dynamic loss scale a float16 run starts from (megatron-core's default, 2**32,
+# overflows and skips the first ~16 steps; torch.amp's GradScaler starts at 2**16).
+INITIAL_LOSS_SCALE = 2.0 ** 16
+
+
 @dataclass
 class StepResult:
     grad_norm: float
     lr: float
     updated: bool  # False when the step was skipped (non-finite gradients)
+    loss_scale: float = 1.0  # the float16 loss scale after this step (1 otherwise)
 
 
 def _megatron_ddp(model, *, use_distributed_optimizer: bool):
@@ -61,6 +75,13 @@ class Policy:
         kind = train_cfg.optimizer
         if kind == "auto":
             kind = "megatron"
+        if kind == "torch" and model.config.fp16:
+            from ..config import ConfigError
+
+            raise ConfigError(
+                "train.optimizer=torch cannot train model.dtype=float16: it has no loss "
+                "scaling, so small float16 gradients underflow; use train.optimizer=auto "
+                "(megatron-core's optimizer, dynamic loss scaling) or model.dtype=bfloat16")
         self.kind = kind
         self.module = model  # the GPTModel the rollout engine reads in place
         self.ddp = _megatron_ddp(model, use_distributed_optimizer=on_cuda and kind == "megatron")
@@ -77,9 +98,13 @@ class Policy:
                 clip_grad=0.0,  # clipped in train_step (see the module docstring)
                 bf16=model.config.bf16, fp16=model.config.fp16,
                 params_dtype=model.config.params_dtype,
+                initial_loss_scale=INITIAL_LOSS_SCALE,
                 use_distributed_optimizer=on_cuda)
             with cuda_placements_on_cpu():
                 self.optimizer = get_megatron_optimizer(ocfg, [self.ddp])
+            if model.config.fp16:  # megatron-core's pipeline schedules multiply the last
+                # stage's loss by this before backward (PP > 1); _scaled at PP = 1
+                model.config.grad_scale_func = self.optimizer.scale_loss
             from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
             self.scheduler = OptimizerParamScheduler(
@@ -98,10 +123,10 @@ class Policy:
 
     # ----------------------------------------------------------------- forward passes
     def _schedule(self, micro_batches: Sequence[MicroBatch], forward_only: bool,
-                  loss_fn: Optional[Callable]):
+                  loss_fn: Optional[Callable], temperature: float = 1.0):
         """Run megatron-core's schedule over the micro-batches; returns, on the last
         stage, one entry per micro-batch: ``loss_fn``'s metrics dict, or (forward only)
-        the local logits' log-probs of the targets."""
+        the log-probs of the targets under softmax(logits / ``temperature``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from ..models.inference import token_logprobs
@@ -114,7 +139,7 @@ class Policy:
 
             def finish(output, non_loss_data=False):
                 if loss_fn is None:
-                    return token_logprobs(output, mb.targets, arch).detach()
+                    return token_logprobs(output, mb.targets, arch, temperature).detach()
                 loss, metrics = loss_fn(mb, output)
                 return loss, torch.tensor(mb.tokens, dtype=torch.int), metrics
 
@@ -126,7 +151,7 @@ class Policy:
                 logits, finish = forward_step(iter([mb]), self.ddp)
                 result = finish(logits)
                 if loss_fn is not None:
-                    result[0].backward()
+                    self._scaled(result[0]).backward()
                     result = result[2]
                 out.append(result)
             return out
@@ -139,11 +164,41 @@ class Policy:
                 micro_batch_size=b, forward_only=forward_only,
                 collect_non_loss_data=forward_only)
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the float16 loss scale (unchanged without a scaler)."""
+        if self.kind != "megatron" or not self.model_fp16:
+            return loss
+        return self.optimizer.scale_loss(loss).sum()  # the scale is a [1] tensor
+
+    @property
+    def model_fp16(self) -> bool:
+        return bool(self.module.config.fp16)
+
+    @property
+    def loss_scale(self) -> float:
+        if self.kind != "megatron" or not self.model_fp16:
+            return 1.0
+        return float(self.optimizer.get_loss_scale())
+
     @torch.no_grad()
-    def logprobs(self, micro_batches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]:
-        """Per micro-batch [b, S] log p(target) (last pipeline stage; None elsewhere)."""
+    def loss_metrics(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable
+                     ) -> list[dict]:
+        """``loss_fn``'s metrics of micro-batches that need no gradient (forward only,
+        in training mode, PP = 1): the zero-advantage samples a step's update skips."""
+        if self.pp_size != 1:
+            raise ValueError("Policy.loss_metrics runs at pipeline-parallel size 1 only")
+        self.ddp.train()
+        return [loss_fn(mb, self.ddp(mb.input_ids, mb.position_ids, attention_mask=None))[1]
+                for mb in micro_batches]
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
+                 ) -> Optional[list[torch.Tensor]]:
+        """Per micro-batch [b, S] log p(target) at ``temperature`` (last pipeline stage;
+        None elsewhere)."""
         self.ddp.eval()
-        out = self._schedule(micro_batches, forward_only=True, loss_fn=None)
+        out = self._schedule(micro_batches, forward_only=True, loss_fn=None,
+                             temperature=temperature)
         return list(out) if self.is_last_stage else None
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable
@@ -168,21 +223,21 @@ class Policy:
     def _optimizer_step(self) -> StepResult:
         clip = self.cfg.clip_grad
         if self.kind == "megatron":
-            found_inf = self.optimizer.prepare_grads()
+            found_inf = self.optimizer.prepare_grads()  # unscales; updates the scale
             if found_inf:
                 self.scheduler.step(1)
-                return StepResult(float("nan"), self.lr, False)
+                return StepResult(float("nan"), self.lr, False, self.loss_scale)
             grad_norm = float(self.optimizer.get_grad_norm())
             if not math.isfinite(grad_norm):
                 self.scheduler.step(1)
-                return StepResult(grad_norm, self.lr, False)
+                return StepResult(grad_norm, self.lr, False, self.loss_scale)
             if clip > 0 and grad_norm > clip:
                 grads = [p.grad for p in self.optimizer.get_parameters() if p.grad is not None]
                 torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
             lr = self.lr
             self.optimizer.step_with_ready_grads()
             self.scheduler.step(1)
-            return StepResult(grad_norm, lr, True)
+            return StepResult(grad_norm, lr, True, self.loss_scale)
         params = [p for p in self.ddp.parameters() if p.requires_grad]
         for p in params:
             p.grad = p.main_grad

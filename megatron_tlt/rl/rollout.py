@@ -31,9 +31,12 @@ class ReplicaRollout:
 
 
 def sampling_params(grpo_cfg, seed: int, *, hidden: bool = False) -> SamplingParams:
+    """A step's rollout settings. The log-probs returned are "tempered" (logits / T,
+    no top-k/top-p): the quantity the trainer's old, new and reference forwards
+    compute, so ratios, TIS weights and the mismatch metric compare like with like."""
     return SamplingParams(temperature=grpo_cfg.temperature, top_p=grpo_cfg.top_p,
                           top_k=grpo_cfg.top_k, max_new_tokens=grpo_cfg.max_new_tokens,
-                          seed=seed, return_hidden_states=hidden)
+                          seed=seed, logprobs="tempered", return_hidden_states=hidden)
 
 
 def sample_seed(seed: int, prompt_index: int, j: int, group_size: int) -> int:
@@ -76,14 +79,15 @@ def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     the full sequence per token (no KV cache). Every rank of the model-parallel group
     calls it with the same arguments and gets the same outputs: the last stage samples
     (``choose_tokens``, per-request generators as the engine seeds them) and broadcasts
-    each token along the pipeline. Log-probs are raw, as the engine's default.
+    each token along the pipeline. Log-probs as ``params.logprobs`` asks, as the
+    engine's.
     ``request_seeds`` and ``sampling_mode`` as ``RolloutEngine.generate`` and
     ``rollout.sampling_mode``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from ..models.inference import forward_local_logits, gather_logits
-    from ..rollout.sampling import choose_tokens
+    from ..rollout.sampling import choose_tokens, requested_logprobs
 
     device = next(model.parameters()).device
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -105,9 +109,10 @@ def pipeline_generate(model, arch, eos_token_ids: Sequence[int], context: int,
             msg = torch.zeros(2, dtype=torch.float64, device=device)
             if local is not None:
                 logits = gather_logits(local[:, -1:], arch)[:, -1].float()
-                tok, raw, _ = choose_tokens(logits, [params], [gen],
-                                            coupled=[(rs, len(tokens))] if coupled else None)
-                msg[0], msg[1] = float(tok[0]), float(raw[0])
+                tok, raw, proc = choose_tokens(logits, [params], [gen],
+                                               coupled=[(rs, len(tokens))] if coupled else None)
+                lp = requested_logprobs(logits, tok, [params], raw, proc)
+                msg[0], msg[1] = float(tok[0]), float(lp[0])
             dist.broadcast(msg, src=last, group=pp_group)
             tok = int(msg[0])
             tokens.append(tok)

@@ -23,7 +23,7 @@ class Sample:
     prompt_index: int             # index of the prompt within the step (its group)
     prompt_ids: list[int]
     response_ids: list[int]
-    rollout_logprobs: list[float]  # the engine's raw log-probs of the response tokens
+    rollout_logprobs: list[float]  # the engine's tempered log-probs (logits / T)
     finish_reason: str             # "stop" or "length"
     reward: float = 0.0
     score: float = 0.0

@@ -291,19 +291,21 @@ class Trainer:
     @torch.no_grad()
     def _fill_logprobs(self, samples: Sequence[Sample], model, attr: str) -> None:
         """Forward-only log-probs of each response under ``model`` (the policy or the
-        frozen reference), stored per sample on the last pipeline stage."""
+        frozen reference) at the sampling temperature, stored per sample on the last
+        pipeline stage."""
         if not samples:
             return
+        temperature = self.cfg.grpo.temperature
         mbs = self._micro_batches(samples, range(len(samples)), None, for_loss=False)
         if isinstance(model, Policy):
-            outs = model.logprobs(mbs)
+            outs = model.logprobs(mbs, temperature)
         else:
             from ..models.inference import forward_local_logits, token_logprobs
 
             outs = []
             for mb in mbs:
                 local = forward_local_logits(model, mb.input_ids)
-                outs.append(token_logprobs(local, mb.targets, self.arch)
+                outs.append(token_logprobs(local, mb.targets, self.arch, temperature)
                             if local is not None else None)
             outs = outs if self.policy.is_last_stage else None
         if outs is None:
@@ -320,41 +322,53 @@ class Trainer:
             return contextlib.nullcontext(None)
         return self.tracker.phase(name, total)
 
+    def _skips_zero_advantage(self) -> bool:
+        """Whether zero-advantage samples skip the backward: their loss is then exactly
+        zero (no KL or entropy term; at PP = 1, where micro-batch shapes may vary)."""
+        g = self.cfg.grpo
+        return g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1
+
     def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
                 tick: Optional[Callable] = None) -> dict:
         from ..models.inference import token_logprobs
 
         g = self.cfg.grpo
-        arch = self.arch
+        arch, T = self.arch, self.cfg.grpo.temperature
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
-        losses, norms, lrs, skipped = [], [], [], 0
+        norms, lrs, skipped, loss_scale = [], [], 0, 1.0
         for _epoch in range(g.ppo_epochs):
             for m in range(self.mini_batches):
                 idx = [i for i, s in enumerate(samples) if s.prompt_index % self.mini_batches == m]
-                tokens = sum(len(samples[i].response_ids) for i in idx if loss_mask[i])
-                seqs = sum(1 for i in idx if loss_mask[i])
-                tokens, seqs = self._dp_sum([tokens, seqs])
+                # loss tokens; sequences with >= 1 of them (an empty response adds nothing)
+                kept = [len(samples[i].response_ids) for i in idx if loss_mask[i]]
+                tokens, seqs = self._dp_sum([sum(kept), sum(1 for n in kept if n)])
                 denoms = grpo.LossDenominators(tokens=max(tokens, 1.0),
                                                sequences=max(seqs, 1.0),
                                                max_len=float(g.max_new_tokens))
-                if g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1:
+                idle = []
+                if self._skips_zero_advantage():
                     # a zero-advantage sample's loss and gradient are exactly zero: skip
-                    # its forward/backward (the denominators above still count it)
+                    # its backward (the denominators above still count it); a forward
+                    # without gradients still gives its metrics, so they do not depend
+                    # on the skipping
+                    idle = [i for i in idx if samples[i].advantage == 0.0]
                     idx = [i for i in idx if samples[i].advantage != 0.0]
                 mbs = self._micro_batches(samples, idx, loss_mask, for_loss=True)
 
                 def loss_fn(mb, local_logits, denoms=denoms):
                     # only response positions carry loss: the vocabulary-wide work
-                    # (log-softmax, entropy) runs on those rows alone
+                    # (log-softmax, entropy) runs on those rows alone, at the sampling
+                    # temperature (softmax(logits / T), no top-k/top-p)
                     sel = mb.mask > 0
                     rows = local_logits[sel].unsqueeze(0)                   # [1, n, V/tp]
-                    lp = token_logprobs(rows, mb.targets[sel].unsqueeze(0), arch)[0]
+                    lp = token_logprobs(rows, mb.targets[sel].unsqueeze(0), arch, T)[0]
                     logp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device)
                     logp = logp.masked_scatter(sel, lp)
                     ent_needed = g.entropy_coef > 0
                     with torch.set_grad_enabled(ent_needed and torch.is_grad_enabled()):
-                        e = grpo.vocab_parallel_entropy(rows if ent_needed else rows.detach(),
+                        x = rows if ent_needed else rows.detach()
+                        e = grpo.vocab_parallel_entropy(x.float() / T if T != 1.0 else x,
                                                         vocab_size=arch.vocab_size)[0]
                         ent = torch.zeros(sel.shape, dtype=e.dtype, device=e.device)
                         ent = ent.masked_scatter(sel, e)
@@ -370,7 +384,11 @@ class Trainer:
                         met["loss"] = loss.detach()
                     return loss, met
 
-                result, per_mb = self.policy.train_step(mbs, loss_fn)
+                per_mb = self.policy.loss_metrics(
+                    self._micro_batches(samples, idle, loss_mask, for_loss=True), loss_fn
+                ) if idle else []
+                result, trained = self.policy.train_step(mbs, loss_fn)
+                per_mb += trained
                 for met in per_mb:
                     for k, v in met.items():
                         v = float(v)
@@ -378,9 +396,11 @@ class Trainer:
                             maxes[k] = max(maxes.get(k, -math.inf), v)
                         else:
                             sums[k] = sums.get(k, 0.0) + v
-                norms.append(result.grad_norm)
+                if result.updated:  # a skipped step's norm is not finite
+                    norms.append(result.grad_norm)
                 lrs.append(result.lr)
                 skipped += 0 if result.updated else 1
+                loss_scale = result.loss_scale
                 if tick is not None:
                     tick(1, f"loss {sum(float(m.get('loss', 0.0)) for m in per_mb):+.4f}")
         # a replica may have run no micro-batch (every sample's advantage was zero):
@@ -394,7 +414,8 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
             maxes = dict(zip(mk, t.tolist()))
         return {"sums": totals, "maxes": maxes, "grad_norm": norms, "lr": lrs,
-                "skipped": skipped, "updates": g.ppo_epochs * self.mini_batches}
+                "skipped": skipped, "updates": g.ppo_epochs * self.mini_batches,
+                "loss_scale": loss_scale}
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, step, samples, roll: ReplicaRollout, finish_times, timing, update,
@@ -438,18 +459,23 @@ class Trainer:
             "loss/entropy": s.get("entropy_sum", 0.0) / tok,
             "clip_fraction/low": s.get("clip_low_count", 0.0) / tok,
             "clip_fraction/high": s.get("clip_high_count", 0.0) / tok,
+            "clip_fraction/dual": s.get("dual_clip_count", 0.0) / tok,
             "ratio/mean": s.get("ratio_sum", 0.0) / tok,
             "ratio/max": mx.get("ratio_max", float("nan")),
             "mismatch/logprob_abs_diff": s.get("rollout_logp_abs_diff_sum", 0.0) / tok,
             "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
-            "grad_norm": sum(upd["grad_norm"]) / max(len(upd["grad_norm"]), 1),
+            "grad_norm": (sum(upd["grad_norm"]) / len(upd["grad_norm"])
+                          if upd["grad_norm"] else float("nan")),
             "lr": upd["lr"][-1] if upd["lr"] else self.policy.lr,
             "updates_skipped": upd["skipped"],
+            "loss_scale": upd["loss_scale"],
             "timing": dict(timing, tail=last - first),
             "idle_replica_seconds": sum(last - f for f in finish_times),
             "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
             "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
         }
+        if g.tis_cap > 0:
+            out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
         if any(x is not None for x in spec):
             out["spec"] = _merge_spec([x for x in spec if x is not None], sum(decode))
         return out

@@ -32,7 +32,8 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .forward import ModelRunner
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens, own_seed, seeded_generator
+from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
+                       seeded_generator)
 from .speculative import SpecStats
 
 
@@ -45,9 +46,10 @@ class RolloutOutput:
     """One generated sequence.
 
     token_ids: generated tokens (a final EOS/stop token included).
-    logprobs: per generated token, its log-probability under the target model: raw
-        log_softmax of the logits (temperature 1, no truncation) unless the request
-        asked for ``logprobs="processed"`` (the distribution it was sampled from).
+    logprobs: per generated token, its log-probability under the target model as the
+        request's ``SamplingParams.logprobs`` asks: raw log_softmax of the logits
+        (default), tempered (logits / temperature, no top-k/top-p) or processed (the
+        distribution it was sampled from).
     finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or the
         context limit).
     hidden_states: [len(token_ids), hidden] on CPU when requested: row i is the
@@ -377,12 +379,12 @@ class RolloutEngine:
             L = r.length
             idx = torch.tensor(e.nodes, device=self.device)
             tok = torch.tensor(e.tokens, device=self.device)[:, None]
-            sp = r.params
-            if sp.logprobs == "processed" and not sp.greedy:
-                src = plp[i].index_select(0, idx)
-            else:
-                src = torch.log_softmax(logits[i].index_select(0, idx).float(), dim=-1)
-            chosen = src.gather(-1, tok)[:, 0].tolist()
+            node_logits = logits[i].index_select(0, idx).float()
+            raw = torch.log_softmax(node_logits, dim=-1).gather(-1, tok)[:, 0]
+            processed = raw if r.params.greedy else \
+                plp[i].index_select(0, idx).gather(-1, tok)[:, 0]
+            chosen = requested_logprobs(node_logits, tok[:, 0], [r.params] * len(e.tokens),
+                                        raw, processed).tolist()
             m = 0
             for j, t in enumerate(e.tokens):
                 if hidden_buf is not None:
@@ -444,9 +446,7 @@ class RolloutEngine:
             pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)
             idx = torch.arange(first_row, first_row + len(rows), device=self.device)
             hidden_buf[idx, pos] = hidden.to(hidden_buf.dtype)
-        want_processed = torch.tensor([r.params.logprobs == "processed" for r in rows],
-                                      device=self.device)
-        chosen = torch.where(want_processed, processed, raw)
+        chosen = requested_logprobs(logits, tokens, [r.params for r in rows], raw, processed)
         for r, tok, lp in zip(rows, tokens.tolist(), chosen.tolist()):
             r.tokens.append(tok)
             r.logprobs.append(lp)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-LOGPROB_MODES = ("raw", "processed")
+LOGPROB_MODES = ("raw", "tempered", "processed")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,12 @@ class SamplingParams:
     seed: makes sampling reproducible; None draws a fresh seed per call.
     logprobs: which log-probability of each sampled token is returned:
         "raw" (default) = log_softmax of the model's logits, no temperature or
-        truncation: what a training-time forward over the same tokens computes;
+        truncation;
+        "tempered" = log_softmax(logits / temperature), no top-k/top-p truncation:
+        what the RL trainer's forward computes (training log-probs are taken at the
+        sampling temperature, top-k/top-p shape only the sampling);
         "processed" = under the distribution the token was sampled from.
+        Greedy requests (temperature 0) return the raw log-prob in every mode.
     return_hidden_states: also return the target's final hidden state (after the final
         norm, i.e. the LM head's input) at the position that produced each token.
     """
@@ -105,6 +109,31 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.log_softmax(x, dim=-1)
+
+
+def requested_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       params: Sequence[SamplingParams], raw: torch.Tensor,
+                       processed: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [rows, vocab], the log-prob of ``tokens[r]`` that
+    ``params[r].logprobs`` asks for, [rows] float32. ``raw`` and ``processed`` [rows]
+    are ``choose_tokens``' (or the speculative verifier's) log-probs of the same tokens;
+    "tempered" rows are computed here, one call per temperature (at temperature 1 it
+    is the raw log-prob; without top-k / top-p, the processed one)."""
+    out = torch.where(torch.tensor([p.logprobs == "processed" and not p.greedy
+                                    for p in params], device=raw.device), processed, raw)
+    by_t: dict[float, list[int]] = {}
+    for r, p in enumerate(params):
+        if p.logprobs != "tempered" or p.greedy or p.temperature == 1.0:
+            continue  # raw
+        if p.top_k == 0 and p.top_p == 1.0:
+            out[r] = processed[r]
+        else:
+            by_t.setdefault(p.temperature, []).append(r)
+    for t, idx in by_t.items():
+        index = torch.tensor(idx, device=logits.device)
+        lps = processed_logprobs(logits.index_select(0, index), t)
+        out[index] = lps.gather(-1, tokens.index_select(0, index)[:, None])[:, 0].to(out.dtype)
+    return out
 
 
 def make_generators(seed: Optional[int], n: int, device: torch.device,
