@@ -481,8 +481,9 @@ class DrafterGroupConfig:
                                 "lr.", 0.1)
     weight_decay: float = _help("Drafter AdamW weight decay.", 0.0)
     grad_clip: float = _help("Drafter gradient clipping by global norm (0 = off).", 1.0)
-    batch_tokens: int = _help("Padded tokens per drafter micro-step (one response per "
-                              "row).", 2048)
+    batch_tokens: int = _help(
+        "Padded tokens per drafter micro-step (one response per row). A micro-step is the "
+        "preemption bound: the last replica waits for at most one.", 512)
     buffer_tokens: int = _help(
         "Responses' feature rows held per replica for training (CPU memory: rows x "
         "hidden x 4 bytes); the current and the previous step's responses, oldest "
