@@ -6,8 +6,10 @@
 1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
    (tools/warmup_drafter.py: self-distillation on 64 sampled chain_sum responses).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
-   rollout.speculative.drafter=<it>` plus any overrides given here: a few GRPO steps, a
-   per-step summary table, and the paths of the W&B offline run, the JSONL and the plots.
+   rollout.speculative.drafter=<it> drafter_group.enable=true` plus any overrides given
+   here: a few GRPO steps with the drafter group training the drafter in every step's
+   tail, a per-step summary table (acceptance, drafter steps, alpha), and the paths of
+   the W&B offline run, the JSONL and the plots (the timeline shows the training).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
     drafter = demo_drafter()
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", REPO / "examples" / "rl" / "smollm2_cpu.yaml",
-                     f"rollout.speculative.drafter={drafter}", *overrides], t0)
+                     f"rollout.speculative.drafter={drafter}", "drafter_group.enable=true",
+                     *overrides], t0)
 
 
 if __name__ == "__main__":
