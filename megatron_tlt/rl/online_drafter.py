@@ -50,6 +50,11 @@ class OnlineDrafter:
                 "returns; this drafter reads EAGLE-3 feature layers "
                 f"{list(drafter.config.feature_layers)}. Use a drafter without "
                 "feature_layers or drafter_group.enable=false")
+        if trainer.layout.dp_size == 1 and trainer.rank == 0:
+            warnings.warn("drafter_group.enable=true with one data-parallel replica: no "
+                          "replica is ever idle while another decodes, so the drafter "
+                          "never trains; launch 2 or more replicas", RuntimeWarning,
+                          stacklevel=2)
         self.engine = eng
         self.cfg = dg
         self.dp_group = trainer.dp_group
