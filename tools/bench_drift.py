@@ -50,7 +50,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
               f"train.steps={a.steps}", f"train.lr={a.policy_lr}",
               f"grpo.max_new_tokens={a.max_new_tokens}",
               f"grpo.prompts_per_step={a.prompts}", f"grpo.group_size={a.group_size}",
-              "rollout.sampling_mode=coupled", "tracking.wandb_project=",
+              "rollout.sampling_mode=coupled", "tracking.wandb_project=\"\"",
               "tracking.plots=false", "tracking.progress=false",
               f"tracking.output_dir={a.out_dir}", f"tracking.run_name={arm}"]
     if arm == "frozen":
@@ -59,7 +59,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
     if arm == "online":
         return common + [f"rollout.speculative.drafter={drafter}",
                          "drafter_group.enable=true"]
-    return common + ["rollout.speculative.drafter=", "drafter_group.enable=true"]
+    return common + ["rollout.speculative.drafter=\"\"", "drafter_group.enable=true"]
 
 
 def read(path: Path) -> list[dict]:
