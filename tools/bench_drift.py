@@ -9,7 +9,8 @@ K GRPO steps of SmolLM2 (examples/rl/smollm2_cpu.yaml, 2 DP replicas, gloo, one 
 per process) with a policy learning rate high enough that the policy drifts
 (``--policy-lr``), three arms from the same weights, seed and prompts, coupled sampling
 (so every arm decodes the same responses whatever its drafter, up to floating-point
-near-ties):
+near-ties) and a fixed drafting strategy (``--strategy``, so every tail step measures
+the drafter's acceptance instead of the tuner declining a weak drafter):
 
 - ``frozen``: the warm-up drafter (``--drafter``, default the demo's), never trained;
 - ``online``: the same drafter, trained by the drafter group in the rollout tail;
@@ -50,7 +51,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
               f"train.steps={a.steps}", f"train.lr={a.policy_lr}",
               f"grpo.max_new_tokens={a.max_new_tokens}",
               f"grpo.prompts_per_step={a.prompts}", f"grpo.group_size={a.group_size}",
-              "rollout.sampling_mode=coupled", "tracking.wandb_project=\"\"",
+              "rollout.sampling_mode=coupled", *strategy_args(a.strategy), "tracking.wandb_project=\"\"",
               "tracking.plots=false", "tracking.progress=false",
               f"tracking.output_dir={a.out_dir}", f"tracking.run_name={arm}"]
     if arm == "frozen":
@@ -60,6 +61,14 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
         return common + [f"rollout.speculative.drafter={drafter}",
                          "drafter_group.enable=true"]
     return common + ["rollout.speculative.drafter=\"\"", "drafter_group.enable=true"]
+
+
+def strategy_args(strategy: str) -> list[str]:
+    """A fixed strategy (default) speculates on every step below the threshold, so each
+    step measures its drafter's acceptance; "adaptive" leaves the recipe's tuner."""
+    if strategy == "adaptive":
+        return []
+    return ["rollout.speculative.policy=fixed", f"rollout.speculative.strategy={strategy}"]
 
 
 def read(path: Path) -> list[dict]:
@@ -119,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--policy-lr", type=float, default=1e-4)
     ap.add_argument("--drafter", default=None, help="warm-up drafter (default: the demo's)")
+    ap.add_argument("--strategy", default="4_1_4",
+                    help="fixed drafting strategy for every arm, or 'adaptive'")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out-dir", default=str(REPO / "runs" / "bench_drift"))
     ap.add_argument("--json", default=None)
@@ -141,6 +152,7 @@ def main(argv=None) -> int:
     res = summarise(rows)
     res["config"] = {"steps": a.steps, "prompts": a.prompts, "group_size": a.group_size,
                      "max_new_tokens": a.max_new_tokens, "policy_lr": a.policy_lr,
+                     "strategy": a.strategy,
                      "drafter": str(drafter), "overrides": a.overrides,
                      "minutes": (time.perf_counter() - t0) / 60}
     for arm, rs in rows.items():
