@@ -20,10 +20,10 @@ the step barrier (``Trainer.idle_window_hooks``):
    gathered; if nobody trained, nothing else happens. Otherwise drafter parameters and
    AdamW moments are averaged over DP weighted by the local step counts (a replica with
    0 steps, or a failed one, weighs 0), the LR-schedule counter advances by the
-   largest step count, and a checksum all-gather confirms every replica holds
-   bit-identical state (else DP rank 0's is broadcast).
+   largest step count, and a checksum all-gather of the averaged vector confirms every
+   replica holds bit-identical state (else DP rank 0's is broadcast).
 
-A failure (non-finite loss, an exception) restores the replica's window-start drafter,
+A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
 gives it weight 0 and turns speculation off for the next rollout on every replica
 (``speculation_guard``); the RL step never waits on a drafter that failed.
 
@@ -180,6 +180,9 @@ class DrafterGroup:
             losses.append(float(parts["loss"]))
             if self.after_micro_step is not None:
                 self.after_micro_step(steps)
+        if failure is None and snapshot is not None and not all(
+                bool(torch.isfinite(t).all()) for t in self._tensors()):
+            failure = "FloatingPointError: non-finite drafter weights or moments"
         t_sync = self.clock()
         sync = self._synchronise(base, failure, snapshot)
         t_done = self.clock()
@@ -223,29 +226,24 @@ class DrafterGroup:
         out = {"wait": wait, "checksum": None, "healed": False}
         if total == 0:
             return out
+        # every contribution was checked finite (a replica whose state was not counts
+        # as failed, weight 0), so the average is finite
         flat = self._flat(create=True)
-        before = snapshot if snapshot is not None else flat.clone()
         flat.mul_(good[self.dp_rank] / total)
         dist.all_reduce(flat, group=self.dp_group)
-        if not bool(torch.isfinite(flat).all()):  # the same verdict on every replica
-            flat = before
-            self.trainer.step_count = base
-            self.speculation_off = True
-        else:
-            self.trainer.step_count = base + int(max(good))
-            self.version += 1
-        self._write_flat(flat)
-        cs = self.checksum()
+        self.trainer.step_count = base + int(max(good))
+        self.version += 1
+        cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
         sums = [torch.empty_like(cs) for _ in range(self.dp_size)]
         dist.all_gather(sums, cs, group=self.dp_group)
-        if any(not torch.equal(s, sums[0]) for s in sums):  # never expected; made certain
-            flat = self._flat()
+        if any(not torch.equal(x, sums[0]) for x in sums):  # never expected; made certain
             dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, 0),
                            group=self.dp_group)
-            self._write_flat(flat)
+            cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
             out["healed"] = True
-        out["checksum"] = int(self.checksum()[0])
+        self._write_flat(flat)
         self._set_adam_step()
+        out["checksum"] = int(cs[0])
         return out
 
     def _tensors(self, create: bool = False) -> list[torch.Tensor]:
