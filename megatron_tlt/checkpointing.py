@@ -2,7 +2,8 @@
 
 ``RunState`` gathers what a resumed run needs to continue as if it had never stopped:
 the step counter, the policy (model shard, optimizer, LR schedule), the prompt
-sampler's position, every RNG stream, the speculative-strategy tuner and the drafter.
+sampler's position, every RNG stream, the speculative-strategy tuner and the drafter
+(with its online optimizer state when the drafter group trains it).
 Each rank writes its own file (its TP/PP shard and its RNG), into
 ``{save}/step_{N:07d}/``; the folder becomes visible under its final name only once
 every rank has written (a temporary name, then a rename by rank 0 after a barrier),
@@ -63,6 +64,7 @@ class RunState:
     sampler: Any = None                # rl.data.PromptSampler
     tuner: Any = None                  # rollout.tuner.StrategyTuner or None
     drafter: Any = None                # models.drafter.EagleDrafter or None
+    drafter_group: Any = None          # drafter_training.group.DrafterGroup or None
     extra: dict = field(default_factory=dict)  # small JSON-able counters
 
     def state_dict(self) -> dict:
@@ -73,6 +75,8 @@ class RunState:
             out["tuner"] = self.tuner.state_dict()
         if self.drafter is not None:
             out["drafter"] = self.drafter.own_state()
+        if self.drafter_group is not None:  # the drafter's optimizer and schedule
+            out["drafter_group"] = self.drafter_group.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -84,6 +88,8 @@ class RunState:
             self.tuner.load_state_dict(state["tuner"])
         if self.drafter is not None and "drafter" in state:
             self.drafter.load_own_state(state["drafter"])
+        if self.drafter_group is not None and "drafter_group" in state:
+            self.drafter_group.load_state_dict(state["drafter_group"])
         self.extra = dict(state.get("extra", {}))
         set_rng_state(state["rng"])
 

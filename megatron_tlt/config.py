@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
-    "GRPOConfig", "TrainConfig", "CheckpointConfig", "TrackingConfig", "build_parser", "config_from_args", "load_config", "parse_args",
+    "GRPOConfig", "TrainConfig", "DrafterGroupConfig", "CheckpointConfig", "TrackingConfig", "build_parser", "config_from_args", "load_config", "parse_args",
     "validate_for_run",
 ]
 
@@ -473,6 +473,58 @@ class TrainConfig:
 
 
 @dataclass
+class DrafterGroupConfig:
+    """Online drafter training on idle replicas (the drafter group): a DP replica that
+    finished its rollout trains the drafter on its buffered responses until the last
+    replica finishes; at the step barrier the replicas' drafters and optimizer states
+    are averaged, weighted by their step counts."""
+
+    enable: bool = _help(
+        "Train the drafter in the rollout tail. Needs rollout.speculative or starts from "
+        "a random drafter when rollout.speculative.drafter is empty; PP = 1 only.", False)
+    min_idle_replicas: int = _help(
+        "Replicas that must have finished before any of them trains (1 = each trains as "
+        "soon as it finishes).", 1)
+    max_steps_per_window: int = _help("Drafter optimizer steps per replica per RL step at "
+                                      "most.", 32)
+    lr: float = _help("Drafter AdamW peak learning rate.", 3e-4)
+    lr_warmup_steps: int = _help("Linear warm-up, in drafter optimizer steps.", 4)
+    lr_decay: str = _help("After warm-up: constant or cosine (to lr x min_lr_ratio at "
+                          "train.steps x max_steps_per_window drafter steps).", "constant")
+    min_lr_ratio: float = _help("Final learning rate of the cosine decay, as a fraction of "
+                                "lr.", 0.1)
+    weight_decay: float = _help("Drafter AdamW weight decay.", 0.0)
+    grad_clip: float = _help("Drafter gradient clipping by global norm (0 = off).", 1.0)
+    batch_tokens: int = _help(
+        "Padded tokens per drafter micro-step (one response per row). A micro-step is the "
+        "preemption bound: the last replica waits for at most one.", 512)
+    buffer_tokens: int = _help(
+        "Responses' feature rows held per replica for training (CPU memory: rows x "
+        "hidden x 4 bytes); the current and the previous step's responses, oldest "
+        "dropped first.", 65536)
+    canary_sequences: int = _help("Buffered responses the after-update canary measures "
+                                  "alpha on (0 = no canary).", 4)
+    canary_min_alpha: float = _help(
+        "Warn when the canary's alpha falls below this (a drafter corrupted by a weight "
+        "update accepts about 1 token per step).", 0.05)
+    poll_seconds: float = _help("Wait between checks while fewer than min_idle_replicas "
+                                "have finished.", 0.005)
+
+    def __post_init__(self):
+        _positive("drafter_group", "min_idle_replicas", self.min_idle_replicas)
+        _positive("drafter_group", "max_steps_per_window", self.max_steps_per_window)
+        _positive("drafter_group", "batch_tokens", self.batch_tokens)
+        _positive("drafter_group", "buffer_tokens", self.buffer_tokens)
+        _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("drafter_group.lr must be > 0 and drafter_group.min_lr_ratio "
+                              f"in [0, 1], got {self.lr} and {self.min_lr_ratio}")
+        if self.lr_warmup_steps < 0 or self.canary_sequences < 0 or self.poll_seconds < 0:
+            raise ConfigError("drafter_group.lr_warmup_steps, canary_sequences and "
+                              "poll_seconds must be >= 0")
+
+
+@dataclass
 class CheckpointConfig:
     """Run state on disk: model, optimizer, data position, RNG, tuner, drafter."""
 
@@ -533,6 +585,8 @@ class Config:
     reward: RewardConfig = _help("Verifiers.", factory=RewardConfig)
     grpo: GRPOConfig = _help("GRPO loss family.", factory=GRPOConfig)
     train: TrainConfig = _help("Optimisation.", factory=TrainConfig)
+    drafter_group: DrafterGroupConfig = _help("Online drafter training on idle replicas.",
+                                              factory=DrafterGroupConfig)
     checkpoint: CheckpointConfig = _help("Checkpoints.", factory=CheckpointConfig)
     tracking: TrackingConfig = _help("Metrics and logging.", factory=TrackingConfig)
 
@@ -720,6 +774,11 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"parallel.tensor_model_parallel_size={tp} does not divide the model's "
             f"{arch.num_query_groups} KV groups (num_key_value_heads); use a divisor of "
             f"{arch.num_query_groups}")
+    if cfg.drafter_group.enable and pp > 1:
+        raise ConfigError(
+            f"drafter_group.enable=true needs parallel.pipeline_model_parallel_size=1 "
+            f"(the drafter trains beside the rollout engine, which runs at PP = 1), got "
+            f"{pp}; set drafter_group.enable=false or PP = 1")
     if arch.num_layers % pp:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "

@@ -6,10 +6,12 @@
 1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
    (tools/warmup_drafter.py: self-distillation on 64 sampled chain_sum responses).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
-   rollout.speculative.drafter=<it> tracking.on_existing_run=new_version` plus any
-   overrides given here: a few GRPO steps, a per-step summary table, and the paths of
-   the W&B offline run, the JSONL and the plots. Every demo run is kept: the first
-   writes runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
+   rollout.speculative.drafter=<it> drafter_group.enable=true
+   tracking.on_existing_run=new_version` plus any overrides given here: a few GRPO
+   steps with the drafter group training the drafter in every step's tail, a per-step
+   summary table (acceptance, drafter steps, alpha), and the paths of the W&B offline
+   run, the JSONL and the plots (the timeline shows the training). Every demo run is
+   kept: the first writes runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     drafter = demo_drafter()
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", REPO / "examples" / "rl" / "smollm2_cpu.yaml",
-                     f"rollout.speculative.drafter={drafter}",
+                     f"rollout.speculative.drafter={drafter}", "drafter_group.enable=true",
                      "tracking.on_existing_run=new_version", *overrides], t0)
 
 

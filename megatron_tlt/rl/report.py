@@ -2,7 +2,7 @@
 
 ``write_plots`` is also ``tools/plot_run.py``: reward / accuracy / length curves, the
 speculative acceptance per batch-size bucket, and the per-step replica timeline
-(rollout, tail idle, update).
+(rollout, tail idle with the drafter group's training in it, update).
 """
 
 from __future__ import annotations
@@ -20,24 +20,32 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
     from rich.table import Table
 
     table = Table(title="GRPO with TLT rollouts: per step")
-    for col in ("step", "reward", "accuracy", "resp len", "rollout s", "tail s", "update s",
-                "step s", "accept len", "SD on", "eval acc"):
+    online = any("drafter/steps" in h for h in history)  # the drafter group trained
+    cols = ["step", "reward", "accuracy", "resp len", "rollout s", "tail s", "update s",
+            "step s", "accept len", "SD on"]
+    if online:
+        cols += ["drafter steps", "alpha", "idle used"]
+    for col in cols + ["eval acc"]:
         table.add_column(col, justify="right")
     for h in history:
         if "reward/mean" not in h:
             continue
         t = h.get("timing", {})
         spec = h.get("spec", {})
+        drafter = [str(h.get("drafter/steps", "-")),
+                   f"{h['drafter/alpha']:.3f}" if "drafter/alpha" in h else "-",
+                   f"{h.get('drafter/idle_used_fraction', 0):.0%}"] if online else []
         table.add_row(
             str(h["step"]), f"{h['reward/mean']:.3f}", f"{h['accuracy']:.2f}",
             f"{h['response_length/mean']:.0f}", f"{t.get('rollout', 0):.1f}",
             f"{t.get('tail', 0):.1f}", f"{t.get('update', 0):.1f}", f"{t.get('step', 0):.1f}",
             f"{spec.get('accept_len', 0):.2f}" if spec else "-",
-            f"{spec.get('on_fraction', 0):.0%}" if spec else "-",
+            f"{spec.get('on_fraction', 0):.0%}" if spec else "-", *drafter,
             f"{h['eval/accuracy']:.2f}" if "eval/accuracy" in h else "")
     console = Console()
-    if console.width < 132:  # a pipe or a narrow terminal: keep the columns readable
-        console = Console(width=132)
+    width = 164 if online else 132
+    if console.width < width:  # a pipe or a narrow terminal: keep the columns readable
+        console = Console(width=width)
     console.print(table)
     console.print(f"run folder : {run_dir}")
     console.print(f"metrics    : {metrics}")
@@ -116,9 +124,13 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
             last = max(fin)
             t = r["timing"]
             upd_start = t["step"] - t["update"]
+            spans = r["timeline"].get("drafter_train") or [None] * len(fin)
             for k, f in enumerate(fin):
                 ax.barh(y, f, color="tab:blue")
                 ax.barh(y, last - f, left=f, color="tab:red", alpha=0.6)
+                if spans[k] is not None:  # drafter training inside the idle window
+                    ax.barh(y, spans[k][1] - spans[k][0], left=spans[k][0],
+                            color="tab:purple", height=0.5)
                 ax.barh(y, upd_start - last, left=last, color="tab:gray", alpha=0.4)
                 ax.barh(y, t["update"], left=upd_start, color="tab:green")
                 labels.append(f"step {r['step']} replica {k}")
@@ -127,8 +139,8 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("seconds since step start")
-        ax.set_title("replica timeline: rollout (blue), tail idle (red), log-probs (grey), "
-                     "update (green)")
+        ax.set_title("replica timeline: rollout (blue), tail idle (red), drafter training "
+                     "(purple), log-probs (grey), update (green)")
         fig.tight_layout()
         p = out / "timeline.png"
         _save(fig, p)

@@ -63,7 +63,9 @@ def rollout_replica(generate, prompts: Sequence, prompt_indices: Sequence[int],
     seconds = time.perf_counter() - t0
     samples = [Sample(prompt_index=idx, prompt_ids=list(o.prompt_token_ids),
                       response_ids=list(o.token_ids), rollout_logprobs=list(o.logprobs),
-                      finish_reason=o.finish_reason, uid=p.uid)
+                      finish_reason=o.finish_reason, uid=p.uid,
+                      extra={} if o.hidden_states is None
+                      else {"hidden_states": o.hidden_states})  # the drafter group's data
                for o, (p, idx) in zip(outs, owners)]
     return ReplicaRollout(samples, seconds, time.perf_counter() - step_start,
                           sum(len(o.token_ids) for o in outs),

@@ -92,18 +92,28 @@ class Trainer:
 
             self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.rollout,
                                         arch=self.arch)
+        # the drafter group trains the engine's drafter in the rollout tail (it attaches
+        # a random one for a cold start), so it is set up before the run state
+        self.online = None
+        if cfg.drafter_group.enable:
+            from .online_drafter import OnlineDrafter
+
+            self.online = OnlineDrafter(self)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id or 0)
         self.state = checkpointing.RunState(
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner if self.engine is not None else None,
             drafter=self.engine.spec.drafter if self.engine is not None and
-            self.engine.spec is not None else None)
+            self.engine.spec is not None else None,
+            drafter_group=self.online.group if self.online is not None else None)
         self.tracker = tracker
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
         # here; the callback must return before the barrier can complete.
         self.idle_window_hooks: list[Callable[[int, ReplicaRollout], None]] = []
+        if self.online is not None:
+            self.idle_window_hooks.append(self.online.hook)
         self._reward_seconds = 0.0
 
     # ------------------------------------------------------------------ set-up helpers
@@ -131,7 +141,7 @@ class Trainer:
                                  sampling_mode=self.cfg.rollout.sampling_mode)
 
     def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
-        params = sampling_params(self.cfg.grpo, seed)
+        params = sampling_params(self.cfg.grpo, seed, hidden=self.online is not None)
         stats = (lambda: self.engine.last_stats.summary()) if self.engine is not None else None
         return rollout_replica(self._generate, [prompts[i] for i in indices], indices,
                                self.cfg.grpo.group_size, params, t_step, stats)
@@ -177,7 +187,9 @@ class Trainer:
 
         # 2. rollout on the trained weights; 3. rewards
         seed = cfg.platform.seed * 1_000_003 + step
-        with self._phase(f"step {step + 1}: rollout"):
+        guard = self.online.rollout_guard() if self.online is not None \
+            else contextlib.nullcontext()
+        with self._phase(f"step {step + 1}: rollout"), guard:
             roll = self._rollout(prompts, mine, seed, t_step)
             self._score(roll.samples, prompts)
             rounds, replaced = self._dynamic_sampling(roll, step, t_step)
@@ -228,6 +240,8 @@ class Trainer:
         # 7. metrics
         metrics = self._metrics(step, samples, roll, finish_times, timing, update,
                                 zero_std, rounds, replaced)
+        if self.online is not None:  # the canary after the policy update, drafter metrics
+            metrics.update(self.online.after_update(metrics))
         self.state.step = step + 1
         return metrics
 

@@ -1,0 +1,348 @@
+"""The drafter group: DP replicas that finish their rollout early train the drafter
+through the tail, and every replica leaves the step with the same drafter.
+
+Per RL step (a "window"), on every rank, between its replica's rollout finishing and
+the step barrier (``Trainer.idle_window_hooks``):
+
+1. The replica's finished responses (tokens + the features decoding saw) go into its
+   ``DataBuffer`` (which also holds the previous step's).
+2. The replica announces it finished: one ``add`` on the torch.distributed store
+   (the rendezvous store: no extra sockets, no address discovery, any backend, any
+   node). TP rank 0 announces and polls; its decision is broadcast over the TP group,
+   so all TP ranks of a replica act together.
+3. Local training: while some replica is still decoding (the store's count is below
+   DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
+   optimizer step (a micro-step) on its buffer, checking the store before each one, so
+   it stops within one micro-step of the last replica finishing. The last replica to
+   finish sees the count complete and trains nothing.
+4. Synchronisation, a collective every replica calls (it ends at the latest replica's
+   arrival, which the barrier would wait for anyway): the replicas' step counts are
+   gathered; if nobody trained, nothing else happens. Otherwise drafter parameters and
+   AdamW moments are averaged over DP weighted by the local step counts (a replica with
+   0 steps, or a failed one, weighs 0), the LR-schedule counter advances by the
+   largest step count, and a checksum all-gather of the averaged vector confirms every
+   replica holds bit-identical state (else DP rank 0's is broadcast).
+
+A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
+gives it weight 0 and turns speculation off for the next rollout on every replica
+(``speculation_guard``); the RL step never waits on a drafter that failed.
+
+No dynamic process groups: the DP group megatron-core made serves the averaging.
+Growing ``new_group(..., use_local_synchronization=True)`` groups by finish order hangs
+on gloo (docs/architecture.md), and local training keeps a replica's micro-steps free
+of cross-replica communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buffer import BufferedResponse, DataBuffer
+from .trainer import DrafterTrainer
+
+__all__ = ["DrafterGroup", "StopSignal", "TRAIN", "WAIT", "STOP"]
+
+TRAIN, WAIT, STOP = 0, 1, 2
+
+
+class StopSignal:
+    """Which replicas have finished this window: a counter per window on the store."""
+
+    def __init__(self, store, prefix: str = "megatron_tlt/drafter_group/"):
+        self.store = dist.PrefixStore(prefix, store)
+
+    def announce(self, window: int) -> int:
+        """Count this replica as finished; returns how many have finished now."""
+        return int(self.store.add(f"{window}/finished", 1))
+
+    def finished(self, window: int) -> int:
+        return int(self.store.add(f"{window}/finished", 0))
+
+    def forget(self, window: int) -> None:
+        with contextlib.suppress(Exception):  # stores without delete keep a few bytes
+            self.store.delete_key(f"{window}/finished")
+
+
+def default_store():
+    """The store torch.distributed rendezvoused through (shared by every rank)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class DrafterGroup:
+    """One replica's member of the drafter group (see the module docstring).
+
+    ``loss_fn(batch) -> (loss, parts)`` replaces the EAGLE loss of ``DrafterTrainer``
+    when given (``parts`` needs a float ``"loss"``).
+    """
+
+    def __init__(self, drafter, runner, cfg, *, dp_group=None, tp_group=None, store=None,
+                 total_steps: int = 1000, seed: int = 0,
+                 loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter):
+        self.cfg = cfg
+        self.drafter = drafter
+        self.trainer = DrafterTrainer(
+            drafter, runner, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            warmup_steps=cfg.lr_warmup_steps, total_steps=total_steps,
+            min_lr_ratio=cfg.min_lr_ratio if cfg.lr_decay == "cosine" else 1.0,
+            grad_clip=cfg.grad_clip)
+        if loss_fn is not None:
+            self.trainer.loss = loss_fn
+        self.buffer = DataBuffer(cfg.buffer_tokens)
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.signal = StopSignal(store if store is not None else default_store())
+        self.seed = int(seed)
+        self.clock = clock
+        self.window = 0          # windows run in this process (store keys)
+        self.version = 0         # synchronised drafter updates (same on every replica)
+        self.speculation_off = False  # for the next rollout, after a failure
+        self.after_micro_step: Optional[Callable[[int], None]] = None  # tests: delays
+        self.last: dict = {}     # this replica's record of the last window
+        self._announced: Optional[int] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.params[0].device
+
+    # ------------------------------------------------------------------ the window
+    def announce(self) -> int:
+        """Count this replica as finished for the coming window (``run_window`` does it
+        when not done before); returns how many have finished."""
+        n = 0
+        if self.tp_rank == 0:
+            n = self.signal.announce(self.window)
+        self._announced = self.window
+        return n
+
+    def _decide(self, steps: int) -> int:
+        """TRAIN, WAIT or STOP for the next micro-step, the same on every TP rank."""
+        code = STOP
+        if self.tp_rank == 0:
+            n = self.signal.finished(self.window)
+            code = (STOP if n >= self.dp_size or steps >= self.cfg.max_steps_per_window
+                    else WAIT if n < self.cfg.min_idle_replicas else TRAIN)
+        if self.tp_size > 1:
+            t = torch.tensor([code], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+            code = int(t)
+        return code
+
+    def run_window(self, step: int, responses: Sequence[BufferedResponse]) -> dict:
+        """Buffer ``responses``, train until the last replica finishes, synchronise.
+        Returns this replica's record (also kept as ``self.last``); times are seconds
+        since the call started."""
+        t0 = self.clock()
+        base = self.trainer.step_count
+        self.buffer.add(step, responses)
+        last_finisher = False
+        if self._announced != self.window:
+            last_finisher = self.announce() >= self.dp_size
+        steps, losses, failure = 0, [], None
+        snapshot, batches = None, None
+        t_first = t_end = None
+        while True:
+            code = self._decide(steps)
+            if code == STOP:
+                break
+            if code == WAIT:
+                time.sleep(self.cfg.poll_seconds)
+                continue
+            if batches is None:
+                seed = (self.seed * 1_000_003 + step) * 1_009 + self.dp_rank
+                batches = self.buffer.batches(self.cfg.batch_tokens, seed=seed)
+                snapshot = self._flat(create=True).clone()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            t_first = self.clock() if t_first is None else t_first
+            try:
+                parts = self.trainer.step(batch)
+                if not math.isfinite(float(parts["loss"])):
+                    raise FloatingPointError(f"drafter loss is {parts['loss']}")
+            except Exception as e:  # noqa: BLE001 - any drafter failure: RL continues
+                failure = f"{type(e).__name__}: {e}"
+                break
+            finally:
+                t_end = self.clock()
+            steps += 1
+            losses.append(float(parts["loss"]))
+            if self.after_micro_step is not None:
+                self.after_micro_step(steps)
+        if failure is None and snapshot is not None and not all(
+                bool(torch.isfinite(t).all()) for t in self._tensors()):
+            failure = "FloatingPointError: non-finite drafter weights or moments"
+        t_sync = self.clock()
+        sync = self._synchronise(base, failure, snapshot)
+        t_done = self.clock()
+        self.signal.forget(self.window - 1)
+        self.window += 1
+        self._announced = None
+        self.last = {
+            "steps": steps, "loss_sum": sum(losses), "failure": failure,
+            "last_finisher": last_finisher,
+            "train": [t_first - t0, t_end - t0] if t_first is not None else None,
+            "train_seconds": (t_end - t_first) if t_first is not None else 0.0,
+            "window_seconds": t_done - t0, "sync_wait": sync["wait"],
+            "sync_seconds": t_done - t_sync - sync["wait"], "version": self.version,
+            "checksum": sync["checksum"], "healed": sync["healed"],
+            "buffer_tokens": self.buffer.tokens, "buffer_steps": self.buffer.steps,
+        }
+        if failure is not None and self.tp_rank == 0:
+            warnings.warn(f"drafter group: replica {self.dp_rank} failed to train the "
+                          f"drafter ({failure}); its drafter is restored and speculation "
+                          "is off for the next rollout", RuntimeWarning, stacklevel=2)
+        return self.last
+
+    # ------------------------------------------------------------------ synchronisation
+    def _synchronise(self, base: int, failure: Optional[str], snapshot) -> dict:
+        """Weighted average over DP (see the module docstring); ``base`` is the schedule
+        counter at the window's start, ``snapshot`` the state there (None: untouched)."""
+        t0 = self.clock()
+        steps = self.trainer.step_count - base
+        mine = torch.tensor([0.0 if failure else float(steps), 1.0 if failure else 0.0],
+                            dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(parts, mine, group=self.dp_group)
+        wait = self.clock() - t0  # ends when the latest replica arrives
+        good = [float(p[0]) for p in parts]
+        failed = any(float(p[1]) > 0 for p in parts)
+        self.speculation_off = failed
+        if failure is not None and snapshot is not None:
+            self._write_flat(snapshot)
+            self.trainer.step_count = base
+        total = sum(good)
+        out = {"wait": wait, "checksum": None, "healed": False}
+        if total == 0:
+            return out
+        # every contribution was checked finite (a replica whose state was not counts
+        # as failed, weight 0), so the average is finite
+        flat = self._flat(create=True)
+        flat.mul_(good[self.dp_rank] / total)
+        dist.all_reduce(flat, group=self.dp_group)
+        self.trainer.step_count = base + int(max(good))
+        self.version += 1
+        cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+        sums = [torch.empty_like(cs) for _ in range(self.dp_size)]
+        dist.all_gather(sums, cs, group=self.dp_group)
+        if any(not torch.equal(x, sums[0]) for x in sums):  # never expected; made certain
+            dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, 0),
+                           group=self.dp_group)
+            cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+            out["healed"] = True
+        self._write_flat(flat)
+        self._set_adam_step()
+        out["checksum"] = int(cs[0])
+        return out
+
+    def _tensors(self, create: bool = False) -> list[torch.Tensor]:
+        """Parameters and AdamW moments, in a fixed order (moments made zero if absent)."""
+        out = []
+        opt = self.trainer.opt
+        for p in self.trainer.params:
+            st = opt.state[p]
+            if create and "exp_avg" not in st:
+                st["step"] = torch.tensor(float(self.trainer.step_count))
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out.append(p.data)
+            if "exp_avg" in st:
+                out += [st["exp_avg"], st["exp_avg_sq"]]
+        return out
+
+    def _flat(self, create: bool = False) -> torch.Tensor:
+        return torch.cat([t.detach().float().reshape(-1) for t in self._tensors(create)])
+
+    def _write_flat(self, flat: torch.Tensor) -> None:
+        i = 0
+        for t in self._tensors(create=True):
+            n = t.numel()
+            t.copy_(flat[i:i + n].view_as(t))
+            i += n
+
+    def _set_adam_step(self) -> None:
+        for p in self.trainer.params:
+            st = self.trainer.opt.state[p]
+            if "step" in st:
+                st["step"] = torch.tensor(float(self.trainer.step_count))
+
+    def checksum(self) -> torch.Tensor:
+        """An int64 fingerprint of the drafter's parameters and AdamW moments (their
+        bytes summed as int32 words)."""
+        words = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+        s = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for t in self._tensors():
+            w = words.get(t.element_size(), torch.uint8)
+            flat = t.detach().contiguous().reshape(-1)
+            s += (flat.view(w) if w != torch.uint8 else flat.view(torch.uint8)).sum(
+                dtype=torch.int64)
+        return s
+
+    # ------------------------------------------------------------------ speculation
+    @contextlib.contextmanager
+    def speculation_guard(self, engine):
+        """Speculation off for one rollout when the last window failed."""
+        if not self.speculation_off or engine is None:
+            yield
+            return
+        sc = engine.config.speculative
+        saved = sc.threshold
+        sc.threshold = 0
+        try:
+            yield
+        finally:
+            sc.threshold = saved
+            self.speculation_off = False
+
+    # ------------------------------------------------------------------ canary
+    @torch.no_grad()
+    def canary_alpha(self) -> Optional[float]:
+        """Mean alpha (sum over draft tokens of min(p, q), temperature 1) of the drafter's
+        first draft at every position of a few buffered responses; p is the target's
+        distribution from the buffered features. None when the buffer is empty."""
+        recs = self.buffer.sample(self.cfg.canary_sequences)
+        if not recs:
+            return None
+        import torch.nn.functional as F
+
+        tr, d = self.trainer, self.drafter
+        runner = tr.runner
+        full = runner.output_w.detach()[: runner.arch.vocab_size]
+        head = tr.head()
+        total, count = 0.0, 0
+        for rec in recs:
+            s = rec.draft_sample()
+            nxt = torch.as_tensor(s.tokens[1:], dtype=torch.long, device=runner.device)
+            feats = s.features[:-1].to(runner.device, runner.dtype)
+            emb = F.embedding(nxt, runner.embed_w)[None]
+            out = d(emb, d.reduce_features(feats[None]),
+                    runner.model.rotary_pos_emb(nxt.shape[0]))[0]
+            q = torch.softmax((out @ head.t()).float(), -1)
+            p = torch.softmax((s.final_hidden[1:].to(runner.device, runner.dtype)
+                               @ full.t()).float(), -1)
+            if d.d2t is not None:
+                p = p[:, d.d2t]
+            total += float(torch.minimum(p, q).sum(-1).sum())
+            count += nxt.shape[0]
+        return total / max(count, 1)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"optimizer": self.trainer.opt.state_dict(),
+                "step_count": self.trainer.step_count, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.opt.load_state_dict(state["optimizer"])
+        self.trainer.step_count = int(state["step_count"])
+        self.version = int(state["version"])

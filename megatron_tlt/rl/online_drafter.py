@@ -1,0 +1,134 @@
+"""The RL trainer's side of the drafter group (``drafter_group.enable=true``).
+
+    online = OnlineDrafter(trainer)           # before the trainer's RunState is made
+    trainer.idle_window_hooks.append(online.hook)
+    with online.rollout_guard(): ...          # speculation off once after a failure
+    metrics.update(online.after_update(metrics))
+
+The rollout returns each response's decode-time hidden states (``Sample.extra``); the
+idle-window hook buffers them and runs the group's window (``DrafterGroup``); after the
+policy update the canary measures alpha on a few buffered responses with the updated
+shared embedding and output layer, and one all-gather brings every replica's record to
+the step's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..drafter_training.buffer import BufferedResponse
+from ..drafter_training.group import DrafterGroup
+
+
+class OnlineDrafter:
+    def __init__(self, trainer):
+        from megatron.core import parallel_state as ps
+
+        from ..models.drafter import DrafterConfig, EagleDrafter
+
+        cfg, dg = trainer.cfg, trainer.cfg.drafter_group
+        eng = trainer.engine
+        if eng is None:
+            raise ConfigError("drafter_group.enable=true needs the rollout engine "
+                              "(parallel.pipeline_model_parallel_size=1)")
+        if trainer.layout.tp_size > 1:
+            raise ConfigError(
+                "drafter_group.enable=true runs at parallel.tensor_model_parallel_size=1: "
+                "the drafter loss reads the target's embedding and output layer unsharded; "
+                "set TP = 1 or drafter_group.enable=false")
+        if eng.spec is None:  # a cold start: a random drafter, the same on every rank
+            eng.attach_drafter(EagleDrafter(DrafterConfig.for_target(trainer.arch),
+                                            trainer.arch, dtype=eng.runner.dtype,
+                                            device=eng.device))
+        drafter = eng.spec.drafter
+        if drafter.config.feature_layers:
+            raise ConfigError(
+                "drafter_group.enable=true trains on the final hidden states the engine "
+                "returns; this drafter reads EAGLE-3 feature layers "
+                f"{list(drafter.config.feature_layers)}. Use a drafter without "
+                "feature_layers or drafter_group.enable=false")
+        if trainer.layout.dp_size == 1 and trainer.rank == 0:
+            warnings.warn("drafter_group.enable=true with one data-parallel replica: no "
+                          "replica is ever idle while another decodes, so the drafter "
+                          "never trains; launch 2 or more replicas", RuntimeWarning,
+                          stacklevel=2)
+        self.engine = eng
+        self.cfg = dg
+        self.dp_group = trainer.dp_group
+        self.first = trainer.layout.dp_rank == 0 and trainer.layout.tp_rank == 0
+        self.group = DrafterGroup(drafter, eng.runner, dg, dp_group=trainer.dp_group,
+                                  tp_group=ps.get_tensor_model_parallel_group(),
+                                  total_steps=cfg.train.steps * dg.max_steps_per_window,
+                                  seed=cfg.platform.seed)
+        self.finished_at = 0.0
+
+    def hook(self, step: int, roll) -> None:
+        """The idle window: buffer this replica's responses, train, synchronise."""
+        responses = [BufferedResponse(list(s.prompt_ids) + list(s.response_ids),
+                                      len(s.prompt_ids), s.extra.pop("hidden_states"), step)
+                     for s in roll.samples if "hidden_states" in s.extra]
+        self.finished_at = roll.finished_at
+        self.group.run_window(step, responses)
+
+    def rollout_guard(self):
+        return self.group.speculation_guard(self.engine)
+
+    def after_update(self, metrics: dict) -> dict:
+        """The canary and the step's drafter metrics (every rank calls it)."""
+        alpha = self.group.canary_alpha()
+        rec = dict(self.group.last, alpha=alpha, finished_at=self.finished_at)
+        parts: list = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(parts, rec, group=self.dp_group)
+        out = summarise(parts, metrics.get("idle_replica_seconds", 0.0))
+        if "timeline" in metrics:
+            metrics["timeline"]["drafter_train"] = out.pop("drafter/train_spans")
+        else:
+            out.pop("drafter/train_spans")
+        spec = metrics.get("spec") or {}
+        low = [f"canary alpha {out['drafter/alpha']:.3f} < drafter_group.canary_min_alpha="
+               f"{self.cfg.canary_min_alpha}"] if out.get("drafter/alpha", 1.0) < \
+            self.cfg.canary_min_alpha else []
+        if spec.get("steps", 0) and spec.get("accept_len", 2.0) <= 1.05:
+            low.append(f"measured acceptance {spec['accept_len']:.2f} tokens per step")
+        if low and self.first:
+            warnings.warn("drafter group: the drafter looks broken (" + "; ".join(low) +
+                          "): speculation buys nothing; check the drafter's weights "
+                          "after the policy update", RuntimeWarning, stacklevel=2)
+        return out
+
+
+def summarise(parts: list[dict], idle_available: float) -> dict:
+    """Every replica's window record -> the step's ``drafter/*`` metrics."""
+    steps = [p["steps"] for p in parts]
+    total = sum(steps)
+    alphas = [p["alpha"] for p in parts if p.get("alpha") is not None]
+    spans = [None if p["train"] is None else
+             [p["finished_at"] + p["train"][0], p["finished_at"] + p["train"][1]]
+             for p in parts]
+    last_finish = max(p["finished_at"] for p in parts)
+    # training inside the idle window (a micro-step running on past the last finish
+    # is the preemption latency, reported on its own)
+    used = sum(max(0.0, min(b, last_finish) - a) for a, b in filter(None, spans))
+    last = [p["sync_wait"] for p in parts if p["last_finisher"]]
+    sums = [p["checksum"] for p in parts]
+    out = {
+        "drafter/steps": total,
+        "drafter/steps_per_replica": steps,
+        "drafter/idle_used_fraction": used / idle_available if idle_available > 0 else 0.0,
+        "drafter/train_seconds": sum(p["train_seconds"] for p in parts),
+        "drafter/preempt_latency": max(last) if last else 0.0,
+        "drafter/sync_seconds": max(p["sync_seconds"] for p in parts),
+        "drafter/version": [p["version"] for p in parts],
+        "drafter/identical": all(s == sums[0] for s in sums),
+        "drafter/failures": sum(p["failure"] is not None for p in parts),
+        "drafter/buffer_tokens": sum(p["buffer_tokens"] for p in parts),
+        "drafter/train_spans": spans,
+    }
+    if total:
+        out["drafter/loss"] = sum(p["loss_sum"] for p in parts) / total
+    if alphas:
+        out["drafter/alpha"] = sum(alphas) / len(alphas)
+    return {k: v for k, v in out.items() if not (isinstance(v, float) and math.isnan(v))}

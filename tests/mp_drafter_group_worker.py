@@ -1,0 +1,205 @@
+"""Worker for tests/test_drafter_group.py: the drafter group on 2 gloo ranks (DP = 2).
+
+    torchrun --standalone --nproc_per_node 2 tests/mp_drafter_group_worker.py \
+        --model TINY_HF_DIR --out DIR [--schedules 50]
+
+One launch runs every scenario in turn on a tiny model (each rank writes
+DIR/rank{R}.json):
+
+- together: both replicas finished before either looks -> nothing trains, no averaging;
+- uneven: replica 1 finishes only after replica 0 took 3 micro-steps -> replica 0
+  trains, replica 1 does not, and both leave with replica 0's state bit for bit (its
+  weight is 1); the policy's parameters and gradients are untouched;
+- schedules: N windows with random finish delays and random micro-step times; after
+  each, the full drafter + AdamW state is compared across ranks, and every micro-step
+  records whether the last replica had already finished when it ended (at most one per
+  window may: preemption within one micro-step);
+- failure: replica 0's loss is NaN -> its drafter is restored, speculation is off for
+  the next rollout on both replicas (the engine then takes no speculative step);
+- resume: the group's state saved and loaded into a fresh drafter + group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--schedules", type=int, default=50)
+    args = ap.parse_args()
+
+    from megatron_tlt.config import DrafterGroupConfig, RolloutConfig, SpeculativeConfig
+    from megatron_tlt.drafter_training.buffer import BufferedResponse
+    from megatron_tlt.drafter_training.group import DrafterGroup, default_store
+    from megatron_tlt.models import load_model
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.platform import init_distributed, silence_expected_warnings
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+
+    silence_expected_warnings()
+    init_distributed(device="cpu", backend="gloo")
+    initialize_model_parallel(1, 1, seed=1234)
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, arch = load_model(args.model, device=torch.device("cpu"), dtype="float32",
+                             impl="local")
+    drafter = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    sc = SpeculativeConfig(policy="fixed", strategy="2_1_2", threshold=1 << 20)
+    engine = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                           eos_token_ids=[], drafter=drafter)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist()
+               for n in (3, 6, 4, 8)]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3,
+                                                   return_hidden_states=True))
+
+    def responses(step):
+        return [BufferedResponse.from_output(o, step) for o in outs]
+
+    cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
+                             batch_tokens=24, canary_sequences=2)
+    store = default_store()
+
+    def make_group(loss_fn=None):
+        return DrafterGroup(engine.spec.drafter, engine.runner, cfg,
+                            dp_group=ps.get_data_parallel_group(), store=store,
+                            total_steps=10_000, seed=1, loss_fn=loss_fn)
+
+    group = make_group()
+    policy_before = [p.detach().clone() for p in model.parameters()]
+    res: dict = {}
+
+    def all_flats():
+        flat = group._flat(create=True)
+        parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, flat)
+        return parts
+
+    # ---- together: both finished before either looks
+    group.announce()
+    dist.barrier()
+    before = group._flat(create=True).clone()
+    rec = group.run_window(0, responses(0))
+    res["together"] = {"steps": rec["steps"], "version": group.version,
+                       "checksum": rec["checksum"],
+                       "unchanged": bool(torch.equal(before, group._flat()))}
+
+    # ---- uneven: replica 1 finishes after replica 0's 3rd micro-step
+    local_after = {}
+
+    def record(steps):
+        if steps == 3:
+            store.set("uneven/r0_three", "1")
+        local_after["flat"] = group._flat().clone()
+
+    before = group._flat(create=True).clone()
+    if rank == 0:
+        group.after_micro_step = record
+    else:
+        store.wait(["uneven/r0_three"])
+    rec = group.run_window(1, responses(1))
+    group.after_micro_step = None
+    flats = all_flats()
+    res["uneven"] = {
+        "steps": rec["steps"], "identical": all(torch.equal(f, flats[0]) for f in flats),
+        "changed": not torch.equal(before, group._flat()), "version": group.version,
+        "equals_trainer": bool(torch.equal(flats[0], local_after["flat"]))
+        if rank == 0 else None,
+        "policy_untouched": all(torch.equal(a, b) for a, b in
+                                zip(policy_before, model.parameters())),
+        "policy_grads_none": all(p.grad is None for p in model.parameters()),
+        "alpha": group.canary_alpha(), "train": rec["train"],
+        "last_finisher": rec["last_finisher"]}
+
+    # ---- randomised schedules
+    rng = random.Random(1000 + rank)
+    sched = []
+    for k in range(args.schedules):
+        ends = []
+        window = group.window
+
+        def timed(steps, window=window, ends=ends):
+            time.sleep(rng.uniform(0.0, 0.01))
+            ends.append(group.signal.finished(window) >= group.dp_size)
+
+        group.after_micro_step = timed
+        time.sleep(rng.uniform(0.0, 0.05))
+        rec = group.run_window(2 + k, responses(2 + k))
+        flats = all_flats()
+        sched.append({"steps": rec["steps"], "overrun": sum(ends),
+                      "identical": all(torch.equal(f, flats[0]) for f in flats),
+                      "sync_wait": rec["sync_wait"], "last": rec["last_finisher"]})
+    group.after_micro_step = None
+    res["schedules"] = sched
+
+    # ---- failure: replica 0's loss is NaN
+    real_loss = group.trainer.loss
+
+    def nan_loss(batch):
+        loss, parts = real_loss(batch)
+        return loss * float("nan"), dict(parts, loss=float("nan"))
+
+    if rank == 0:
+        group.trainer.loss = nan_loss
+    else:
+        time.sleep(0.5)
+    before = group._flat(create=True).clone()
+    version = group.version
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = group.run_window(1000, responses(1000))
+    group.trainer.loss = real_loss
+    off = group.speculation_off
+    with group.speculation_guard(engine):
+        engine.generate(prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+    guarded_spec_steps = engine.last_stats.spec.steps
+    engine.generate(prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+    res["failure"] = {"failure": rec["failure"], "speculation_off": off,
+                      "restored": bool(torch.equal(before, group._flat())),
+                      "version_unchanged": group.version == version,
+                      "warned": any("failed to train" in str(w.message) for w in caught),
+                      "guarded_spec_steps": guarded_spec_steps,
+                      "after_spec_steps": engine.last_stats.spec.steps,
+                      "off_after_guard": group.speculation_off}
+
+    # ---- resume: state round trip into a fresh drafter and group
+    state = {"drafter": group.drafter.own_state(), "group": group.state_dict()}
+    path = Path(args.out) / f"state{rank}.pt"
+    torch.save(state, path)
+    loaded = torch.load(path, weights_only=False)
+    fresh = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    fresh.reset_parameters(seed=99)
+    fresh.load_own_state(loaded["drafter"])
+    g2 = DrafterGroup(fresh, engine.runner, cfg, dp_group=ps.get_data_parallel_group(),
+                      store=store, total_steps=10_000, seed=1)
+    g2.load_state_dict(loaded["group"])
+    res["resume"] = {"same": bool(torch.equal(g2._flat(), group._flat())),
+                     "step_count": g2.trainer.step_count == group.trainer.step_count,
+                     "version": g2.version == group.version,
+                     "checksum": int(g2.checksum()[0]) == int(group.checksum()[0])}
+
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
