@@ -16,7 +16,7 @@ the path score itself. No key is ever formed by subtracting scores, so -inf neve
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,10 +36,12 @@ def selection_order(key: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return by_depth.gather(1, by_key)
 
 
-def coupled_child_scores(processed: torch.Tensor, lp: torch.Tensor, noise) -> torch.Tensor:
+def coupled_child_scores(processed: torch.Tensor, lp: Optional[torch.Tensor], noise
+                         ) -> torch.Tensor:
     """Tree drafting's draft scores: coupled rows' processed draft log-probabilities plus
     their noise, shifted so each row's (or node's) best is 0 (the drafter's coupled
-    token, the one chain drafting would draft, comes first); other rows keep ``lp``.
+    token, the one chain drafting would draft, comes first); other rows keep ``lp``
+    (None when every row is coupled).
     ``processed`` / ``lp`` [B, V] or [B, K, V]; ``noise`` is (noise [B, V], coupled-row
     mask [B]). Tokens top-k / top-p removed score -inf (a row keeps at least one finite
     token, so the shift never forms -inf - -inf)."""
@@ -47,7 +49,7 @@ def coupled_child_scores(processed: torch.Tensor, lp: torch.Tensor, noise) -> to
     extra = (None,) * (processed.dim() - 2)
     x = processed.float() + g[(slice(None),) + extra]
     x = x - x.max(dim=-1, keepdim=True).values
-    return torch.where(mask[(slice(None),) + extra + (None,)], x, lp)
+    return x if lp is None else torch.where(mask[(slice(None),) + extra + (None,)], x, lp)
 
 
 class TreePool:

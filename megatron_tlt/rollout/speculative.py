@@ -32,9 +32,9 @@ Coupled sampling (``rollout.sampling_mode=coupled``, a row with a noise ``key``)
 token at response position t is argmax(log p~ + g_t) with g_t the request's counter-based
 Gumbel noise (``sampling.coupled_gumbel``). The drafter drafts argmax(log q~ + g_t) with
 the same noise (chains; trees rank children by their perturbed processed score, so the
-drafter's own coupled token is always the first child), and verification is greedy verification
-on log p~ + g_t: drafts are accepted while they equal the target's coupled token, and
-the first mismatch emits it. The output is the plain coupled sample, whatever the
+drafter's own coupled token is always the first child), and verification is greedy
+verification on log p~ + g_t: drafts are accepted while they equal the target's coupled
+token, and the first mismatch emits it. The output is the plain coupled sample, whatever the
 drafter and whether speculation is on.
 """
 
@@ -560,10 +560,10 @@ class SpeculativeDecoder:
         processed log-probabilities (the request's temperature, top-k, top-p) plus the
         noise of response position len(tokens) + offset, shifted so each node's best is
         0 (``draft_tree.coupled_child_scores``)."""
-        lp = torch.log_softmax(logits, dim=-1)
         noise = self._draft_noise(rows, offset)
         if noise is None:
-            return lp
+            return torch.log_softmax(logits, dim=-1)
+        lp = None if bool(noise[1].all()) else torch.log_softmax(logits, dim=-1)
         return coupled_child_scores(_processed_rows(logits, rows), lp, noise)
 
     def _verify_chains(self, cache: KVCache, rows, drafts: list[list[int]], hook):
