@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,3 +183,21 @@ def test_coupled_trees_equal_plain_decoding_at_scale(one_layer):
         ref = plain.generate(prompts, sp, request_seeds=seeds)
         diff = [i for i, (a, r) in enumerate(zip(got, ref)) if a.token_ids != r.token_ids]
         assert not diff, (sp, len(diff), diff[:5])
+
+
+def test_a_broken_selection_names_the_row_and_the_settings(monkeypatch):
+    """The invariant is kept by construction; were it broken, the error says where."""
+    def orphans(self, n):  # a depth-2 node alone, its parent left out
+        tok, par, dep, score, chosen = real(self, n)
+        return tok, par, dep, score, torch.full_like(chosen[:, :1], self.k)
+
+    real = TreePool.select
+    monkeypatch.setattr(TreePool, "select", orphans)
+    sp = SamplingParams(temperature=0.7, top_k=3)
+    rows = [SimpleNamespace(params=sp, length=4, tokens=[1], key=request_seed(1, i))
+            for i in range(2)]
+    drafter = _StubDrafter(torch.Generator().manual_seed(0), 9, 1.0, 0)
+    with pytest.raises(RuntimeError, match=r"batch row 0 .*strategy 2_2_3, temperature=0.7 "
+                                           r"top_k=3 top_p=1.0, coupled sampling"):
+        _decoder(9, drafter)._draft_tree(rows, Strategy(2, 2, 3), torch.zeros(2, 4),
+                                         drafter.logits(2))
