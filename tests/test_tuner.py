@@ -790,3 +790,18 @@ def test_gate_remeasures_plain_when_a_speculative_step_beats_it():
         t.update(1, OFF, 1, 1.0)
         plain += 1
     assert 3 <= plain < 10 and t.plain_seconds(1) == 1.0
+
+
+def test_acceptance_profile_never_rises_with_the_draft_position():
+    """A position is measured on the steps of the chains reaching it: here a 2-deep chain
+    on hard text, then a 6-deep one on easy text, so positions 3..6 saw only easy text.
+    No sequence accepts draft j+1 without draft j: the profile (and the chains' expected
+    tokens built on it) is capped by the shallower positions' rates."""
+    t = gated()
+    t.update(1, S("2_1_2"), 10, 1.0, accepted_drafts=[1] + [0] * 9)
+    t.update(1, CHAIN6, 70, 1.0, accepted_drafts=[6] * 10)
+    profile = t.acceptance_profile()
+    assert len(profile) == 6 and profile[0] < 0.9
+    assert all(b <= a for a, b in zip(profile, profile[1:])), profile
+    assert t.expected_tokens(CHAIN6) == pytest.approx(1 + sum(profile))
+    assert t.expected_tokens(S("8_1_8")) == pytest.approx(1 + sum(profile) + 2 * profile[-1])

@@ -12,7 +12,8 @@ last sampled token x_L not yet in the target's cache):
 2. Drafting: a chain of ``depth`` tokens (sampled from the processed q when the
    request samples, argmax when greedy), or an EAGLE-2 tree: top-k children per node,
    the top-k nodes of each depth by cumulative draft log-probability expanded, and the
-   ``verify_tokens`` best nodes of the whole tree kept.
+   ``verify_tokens`` best nodes of the whole tree kept, a selection closed under
+   parents by construction (``draft_tree.py``).
 3. Verification: one target forward over [x_L, drafts...] (chains causally, trees
    with an ancestor mask and depth-based RoPE positions) gives p at every node from
    the same ``processed_logprobs`` as plain decoding.
@@ -30,10 +31,10 @@ last sampled token x_L not yet in the target's cache):
 Coupled sampling (``rollout.sampling_mode=coupled``, a row with a noise ``key``): the
 token at response position t is argmax(log p~ + g_t) with g_t the request's counter-based
 Gumbel noise (``sampling.coupled_gumbel``). The drafter drafts argmax(log q~ + g_t) with
-the same noise (chains; trees rank children by their perturbed score, so the drafter's
-own coupled token is always the first child), and verification is greedy verification
-on log p~ + g_t: drafts are accepted while they equal the target's coupled token, and
-the first mismatch emits it. The output is the plain coupled sample, whatever the
+the same noise (chains; trees rank children by their perturbed processed score, so the
+drafter's own coupled token is always the first child), and verification is greedy
+verification on log p~ + g_t: drafts are accepted while they equal the target's coupled
+token, and the first mismatch emits it. The output is the plain coupled sample, whatever the
 drafter and whether speculation is on.
 """
 
@@ -48,6 +49,8 @@ import torch.distributed as dist
 
 from ..models.drafter import EagleDrafter
 from .forward import _NO_TENSOR, ModelRunner
+from .draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_scores,
+                         row_layout)
 from .kv_cache import KVCache
 from .sampling import argmax_rows, coupled_gumbel, processed_logprobs
 from .tuner import Strategy
@@ -535,8 +538,8 @@ class SpeculativeDecoder:
 
     def _draft_noise(self, rows, offset: int):
         """Coupled rows' noise at response position len(tokens) + offset over the draft
-        vocabulary, [B, V_draft] (zeros for other rows), their mask [B] and temperatures
-        [B]; None when no row is coupled."""
+        vocabulary, [B, V_draft] (zeros for other rows), and their mask [B]; None when
+        no row is coupled."""
         idx = [i for i, r in enumerate(rows) if self._coupled(r)]
         if not idx:
             return None
@@ -549,21 +552,19 @@ class SpeculativeDecoder:
         full[index] = g
         mask = torch.zeros(len(rows), dtype=torch.bool, device=dev)
         mask[index] = True
-        temp = torch.tensor([max(r.params.temperature, 1e-6) for r in rows],
-                            dtype=torch.float32, device=dev)
-        return full, mask, temp
+        return full, mask
 
-    @staticmethod
-    def _coupled_scores(logits: torch.Tensor, lp: torch.Tensor, noise) -> torch.Tensor:
-        """Tree drafting's scores: coupled rows' log_softmax(logits / T) + noise, shifted
-        so each row's (or node's) best is 0 (the drafter's coupled token first); other
-        rows keep ``lp``. ``logits`` / ``lp`` [B, V] or [B, K, V]."""
-        g, mask, temp = noise
-        extra = (None,) * (logits.dim() - 2)
-        x = torch.log_softmax(logits.float() / temp[(slice(None),) + extra + (None,)], dim=-1)
-        x = x + g[(slice(None),) + extra]
-        x = x - x.max(dim=-1, keepdim=True).values
-        return torch.where(mask[(slice(None),) + extra + (None,)], x, lp)
+    def _tree_scores(self, rows, logits: torch.Tensor, offset: int) -> torch.Tensor:
+        """Draft scores of the token after each tree node, from the drafter's logits
+        [B, V_draft] or [B, K, V_draft]: its log-probabilities, and in coupled rows its
+        processed log-probabilities (the request's temperature, top-k, top-p) plus the
+        noise of response position len(tokens) + offset, shifted so each node's best is
+        0 (``draft_tree.coupled_child_scores``)."""
+        noise = self._draft_noise(rows, offset)
+        if noise is None:
+            return torch.log_softmax(logits, dim=-1)
+        lp = None if bool(noise[1].all()) else torch.log_softmax(logits, dim=-1)
+        return coupled_child_scores(_processed_rows(logits, rows), lp, noise)
 
     def _verify_chains(self, cache: KVCache, rows, drafts: list[list[int]], hook):
         """Target forward over each row's [x_L, drafts...] (chains of any lengths).
@@ -844,23 +845,15 @@ class SpeculativeDecoder:
             d.output_w.shape[0]).tolist()
 
     def _draft_tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
-        """EAGLE-2 style dynamic tree, batched over rows. Returns verify tokens
-        [B, 1+n] and the tree (mask [B, 1+n, 1+n], depth [B, 1+n], per-row node tokens
-        and children lists)."""
+        """EAGLE-2 style dynamic tree, batched over rows (``draft_tree.TreePool``: each
+        depth's top-k nodes expanded, the ``verify_tokens`` best nodes of the whole tree
+        kept, closed under parents). Returns verify tokens [B, 1+n] and the tree (mask
+        [B, 1+n, 1+n], depth [B, 1+n], per-row node tokens and children lists)."""
         dev = self.target.device
-        b, k, n = len(rows), s.top_k, s.verify_tokens
+        b, k = len(rows), s.top_k
         L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
-        lp = torch.log_softmax(logits, dim=-1)
-        noise = self._draft_noise(rows, 0)
-        if noise is not None:  # coupled rows: children ranked by perturbed draft scores
-            lp = self._coupled_scores(logits, lp, noise)
-        top_lp, top_id = lp.topk(k, dim=-1)  # depth-1 candidates [B, K]
-        pool_tok, pool_par, pool_score, pool_depth = [top_id], [torch.full_like(top_id, -1)], \
-            [top_lp], [torch.ones_like(top_id)]
-        front_idx = torch.arange(k, device=dev).expand(b, k)  # pool indices of frontier
-        front_tok, front_score = top_id, top_lp
+        pool = TreePool(self._tree_scores(rows, logits, 0), k)
         parent_h = h[:, None].expand(b, k, h.shape[-1])
-        size = k
         # drafter tree masks: frontier j (slots L + (j-1)K ..) sees its ancestors
         anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
         fed_pool: list[torch.Tensor] = []  # pool index of each fed slot
@@ -869,58 +862,35 @@ class SpeculativeDecoder:
             new_anc = torch.zeros(b, w + k, w + k, dtype=torch.bool, device=dev)
             new_anc[:, :w, :w] = anc
             if w:  # a frontier node sees its parent's ancestors (parent was fed last round)
-                par_slot = self._slot_of_parent(front_idx, pool_par, fed_pool, b, k)
+                par_slot = self._slot_of_parent(pool, fed_pool)
                 new_anc[:, w:, :w] = torch.gather(anc, 1, par_slot[:, :, None].expand(b, k, w))
                 new_anc[:, w:, :w].scatter_(2, par_slot[:, :, None], True)
             new_anc[:, w:, w:] = torch.eye(k, dtype=torch.bool, device=dev)
             anc = new_anc
-            fed_pool.append(front_idx)
-            full_tok = self._to_target(front_tok)
+            fed_pool.append(pool.front)
+            full_tok = self._to_target(pool.front_tok)
             x = self.draft.inputs(full_tok.reshape(-1), parent_h.reshape(b * k, -1),
                                   target_features=False).view(b, k, -1)
             out = self.draft.extend(
                 self.cache, slice(0, b), full_tok, L + w,
                 rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
                 embeds=x)  # [B, K, H]
-            child_logits = self.draft.draft_logits(out)
-            child_lp = torch.log_softmax(child_logits, dim=-1)
-            noise = self._draft_noise(rows, depth)  # children predict position t0 + depth
-            if noise is not None:
-                child_lp = self._coupled_scores(child_logits, child_lp, noise)
-            c_lp, c_id = child_lp.topk(k, dim=-1)  # [B, K, K]
-            c_score = (front_score[:, :, None] + c_lp).reshape(b, k * k)
-            c_par = front_idx[:, :, None].expand(b, k, k).reshape(b, k * k)
-            pool_tok.append(c_id.reshape(b, k * k))
-            pool_par.append(c_par)
-            pool_score.append(c_score)
-            pool_depth.append(torch.full_like(c_par, depth + 1))
-            best_score, best = c_score.topk(k, dim=-1)
-            front_idx = size + best
-            front_tok = torch.gather(c_id.reshape(b, k * k), 1, best)
-            front_score = best_score
+            # children predict response position t0 + depth
+            best = pool.grow(self._tree_scores(rows, self.draft.draft_logits(out), depth))
             parent_h = torch.gather(out, 1, (best // k)[:, :, None].expand(b, k, out.shape[-1]))
-            size += k * k
-        tok = torch.cat(pool_tok, 1)
-        par = torch.cat(pool_par, 1)
-        score = torch.cat(pool_score, 1)
-        dep = torch.cat(pool_depth, 1)
-        n = min(n, tok.shape[1])
-        # best n nodes; ties go to shallower nodes so every chosen node's parent is chosen
-        key = score - 1e-6 * dep.float()
-        chosen = key.topk(n, dim=-1).indices
-        chosen, _ = torch.sort(chosen, dim=-1)  # pool order: parents before children
-        return self._tree_inputs(rows, tok, par, dep, chosen, score)
+        tok, par, dep, score, chosen = pool.select(s.verify_tokens)
+        return self._tree_inputs(rows, s, tok, par, dep, chosen, score)
 
     @staticmethod
-    def _slot_of_parent(front_idx, pool_par, fed_pool, b, k):
+    def _slot_of_parent(pool: TreePool, fed_pool: list[torch.Tensor]) -> torch.Tensor:
         """Fed-slot index (within the drafter's tree region) of each frontier node's
-        parent."""
-        par = torch.cat(pool_par, 1).gather(1, front_idx)  # pool index of parents [B, K]
+        parent [B, K]."""
+        par = torch.cat(pool.par, 1).gather(1, pool.front)  # pool index of parents [B, K]
         fed = torch.cat(fed_pool, 1)  # [B, W] pool index per fed slot
         match = fed[:, None, :] == par[:, :, None]  # [B, K, W]
         return match.float().argmax(dim=-1)
 
-    def _tree_inputs(self, rows, tok, par, dep, chosen, score):
+    def _tree_inputs(self, rows, s: Strategy, tok, par, dep, chosen, score):
         dev = self.target.device
         b, n = chosen.shape
         par_l, dep_l, ch_l = par.tolist(), dep.tolist(), chosen.tolist()
@@ -931,25 +901,21 @@ class SpeculativeDecoder:
         depth = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
         tokens, children = [], []
         for i, r in enumerate(rows):
-            where = {p: j + 1 for j, p in enumerate(ch_l[i])}  # pool index -> node
+            try:
+                node_par, kids = row_layout(par_l[i], ch_l[i], score_l[i])
+            except TreeNotClosed as e:
+                sp = r.params
+                mode = ("greedy" if sp.greedy else "coupled" if self._coupled(r)
+                        else "standard")
+                raise RuntimeError(
+                    f"draft tree of batch row {i} is not closed under parents ({e}): "
+                    f"strategy {s.name}, temperature={sp.temperature} top_k={sp.top_k} "
+                    f"top_p={sp.top_p}, {mode} sampling. This is an engine bug; chain "
+                    "strategies only (top_k 1 in rollout.speculative.strategy / arms) "
+                    "avoid trees until it is fixed"
+                ) from None
             node_tok = [r.tokens[-1]] + [full_l[i][p] for p in ch_l[i]]
-            node_par = [-1] + [where.get(par_l[i][p], 0) if par_l[i][p] >= 0 else 0
-                               for p in ch_l[i]]
-            for j, p in enumerate(ch_l[i]):
-                if par_l[i][p] >= 0 and par_l[i][p] not in where:
-                    raise AssertionError("draft tree selection is not closed under parents")
-            kids: list[list[int]] = [[] for _ in range(n + 1)]
-            for j in range(1, n + 1):
-                kids[node_par[j]].append(j)
-            for kl in kids:  # try children best draft score first
-                kl.sort(key=lambda j: -score_l[i][ch_l[i][j - 1]])
-            m = [[False] * (n + 1) for _ in range(n + 1)]
-            for j in range(n + 1):
-                a = j
-                while a >= 0:
-                    m[j][a] = True
-                    a = node_par[a] if a > 0 else -1
-            mask[i] = torch.tensor(m, dtype=torch.bool)
+            mask[i] = torch.tensor(ancestor_mask(node_par), dtype=torch.bool)
             depth[i] = torch.tensor([0] + [dep_l[i][p] for p in ch_l[i]])
             vtok[i] = torch.tensor(node_tok)
             tokens.append(node_tok)

@@ -534,16 +534,22 @@ class StrategyTuner:
         deepest measured rate: an upper bound). None for trees and without a profile."""
         if not arm.is_chain or not self._reach:
             return None
-        total, rate = 1.0, 1.0
-        for j in range(arm.depth):
-            if j < len(self._reach) and self._reach[j][1] > 0:
-                rate = self._reach[j][0] / self._reach[j][1]
-            total += rate
-        return total
+        profile = self.acceptance_profile()
+        return 1.0 + sum(profile[min(j, len(profile) - 1)] for j in range(arm.depth))
 
     def acceptance_profile(self) -> list[float]:
-        """Decayed rate at which the j-th draft token (j = 1, 2, ...) was accepted."""
-        return [a / d if d > 0 else 0.0 for a, d in self._reach]
+        """Decayed rate at which the j-th draft token (j = 1, 2, ...) was accepted, made
+        non-increasing in j: a sequence that accepted j+1 drafts accepted j, but each
+        position is measured on the steps of the chains that reach it (a deep arm's
+        steps alone at its deepest positions, maybe on easier text), so a measured rate
+        above a shallower one is capped at it. A position no step measured yet takes
+        the rate before it."""
+        out, rate = [], 1.0
+        for a, d in self._reach:
+            if d > 0:
+                rate = min(rate, a / d)
+            out.append(rate)
+        return out
 
     def _speedup(self, b: int, arm: Strategy) -> Optional[float]:
         return self._gates[b].speedup(arm.name, self.expected_tokens(arm))
