@@ -31,9 +31,6 @@ __all__ = [
 ]
 
 
-_UNDERSCORED_INT = re.compile(r"\d+(_\d+)+")
-
-
 class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says which field and how."""
 
@@ -143,9 +140,9 @@ class SpeculativeConfig:
     arms: str = _help(
         "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
         "rest); arms are depth_topk_verifytokens, and 0_0_0 is 'do not speculate' (a "
-        "plain step), so a bucket can learn that speculation does not pay there. On the "
-        "command line quote a value that starts with * (YAML reads * as an alias): "
-        "rollout.speculative.arms='\"*:2_1_2\"'.",
+        "plain step), so a bucket can learn that speculation does not pay there. In a "
+        "YAML recipe quote a value that starts with * (YAML reads * as an alias); on the "
+        "command line no quoting is needed (rollout.speculative.arms=*:2_1_2).",
         "1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
         "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
     min_draft_prob: float = _help(
@@ -467,6 +464,11 @@ class CheckpointConfig:
                       "fresh.", "")
     save_interval: int = _help("Save every N steps (and at the end); 0 = only at the "
                                "end.", 0)
+    export_hf: bool = _help(
+        "At the end of the run, write the trained policy as a Hugging Face folder "
+        "(safetensors, config, tokenizer) to {save}/hf, or {run folder}/hf when "
+        "checkpoint.save is empty, with the drafter (if any) in its drafter/ subfolder; "
+        "tools/convert_hf_checkpoint.py does the same for any saved step.", False)
 
     def __post_init__(self):
         if self.save_interval < 0:
@@ -572,6 +574,78 @@ def _translate(err: Exception, cls, origin: str, path: Optional[Path] = None) ->
     return ConfigError(f"{where}: {err}")
 
 
+def _field_type(cls, dotted: str):
+    """The declared type of config field ``dotted`` (None for an unknown key or a key
+    inside a dict-valued field, which OmegaConf then reports or parses)."""
+    import typing
+
+    node = cls
+    for part in dotted.split("."):
+        if not is_dataclass(node):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        node = hints[part]
+    return None if is_dataclass(node) else node
+
+
+def _type_name(typ) -> str:
+    return getattr(typ, "__name__", str(typ).replace("typing.", ""))
+
+
+def _escape_interpolation(value: str) -> str:
+    """``value`` as OmegaConf reads it back verbatim: ``${`` (and the backslashes
+    before it) escaped, so a string is never an interpolation."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+
+
+def _apply_override(merged, item: str, cls):
+    """Merge one ``section.field=value`` into ``merged``.
+
+    String fields take the text after the first ``=`` verbatim (no YAML parsing, so a
+    regular expression or a prompt with brackets, braces, colons, quotes or ``=`` is
+    kept as typed); an empty value is the empty string, or None (not set) for an
+    optional string. Other fields are parsed as YAML scalars, lists or mappings.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    import yaml
+
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(
+            f"command-line override {item!r} is not of the form section.field=value "
+            f"(e.g. parallel.tensor_model_parallel_size=2)")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    typ = _field_type(cls, key)
+    try:
+        if typ in (str, Optional[str]):
+            if value == "???":
+                raise ConfigError(f"command line: '???' is reserved (it marks a missing "
+                                  f"value); choose another value for '{key}'")
+            node = None if value == "" and typ is not str else _escape_interpolation(value)
+            layer: dict = node
+            for part in reversed(key.split(".")):
+                layer = {part: layer}
+            return OmegaConf.merge(merged, OmegaConf.create(layer))
+        if typ is not None and not value.strip():
+            raise ConfigError(f"command line: '{key}=' has no value; give "
+                              f"a value of type {_type_name(typ)}")
+        return OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    except OmegaConfBaseException as e:
+        raise _translate(e, cls, "command line") from None
+    except yaml.YAMLError as e:
+        leaves = [k for k in _all_keys(cls) if _field_type(cls, k) is not None]
+        if typ is None and not any(key.startswith(k + ".") for k in leaves):
+            raise ConfigError(f"command line: unknown config key '{key}'"
+                              f"{_closest_hint(key, cls)}") from None
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"command line: bad value for '{key}': {value!r} is not a valid "
+                          f"{_type_name(typ) if typ is not None else 'value'} ({first})"
+                          ) from None
+
+
 def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str] = (),
                 cls=Config):
     """Defaults <- each YAML file in order <- ``section.field=value`` overrides."""
@@ -592,18 +666,7 @@ def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str
         except OmegaConfBaseException as e:
             raise _translate(e, cls, str(path), path) from None
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(
-                f"command-line override {item!r} is not of the form section.field=value "
-                f"(e.g. parallel.tensor_model_parallel_size=2)")
-        try:
-            key, value = item.split("=", 1)
-            if _UNDERSCORED_INT.fullmatch(value.strip()):
-                # YAML 1.1 reads 6_1_6 as the integer 616; strategies are strings
-                item = f"{key}='{value.strip()}'"
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
-            raise _translate(e, cls, "command line") from None
+        merged = _apply_override(merged, item, cls)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
