@@ -14,7 +14,8 @@ from ..tracking import read_metrics
 
 
 def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
-                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float) -> None:
+                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float,
+                  exported: Optional[Path] = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -44,6 +45,9 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
         console.print(f"W&B run    : {wandb_dir}  (offline: `wandb sync {wandb_dir}`)")
     for p in plots:
         console.print(f"plot       : {p}")
+    if exported is not None:
+        console.print(f"HF export  : {exported}  (transformers: "
+                      f"AutoModelForCausalLM.from_pretrained('{exported}'))")
     console.print(f"wall time  : {seconds / 60:.1f} min")
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import checkpointing
 from ..config import Config, ConfigError
+from ..models.export import run_meta
 from ..tracking import Tracker
 from . import grpo
 from .policy import Policy
@@ -98,7 +99,8 @@ class Trainer:
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner if self.engine is not None else None,
             drafter=self.engine.spec.drafter if self.engine is not None and
-            self.engine.spec is not None else None)
+            self.engine.spec is not None else None,
+            meta=run_meta(self.arch, session.source))
         self.tracker = tracker
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
