@@ -438,8 +438,9 @@ class TrainConfig:
     adam_beta2: float = _help("AdamW beta2.", 0.999)
     adam_eps: float = _help("AdamW epsilon.", 1e-8)
     clip_grad: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
-    eval_interval: int = _help("Evaluate on the held-out prompts every N steps (and "
-                               "before the first); 0 = never.", 0)
+    eval_interval: int = _help("Evaluate on the held-out prompts (data.eval_size) every "
+                               "N steps, before the first and after the last; 0 = never.",
+                               0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
 
