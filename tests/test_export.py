@@ -147,3 +147,39 @@ def test_exported_drafter_is_the_trained_one_and_the_engine_speculates_with_it(t
             drafter=str(hf / "drafter"), policy="fixed", strategy="2_1_2")))
     engine.generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert engine.last_stats.summary()["spec"]["steps"] > 0
+
+
+def test_cli_run_exports_at_the_end_and_evaluates_before_and_after(smollm2_dir, tmp_path,
+                                                                    single_process_parallel):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    policy = save_tiny_policy(tmp_path / "policy", smollm2_dir)
+    arch = arch_from_source(policy)
+    drafter = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                           tmp_path / "d.safetensors")
+    r = run_script("pretrain_rl_tlt.py", f"model.hf_path={policy}", "grpo.prompts_per_step=2",
+                   "grpo.group_size=2", "grpo.max_new_tokens=6", "train.steps=1",
+                   "data.train_size=8", "data.eval_size=3", "train.eval_interval=5",
+                   f"tracking.output_dir={tmp_path / 'out'}", "tracking.run_name=run",
+                   "tracking.progress=false", "tracking.wandb_project=",
+                   "checkpoint.export_hf=true", f"rollout.speculative.drafter={drafter}",
+                   timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "out" / "run"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records if "eval/accuracy_lo" in x] == [0, 1]
+    assert "held-out" in r.stdout and f"HF export  : {run / 'hf'}" in r.stdout
+    assert not (run / "wandb").exists()  # tracking.wandb_project= : W&B off
+    assert AutoModelForCausalLM.from_pretrained(run / "hf").config.vocab_size == arch.vocab_size
+    assert (run / "hf" / "drafter" / "drafter.safetensors").is_file()
+    # the export (not the run folder) is what model.hf_path takes; a run checkpoint is
+    # refused with the way to resume or export it
+    r = run_script("tools/generate.py", f"model.hf_path={run / 'hf'}",
+                   "generate.max_new_tokens=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    fake = _fake_run_checkpoint(tmp_path / "ckpt", policy, 1, 1, 1)
+    r = run_script("tools/generate.py", f"model.hf_path={fake}")
+    assert r.returncode == 2 and "is a run checkpoint" in r.stderr and "Traceback" not in r.stderr
