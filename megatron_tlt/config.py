@@ -7,10 +7,12 @@ One convention everywhere: a run's configuration is the defaults below, then eac
     torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/demo_cpu.yaml \
         parallel.tensor_model_parallel_size=2 model.dtype=float32
 
-OmegaConf does the merging and type coercion (the same structured-config model NeMo
-and Hydra use); this module adds what users need on top: errors that name the field,
-the file and line, and the closest valid key, and checks against the model and the
-world size that fail before any compute.
+A string field takes the text after the first ``=`` verbatim (a regular expression or
+a prompt needs no quoting; an empty value is "" or, for an optional string, not set);
+other fields are parsed as YAML. OmegaConf does the merging and type coercion (the
+same structured-config model NeMo and Hydra use); this module adds what users need on
+top: errors that name the field, the file and line, and the closest valid key, and
+checks against the model and the world size that fail before any compute.
 """
 
 from __future__ import annotations
@@ -626,7 +628,7 @@ def _apply_override(merged, item: str, cls):
                 raise ConfigError(f"command line: '???' is reserved (it marks a missing "
                                   f"value); choose another value for '{key}'")
             node = None if value == "" and typ is not str else _escape_interpolation(value)
-            layer: dict = node
+            layer: Any = node
             for part in reversed(key.split(".")):
                 layer = {part: layer}
             return OmegaConf.merge(merged, OmegaConf.create(layer))
