@@ -7,7 +7,9 @@
    (tools/warmup_drafter.py: self-distillation on 64 sampled chain_sum responses).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
    rollout.speculative.drafter=<it>` plus any overrides given here: a few GRPO steps, a
-   per-step summary table, and the paths of the W&B offline run, the JSONL and the plots.
+   per-step summary table with held-out accuracy before the first step and after the
+   last, and the paths of the W&B offline run, the JSONL, the plots and the policy
+   exported as a Hugging Face folder (docs/after-training.md).
 """
 
 from __future__ import annotations
