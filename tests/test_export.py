@@ -183,3 +183,16 @@ def test_cli_run_exports_at_the_end_and_evaluates_before_and_after(smollm2_dir, 
     fake = _fake_run_checkpoint(tmp_path / "ckpt", policy, 1, 1, 1)
     r = run_script("tools/generate.py", f"model.hf_path={fake}")
     assert r.returncode == 2 and "is a run checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_export_folder_follows_the_umask(tiny_hf_dirs, tmp_path):
+    import os
+
+    run = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1, 1, 1)
+    mask = os.umask(0o022)
+    try:
+        out = export_run_checkpoint(run, tmp_path / "hf")
+    finally:
+        os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644

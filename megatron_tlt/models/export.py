@@ -251,6 +251,7 @@ def write_hf_export(shards, arch: ModelArch, out: str | Path, *, tp_size: int, p
         if drafter_state is not None:
             write_drafter_export(drafter_state, drafter_config, tmp / DRAFTER_DIR, arch,
                                  about or {})
+        _readable(tmp)
         if out.exists():
             if not replace and any(out.iterdir()):
                 raise FileExistsError(f"{out} exists and is not empty; choose a new output "
@@ -261,6 +262,15 @@ def write_hf_export(shards, arch: ModelArch, out: str | Path, *, tp_size: int, p
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _readable(folder: Path) -> None:
+    """Modes of a plain folder written with the user's umask (a scratch folder is
+    private, 0700, and safetensors files 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def write_drafter_export(state: dict, config: dict, folder: Path, arch: ModelArch,
