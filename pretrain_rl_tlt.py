@@ -134,11 +134,19 @@ def main(argv=None) -> int:
                  f"speculative decoding "
                  f"{'on (' + cfg.rollout.speculative.drafter + ')' if trainer.engine is not None and trainer.engine.spec is not None else 'off'}")
     history = trainer.train()
+    exported = None
+    if cfg.checkpoint.export_hf:
+        from megatron_tlt.models.export import export_trained
+
+        exported = export_trained(trainer.policy.module, trainer.state.drafter, lay,
+                                  session.arch, session.source,
+                                  Path(cfg.checkpoint.save or folder) / "hf",
+                                  step=trainer.state.step)
     if rank == 0:
         plots = write_plots(tracker.metrics_path, folder) if cfg.tracking.plots else []
         print_summary(history, run_dir=folder, metrics=tracker.metrics_path,
                       wandb_dir=tracker.wandb_dir, plots=plots,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, exported=exported)
         write_text_atomic(folder / "summary.json", json.dumps(
             {"steps": trainer.state.step, "seconds": time.perf_counter() - t0}, indent=1))
     shutdown()

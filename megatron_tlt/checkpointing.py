@@ -66,15 +66,18 @@ class RunState:
     drafter: Any = None                # models.drafter.EagleDrafter or None
     drafter_group: Any = None          # drafter_training.group.DrafterGroup or None
     extra: dict = field(default_factory=dict)  # small JSON-able counters
+    # for readers outside the run (models.export): the model's HF config and source
+    meta: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         out = {"step": self.step, "policy": self.policy.state_dict(),
                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-               "rng": rng_state(), "extra": dict(self.extra)}
+               "rng": rng_state(), "extra": dict(self.extra), "meta": dict(self.meta)}
         if self.tuner is not None:
             out["tuner"] = self.tuner.state_dict()
         if self.drafter is not None:
             out["drafter"] = self.drafter.own_state()
+            out["drafter_config"] = self.drafter.config.to_dict()
         if self.drafter_group is not None:  # the drafter's optimizer and schedule
             out["drafter_group"] = self.drafter_group.state_dict()
         return out

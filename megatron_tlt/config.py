@@ -7,17 +7,18 @@ One convention everywhere: a run's configuration is the defaults below, then eac
     torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/demo_cpu.yaml \
         parallel.tensor_model_parallel_size=2 model.dtype=float32
 
-OmegaConf does the merging and type coercion (the same structured-config model NeMo
-and Hydra use); this module adds what users need on top: errors that name the field,
-the file and line, and the closest valid key, and checks against the model and the
-world size that fail before any compute.
+A string field takes the text after the first ``=`` verbatim (a regular expression or
+a prompt needs no quoting; an empty value is "" or, for an optional string, not set);
+other fields are parsed as YAML. OmegaConf does the merging and type coercion (the
+same structured-config model NeMo and Hydra use); this module adds what users need on
+top: errors that name the field, the file and line, and the closest valid key, and
+checks against the model and the world size that fail before any compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -29,9 +30,6 @@ __all__ = [
     "GRPOConfig", "TrainConfig", "DrafterGroupConfig", "CheckpointConfig", "TrackingConfig", "build_parser", "config_from_args", "load_config", "parse_args",
     "validate_for_run",
 ]
-
-
-_UNDERSCORED_INT = re.compile(r"\d+(_\d+)+")
 
 
 class ConfigError(ValueError):
@@ -144,9 +142,9 @@ class SpeculativeConfig:
     arms: str = _help(
         "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
         "rest); arms are depth_topk_verifytokens, and 0_0_0 is 'do not speculate' (a "
-        "plain step), so a bucket can learn that speculation does not pay there. On the "
-        "command line quote a value that starts with * (YAML reads * as an alias): "
-        "rollout.speculative.arms='\"*:2_1_2\"'.",
+        "plain step), so a bucket can learn that speculation does not pay there. In a "
+        "YAML recipe quote a value that starts with * (YAML reads * as an alias); on the "
+        "command line no quoting is needed (rollout.speculative.arms=*:2_1_2).",
         "1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
         "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
     min_draft_prob: float = _help(
@@ -455,8 +453,9 @@ class TrainConfig:
     adam_beta2: float = _help("AdamW beta2.", 0.999)
     adam_eps: float = _help("AdamW epsilon.", 1e-8)
     clip_grad: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
-    eval_interval: int = _help("Evaluate on the held-out prompts every N steps (and "
-                               "before the first); 0 = never.", 0)
+    eval_interval: int = _help("Evaluate on the held-out prompts (data.eval_size) every "
+                               "N steps, before the first and after the last; 0 = never.",
+                               0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
 
@@ -533,6 +532,11 @@ class CheckpointConfig:
                       "fresh.", "")
     save_interval: int = _help("Save every N steps (and at the end); 0 = only at the "
                                "end.", 0)
+    export_hf: bool = _help(
+        "At the end of the run, write the trained policy as a Hugging Face folder "
+        "(safetensors, config, tokenizer) to {save}/hf, or {run folder}/hf when "
+        "checkpoint.save is empty, with the drafter (if any) in its drafter/ subfolder; "
+        "tools/convert_hf_checkpoint.py does the same for any saved step.", False)
 
     def __post_init__(self):
         if self.save_interval < 0:
@@ -673,19 +677,10 @@ def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise _translate(e, cls, str(path), path) from None
+    from .overrides import apply_override
+
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(
-                f"command-line override {item!r} is not of the form section.field=value "
-                f"(e.g. parallel.tensor_model_parallel_size=2)")
-        try:
-            key, value = item.split("=", 1)
-            if _UNDERSCORED_INT.fullmatch(value.strip()):
-                # YAML 1.1 reads 6_1_6 as the integer 616; strategies are strings
-                item = f"{key}='{value.strip()}'"
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
-            raise _translate(e, cls, "command line") from None
+        merged = apply_override(merged, item, cls)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

@@ -115,3 +115,62 @@ def test_entry_point_fails_before_compute(tiny_hf_dirs):
     assert "Traceback" not in r.stderr
     r = run_script("tools/generate.py", "model.dtpye=float32")
     assert r.returncode == 2 and "did you mean 'model.dtype'" in r.stderr
+
+
+@pytest.mark.parametrize("value", [
+    "[aeiou]{2}", "[0-9]+", r"^\d{1,3}(,\d{3})*$", "{a: 1}", "key: value", "'single'",
+    '"double"', "a=b=c", "${not.an.interpolation}", r"\${escaped}", "#not a comment",
+    "*:2_1_2", "  padded  ", "true", "12", "null"])
+def test_string_fields_take_override_text_verbatim(value):
+    cfg = _cfg(f"generate.prompt={value}", f"tracking.run_name={value}")
+    assert cfg.generate.prompt == value and cfg.tracking.run_name == value
+
+
+def test_regex_with_brackets_reaches_the_verifier():
+    assert _cfg("reward.format_pattern=[aeiou]{2}").reward.format_pattern == "[aeiou]{2}"
+    with pytest.raises(ConfigError, match="reward.format_pattern is not a valid regex"):
+        _cfg("reward.format_pattern=[0-9")
+
+
+def test_strategy_strings_are_not_read_as_numbers():
+    cfg = _cfg("rollout.speculative.strategy=6_1_6", "rollout.speculative.arms=*:2_1_2")
+    assert cfg.rollout.speculative.strategy == "6_1_6"
+    assert cfg.rollout.speculative.arms == "*:2_1_2"
+
+
+def test_empty_value_means_off_or_unset():
+    cfg = _cfg("tracking.wandb_project=", "rollout.speculative.drafter=", "model.hf_path=")
+    assert cfg.tracking.wandb_project == "" and cfg.rollout.speculative.drafter == ""
+    assert cfg.model.hf_path is None  # Optional[str]: empty = not set
+    assert _cfg("model.hf_path=smollm2", "model.hf_path=").model.hf_path is None
+
+
+def test_non_string_fields_are_still_parsed():
+    cfg = _cfg("train.steps=7", "train.lr=3e-5", "tracking.progress=false",
+               "data.task_params={min_terms: 2, max_terms: 3}", "data.task_params.seed=4")
+    assert cfg.train.steps == 7 and cfg.train.lr == 3e-5 and cfg.tracking.progress is False
+    assert cfg.data.task_params == {"min_terms": 2, "max_terms": 3, "seed": 4}
+
+
+@pytest.mark.parametrize("item,field", [
+    ("train.steps=[0-9]+", "train.steps"), ("train.steps=", "train.steps"),
+    ("train.lr=fast", "train.lr"), ("tracking.progress=maybe", "tracking.progress"),
+    ("data.task_params=[unclosed", "data.task_params"), ("train.steps={", "train.steps"),
+    ("generate.prompt=???", "generate.prompt")])
+def test_bad_non_string_value_is_one_line_naming_the_field(item, field):
+    with pytest.raises(ConfigError) as e:
+        _cfg(item)
+    msg = str(e.value)
+    assert f"'{field}" in msg and "\n" not in msg
+
+
+def test_unknown_key_with_unparsable_value_is_reported_as_unknown():
+    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'.*train.steps"):
+        _cfg("train.stpes=[1")
+
+
+def test_bad_override_on_the_command_line_is_one_line_without_traceback():
+    r = run_script("pretrain_rl_tlt.py", "--dry-run", "model.hf_path=smollm2",
+                   "data.task_params=[0-9")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "'data.task_params'" in r.stderr

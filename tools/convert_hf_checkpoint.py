@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert Hugging Face Llama/Qwen2 checkpoints to megatron-core checkpoints and back.
+"""Convert Hugging Face <-> megatron-core checkpoints; export trained runs to Hugging Face.
 
 The direction follows the source named by model.hf_path:
 
@@ -8,6 +8,9 @@ The direction follows the source named by model.hf_path:
         parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2
     # a megatron checkpoint (any TP/PP) -> an HF folder that transformers loads
     python tools/convert_hf_checkpoint.py --out HF_DIR model.hf_path=CKPT_DIR
+    # a run's checkpoint.save folder (any TP/PP; the newest step, or --step N) -> an HF
+    # folder, with the run's drafter in HF_DIR/drafter when it had one
+    python tools/convert_hf_checkpoint.py --out HF_DIR model.hf_path=RUN_SAVE_DIR [--step N]
 
 Same configuration convention as every entry point (--config FILE, section.field=value).
 No process group is needed: shards are computed from the tensors directly. Tensors keep
@@ -26,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_tlt.assets import AssetError  # noqa: E402
 from megatron_tlt.config import build_parser, config_from_args, validate_for_run  # noqa: E402
 from megatron_tlt.models import resolve_source  # noqa: E402
+from megatron_tlt.models.export import (ExportError, export_run_checkpoint,  # noqa: E402
+                                        is_run_checkpoint)
 from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,  # noqa: E402
                                             load_megatron_shards, save_megatron_checkpoint,
                                             tokenizer_folder)
@@ -74,15 +79,30 @@ def to_hf(cfg, src, out: str) -> None:
 def main(argv=None) -> int:
     parser = build_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="run checkpoint: the step to export (default: the newest)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="run checkpoint: copy the tokenizer from DIR instead of the "
+                             "run's model.hf_path")
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
         src = resolve_source(cfg.model.hf_path)
-        if is_megatron_checkpoint(src):
+        if is_run_checkpoint(src):
+            start = time.perf_counter()
+            out = export_run_checkpoint(src, args.out, step=args.step,
+                                        tokenizer_dir=args.tokenizer, dtype=cfg.model.dtype)
+            drafter = " (drafter in drafter/)" if (out / "drafter").is_dir() else ""
+            print(f"wrote Hugging Face folder {out}{drafter} from run checkpoint {src} in "
+                  f"{time.perf_counter() - start:.1f} s")
+        elif args.step is not None:
+            raise ValueError(f"--step applies to run checkpoints (checkpoint.save folders); "
+                             f"{src} is not one")
+        elif is_megatron_checkpoint(src):
             to_hf(cfg, src, args.out)
         else:
             to_megatron(cfg, src, args.out)
-    except (ValueError, FileNotFoundError, FileExistsError, AssetError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, AssetError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -9,9 +9,11 @@
    rollout.speculative.drafter=<it> drafter_group.enable=true
    tracking.on_existing_run=new_version` plus any overrides given here: a few GRPO
    steps with the drafter group training the drafter in every step's tail, a per-step
-   summary table (acceptance, drafter steps, alpha), and the paths of the W&B offline
-   run, the JSONL and the plots (the timeline shows the training). Every demo run is
-   kept: the first writes runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
+   summary table (acceptance, drafter steps, alpha, held-out accuracy before the first
+   step and after the last), and the paths of the W&B offline run, the JSONL, the plots
+   (the timeline shows the drafter training) and the policy exported as a Hugging Face
+   folder (docs/after-training.md). Every demo run is kept: the first writes
+   runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
 """
 
 from __future__ import annotations

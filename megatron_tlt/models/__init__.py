@@ -38,6 +38,16 @@ def arch_from_source(source: str | Path) -> ModelArch:
     """Architecture of an HF folder or a megatron_tlt checkpoint folder."""
     if is_megatron_checkpoint(source):
         return ModelArch.from_hf_config(read_meta(source)["hf_config"])
+    from .export import is_run_checkpoint
+
+    if not (Path(source) / "config.json").is_file() and is_run_checkpoint(source):
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"model.hf_path={source} is a run checkpoint (checkpoint.save): resume the run "
+            f"with checkpoint.load={source}, or export it (python "
+            f"tools/convert_hf_checkpoint.py --out DIR model.hf_path={source}) and start "
+            f"from model.hf_path=DIR")
     return ModelArch.from_hf_folder(source)
 
 

@@ -376,7 +376,6 @@ def save_drafter(drafter: EagleDrafter, path: str | Path, *, extra: Optional[dic
     folder that gets ``drafter.safetensors``), atomically. Under TP every rank must call
     it (tensors are gathered); TP rank 0 writes."""
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -387,10 +386,19 @@ def save_drafter(drafter: EagleDrafter, path: str | Path, *, extra: Optional[dic
     cfg = drafter.config.to_dict()
     if extra:
         cfg["extra"] = {**cfg.get("extra", {}), **extra}
-    meta = {CHECKPOINT_KEY: json.dumps({"format": FORMAT_VERSION, "config": cfg})}
+    return write_drafter_file(state, cfg, path)
+
+
+def write_drafter_file(state: dict[str, torch.Tensor], config: dict, path: str | Path) -> Path:
+    """Unsharded drafter tensors + a ``DrafterConfig`` dict -> the checkpoint file
+    ``path`` (.safetensors), atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta = {CHECKPOINT_KEY: json.dumps({"format": FORMAT_VERSION, "config": config})}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=meta)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
     os.replace(tmp, path)
     return path
 

@@ -15,7 +15,8 @@ from ..tracking import read_metrics
 
 
 def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
-                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float) -> None:
+                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float,
+                  exported: Optional[Path] = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -25,10 +26,12 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
             "step s", "accept len", "SD on"]
     if online:
         cols += ["drafter steps", "alpha", "idle used"]
-    for col in cols + ["eval acc"]:
+    for col in cols + ["held-out acc (95% CI)"]:
         table.add_column(col, justify="right")
     for h in history:
         if "reward/mean" not in h:
+            if "eval/accuracy" in h:  # the evaluation before the first step
+                table.add_row(str(h["step"]), *["-"] * 9, _eval_cell(h))
             continue
         t = h.get("timing", {})
         spec = h.get("spec", {})
@@ -41,19 +44,36 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
             f"{t.get('tail', 0):.1f}", f"{t.get('update', 0):.1f}", f"{t.get('step', 0):.1f}",
             f"{spec.get('accept_len', 0):.2f}" if spec else "-",
             f"{spec.get('on_fraction', 0):.0%}" if spec else "-", *drafter,
-            f"{h['eval/accuracy']:.2f}" if "eval/accuracy" in h else "")
+            _eval_cell(h))
     console = Console()
     width = 164 if online else 132
     if console.width < width:  # a pipe or a narrow terminal: keep the columns readable
         console = Console(width=width)
     console.print(table)
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        first, last = evals[0], evals[-1]
+        console.print(f"held-out   : accuracy {_eval_cell(first)} at step {first['step']} -> "
+                      f"{_eval_cell(last)} at step {last['step']} "
+                      f"({last.get('eval/prompts', 0)} prompts, Wilson 95% intervals)")
     console.print(f"run folder : {run_dir}")
     console.print(f"metrics    : {metrics}")
     if wandb_dir:
         console.print(f"W&B run    : {wandb_dir}  (offline: `wandb sync {wandb_dir}`)")
     for p in plots:
         console.print(f"plot       : {p}")
+    if exported is not None:
+        console.print(f"HF export  : {exported}  (transformers: "
+                      f"AutoModelForCausalLM.from_pretrained('{exported}'))")
     console.print(f"wall time  : {seconds / 60:.1f} min")
+
+
+def _eval_cell(h: dict) -> str:
+    if "eval/accuracy" not in h:
+        return ""
+    if "eval/accuracy_lo" not in h:
+        return f"{h['eval/accuracy']:.2f}"
+    return f"{h['eval/accuracy']:.2f} [{h['eval/accuracy_lo']:.2f}, {h['eval/accuracy_hi']:.2f}]"
 
 
 def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
@@ -80,9 +100,12 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     ax.plot(steps, [r["accuracy"] for r in train], marker=".", label="train accuracy")
     if evals:
         es = [r["step"] for r in evals]
-        ev = [r["eval/reward"] for r in evals]
-        ci = [r.get("eval/reward_ci95", 0.0) for r in evals]
-        ax.errorbar(es, ev, yerr=ci, marker="s", capsize=3, label="held-out reward (95% CI)")
+        acc = [r["eval/accuracy"] for r in evals]
+        err = [[a - r.get("eval/accuracy_lo", a) for a, r in zip(acc, evals)],
+               [r.get("eval/accuracy_hi", a) - a for a, r in zip(acc, evals)]]
+        n = evals[-1].get("eval/prompts", 0)
+        ax.errorbar(es, acc, yerr=err, marker="s", capsize=3, linestyle="--",
+                    label=f"held-out accuracy, {n} prompts (95% CI)")
     ax.set_xlabel("step")
     ax.set_title("reward and accuracy")
     ax.legend()

@@ -31,8 +31,10 @@ import torch.distributed as dist
 
 from .. import checkpointing
 from ..config import Config, ConfigError
+from ..models.export import run_meta
 from ..tracking import Tracker
 from . import grpo
+from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, pipeline_generate, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
@@ -106,7 +108,8 @@ class Trainer:
             tuner=self.engine.tuner if self.engine is not None else None,
             drafter=self.engine.spec.drafter if self.engine is not None and
             self.engine.spec is not None else None,
-            drafter_group=self.online.group if self.online is not None else None)
+            drafter_group=self.online.group if self.online is not None else None,
+            meta=run_meta(self.arch, session.source))
         self.tracker = tracker
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
@@ -497,7 +500,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean reward and accuracy on the held-out prompts (one sample each)."""
+        """Mean reward and accuracy (with 95 % intervals) on the held-out prompts, one
+        sample each."""
         prompts = self.eval_prompts
         if not prompts:
             return {}
@@ -513,13 +517,7 @@ class Trainer:
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
         per = [(float(x.reward), float(x.correct)) for x in res]
-        gathered = [x for part in self._dp_all_gather(per) for x in part]
-        n = len(gathered)
-        rewards = [x[0] for x in gathered]
-        mean = sum(rewards) / n
-        var = sum((x - mean) ** 2 for x in rewards) / max(n - 1, 1)
-        return {"eval/reward": mean, "eval/reward_ci95": 1.96 * math.sqrt(var / n),
-                "eval/accuracy": sum(x[1] for x in gathered) / n, "eval/prompts": n}
+        return eval_metrics([x for part in self._dp_all_gather(per) for x in part])
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
@@ -539,7 +537,7 @@ class Trainer:
                 step = self.state.step
                 metrics = self.train_step(step)
                 done = self.state.step
-                if interval and done % interval == 0:
+                if interval and (done % interval == 0 or done == cfg.train.steps):
                     metrics.update(self.evaluate())
                 if tracker is not None:
                     tracker.log(done, metrics)

@@ -1,0 +1,92 @@
+"""Held-out evaluation: Wilson intervals, when evaluations run, what the report shows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_tlt.rl.evaluation import eval_metrics, wilson_interval
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (1, 10), (5, 10), (10, 10), (13, 64), (64, 64),
+                                 (0, 1), (250, 1000)])
+def test_wilson_interval_matches_scipy(k, n):
+    from scipy.stats import binomtest
+
+    want = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    lo, hi = wilson_interval(k, n)
+    assert lo == pytest.approx(want.low, abs=1e-9) and hi == pytest.approx(want.high, abs=1e-9)
+    assert 0.0 <= lo <= k / n <= hi <= 1.0
+
+
+def test_eval_metrics():
+    m = eval_metrics([(1.0, 1.0), (0.0, 0.0), (0.5, 0.0), (1.0, 1.0)])
+    assert m["eval/prompts"] == 4 and m["eval/accuracy"] == 0.5
+    assert (m["eval/accuracy_lo"], m["eval/accuracy_hi"]) == wilson_interval(2, 4)
+    assert m["eval/reward"] == pytest.approx(0.625)
+    assert eval_metrics([]) == {}
+
+
+def _stub_trainer(steps: int, interval: int):
+    """A Trainer whose step and evaluation are stand-ins: only the loop runs."""
+    from megatron_tlt import checkpointing
+    from megatron_tlt.config import load_config
+    from megatron_tlt.rl.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = load_config([], [f"train.steps={steps}", f"train.eval_interval={interval}"])
+    trainer.state = checkpointing.RunState()
+    trainer.tracker = None
+    trainer.evaluated_at = []
+
+    def train_step(step):
+        trainer.state.step = step + 1
+        return {"reward/mean": 0.0}
+
+    def evaluate():
+        trainer.evaluated_at.append(trainer.state.step)
+        return {"eval/accuracy": 0.5}
+
+    trainer.train_step, trainer.evaluate = train_step, evaluate
+    return trainer
+
+
+@pytest.mark.parametrize("steps,interval,want", [(5, 2, [0, 2, 4, 5]), (4, 4, [0, 4]),
+                                                 (3, 0, [])])
+def test_evaluation_before_the_first_step_and_after_the_last(steps, interval, want):
+    trainer = _stub_trainer(steps, interval)
+    history = trainer.train()
+    assert trainer.evaluated_at == want
+    assert [h["step"] for h in history if "eval/accuracy" in h] == want
+
+
+def _history():
+    base = {"reward/mean": 0.2, "accuracy": 0.2, "response_length/mean": 50,
+            "response_length/p99": 90, "response_length/max": 100,
+            "timing": {"rollout": 1.0, "tail": 0.5, "update": 1.0, "step": 2.5}}
+    first = {"step": 0, **eval_metrics([(1.0, 1.0)] * 5 + [(0.0, 0.0)] * 27)}
+    last = {"step": 2, **base, **eval_metrics([(1.0, 1.0)] * 12 + [(0.0, 0.0)] * 20)}
+    return [first, {"step": 1, **base}, last]
+
+
+def test_summary_shows_held_out_accuracy_at_start_and_end(capsys, tmp_path):
+    from megatron_tlt.rl.report import print_summary
+
+    print_summary(_history(), run_dir=tmp_path, metrics=tmp_path / "m.jsonl", wandb_dir=None,
+                  plots=[], seconds=60.0, exported=tmp_path / "hf")
+    out = capsys.readouterr().out
+    lo0, hi0 = wilson_interval(5, 32)
+    lo2, hi2 = wilson_interval(12, 32)
+    assert f"0.16 [{lo0:.2f}, {hi0:.2f}]" in out and f"0.38 [{lo2:.2f}, {hi2:.2f}]" in out
+    assert "at step 0 ->" in out and "at step 2 (32 prompts" in out
+    assert str(tmp_path / "hf") in out
+
+
+def test_curves_plot_held_out_accuracy(tmp_path):
+    from megatron_tlt.rl.report import write_plots
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(h) + "\n" for h in _history()))
+    paths = write_plots(metrics, tmp_path / "plots")
+    assert [p.name for p in paths] == ["curves.png"] and paths[0].stat().st_size > 0

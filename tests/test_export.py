@@ -1,0 +1,198 @@
+"""Trained runs -> Hugging Face: run checkpoints at any TP/PP, the end-of-run export,
+the drafter as a standalone file the engine loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_tlt.models.export import ExportError, export_run_checkpoint, run_meta
+from megatron_tlt.models.gpt import ModelArch
+from megatron_tlt.models.hf import HFWeights, hf_to_megatron, to_te_names
+from cli import run_script
+from rl_fixtures import save_tiny_policy
+
+UPDATE = ["grpo.prompts_per_step=4", "grpo.group_size=2", "train.micro_batch_size=4",
+          "train.lr=1e-2", "data.train_size=16", "rollout.cpu_kernels=false"]
+
+
+def _fake_run_checkpoint(root, hf_dir, step: int, tp: int, pp: int, te_names: bool = False):
+    """A checkpoint.save folder holding one step of ``hf_dir``'s weights, laid out as
+    checkpointing.save writes it (rank files with the model under policy/model)."""
+    arch = ModelArch.from_hf_folder(hf_dir)
+    hf = HFWeights(hf_dir)
+    folder = root / f"step_{step:07d}"
+    folder.mkdir(parents=True)
+    for t in range(tp):
+        for p in range(pp):
+            model = hf_to_megatron(hf, arch, tp_size=tp, tp_rank=t, pp_size=pp, pp_rank=p)
+            if te_names:
+                model = to_te_names(model)
+                model["decoder.layers.0.self_attention.core_attention._extra_state"] = None
+            for d in range(2):  # two DP replicas: the reader takes DP rank 0's files
+                torch.save({"step": step, "policy": {"model": model, "optimizer": {}},
+                            "meta": run_meta(arch, hf_dir)},
+                           folder / f"rank_tp{t}_pp{p}_dp{d}.pt")
+    (root / "latest").write_text(folder.name + "\n")
+    return root
+
+
+@pytest.mark.parametrize("tp,pp,te", [(1, 1, False), (2, 2, False), (1, 2, True)])
+def test_run_checkpoint_at_any_layout_exports_bit_exact(tp, pp, te, tiny_hf_dirs, tmp_path):
+    src = tiny_hf_dirs["llama_untied"]
+    run = _fake_run_checkpoint(tmp_path / "ckpt", src, 5, tp, pp, te_names=te)
+    out = export_run_checkpoint(run, tmp_path / "hf")
+    orig, new = HFWeights(src), HFWeights(out)
+    assert set(orig) == set(new)
+    assert all(torch.equal(orig[k], new[k]) for k in orig)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert not (out / "drafter").exists()
+
+
+def test_newest_step_by_default_or_a_named_one(tiny_hf_dirs, tmp_path):
+    old, new = tiny_hf_dirs["llama_tied"], tiny_hf_dirs["qwen2"]
+    root = tmp_path / "ckpt"
+    _fake_run_checkpoint(root, old, 2, 1, 1)
+    _fake_run_checkpoint(root, new, 4, 2, 1)  # the newest, marked latest
+    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "a",
+                   f"model.hf_path={root}")
+    assert r.returncode == 0, r.stderr
+    assert "q_proj.bias" in " ".join(HFWeights(tmp_path / "a"))  # qwen2: step 4
+    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "b",
+                   f"model.hf_path={root}", "--step", "2")
+    assert r.returncode == 0, r.stderr
+    assert set(HFWeights(tmp_path / "b")) == set(HFWeights(old))
+    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "c",
+                   f"model.hf_path={root}", "--step", "3")
+    assert r.returncode == 2 and "no checkpoint of step 3; saved steps: [2, 4]" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_export_errors_name_the_fix(tiny_hf_dirs, tmp_path):
+    root = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1, 1, 1)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_run_checkpoint(root, tmp_path / "full")
+    (root / "step_0000001" / "rank_tp0_pp0_dp0.pt").rename(root / "step_0000001" / "x.pt")
+    (root / "step_0000001" / "rank_tp0_pp0_dp1.pt").unlink()
+    with pytest.raises(ExportError, match="no rank_tp"):
+        export_run_checkpoint(root, tmp_path / "out")
+    with pytest.raises(ExportError, match="no complete run checkpoint"):
+        export_run_checkpoint(tmp_path / "full", tmp_path / "out2")
+
+
+# -------------------------------------------------------------------------------------
+# a real TP=2 run (torchrun, gloo): update, run checkpoint, end-of-run export
+# -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp2_run(smollm2_dir, tmp_path_factory, single_process_parallel):
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    root = tmp_path_factory.mktemp("export_tp2")
+    policy = save_tiny_policy(root / "policy", smollm2_dir)
+    arch = arch_from_source(policy)
+    drafter = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                           root / "d.safetensors")
+    r = run_script("tests/mp_export_worker.py", "--out", root / "run",
+                   f"model.hf_path={policy}", "parallel.tensor_model_parallel_size=2",
+                   f"rollout.speculative.drafter={drafter}", *UPDATE, nproc=2, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"policy": policy, "run": root / "run",
+            "trained": torch.load(root / "run" / "trained.pt", weights_only=True)}
+
+
+@pytest.mark.multiproc
+def test_tp2_run_checkpoint_to_transformers_gives_the_trained_logits(tp2_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "hf",
+                   f"model.hf_path={tp2_run['run'] / 'ckpt'}")
+    assert r.returncode == 0, r.stderr
+    trained = tp2_run["trained"]
+    ids = trained["ids"]
+    with torch.no_grad():
+        initial = AutoModelForCausalLM.from_pretrained(tp2_run["policy"]).eval()(ids).logits
+        assert (initial - trained["logits"]).abs().max() > 1e-2  # the update moved it
+        for folder in (tmp_path / "hf", tp2_run["run"] / "live_hf"):  # tool, export_hf
+            model = AutoModelForCausalLM.from_pretrained(folder).eval()
+            assert model.dtype == torch.float32
+            torch.testing.assert_close(model(ids).logits, trained["logits"], atol=1e-4,
+                                       rtol=1e-4)
+            assert AutoTokenizer.from_pretrained(folder).eos_token is not None
+
+
+@pytest.mark.multiproc
+def test_exported_drafter_is_the_trained_one_and_the_engine_speculates_with_it(tp2_run):
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import load_drafter
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+
+    hf = tp2_run["run"] / "live_hf"
+    info = json.loads((hf / "drafter" / "config.json").read_text())
+    assert info["target"]["hf_folder"] == ".." and info["target"]["step"] == 1
+    assert info["target"]["hidden_size"] == arch_from_source(hf).hidden_size
+    drafter = load_drafter(hf / "drafter", arch_from_source(hf))
+    want = tp2_run["trained"]["drafter"]
+    got = drafter.own_state()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    engine = RolloutEngine.from_pretrained(hf, RolloutConfig(
+        cpu_kernels="false", speculative=SpeculativeConfig(
+            drafter=str(hf / "drafter"), policy="fixed", strategy="2_1_2")))
+    engine.generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.last_stats.summary()["spec"]["steps"] > 0
+
+
+def test_cli_run_exports_at_the_end_and_evaluates_before_and_after(smollm2_dir, tmp_path,
+                                                                    single_process_parallel):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    policy = save_tiny_policy(tmp_path / "policy", smollm2_dir)
+    arch = arch_from_source(policy)
+    drafter = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                           tmp_path / "d.safetensors")
+    r = run_script("pretrain_rl_tlt.py", f"model.hf_path={policy}", "grpo.prompts_per_step=2",
+                   "grpo.group_size=2", "grpo.max_new_tokens=6", "train.steps=1",
+                   "data.train_size=8", "data.eval_size=3", "train.eval_interval=5",
+                   f"tracking.output_dir={tmp_path / 'out'}", "tracking.run_name=run",
+                   "tracking.progress=false", "tracking.wandb_project=",
+                   "checkpoint.export_hf=true", f"rollout.speculative.drafter={drafter}",
+                   timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "out" / "run"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records if "eval/accuracy_lo" in x] == [0, 1]
+    assert "held-out" in r.stdout and f"HF export  : {run / 'hf'}" in r.stdout
+    assert not (run / "wandb").exists()  # tracking.wandb_project= : W&B off
+    assert AutoModelForCausalLM.from_pretrained(run / "hf").config.vocab_size == arch.vocab_size
+    assert (run / "hf" / "drafter" / "drafter.safetensors").is_file()
+    # the export (not the run folder) is what model.hf_path takes; a run checkpoint is
+    # refused with the way to resume or export it
+    r = run_script("tools/generate.py", f"model.hf_path={run / 'hf'}",
+                   "generate.max_new_tokens=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    fake = _fake_run_checkpoint(tmp_path / "ckpt", policy, 1, 1, 1)
+    r = run_script("tools/generate.py", f"model.hf_path={fake}")
+    assert r.returncode == 2 and "is a run checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_export_folder_follows_the_umask(tiny_hf_dirs, tmp_path):
+    import os
+
+    run = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1, 1, 1)
+    mask = os.umask(0o022)
+    try:
+        out = export_run_checkpoint(run, tmp_path / "hf")
+    finally:
+        os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
