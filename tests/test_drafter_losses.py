@@ -11,7 +11,8 @@ import torch
 
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.drafter_training.alpha import measure_alpha, predicted_accept_len
-from megatron_tlt.drafter_training.losses import (LOSS_PRESETS, LossConfig, chain_mask,
+from megatron_tlt.drafter_training.losses import (LOSS_PRESETS, LossConfig, cache_target_probs,
+                                                  chain_mask,
                                                   drafter_loss, sampled_acceptance,
                                                   unrolled_forward)
 from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer, drafter_pairs,
@@ -222,3 +223,24 @@ def test_unrolled_pairing_equals_decodings_chain(tiny, depth):
         for _ in range(1, depth):
             naive = d(emb, torch.cat([h[:, :1], naive[:, :-1]], 1), rope)
     assert (naive[0, root + depth - 1] - seen[-1][0]).abs().max() > 1e-3
+
+
+def test_cached_target_probabilities_give_the_same_loss(tiny):
+    model, arch = tiny
+    eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    samples = _samples(eng, n=4, new=8)
+    d = _drafter(arch, draft_vocab_size=60)
+    d.set_draft_vocabulary(torch.arange(60) * 4)
+    cfg = LossConfig.preset("kl+tv", top_p=0.8, unroll=2, hidden=0.5)
+    with torch.no_grad():
+        _, plain = drafter_loss(d, eng.runner, samples, cfg)
+        cache_target_probs(samples, eng.runner, d, cfg)
+        assert all(s.target_probs is not None for s in samples)
+        _, cached = drafter_loss(d, eng.runner, samples, cfg)
+        for k in ("loss", "alpha", "kl", "tv", "top1"):
+            assert cached[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-6), k
+        d.set_draft_vocabulary(torch.arange(60) * 3)  # another vocabulary: cache ignored
+        _, other = drafter_loss(d, eng.runner, samples, cfg)
+        _, fresh = drafter_loss(d, eng.runner, [DraftSample(s.tokens, s.prompt_len, s.features,
+                                                            s.final_hidden) for s in samples], cfg)
+        assert other["loss"] == pytest.approx(fresh["loss"], rel=1e-6)

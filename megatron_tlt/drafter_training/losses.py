@@ -39,7 +39,7 @@ from ..models.drafter import EagleDrafter
 from ..rollout.sampling import processed_logprobs
 
 __all__ = ["LossConfig", "LOSS_PRESETS", "chain_mask", "unrolled_forward", "batch_terms",
-           "drafter_loss", "sampled_acceptance"]
+           "drafter_loss", "sampled_acceptance", "cache_target_probs"]
 
 
 @dataclass
@@ -172,6 +172,50 @@ def _pad_batch(drafter: EagleDrafter, runner, batch):
     return tok, feat, tgt, mask, first
 
 
+@torch.no_grad()
+def cache_target_probs(samples: Sequence, runner, drafter: EagleDrafter, cfg: LossConfig,
+                       chunk: int = 512) -> None:
+    """Keep on each ``DraftSample`` the target's processed probabilities over the
+    drafter's draft vocabulary at every position (with max p̃ and the target's top
+    token), so training epochs and α measurements skip the full-vocabulary head and its
+    processing. Only for pruned draft vocabularies (the full one would be [N, V] per
+    sample); a later change of draft vocabulary or settings ignores the cache."""
+    if drafter.d2t is None:
+        return
+    head = runner.output_w.detach()[: runner.arch.vocab_size]
+    key = cfg.processing()
+    for s in samples:
+        h = s.final_hidden[1:]
+        parts = []
+        for i in range(0, h.shape[0], chunk):
+            lp = processed_logprobs(h[i: i + chunk].to(head.device, head.dtype) @ head.t(),
+                                    *key)
+            mx, top = lp.exp().max(-1)
+            parts.append((lp[:, drafter.d2t].exp(), mx, top))
+        s.target_probs = (key, drafter.d2t.clone(),
+                          *(torch.cat([p[k] for p in parts]) for k in range(3)))
+
+
+def _cached(batch, drafter, key, n, sel):
+    """The cached (p̃ on the draft vocabulary, max p̃, top token) of the selected
+    positions, or None unless every sample holds a cache for these settings."""
+    if drafter.d2t is None:
+        return None
+    for s in batch:
+        c = getattr(s, "target_probs", None)
+        if c is None or c[0] != key or not torch.equal(c[1], drafter.d2t):
+            return None
+    vd = drafter.d2t.numel()
+    dev = drafter.d2t.device
+    p = torch.zeros(len(batch), n, vd, device=dev)
+    mx = torch.zeros(len(batch), n, device=dev)
+    top = torch.zeros(len(batch), n, dtype=torch.long, device=dev)
+    for i, s in enumerate(batch):
+        m = s.target_probs[2].shape[0]
+        p[i, :m], mx[i, :m], top[i, :m] = (t.to(dev) for t in s.target_probs[2:])
+    return p.reshape(-1, vd)[sel], mx.reshape(-1)[sel], top.reshape(-1)[sel]
+
+
 def batch_terms(drafter: EagleDrafter, runner, batch: Sequence, cfg: LossConfig,
                 passes: Optional[int] = None) -> dict:
     """Per-position loss terms of ``passes`` (default ``cfg.unroll``) unrolled passes over
@@ -194,10 +238,14 @@ def batch_terms(drafter: EagleDrafter, runner, batch: Sequence, cfg: LossConfig,
     sel = mask.reshape(-1)
     hid = tgt.shape[-1]
     tgt_m = tgt.reshape(-1, hid)[sel]
+    cached = _cached(batch, drafter, key, tok.shape[1], sel)
     with torch.no_grad():
-        lp = processed_logprobs(tgt_m @ full_head.t(), *key)  # p̃ [N, V]
-        lp_d = lp if drafter.d2t is None else lp[:, drafter.d2t]
-        p_d = lp_d.exp()
+        if cached is None:
+            lp = processed_logprobs(tgt_m @ full_head.t(), *key)  # p̃ [N, V]
+            p_d = (lp if drafter.d2t is None else lp[:, drafter.d2t]).exp()
+            p_all_max, top_all = lp.exp().max(-1)
+        else:
+            p_d, p_all_max, top_all = cached
     pos = torch.arange(tok.shape[1], device=tok.device)[None].expand_as(tok).reshape(-1)[sel]
     row_first = first[:, None].expand_as(tok).reshape(-1)[sel]
     terms: dict = {k: [] for k in ("alpha", "kl", "tv", "hidden", "top1")}
@@ -206,7 +254,7 @@ def batch_terms(drafter: EagleDrafter, runner, batch: Sequence, cfg: LossConfig,
         out_m = outs[j].reshape(-1, hid)[sel][keep]
         logits = (out_m @ head.t()).float()
         q_lp = processed_logprobs(logits, *key)
-        pj, lpj = p_d[keep], lp_d[keep]
+        pj = p_d[keep]
         alpha = torch.minimum(pj, q_lp.exp()).sum(-1)
         q_t = torch.log_softmax(logits / temp, dim=-1)
         terms["alpha"].append(alpha)
@@ -215,13 +263,13 @@ def batch_terms(drafter: EagleDrafter, runner, batch: Sequence, cfg: LossConfig,
         terms["hidden"].append(F.smooth_l1_loss(out_m.float(), tgt_m[keep].float(),
                                                 reduction="none").mean(-1))
         with torch.no_grad():
-            top_t = lp.argmax(-1)[keep]
+            top_t = top_all[keep]
             top_d = logits.argmax(-1)
             if drafter.d2t is not None:
                 top_d = drafter.d2t[top_d]
             terms["top1"].append((top_d == top_t).float())
     with torch.no_grad():
-        terms["p_max"] = lp.exp().max(-1).values
+        terms["p_max"] = p_all_max
         terms["vocab_mass"] = p_d.sum(-1)
     return terms
 

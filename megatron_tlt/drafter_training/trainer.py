@@ -37,6 +37,9 @@ class DraftSample:
     prompt_len: int
     features: torch.Tensor  # [len(tokens), feature_width] target features per position
     final_hidden: torch.Tensor  # [len(tokens), H] the target's final (post-norm) hidden
+    # (settings, d2t, p̃ on the draft vocabulary, max p̃, top token) per position 1..N-1:
+    # losses.cache_target_probs; None = computed from final_hidden when needed
+    target_probs: Optional[tuple] = None
 
 
 def drafter_pairs(tokens: Sequence[int], features: torch.Tensor
