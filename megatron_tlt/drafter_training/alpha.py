@@ -28,7 +28,8 @@ import torch
 from .losses import LossConfig, batch_terms
 from .trainer import DraftSample, length_batches
 
-__all__ = ["AlphaReport", "measure_alpha", "predicted_accept_len", "measured_accept_len"]
+__all__ = ["AlphaReport", "measure_alpha", "predicted_accept_len", "measured_accept_len",
+           "held_out_samples"]
 
 
 @dataclass
@@ -97,6 +98,20 @@ def measure_alpha(drafter, runner, samples: Sequence[DraftSample], *, temperatur
     return AlphaReport(alpha=[s / max(c, 1) for s, c in zip(sums, counts)], e_max_p=p_max / n,
                        vocab_mass=mass / n, tokens=counts[0], temperature=temperature,
                        top_k=top_k, top_p=top_p)
+
+
+def held_out_samples(engine, prompts: Sequence[Sequence[int]], sampling, *,
+                     per_prompt: int = 1, feature_layers: Sequence[int] = ()
+                     ) -> list[DraftSample]:
+    """``per_prompt`` responses of the target to each prompt, sampled with ``sampling``
+    (a ``SamplingParams``), with the target's features: held-out data for
+    ``measure_alpha``."""
+    from .trainer import target_features
+
+    reqs = [list(p) for p in prompts for _ in range(per_prompt)]
+    seqs = [p + o.token_ids for p, o in zip(reqs, engine.generate(reqs, sampling))]
+    return [DraftSample(s, len(p), f, h) for s, p, (f, h) in
+            zip(seqs, reqs, target_features(engine.runner, seqs, feature_layers))]
 
 
 def measured_accept_len(engine, drafter, prompts: Sequence[Sequence[int]], sampling,

@@ -339,15 +339,15 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
 
 def _evaluate(cfg, engine, drafter, eval_p, log, measure_alpha, measured_accept_len) -> dict:
     from ..rollout import SamplingParams
+    from .alpha import held_out_samples
 
     out: dict = {"eval_prompts": len(eval_p)}
     depth = cfg.alpha_depth
     t_alpha = cfg.temperature or 1.0
     hsp = SamplingParams(temperature=t_alpha, top_p=cfg.top_p, top_k=cfg.top_k,
                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
-    held_reqs = [p for p in eval_p for _ in range(min(cfg.samples_per_prompt, 4))]
-    held_resp = [o.token_ids for o in engine.generate(held_reqs, hsp)]
-    held = _samples(engine, drafter, held_reqs, held_resp, lambda s: None)
+    held = held_out_samples(engine, eval_p, hsp, per_prompt=min(cfg.samples_per_prompt, 4),
+                            feature_layers=drafter.config.feature_layers)
     rep = measure_alpha(drafter, engine.runner, held, temperature=t_alpha, top_k=cfg.top_k,
                         top_p=cfg.top_p, depth=depth)
     esp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
