@@ -44,6 +44,18 @@ def parse_variant(text: str, default_vocab: int) -> dict:
     return v
 
 
+def write_json(args, cfg, train, held, cov, rows, n_tok) -> None:
+    import torch
+
+    out = dict(benchmark="compare_drafter_losses", config=vars(args),
+               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+               train_responses=len(train), train_tokens=n_tok, held_out=len(held),
+               coverage={str(k or "full"): x for k, x in cov.items()}, rows=rows,
+               threads=torch.get_num_threads())
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--config", required=True, help="RL recipe (task and sampling)")
@@ -58,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--samples-cache", default=None,
+                    help="keep the training and held-out samples (with features) in this "
+                         "torch file and reuse them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     silence_expected_warnings()
@@ -88,15 +103,23 @@ def main(argv=None) -> int:
     reqs = [p for p in train_p for _ in range(cfg.samples_per_prompt)]
     sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    resp = _generate(cfg, engine, reqs, sp, print, "train")
     base = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
     base.reset_parameters(cfg.seed)
-    print("target features (training set)", flush=True)
-    train = _samples(engine, base, reqs, resp, print)
-    hsp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
-    print("held-out responses and features", flush=True)
-    held = held_out_samples(engine, eval_p, hsp, per_prompt=min(cfg.samples_per_prompt, 4))
+    cache = Path(args.samples_cache) if args.samples_cache else None
+    if cache is not None and cache.is_file():
+        train, held = torch.load(cache, weights_only=False)
+        print(f"training and held-out samples from {cache}", flush=True)
+    else:
+        resp = _generate(cfg, engine, reqs, sp, print, "train")
+        print("target features (training set)", flush=True)
+        train = _samples(engine, base, reqs, resp, print)
+        hsp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
+        print("held-out responses and features", flush=True)
+        held = held_out_samples(engine, eval_p, hsp,
+                                per_prompt=min(cfg.samples_per_prompt, 4))
+        if cache is not None:
+            torch.save((train, held), cache)
     mass = token_mass(engine.runner, train, temperature=cfg.temperature, top_k=cfg.top_k,
                       top_p=cfg.top_p)
     cov = coverage(mass, COVERAGE_SIZES)
@@ -128,6 +151,8 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t1:.0f}s)", flush=True)
         rows.append(dict(variant=v, loss=lc.__dict__, curve=curve, final=curve[-1],
                          train_seconds=time.perf_counter() - t1))
+        if args.json:  # after every variant: a long comparison keeps what it finished
+            write_json(args, cfg, train, held, cov, rows, n_tok)
     print("\n| variant | α depth 1..%d | E[max p̃] | vocab mass | predicted accept len |"
           % args.depth)
     print("|---|---|---|---|---|")
@@ -136,14 +161,6 @@ def main(argv=None) -> int:
         print(f"| {r['variant']['name']} | {' / '.join(f'{a:.3f}' for a in f['alpha'])} | "
               f"{f['e_max_p']:.3f} | {f['vocab_mass']:.3f} | "
               f"{f['predicted_accept_len']:.2f} |")
-    if args.json:
-        out = dict(benchmark="compare_drafter_losses", config=vars(args),
-                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   train_responses=len(train), train_tokens=n_tok, held_out=len(held),
-                   coverage={str(k or "full"): x for k, x in cov.items()}, rows=rows,
-                   threads=torch.get_num_threads())
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 
