@@ -244,3 +244,28 @@ def test_cached_target_probabilities_give_the_same_loss(tiny):
         _, fresh = drafter_loss(d, eng.runner, [DraftSample(s.tokens, s.prompt_len, s.features,
                                                             s.final_hidden) for s in samples], cfg)
         assert other["loss"] == pytest.approx(fresh["loss"], rel=1e-6)
+
+
+# --------------------------------------------------------------------------- warm-up config
+def test_warmup_takes_the_recipes_task_and_sampling(tmp_path):
+    from megatron_tlt.drafter_training.warmup import WarmupConfig, WarmupError
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data: {task: chain_sum, task_params: {min_terms: 2}, instruction: Go}\n"
+                      "grpo: {group_size: 4, temperature: 0.7, top_p: 0.9, top_k: 20, "
+                      "max_new_tokens: 64}\n")
+    cfg = WarmupConfig.from_recipe(recipe, train_prompts=5, top_k=None)
+    assert (cfg.task, cfg.task_params, cfg.instruction) == ("chain_sum", {"min_terms": 2}, "Go")
+    assert (cfg.samples_per_prompt, cfg.temperature, cfg.top_p, cfg.top_k,
+            cfg.max_new_tokens, cfg.train_prompts) == (4, 0.7, 0.9, 20, 64, 5)
+    lc = cfg.loss_config()  # the loss is taken at the rollout's settings
+    assert (lc.temperature, lc.top_p, lc.top_k) == (0.7, 0.9, 20)
+    assert WarmupConfig.from_recipe(recipe, temperature=1.0).temperature == 1.0
+    files = tmp_path / "f.yaml"
+    files.write_text("data: {source: jsonl, path: x.jsonl}\n")
+    with pytest.raises(WarmupError, match="data.source=jsonl.*--task"):
+        WarmupConfig.from_recipe(files)
+    with pytest.raises(WarmupError, match="--epochs 0 .*needs --init"):
+        WarmupConfig(epochs=0)
+    with pytest.raises(WarmupError, match="loss 'x' is not one of"):
+        WarmupConfig(loss="x")
