@@ -5,7 +5,7 @@
 
 1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
    (``drafter_training.warmup`` with the recipe's task and sampling: 12 chain_sum prompts
-   x the GRPO group's 8 responses at T=1, forward KL against the target's T=1
+   x the GRPO group's 8 responses at T=1, forward KL + TV against the target's T=1
    distribution; its held-out report prints the exact acceptance alpha by draft depth).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
    rollout.speculative.drafter=<it>` plus any overrides given here: a few GRPO steps, a
