@@ -150,10 +150,11 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     res = json.loads(summary.read_text())
     assert res["identical"] == res["eval_prompts"] == 3
     assert res["accept_len"] > 1.3  # a drafter that learned something (random: ~1.0)
-    # re-select the trained drafter's draft vocabulary: no features, no training
+    # re-select the trained drafter's draft vocabulary by token counts: no features, no
+    # training
     small, summary2 = tmp_path / "v256.safetensors", tmp_path / "v256.json"
     r3 = run_script("tools/warmup_drafter.py", "--init", out, "--epochs", 0,
-                    "--draft-vocab", 256, "--out", small, "--train-prompts", 24,
+                    "--draft-vocab", 256, "--draft-vocab-by", "count", "--out", small, "--train-prompts", 24,
                     "--max-new-tokens", 96, "--responses", tmp_path / "resp.jsonl",
                     "--eval-prompts", 3, "--eval-new-tokens", 48, "--json", summary2,
                     timeout=600)

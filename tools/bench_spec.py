@@ -51,7 +51,9 @@ JSON summary keys: ``speedup_bs1``, ``accept_len_bs1``, ``tail_batch_speedup``,
 the long-tail batch), ``aa_min_ratio`` (the same statistic for plain / plain: the noise
 floor), ``declined_step_ratio`` (declined step / plain step time, median over the
 batch sizes and the tail), ``adaptive_vs_fixed_bs1`` (adaptive / the fixed strategy at
-batch 1), ``tail_best_fixed`` and ``adaptive_vs_best_fixed_tail`` (adaptive / the
+batch 1), ``adaptive_vs_plain_bs1`` and ``adaptive_vs_plain_tail`` (adaptive / plain at
+batch 1 and on the long-tail batch), ``alpha`` (the drafter's exact per-depth acceptance
+on held-out sampled responses, ``drafter_training.alpha``), ``tail_best_fixed`` and ``adaptive_vs_best_fixed_tail`` (adaptive / the
 fastest fixed strategy on the long-tail batch).
 """
 
@@ -247,6 +249,27 @@ def tuned_summary(st) -> dict:
                 arms=s["arms"], accept_len=s["accept_len"])
 
 
+def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, seed):
+    """The drafter's exact alpha at depths 1..(the batch-1 chain's depth) on sampled
+    responses to ``prompts`` at ``temperature`` (T=1 for a greedy benchmark: what RL
+    rollouts would accept), as a dict (``drafter_training.alpha.AlphaReport``)."""
+    if not prompts:
+        return None
+    from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
+    from megatron_tlt.rollout import SamplingParams
+    from megatron_tlt.rollout.tuner import Strategy
+
+    t = temperature or 1.0
+    s = Strategy.parse(strategy)
+    held = held_out_samples(engine, prompts, SamplingParams(
+        temperature=t, max_new_tokens=max_new, seed=seed + 7),
+        feature_layers=drafter.config.feature_layers)
+    rep = measure_alpha(drafter, engine.runner, held, temperature=t,
+                        depth=s.depth if s.is_chain else 4)
+    print(f"held-out {rep.line()}", flush=True)
+    return rep.to_dict()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--drafter", default=None,
@@ -281,6 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="batch sizes 1,2 over 2 prompts; 64 tokens; 1 pair; tail of 8 prompts, "
                          "128 tokens (--pairs / --tail-pairs given explicitly are kept)")
+    ap.add_argument("--alpha-prompts", type=int, default=4,
+                    help="prompts (the last of the benchmark pool, unseen in warm-up) whose sampled responses "
+                         "measure the drafter's exact alpha by depth (0: skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -473,6 +499,9 @@ def main(argv=None) -> int:
           f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)
 
     bs1 = next((r for r in rows if r["batch"] == 1), None)
+    alpha = held_out_alpha(engine, drafter, pool[-args.alpha_prompts:] if args.alpha_prompts
+                           else [], temp, (bs1 or rows[0])["strategy"], args.tail_tokens,
+                           args.seed)
     best_fixed = max(((f, statistics.median(t["fixed"][f]["ratio"] for t in tail))
                       for f in tail_fixed), key=lambda x: x[1], default=None)
     result = {
@@ -506,12 +535,16 @@ def main(argv=None) -> int:
             [r["declined_step_ratio"] for r in rows]
             + [t["declined_step_ratio"] for t in tail]),
         "adaptive_vs_fixed_bs1": bs1["adaptive_vs_fixed"] if bs1 else None,
+        "adaptive_vs_plain_bs1": bs1["adaptive_speedup"] if bs1 else None,
+        "adaptive_vs_plain_tail": statistics.median(t["ratio"] for t in tail),
+        "alpha": alpha,
         "tail_best_fixed": best_fixed[0] if best_fixed else None,
         "adaptive_vs_best_fixed_tail": (statistics.median(t["ratio"] for t in tail)
                                         / best_fixed[1] if best_fixed else None),
     }
     print(json.dumps({k: result[k] for k in (
-        "speedup_bs1", "accept_len_bs1", "tail_batch_speedup", "adaptive_min_ratio",
+        "speedup_bs1", "accept_len_bs1", "adaptive_vs_plain_bs1", "adaptive_vs_plain_tail",
+        "tail_batch_speedup", "adaptive_min_ratio",
         "aa_min_ratio", "declined_step_ratio", "adaptive_vs_fixed_bs1",
         "adaptive_vs_best_fixed_tail")}))
     if args.json:

@@ -4,7 +4,9 @@
     python tools/demo.py [section.field=value ...]
 
 1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
-   (tools/warmup_drafter.py: self-distillation on 64 sampled chain_sum responses).
+   (``drafter_training.warmup`` with the recipe's task and sampling: 12 chain_sum prompts
+   x the GRPO group's 8 responses at T=1, forward KL + TV against the target's T=1
+   distribution; its held-out report prints the exact acceptance alpha by draft depth).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
    rollout.speculative.drafter=<it> drafter_group.enable=true
    tracking.on_existing_run=new_version` plus any overrides given here: a few GRPO
@@ -28,26 +30,33 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-WARMUP = ["--task", "chain_sum", "--train-prompts", "64", "--eval-prompts", "4",
-          "--max-new-tokens", "128", "--temperature", "1.0", "--epochs", "4",
-          "--batch-tokens", "1024", "--draft-vocab", "1024", "--eval-strategy", "4_1_4",
-          "--eval-new-tokens", "64"]
+RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
+# bounded to a few minutes on 2 cores: the recipe's sampling, fewer and shorter responses
+WARMUP = dict(train_prompts=12, max_new_tokens=128, epochs=4, batch_tokens=1024,
+              draft_vocab=1024, eval_prompts=2, eval_strategy="4_1_4", eval_new_tokens=64)
 
 
 def demo_drafter() -> Path:
     from megatron_tlt.assets import default_cache_dir
 
-    path = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo.safetensors"
+    path = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo-sampled.safetensors"
     if path.is_file():
         print(f"[demo] drafter: {path} (cached)", flush=True)
         return path
-    print(f"[demo] warming up a drafter for the demo (bounded, ~2-3 min on 2 cores) -> "
-          f"{path}", flush=True)
+    print(f"[demo] warming up a drafter for the demo at the recipe's sampling settings "
+          f"(bounded, a few minutes on 2 cores) -> {path}", flush=True)
+    from megatron_tlt.drafter_training.warmup import WarmupConfig, run_warmup
+    from megatron_tlt.platform import silence_expected_warnings
+
+    silence_expected_warnings()
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "warmup_drafter.py"),
-                        "--out", str(path), *WARMUP])
-    if r.returncode != 0:
-        raise SystemExit(f"drafter warm-up failed (exit {r.returncode})")
+    result = run_warmup(WarmupConfig.from_recipe(RECIPE, out=str(path), **WARMUP))
+    a = result.report.get("alpha")
+    if a:
+        print(f"[demo] drafter alpha by depth at T={a['temperature']:g}: "
+              f"{' '.join(f'{x:.2f}' for x in a['alpha'])} (E[max p] {a['e_max_p']:.2f}); "
+              f"acceptance length predicted {a['predicted_accept_len']:.2f}, measured "
+              f"{result.report['accept_len']:.2f}", flush=True)
     print(f"[demo] drafter ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
 
@@ -71,7 +80,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     drafter = demo_drafter()
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
-                    ["--config", REPO / "examples" / "rl" / "smollm2_cpu.yaml",
+                    ["--config", RECIPE,
                      f"rollout.speculative.drafter={drafter}", "drafter_group.enable=true",
                      "tracking.on_existing_run=new_version", *overrides], t0)
 

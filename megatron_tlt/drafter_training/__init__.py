@@ -1,5 +1,11 @@
-"""Drafter training: the EAGLE loss, self-distillation data and the optimizer loop."""
+"""Drafter training: losses for sampled acceptance, the exact α metric, self-distillation
+data, the optimizer loop and the offline warm-up."""
 
+from .alpha import AlphaReport, measure_alpha
+from .losses import LOSS_PRESETS, LossConfig, drafter_loss
 from .trainer import DraftSample, DrafterTrainer, drafter_pairs, target_features
+from .warmup import WarmupConfig, run_warmup
 
-__all__ = ["DraftSample", "DrafterTrainer", "drafter_pairs", "target_features"]
+__all__ = ["AlphaReport", "DraftSample", "DrafterTrainer", "LOSS_PRESETS", "LossConfig",
+           "WarmupConfig", "drafter_loss", "drafter_pairs", "measure_alpha", "run_warmup",
+           "target_features"]

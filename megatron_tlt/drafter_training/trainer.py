@@ -6,29 +6,29 @@ the EAGLE-3 layer concatenation). The drafter sees, at position p, the pair
 
     (s_{p+1}, h_p)        -- ``drafter_pairs``; decoding feeds exactly this pair
 
-and is trained to output the target's next hidden state h_{p+1} (smooth-L1, weight
-1.0) and the target's next-token distribution softmax(output_layer(h_{p+1}))
-(soft cross-entropy, weight 0.1), on positions whose prediction is a response token.
+and is trained on positions whose prediction is a response token with a loss of
+``losses.LossConfig`` (forward KL against the target's processed next-token
+distribution, acceptance terms, next-hidden-state regression, unrolled depths).
 Embedding and output layer are the target's, frozen; only drafter weights train
 (AdamW).
-"""
 
+    trainer = DrafterTrainer(drafter, runner, lr=1e-3, total_steps=n, loss=LossConfig(...))
+    parts = trainer.step(batch)      # batch: a list of DraftSample; one optimizer step
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..models.drafter import EagleDrafter
 from ..rollout.forward import ModelRunner
 from ..rollout.kv_cache import KVCache
-
-HIDDEN_WEIGHT = 1.0
-CE_WEIGHT = 0.1
+from .losses import LossConfig, drafter_loss
 
 
 @dataclass
@@ -37,6 +37,9 @@ class DraftSample:
     prompt_len: int
     features: torch.Tensor  # [len(tokens), feature_width] target features per position
     final_hidden: torch.Tensor  # [len(tokens), H] the target's final (post-norm) hidden
+    # (settings, d2t, p̃ on the draft vocabulary, max p̃, top token) per position 1..N-1:
+    # losses.cache_target_probs; None = computed from final_hidden when needed
+    target_probs: Optional[tuple] = None
 
 
 def drafter_pairs(tokens: Sequence[int], features: torch.Tensor
@@ -75,14 +78,18 @@ def target_features(runner: ModelRunner, sequences: Sequence[Sequence[int]],
 
 
 class DrafterTrainer:
-    """AdamW on the drafter's own parameters with the EAGLE loss.
+    """AdamW on the drafter's own parameters with a ``LossConfig`` loss (default: the
+    EAGLE preset). ``step(batch)`` is the one training entry point (offline warm-up and
+    online training alike): a list of ``DraftSample`` in, the loss parts out.
 
     ``runner`` supplies the target's frozen embedding and output layer (and RoPE).
+    ``unroll`` overrides ``loss.unroll`` when given.
     """
 
     def __init__(self, drafter: EagleDrafter, runner: ModelRunner, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 20, total_steps: int = 1000,
-                 min_lr_ratio: float = 0.1, grad_clip: float = 1.0, unroll: int = 1):
+                 min_lr_ratio: float = 0.1, grad_clip: float = 1.0,
+                 unroll: Optional[int] = None, loss: Optional[LossConfig] = None):
         self.drafter = drafter
         self.runner = runner
         self.params = [p for p in drafter.parameters() if p.requires_grad]
@@ -90,9 +97,11 @@ class DrafterTrainer:
                                      betas=(0.9, 0.95))
         self.lr, self.warmup, self.total = lr, warmup_steps, max(total_steps, 1)
         self.min_lr_ratio, self.grad_clip = min_lr_ratio, grad_clip
-        if unroll < 1:
-            raise ValueError(f"unroll must be >= 1, got {unroll}")
-        self.unroll = unroll
+        loss = loss if loss is not None else LossConfig.preset("eagle")
+        if unroll is not None:
+            loss = dataclasses.replace(loss, unroll=unroll)  # (validates unroll >= 1)
+        self.loss_config = loss
+        self.unroll = loss.unroll
         self.step_count = 0
 
     def lr_at(self, step: int) -> float:
@@ -101,59 +110,9 @@ class DrafterTrainer:
         t = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
-    def head(self) -> torch.Tensor:
-        """Output-layer rows of the draft vocabulary (the full, unpadded vocabulary
-        without pruning), frozen."""
-        w = self.runner.output_w.detach()[: self.runner.arch.vocab_size]
-        d2t = self.drafter.d2t
-        return w if d2t is None else w[d2t]
-
     def loss(self, batch: Sequence[DraftSample]) -> tuple[torch.Tensor, dict]:
-        """EAGLE loss over a padded batch of samples; returns (loss, parts)."""
-        d = self.drafter
-        dev, dtype = self.runner.device, self.runner.dtype
-        n = max(len(s.tokens) for s in batch) - 1
-        b, H = len(batch), d.config.hidden_size
-        tok = torch.zeros(b, n, dtype=torch.long, device=dev)
-        feat = torch.zeros(b, n, d.config.feature_width, dtype=dtype, device=dev)
-        tgt = torch.zeros(b, n, H, dtype=dtype, device=dev)
-        mask = torch.zeros(b, n, dtype=torch.bool, device=dev)
-        for i, s in enumerate(batch):
-            nt, f = drafter_pairs(s.tokens, s.features)
-            m = nt.shape[0]
-            tok[i, :m], feat[i, :m] = nt.to(dev), f.to(dev, dtype)
-            tgt[i, :m] = s.final_hidden[1:].to(dev, dtype)  # h_{p+1}
-            # the prediction at p is token s_{p+2}: keep it when that is a response token
-            mask[i, max(s.prompt_len - 2, 0): m] = True
-        with torch.no_grad():
-            emb = F.embedding(tok, self.runner.embed_w)
-        h_in = d.reduce_features(feat)
-        rope = self.runner.model.rotary_pos_emb(n)
-        sel = mask.reshape(-1)
-        tgt_m = tgt.reshape(-1, H)[sel]
-        head = self.head()
-        with torch.no_grad():
-            t_logits = tgt_m @ head.t()
-            p = torch.softmax(t_logits.float(), dim=-1)
-        loss, parts = 0.0, {}
-        for k in range(self.unroll):
-            # pass k > 0 feeds the drafter its own previous outputs as h (shifted by one
-            # position, detached), as drafting k tokens ahead does
-            out = d(emb, h_in, rope)
-            out_m = out.reshape(-1, H)[sel]
-            l_hidden = F.smooth_l1_loss(out_m.float(), tgt_m.float(), reduction="none").mean(-1)
-            logq = torch.log_softmax((out_m @ head.t()).float(), dim=-1)
-            l_ce = -(p * logq).sum(-1)
-            loss = loss + (HIDDEN_WEIGHT * l_hidden.mean() + CE_WEIGHT * l_ce.mean()) / self.unroll
-            if k == 0:
-                with torch.no_grad():
-                    top1 = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
-                parts = {"hidden": float(l_hidden.detach().mean()),
-                         "ce": float(l_ce.detach().mean()), "top1": float(top1)}
-            if k + 1 < self.unroll:
-                h_in = torch.cat([h_in[:, :1], out[:, :-1].detach()], dim=1)
-        parts.update(loss=float(loss.detach()), tokens=int(sel.sum()))
-        return loss, parts
+        """The configured loss over a padded batch of samples; returns (loss, parts)."""
+        return drafter_loss(self.drafter, self.runner, batch, self.loss_config)
 
     def step(self, batch: Sequence[DraftSample]) -> dict:
         self.drafter.train()
@@ -176,16 +135,7 @@ class DrafterTrainer:
             log_every: int = 10) -> list[dict]:
         """Epochs over ``samples`` in length-bucketed batches of about ``batch_tokens``
         padded tokens; returns the per-step metrics."""
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
-        batches, cur = [], []
-        for i in order:
-            width = max([len(samples[j].tokens) for j in cur] + [len(samples[i].tokens)])
-            if cur and (len(cur) + 1) * width > batch_tokens:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
+        batches = length_batches(samples, batch_tokens)
         g = torch.Generator().manual_seed(seed)
         history = []
         t0 = time.perf_counter()
@@ -198,10 +148,28 @@ class DrafterTrainer:
                 k = len(history)
                 if log and (k % log_every == 0 or k == total):
                     log(f"  step {k}/{total}  epoch {epoch + 1}/{epochs}  loss {parts['loss']:.4f}"
-                        f"  hidden {parts['hidden']:.4f}  ce {parts['ce']:.3f}"
-                        f"  top1 {parts['top1']:.3f}  lr {parts['lr']:.2e}"
+                        f"  alpha {parts['alpha']:.3f}  kl {parts['kl']:.3f}"
+                        f"  hidden {parts['hidden']:.4f}  top1 {parts['top1']:.3f}"
+                        f"  lr {parts['lr']:.2e}"
                         f"  ({time.perf_counter() - t0:.0f}s)")
         return history
+
+
+def length_batches(samples: Sequence[DraftSample], batch_tokens: int) -> list[list[int]]:
+    """Indices of ``samples`` in length-sorted batches of about ``batch_tokens`` padded
+    tokens (at least one sample each)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    batches, cur, width = [], [], 0
+    for i in order:
+        w = max(width, len(samples[i].tokens))
+        if cur and (len(cur) + 1) * w > batch_tokens:
+            batches.append(cur)
+            cur, w = [], len(samples[i].tokens)
+        cur.append(i)
+        width = w
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: int,

@@ -225,11 +225,14 @@ class EagleDrafter(torch.nn.Module):
         return self.feature_fc(feats) if self.feature_fc is not None else feats
 
     # ---------------------------------------------------------------- training path
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary_pos_emb: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary_pos_emb: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Drafter output ĥ [B, T, H] for inputs embed(tok_{t+1}) [B, T, H] and h_t
         [B, T, H] (already reduced), causal over T, positions 0..T-1 (``rotary_pos_emb``
-        from the target's ``rotary_pos_emb(T)``)."""
+        from the target's ``rotary_pos_emb(T)``). ``attention_mask`` [T, T] bool (True =
+        masked) replaces the causal mask (unrolled training: several drafting depths in
+        one sequence, ``drafter_training.losses.chain_mask``), with ``rotary_pos_emb``
+        then giving each of the T inputs its own position."""
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         t = x.shape[1]
         pad = (-t) % 8 if self.config.fp8 else 0
@@ -238,9 +241,14 @@ class EagleDrafter(torch.nn.Module):
             x = F.pad(x, (0, 0, 0, pad))
             rotary_pos_emb = torch.cat([rotary_pos_emb, rotary_pos_emb[-1:].expand(
                 pad, *rotary_pos_emb.shape[1:])], dim=0)
+            if attention_mask is not None:  # padded queries see only themselves
+                attention_mask = F.pad(attention_mask, (0, pad, 0, pad), value=True)
+                attention_mask[t:, t:].fill_diagonal_(False)
+        if attention_mask is not None:
+            attention_mask = attention_mask[None, None]
         with fp8_context(self.config.fp8):
             out, _ = self.layer(hidden_states=x.transpose(0, 1).contiguous(),
-                                attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         out = out.transpose(0, 1)[:, :t]
         return F.rms_norm(out, (out.shape[-1],), self.norm, self.config.norm_epsilon)
 

@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Drafter losses, draft vocabularies and unroll depths compared by the exact α.
+
+    python tools/compare_drafter_losses.py --config examples/rl/smollm2_cpu.yaml \\
+        --responses resp.jsonl --variants kl,tv,log_accept,kl+tv,eagle --vocab 1024 \\
+        --json docs/results/drafter_losses.json
+
+One data set (the recipe's sampled responses, kept in --responses and reused), one
+held-out set (responses to unseen prompts at the same settings), one seeded initial
+drafter; each variant trains a fresh copy for --epochs epochs and reports, after every
+epoch, α at depths 1..--depth on the held-out set (``drafter_training.alpha``): α
+against training tokens. A variant is ``LOSS[@uUNROLL][@hHIDDEN][@vVOCAB]``, e.g.
+``kl@u2``, ``log_accept@h0.1@v4096``. α is an expectation over every held-out token, not
+a timing: the comparison holds on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+
+
+def parse_variant(text: str, default_vocab: int) -> dict:
+    loss, *opts = text.split("@")
+    v = {"name": text, "loss": loss, "unroll": 1, "hidden": None, "vocab": default_vocab}
+    for o in opts:
+        key, val = o[0], o[1:]
+        if key == "u":
+            v["unroll"] = int(val)
+        elif key == "h":
+            v["hidden"] = float(val)
+        elif key == "v":
+            v["vocab"] = int(val)
+        else:
+            raise SystemExit(f"--variants: {text!r}: unknown option {o!r} (uN unroll, "
+                             "hW hidden weight, vN draft vocabulary)")
+    return v
+
+
+def write_json(args, cfg, train, held, cov, rows, n_tok) -> None:
+    import torch
+
+    out = dict(benchmark="compare_drafter_losses", config=vars(args),
+               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+               train_responses=len(train), train_tokens=n_tok, held_out=len(held),
+               coverage={str(k or "full"): x for k, x in cov.items()}, rows=rows,
+               threads=torch.get_num_threads())
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--config", required=True, help="RL recipe (task and sampling)")
+    ap.add_argument("--responses", default=None, help="resumable response store")
+    ap.add_argument("--train-prompts", type=int, default=16)
+    ap.add_argument("--samples-per-prompt", type=int, default=None)
+    ap.add_argument("--eval-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--variants", default="kl,tv,log_accept,kl+tv,eagle")
+    ap.add_argument("--vocab", type=int, default=1024, help="draft vocabulary (0 = full)")
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--samples-cache", default=None,
+                    help="keep the training and held-out samples (with features) in this "
+                         "torch file and reuse them")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    silence_expected_warnings()
+    import torch
+
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.config import RolloutConfig
+    from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
+    from megatron_tlt.drafter_training.losses import cache_target_probs
+    from megatron_tlt.drafter_training.trainer import DrafterTrainer, length_batches
+    from megatron_tlt.drafter_training.vocab import (coverage, draft_vocabulary_by_mass,
+                                                     token_mass)
+    from megatron_tlt.drafter_training.warmup import (COVERAGE_SIZES, WarmupConfig, _generate,
+                                                      _prompts, _samples)
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+
+    variants = [parse_variant(v, args.vocab) for v in args.variants.split(",")]
+    cfg = WarmupConfig.from_recipe(args.config, train_prompts=args.train_prompts,
+                                   eval_prompts=args.eval_prompts,
+                                   samples_per_prompt=args.samples_per_prompt,
+                                   max_new_tokens=args.max_new_tokens,
+                                   responses=args.responses, chunk=32)
+    t0 = time.perf_counter()
+    engine = RolloutEngine.from_pretrained(require_smollm2(), RolloutConfig(max_batch_size=32))
+    prompts = _prompts(cfg, engine.tokenizer, cfg.train_prompts + cfg.eval_prompts)
+    train_p, eval_p = prompts[: cfg.train_prompts], prompts[cfg.train_prompts:]
+    reqs = [p for p in train_p for _ in range(cfg.samples_per_prompt)]
+    sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    base = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
+    base.reset_parameters(cfg.seed)
+    cache = Path(args.samples_cache) if args.samples_cache else None
+    if cache is not None and cache.is_file():
+        train, held = torch.load(cache, weights_only=False)
+        print(f"training and held-out samples from {cache}", flush=True)
+    else:
+        resp = _generate(cfg, engine, reqs, sp, print, "train")
+        print("target features (training set)", flush=True)
+        train = _samples(engine, base, reqs, resp, print)
+        hsp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
+        print("held-out responses and features", flush=True)
+        held = held_out_samples(engine, eval_p, hsp,
+                                per_prompt=min(cfg.samples_per_prompt, 4))
+        if cache is not None:
+            torch.save((train, held), cache)
+    mass = token_mass(engine.runner, train, temperature=cfg.temperature, top_k=cfg.top_k,
+                      top_p=cfg.top_p)
+    cov = coverage(mass, COVERAGE_SIZES)
+    n_tok = sum(len(s.tokens) - s.prompt_len for s in train)
+    print(f"data ready in {time.perf_counter() - t0:.0f}s: {len(train)} responses "
+          f"({n_tok} tokens), {len(held)} held out; mass coverage "
+          + ", ".join(f"{k or 'full'} {v:.3f}" for k, v in cov.items()), flush=True)
+    eos = list(engine.eos_token_ids)
+    rows = []
+    for v in variants:
+        d = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
+        d.load_state_dict(base.state_dict())
+        if v["vocab"]:
+            d.set_draft_vocabulary(draft_vocabulary_by_mass(mass, v["vocab"], always=eos))
+        lc = WarmupConfig.from_recipe(args.config, loss=v["loss"], unroll=v["unroll"],
+                                      hidden_weight=v["hidden"]).loss_config()
+        cache_target_probs(train, engine.runner, d, lc)
+        steps = len(length_batches(train, args.batch_tokens))
+        trainer = DrafterTrainer(d, engine.runner, lr=args.lr, total_steps=args.epochs * steps,
+                                 warmup_steps=max(1, steps // 2), loss=lc)
+        curve = []
+        t1 = time.perf_counter()
+        for ep in range(args.epochs):
+            trainer.fit(train, epochs=1, batch_tokens=args.batch_tokens, seed=ep, log=None)
+            rep = measure_alpha(d, engine.runner, held, temperature=cfg.temperature,
+                                top_k=cfg.top_k, top_p=cfg.top_p, depth=args.depth)
+            curve.append(dict(epoch=ep + 1, train_tokens=n_tok * (ep + 1), **rep.to_dict()))
+            print(f"  {v['name']:>18} epoch {ep + 1}: {rep.line()} "
+                  f"({time.perf_counter() - t1:.0f}s)", flush=True)
+        rows.append(dict(variant=v, loss=lc.__dict__, curve=curve, final=curve[-1],
+                         train_seconds=time.perf_counter() - t1))
+        if args.json:  # after every variant: a long comparison keeps what it finished
+            write_json(args, cfg, train, held, cov, rows, n_tok)
+    print("\n| variant | α depth 1..%d | E[max p̃] | vocab mass | predicted accept len |"
+          % args.depth)
+    print("|---|---|---|---|---|")
+    for r in rows:
+        f = r["final"]
+        print(f"| {r['variant']['name']} | {' / '.join(f'{a:.3f}' for a in f['alpha'])} | "
+              f"{f['e_max_p']:.3f} | {f['vocab_mass']:.3f} | "
+              f"{f['predicted_accept_len']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
