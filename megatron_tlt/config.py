@@ -486,6 +486,10 @@ class DrafterGroupConfig:
         "soon as it finishes).", 1)
     max_steps_per_window: int = _help("Drafter optimizer steps per replica per RL step at "
                                       "most.", 32)
+    loss: str = _help(
+        "Drafter loss preset (eagle, kl, tv, log_accept, kl+tv), computed at the rollout's "
+        "sampling settings (grpo.temperature / top_p / top_k); the default is the warm-up's.",
+        "kl+tv")
     lr: float = _help("Drafter AdamW peak learning rate.", 3e-4)
     lr_warmup_steps: int = _help("Linear warm-up, in drafter optimizer steps.", 4)
     lr_decay: str = _help("After warm-up: constant or cosine (to lr x min_lr_ratio at "
@@ -515,6 +519,9 @@ class DrafterGroupConfig:
         _positive("drafter_group", "batch_tokens", self.batch_tokens)
         _positive("drafter_group", "buffer_tokens", self.buffer_tokens)
         _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
+        from .drafter_training.losses import LOSS_PRESETS
+
+        _choice("drafter_group", "loss", self.loss, tuple(LOSS_PRESETS))
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("drafter_group.lr must be > 0 and drafter_group.min_lr_ratio "
                               f"in [0, 1], got {self.lr} and {self.min_lr_ratio}")

@@ -4,12 +4,14 @@
         --model TINY_HF_DIR --out DIR [--schedules 50]
 
 One launch runs every scenario in turn on a tiny model (each rank writes
-DIR/rank{R}.json):
+DIR/rank{R}.json), the group's loss and canary at a recipe's sampling settings
+(T = 0.7, top-k 20, top-p 0.9):
 
 - together: both replicas finished before either looks -> nothing trains, no averaging;
 - uneven: replica 1 finishes only after replica 0 took 3 micro-steps -> replica 0
   trains, replica 1 does not, and both leave with replica 0's state bit for bit (its
-  weight is 1); the policy's parameters and gradients are untouched;
+  weight is 1); the policy's parameters and gradients are untouched; the canary's
+  alpha against ``measure_alpha`` on the same responses;
 - schedules: N windows with random finish delays and random micro-step times; after
   each, the full drafter + AdamW state is compared across ranks, and every micro-step
   records whether the last replica had already finished when it ended (at most one per
@@ -42,6 +44,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron_tlt.config import DrafterGroupConfig, RolloutConfig, SpeculativeConfig
+    from megatron_tlt.drafter_training.alpha import measure_alpha
     from megatron_tlt.drafter_training.buffer import BufferedResponse
     from megatron_tlt.drafter_training.group import DrafterGroup, default_store
     from megatron_tlt.models import load_model
@@ -75,15 +78,21 @@ def main() -> None:
     cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
                              batch_tokens=24, canary_sequences=2)
     store = default_store()
+    res: dict = {}
+
+    # the recipe's rollout sampling: the group's loss and canary run at these settings
+    recipe = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
 
     def make_group(loss_fn=None):
         return DrafterGroup(engine.spec.drafter, engine.runner, cfg,
                             dp_group=ps.get_data_parallel_group(), store=store,
-                            total_steps=10_000, seed=1, loss_fn=loss_fn)
+                            total_steps=10_000, seed=1, sampling=recipe, loss_fn=loss_fn)
 
     group = make_group()
+    lc = group.trainer.loss_config
+    res["loss"] = {"preset": cfg.loss, "temperature": lc.temperature, "top_k": lc.top_k,
+                   "top_p": lc.top_p, "kl": lc.kl, "tv": lc.tv}
     policy_before = [p.detach().clone() for p in model.parameters()]
-    res: dict = {}
 
     def all_flats():
         flat = group._flat(create=True)
@@ -126,6 +135,14 @@ def main() -> None:
         "policy_grads_none": all(p.grad is None for p in model.parameters()),
         "alpha": group.canary_alpha(), "train": rec["train"],
         "last_finisher": rec["last_finisher"]}
+    # the canary is measure_alpha (depth 1, the recipe's settings) on the newest
+    # buffered responses; at T=1 without truncation the value differs
+    canary = [r.draft_sample() for r in group.buffer.sample(cfg.canary_sequences)]
+    res["uneven"]["measured_alpha"] = measure_alpha(
+        group.drafter, engine.runner, canary, temperature=0.7, top_k=20, top_p=0.9,
+        depth=1).alpha[0]
+    res["uneven"]["alpha_t1"] = measure_alpha(group.drafter, engine.runner, canary,
+                                              temperature=1.0, depth=1).alpha[0]
 
     # ---- randomised schedules
     rng = random.Random(1000 + rank)

@@ -53,6 +53,12 @@ def test_bad_choice_lists_valid_values():
         _cfg("model.dtype=bf16")
 
 
+def test_drafter_group_loss_is_a_loss_preset():
+    assert _cfg("drafter_group.loss=tv").drafter_group.loss == "tv"
+    with pytest.raises(ConfigError, match="drafter_group.loss='kl-tv'.*did you mean 'kl\\+tv'"):
+        _cfg("drafter_group.loss=kl-tv")
+
+
 def test_non_positive_size():
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size must be >= 1"):
         _cfg("parallel.pipeline_model_parallel_size=0")

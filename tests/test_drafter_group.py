@@ -29,6 +29,26 @@ def test_all_finishing_together_trains_nothing_and_averages_nothing(results):
         assert t["checksum"] is None  # no averaging collective ran
 
 
+def test_the_group_trains_with_the_configured_loss_at_the_recipes_sampling(results):
+    from megatron_tlt.config import DrafterGroupConfig
+    from megatron_tlt.drafter_training.losses import LOSS_PRESETS
+    from megatron_tlt.drafter_training.warmup import DEFAULT_LOSS
+
+    assert DrafterGroupConfig().loss == DEFAULT_LOSS
+    for res in results:
+        lc = res["loss"]
+        assert (lc["temperature"], lc["top_k"], lc["top_p"]) == (0.7, 20, 0.9)
+        preset = LOSS_PRESETS[lc["preset"]]
+        assert (lc["kl"], lc["tv"]) == (preset.kl, preset.tv)
+
+
+def test_canary_alpha_is_measure_alpha_at_the_recipes_sampling(results):
+    for res in results:
+        u = res["uneven"]
+        assert u["alpha"] == u["measured_alpha"]
+        assert u["alpha"] != u["alpha_t1"]  # the settings reach the measurement
+
+
 def test_uneven_finish_early_replica_trains_late_one_does_not(results):
     early, late = results[0]["uneven"], results[1]["uneven"]
     assert early["steps"] >= 3 and late["steps"] == 0
@@ -99,6 +119,7 @@ def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, 
         assert len(rec["drafter/steps_per_replica"]) == 2
         assert len(rec["timeline"]["drafter_train"]) == 2
         assert 0.0 <= rec["drafter/alpha"] <= 1.0
+        assert rec["spec/alpha"] == rec["drafter/alpha"]
         assert rec["spec"]["steps"] > 0
         assert 0.0 <= rec["drafter/idle_used_fraction"] <= 1.0
     version = recs[-1]["drafter/version"][0]

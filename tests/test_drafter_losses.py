@@ -171,6 +171,14 @@ def test_loss_config_errors_name_the_field():
     assert set(LOSS_PRESETS) >= {"eagle", "kl", "tv", "log_accept"}
 
 
+def test_loss_at_a_rollouts_sampling_settings():
+    lc = LossConfig.for_sampling("kl+tv", 0.7, 20, 0.9, unroll=2)
+    assert (lc.kl, lc.tv, lc.temperature, lc.top_k, lc.top_p, lc.unroll) == \
+        (1.0, 1.0, 0.7, 20, 0.9, 2)
+    eagle = LossConfig.for_sampling("eagle", 0.7, 20, 0.9)  # soft CE at T=1, untruncated
+    assert (eagle.temperature, eagle.top_k, eagle.top_p) == (1.0, 0, 1.0)
+
+
 # --------------------------------------------------------------------------- unrolling
 def test_chain_mask_small_case():
     m = ~chain_mask(3, 2)  # True = seen; order: pass 1 positions 0..2, pass 2 positions 0..2

@@ -12,7 +12,8 @@ the step barrier (``Trainer.idle_window_hooks``):
    so all TP ranks of a replica act together.
 3. Local training: while some replica is still decoding (the store's count is below
    DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
-   optimizer step (a micro-step) on its buffer, checking the store before each one, so
+   optimizer step (a micro-step; the ``cfg.loss`` preset of ``losses.py`` at the
+   rollout's temperature / top-k / top-p) on its buffer, checking the store before each one, so
    it stops within one micro-step of the last replica finishing. The last replica to
    finish sees the count complete and trains nothing.
 4. Synchronisation, a collective every replica calls (it ends at the latest replica's
@@ -44,7 +45,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .alpha import measure_alpha
 from .buffer import BufferedResponse, DataBuffer
+from .losses import LossConfig
 from .trainer import DrafterTrainer
 
 __all__ = ["DrafterGroup", "StopSignal", "TRAIN", "WAIT", "STOP"]
@@ -80,20 +83,26 @@ def default_store():
 class DrafterGroup:
     """One replica's member of the drafter group (see the module docstring).
 
-    ``loss_fn(batch) -> (loss, parts)`` replaces the EAGLE loss of ``DrafterTrainer``
+    ``sampling`` (a ``SamplingParams`` or anything with ``temperature``, ``top_k`` and
+    ``top_p``; None = temperature 1, no truncation) is the rollout's: the drafter loss
+    (``cfg.loss``, a ``losses.LOSS_PRESETS`` name) and the canary's alpha use its
+    processed distributions. ``loss_fn(batch) -> (loss, parts)`` replaces that loss
     when given (``parts`` needs a float ``"loss"``).
     """
 
     def __init__(self, drafter, runner, cfg, *, dp_group=None, tp_group=None, store=None,
-                 total_steps: int = 1000, seed: int = 0,
+                 total_steps: int = 1000, seed: int = 0, sampling=None,
                  loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.drafter = drafter
+        self.sampling = ((1.0, 0, 1.0) if sampling is None else
+                         (float(sampling.temperature), int(sampling.top_k),
+                          float(sampling.top_p)))
         self.trainer = DrafterTrainer(
             drafter, runner, lr=cfg.lr, weight_decay=cfg.weight_decay,
             warmup_steps=cfg.lr_warmup_steps, total_steps=total_steps,
             min_lr_ratio=cfg.min_lr_ratio if cfg.lr_decay == "cosine" else 1.0,
-            grad_clip=cfg.grad_clip)
+            grad_clip=cfg.grad_clip, loss=LossConfig.for_sampling(cfg.loss, *self.sampling))
         if loss_fn is not None:
             self.trainer.loss = loss_fn
         self.buffer = DataBuffer(cfg.buffer_tokens)
@@ -306,36 +315,17 @@ class DrafterGroup:
             self.speculation_off = False
 
     # ------------------------------------------------------------------ canary
-    @torch.no_grad()
     def canary_alpha(self) -> Optional[float]:
-        """Mean alpha (sum over draft tokens of min(p, q), temperature 1) of the drafter's
-        first draft at every position of a few buffered responses; p is the target's
-        distribution from the buffered features. None when the buffer is empty."""
-        recs = self.buffer.sample(self.cfg.canary_sequences)
-        if not recs:
+        """The drafter's depth-1 alpha (``alpha.measure_alpha``: E[sum min(p~, q~)] at the
+        rollout's sampling settings) over the ``cfg.canary_sequences`` newest buffered
+        responses, p~ from their buffered final hidden states. None when the buffer is
+        empty."""
+        samples = [r.draft_sample() for r in self.buffer.sample(self.cfg.canary_sequences)]
+        if not samples:
             return None
-        import torch.nn.functional as F
-
-        tr, d = self.trainer, self.drafter
-        runner = tr.runner
-        full = runner.output_w.detach()[: runner.arch.vocab_size]
-        head = tr.head()
-        total, count = 0.0, 0
-        for rec in recs:
-            s = rec.draft_sample()
-            nxt = torch.as_tensor(s.tokens[1:], dtype=torch.long, device=runner.device)
-            feats = s.features[:-1].to(runner.device, runner.dtype)
-            emb = F.embedding(nxt, runner.embed_w)[None]
-            out = d(emb, d.reduce_features(feats[None]),
-                    runner.model.rotary_pos_emb(nxt.shape[0]))[0]
-            q = torch.softmax((out @ head.t()).float(), -1)
-            p = torch.softmax((s.final_hidden[1:].to(runner.device, runner.dtype)
-                               @ full.t()).float(), -1)
-            if d.d2t is not None:
-                p = p[:, d.d2t]
-            total += float(torch.minimum(p, q).sum(-1).sum())
-            count += nxt.shape[0]
-        return total / max(count, 1)
+        t, k, p = self.sampling
+        return measure_alpha(self.drafter, self.trainer.runner, samples, temperature=t,
+                             top_k=k, top_p=p, depth=1).alpha[0]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -77,6 +77,17 @@ class LossConfig:
                              f"{sorted(LOSS_PRESETS)}")
         return dataclasses.replace(LOSS_PRESETS[name], **overrides)
 
+    @classmethod
+    def for_sampling(cls, name: str, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                     **overrides) -> "LossConfig":
+        """Preset ``name`` at a rollout's sampling settings (temperature 0 = greedy). The
+        ``eagle`` preset keeps its soft CE against the T=1 softmax whatever the rollout
+        samples at."""
+        if name == "eagle":
+            temperature, top_k, top_p = 1.0, 0, 1.0
+        return cls.preset(name, temperature=temperature, top_k=top_k, top_p=top_p,
+                          **overrides)
+
     def processing(self) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) for ``processed_logprobs``; greedy as T=1."""
         return (self.temperature or 1.0, self.top_k, self.top_p)

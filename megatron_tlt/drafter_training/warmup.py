@@ -100,14 +100,12 @@ class WarmupConfig:
         self.loss_config()  # validates the loss settings
 
     def loss_config(self) -> LossConfig:
-        kw = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                  unroll=self.unroll)
+        kw = dict(unroll=self.unroll)
         if self.hidden_weight is not None:
             kw["hidden"] = self.hidden_weight
-        if self.loss == "eagle":  # the EAGLE recipe's soft CE is against the T=1 softmax
-            kw.update(temperature=1.0, top_k=0, top_p=1.0)
         try:
-            return LossConfig.preset(self.loss, **kw)
+            return LossConfig.for_sampling(self.loss, self.temperature, self.top_k,
+                                           self.top_p, **kw)
         except ValueError as e:
             raise WarmupError(f"loss settings: {e}") from None
 

@@ -9,7 +9,9 @@ The rollout returns each response's decode-time hidden states (``Sample.extra``)
 idle-window hook buffers them and runs the group's window (``DrafterGroup``); after the
 policy update the canary measures alpha on a few buffered responses with the updated
 shared embedding and output layer, and one all-gather brings every replica's record to
-the step's metrics.
+the step's metrics. The canary's alpha (``alpha.measure_alpha`` at depth 1 and the
+rollout's sampling settings: the exact per-token rate speculative sampling accepts)
+is logged as ``drafter/alpha`` and ``spec/alpha``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
+from .rollout import sampling_params
 
 
 class OnlineDrafter:
@@ -62,7 +65,8 @@ class OnlineDrafter:
         self.group = DrafterGroup(drafter, eng.runner, dg, dp_group=trainer.dp_group,
                                   tp_group=ps.get_tensor_model_parallel_group(),
                                   total_steps=cfg.train.steps * dg.max_steps_per_window,
-                                  seed=cfg.platform.seed)
+                                  seed=cfg.platform.seed,
+                                  sampling=sampling_params(cfg.grpo, cfg.platform.seed))
         self.finished_at = 0.0
 
     def hook(self, step: int, roll) -> None:
@@ -130,5 +134,5 @@ def summarise(parts: list[dict], idle_available: float) -> dict:
     if total:
         out["drafter/loss"] = sum(p["loss_sum"] for p in parts) / total
     if alphas:
-        out["drafter/alpha"] = sum(alphas) / len(alphas)
+        out["drafter/alpha"] = out["spec/alpha"] = sum(alphas) / len(alphas)
     return {k: v for k, v in out.items() if not (isinstance(v, float) and math.isnan(v))}
