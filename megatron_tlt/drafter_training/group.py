@@ -13,8 +13,8 @@ the step barrier (``Trainer.idle_window_hooks``):
 3. Local training: while some replica is still decoding (the store's count is below
    DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
    optimizer step (a micro-step; the ``cfg.loss`` preset of ``losses.py`` at the
-   rollout's temperature / top-k / top-p) on its buffer, checking the store before each one, so
-   it stops within one micro-step of the last replica finishing. The last replica to
+   rollout's temperature / top-k / top-p) on its buffer, checking the store before
+   each one, so it stops within one micro-step of the last replica finishing. The last replica to
    finish sees the count complete and trains nothing.
 4. Synchronisation, a collective every replica calls (it ends at the latest replica's
    arrival, which the barrier would wait for anyway): the replicas' step counts are
