@@ -90,3 +90,21 @@ def test_curves_plot_held_out_accuracy(tmp_path):
     metrics.write_text("".join(json.dumps(h) + "\n" for h in _history()))
     paths = write_plots(metrics, tmp_path / "plots")
     assert [p.name for p in paths] == ["curves.png"] and paths[0].stat().st_size > 0
+
+
+def test_the_step_0_evaluation_sits_in_the_held_out_column_with_drafter_columns(capsys, tmp_path):
+    """With the drafter group's columns, step 0's held-out cell is still the last one."""
+    from megatron_tlt.rl.report import print_summary
+
+    history = _history()
+    for h in history:
+        if "reward/mean" in h:
+            h.update({"drafter/steps": 3, "drafter/alpha": 0.4, "drafter/idle_used_fraction": 0.9})
+    print_summary(history, run_dir=tmp_path, metrics=tmp_path / "m.jsonl", wandb_dir=None,
+                  plots=[], seconds=60.0)
+    row0 = next(line for line in capsys.readouterr().out.splitlines()
+                if line.strip("│ ").startswith("0 "))
+    cells = [c.strip() for c in row0.strip().strip("│").split("│")]
+    lo, hi = wilson_interval(5, 32)
+    assert cells[-1] == f"0.16 [{lo:.2f}, {hi:.2f}]"
+    assert all(c == "-" for c in cells[1:-1])

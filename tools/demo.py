@@ -4,7 +4,7 @@
     python tools/demo.py [section.field=value ...]
 
 1. A drafter for the policy: the cached one, or a warm-up bounded to a few minutes
-   (``drafter_training.warmup`` with the recipe's task and sampling: 12 chain_sum prompts
+   (``drafter_training.warmup`` with the recipe's task and sampling: 8 chain_sum prompts
    x the GRPO group's 8 responses at T=1, forward KL + TV against the target's T=1
    distribution; its held-out report prints the exact acceptance alpha by draft depth).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
 # bounded to a few minutes on 2 cores: the recipe's sampling, fewer and shorter responses
-WARMUP = dict(train_prompts=12, max_new_tokens=128, epochs=4, batch_tokens=1024,
+WARMUP = dict(train_prompts=8, max_new_tokens=128, epochs=4, batch_tokens=1024,
               draft_vocab=1024, eval_prompts=2, eval_strategy="4_1_4", eval_new_tokens=64)
 
 

@@ -95,13 +95,17 @@ class OnlineDrafter:
         low = [f"canary alpha {out['drafter/alpha']:.3f} < drafter_group.canary_min_alpha="
                f"{self.cfg.canary_min_alpha}"] if out.get("drafter/alpha", 1.0) < \
             self.cfg.canary_min_alpha else []
-        if spec.get("steps", 0) and spec.get("accept_len", 2.0) <= 1.05:
+        # a handful of speculative steps says little: judge acceptance on enough of them
+        if spec.get("steps", 0) >= CANARY_MIN_SPEC_STEPS and spec.get("accept_len", 2.0) <= 1.05:
             low.append(f"measured acceptance {spec['accept_len']:.2f} tokens per step")
         if low and self.first:
             warnings.warn("drafter group: the drafter looks broken (" + "; ".join(low) +
                           "): speculation buys nothing; check the drafter's weights "
                           "after the policy update", RuntimeWarning, stacklevel=2)
         return out
+
+
+CANARY_MIN_SPEC_STEPS = 32  # speculative steps the canary's acceptance check needs
 
 
 def summarise(parts: list[dict], idle_available: float) -> dict:

@@ -31,7 +31,7 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
     for h in history:
         if "reward/mean" not in h:
             if "eval/accuracy" in h:  # the evaluation before the first step
-                table.add_row(str(h["step"]), *["-"] * 9, _eval_cell(h))
+                table.add_row(str(h["step"]), *["-"] * (len(cols) - 1), _eval_cell(h))
             continue
         t = h.get("timing", {})
         spec = h.get("spec", {})
