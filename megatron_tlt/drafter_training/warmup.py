@@ -267,7 +267,7 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
         log(f"[2/5] target features for {len(reqs)} sequences ({n_resp} response tokens)")
         samples = _samples(engine, drafter, reqs, resp, log)
     else:
-        log("[2/5] no target features needed (no training)")
+        log("[2/5] no forward over the responses (no training)")
 
     # 3. draft vocabulary
     lc = cfg.loss_config()
