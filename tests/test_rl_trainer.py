@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cli import REPO, run_script
-from rl_fixtures import save_tiny_policy
+from rl_fixtures import save_tiny_policy, tiny_run_args
 
 RECIPES = sorted((REPO / "examples" / "rl").glob("*.yaml"))
 
@@ -27,12 +27,7 @@ def tiny_policy(smollm2_dir, tmp_path_factory) -> Path:
 
 
 def _tiny_args(policy: Path, out: Path, *extra: str) -> list[str]:
-    return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
-            "grpo.max_new_tokens=8", "train.lr=1e-3", "data.train_size=16",
-            f"tracking.output_dir={out}", "tracking.run_name=run", "tracking.progress=false",
-            "tracking.wandb_project=test", "tracking.wandb_mode=offline",
-            # a random policy never answers right: reward the letter k so groups vary
-            "reward.format_reward=1.0", "reward.format_pattern=k", *extra]
+    return tiny_run_args(policy, out, "train.lr=1e-3", *extra)
 
 
 def test_one_update_moves_logprobs_with_the_advantage(tiny_policy, single_process_parallel):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli import REPO, run_script
-from rl_fixtures import save_tiny_policy
+from rl_fixtures import save_tiny_policy, tiny_run_args
 
 
 def snapshot(root: Path) -> dict[str, object]:
@@ -164,11 +164,7 @@ def tiny_policy(smollm2_dir, tmp_path_factory) -> Path:
 
 
 def _args(policy: Path, out: Path, *extra: str) -> list[str]:
-    return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
-            "grpo.max_new_tokens=8", "data.train_size=16", "tracking.run_name=run",
-            f"tracking.output_dir={out}", "tracking.progress=false",
-            "tracking.wandb_project=test", "tracking.wandb_mode=offline",
-            "reward.format_reward=1.0", "reward.format_pattern=k", *extra]
+    return tiny_run_args(policy, out, *extra)
 
 
 @pytest.fixture(scope="module")
