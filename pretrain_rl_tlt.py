@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         print(dry_run(cfg, world))
         return 0
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown

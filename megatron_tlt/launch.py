@@ -17,7 +17,7 @@ from .models import arch_from_source, load_model, resolve_source
 from .models.checkpoint import tokenizer_folder
 from .models.gpt import ModelArch
 from .parallel import ParallelLayout, initialize_model_parallel
-from .platform import Platform, init_distributed, seed_everything
+from .runtime_env import Platform, init_distributed, seed_everything
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tlt.platform import EXPECTED_WARNINGS
+from megatron_tlt.runtime_env import EXPECTED_WARNINGS
 
 
 def pytest_configure(config):
@@ -52,7 +52,7 @@ def tiny_hf_dirs(tmp_path_factory) -> dict[str, Path]:
 def single_process_parallel():
     """torch.distributed (gloo, 1 process) and megatron-core groups at TP=PP=1."""
     from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.platform import init_distributed
+    from megatron_tlt.runtime_env import init_distributed
 
     platform = init_distributed()
     initialize_model_parallel(1, 1, seed=1234)

@@ -50,7 +50,7 @@ def main() -> None:
     from megatron_tlt.models import load_model
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.platform import init_distributed, silence_expected_warnings
+    from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
     silence_expected_warnings()

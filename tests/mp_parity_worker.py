@@ -24,7 +24,7 @@ from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.models.inference import (forward_local_logits, gather_logits,  # noqa: E402
                                            greedy_generate, token_logprobs)
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
-from megatron_tlt.platform import init_distributed  # noqa: E402
+from megatron_tlt.runtime_env import init_distributed  # noqa: E402
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config([], args.overrides)
     from megatron_tlt.launch import setup
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
     from megatron_tlt.rl.samples import collate
     from megatron_tlt.rl.trainer import Trainer
 

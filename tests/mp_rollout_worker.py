@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
-from megatron_tlt.platform import apply_cpu_redirection, init_distributed  # noqa: E402
+from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed  # noqa: E402
 from megatron_tlt.rollout import RolloutEngine  # noqa: E402
 from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,  # noqa: E402
                            SPEC_MODEL, case_prompts, spec_config)

@@ -123,7 +123,7 @@ def test_busy_calibration_is_provisional(module, calib, monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_model(tiny_hf_dirs, single_process_parallel):
     from megatron_tlt.models import load_model
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     return load_model(tiny_hf_dirs["qwen2"], device=torch.device("cpu"), dtype="float32")

@@ -11,9 +11,9 @@ import pytest
 
 from megatron_tlt.config import ConfigError, DataConfig, RewardConfig
 from megatron_tlt.rl import rewards as rewards_mod
-from megatron_tlt.rl.data import DataError, Prompt, PromptSampler, build_prompt_sets
-from megatron_tlt.rl.rewards import RewardResult, Verifier, extract, normalize_exact
-from megatron_tlt.rollout.workload import _chat_token_ids
+from megatron_tlt.rl.data import DataError, PromptSampler, build_prompt_sets
+from megatron_tlt.rl.rewards import RewardResult, Verifier
+from megatron_tlt.tasks import Prompt, chat_token_ids, extract, normalize_exact
 
 ASSISTANT_PROMPT = "<|im_start|>assistant\n"
 
@@ -73,7 +73,7 @@ def test_reasoning_gym_prompt_content(tokenizer):
                               {"role": "user",
                                "content": f"{p.entry['question']}\nAnswer with a number."}]
         assert p.answer == p.entry["answer"] and isinstance(p.answer, str)
-        assert p.token_ids == _chat_token_ids(tokenizer, p.messages)
+        assert p.token_ids == chat_token_ids(tokenizer, p.messages)
         text = tokenizer.decode(p.token_ids)
         assert text.endswith(ASSISTANT_PROMPT) and text.count("<|im_start|>") == 3
         assert "Be brief." in text and "SmolLM" not in text  # replaces the default system
@@ -158,7 +158,7 @@ def test_file_prompts_string_and_chat(tokenizer, tmp_path, source):
                              {"role": "user",
                               "content": "Half of one?\nPut the answer in \\boxed{}."}]
     for p in train:
-        assert p.token_ids == _chat_token_ids(tokenizer, p.messages)
+        assert p.token_ids == chat_token_ids(tokenizer, p.messages)
         assert tokenizer.decode(p.token_ids).endswith(ASSISTANT_PROMPT)
 
 

@@ -24,7 +24,7 @@ def _prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny(tiny_hf_dirs, single_process_parallel):
     """name -> (megatron model, arch) for each tiny model, loaded once."""
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     return {name: load_model(tiny_hf_dirs[name], device=torch.device("cpu"), dtype="float32")
@@ -315,9 +315,9 @@ def test_kv_cache_layouts_store_the_same_values():
 
 
 def test_synthetic_long_tail_drives_a_shrinking_batch(tiny):
-    """The workload module's synthetic mode: exact lengths, and a batch that spends
+    """The benchmarks' synthetic workload: exact lengths, and a batch that spends
     most of its steps in the tail at small sizes."""
-    from megatron_tlt.rollout.workload import length_stats, synthetic_workload
+    from megatron_tlt.bench.workload import length_stats, synthetic_workload
 
     reqs = synthetic_workload(24, vocab_size=VOCAB, median_len=6, sigma=1.0, max_len=48,
                               seed=2)

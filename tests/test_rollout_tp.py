@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 
 
 def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path):
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     models = tmp_path / "models"

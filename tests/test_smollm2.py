@@ -83,7 +83,7 @@ def test_rollout_engine_batch_matches_transformers(smollm2):
     log-probs and hidden states equal a full forward of the megatron model."""
     from megatron_tlt.models.inference import forward_local_logits, token_logprobs
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     hf, model, arch, tok = smollm2
     prompts = [p.token_ids for p in reasoning_gym_prompts(tok, n=6, seed=3)]
@@ -126,7 +126,7 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     from megatron_tlt.models.inference import forward_local_logits, gather_logits
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     hf, model, arch, tok = smollm2
     out, summary = tmp_path / "drafter.safetensors", tmp_path / "warmup.json"

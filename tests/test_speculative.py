@@ -31,7 +31,7 @@ P_MIN = 1e-4  # chi-square p-value below which a distribution test fails
 # ------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def tiny(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     return {name: load_model(tiny_hf_dirs[name], device=torch.device("cpu"), dtype="float32")
@@ -62,7 +62,7 @@ def build_one_layer(folder, device=torch.device("cpu"), dtype="float32"):
 
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory, single_process_parallel):
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("one_layer"), seed=5,

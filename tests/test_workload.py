@@ -1,26 +1,30 @@
-"""Long-tail workloads: reasoning-gym prompts, scoring, synthetic lengths, statistics."""
+"""Long-tail workloads: reasoning-gym prompts and scoring (megatron_tlt.tasks), synthetic
+lengths and statistics (megatron_tlt.bench.workload)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from megatron_tlt.assets import EOS_ID
-from megatron_tlt.rollout.workload import (
+from megatron_tlt.bench.workload import (
+    SyntheticRequest,
+    WorkloadError,
+    format_length_stats,
+    length_stats,
+    synthetic_workload,
+)
+from megatron_tlt.tasks import (
     DEFAULT_INSTRUCTION,
     DEFAULT_TASK,
     TASK_PRESETS,
-    SyntheticRequest,
-    WorkloadError,
-    WorkloadPrompt,
-    extract_answer,
-    format_length_stats,
-    length_stats,
+    Prompt,
+    extract,
     reasoning_gym_prompts,
     score,
-    synthetic_workload,
 )
 
 ASSISTANT_PROMPT = "<|im_start|>assistant\n"
@@ -34,7 +38,7 @@ def tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[WorkloadPrompt]:
+def prompts(tokenizer) -> list[Prompt]:
     return reasoning_gym_prompts(tokenizer, n=8, seed=0)
 
 
@@ -139,7 +143,7 @@ def test_score_correct_and_wrong(prompts):
 
 def test_score_without_stored_verifier(prompts):
     p = prompts[0]
-    bare = WorkloadPrompt(token_ids=p.token_ids, text=p.text, entry=p.entry, task=p.task)
+    bare = dataclasses.replace(p, score_fn=None)
     assert bare.score_fn is None
     assert score(bare, f"= {p.answer}") == 1.0
     assert score(bare, f"= {int(p.answer) + 7}") == 0.0
@@ -165,7 +169,7 @@ def test_score_without_stored_verifier(prompts):
     ],
 )
 def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+    assert extract(text) == expected
 
 
 # ----------------------------------------------------------------------------- synthetic

@@ -50,7 +50,7 @@ def _has_flash() -> bool:
 @pytest.fixture(scope="session")
 def parallel():
     from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.platform import init_distributed
+    from megatron_tlt.runtime_env import init_distributed
 
     plat = init_distributed()
     assert plat.device.type == "cuda" and plat.backend == "nccl"

@@ -352,7 +352,7 @@ def run_mode(args, mode: str, session, first_model, log) -> dict:
     import torch.distributed as dist
 
     from megatron_tlt.models import load_model
-    from megatron_tlt.platform import seed_everything
+    from megatron_tlt.runtime_env import seed_everything
 
     cfg = make_config(args, mode)
     drafter = "" if args.drafter in ("off", "random") else str(args.drafter)
@@ -438,7 +438,7 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from megatron_tlt.launch import setup, shutdown
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
     modes = ["coupled", "standard"] if args.sampling_mode == "both" else [args.sampling_mode]

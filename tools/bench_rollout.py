@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_common import check_ties, cpu_description  # noqa: E402
-from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
 
 
 def weight_floor(runner, batch: int, reps: int = 9) -> float:
@@ -128,7 +128,7 @@ def main() -> None:
     from megatron_tlt.assets import require_smollm2
     from megatron_tlt.config import RolloutConfig
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     src = require_smollm2()
     engine = RolloutEngine.from_pretrained(src, RolloutConfig(cpu_kernels=args.cpu_kernels),

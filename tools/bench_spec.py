@@ -65,17 +65,15 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from bench_common import check_ties, cpu_description  # noqa: E402
-from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+from megatron_tlt.bench.common import check_ties, cpu_description
+from megatron_tlt.bench.stats import declined_step_ratio, median_or_none, rate_ratio
+from megatron_tlt.runtime_env import silence_expected_warnings
 
 DEFAULT_STRATEGIES = "1:7_1_7,2:5_1_5,4:4_1_4,8:4_1_4"
 
@@ -203,37 +201,9 @@ class Modes:
         return timed(e, prompts, sp)
 
 
-def rate_ratio(tok_a, sec_a, tok_p, sec_p) -> float:
-    """(tokens/s of a) / (tokens/s of plain): the time ratio when the outputs agree."""
-    return (tok_a / sec_a) / (tok_p / sec_p)
-
-
 def run_ratio(run, plain_run) -> float:
     """``rate_ratio`` of two ``Modes.run`` results (seconds, outputs, stats)."""
     return rate_ratio(sum(map(len, run[1])), run[0], sum(map(len, plain_run[1])), plain_run[0])
-
-
-def plain_step_medians(st) -> dict:
-    """Median time of the plain (not speculative) decode steps at each batch size."""
-    per: dict = {}
-    for b, sec, spec in zip(st.batch_sizes, st.step_seconds, st.step_speculative):
-        if not spec:
-            per.setdefault(b, []).append(sec)
-    return {b: statistics.median(v) for b, v in per.items()}
-
-
-def declined_step_ratio(adaptive_st, plain_st) -> Optional[float]:
-    """Median over batch sizes of (the adaptive run's plain-step time / plain decoding's
-    step time at that batch size): what the gate's declined path costs per step (1 = the
-    same as plain decoding), free of the run's probes and speculative steps."""
-    a, p = plain_step_medians(adaptive_st), plain_step_medians(plain_st)
-    common = sorted(set(a) & set(p))
-    return statistics.median(a[b] / p[b] for b in common) if common else None
-
-
-def _median_or_none(values) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -315,14 +285,13 @@ def main(argv=None) -> int:
     args.pairs = args.pairs or (1 if args.quick else 2)
     args.tail_pairs = args.tail_pairs or (1 if args.quick else 2)
     silence_expected_warnings()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     import megatron.core
 
     from megatron_tlt.assets import require_smollm2
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     src = require_smollm2()
     engine = RolloutEngine.from_pretrained(
@@ -425,7 +394,7 @@ def main(argv=None) -> int:
                    adaptive_check=merge(adaptive_checks),
                    adaptive_vs_fixed=statistics.median(
                        a / f for a, f in zip(ratios["adaptive"], ratios["fixed"])),
-                   declined_step_ratio=_median_or_none(step_ratios),
+                   declined_step_ratio=median_or_none(step_ratios),
                    aa_ratio=statistics.median(ratios["aa"]), aa_ratio_min=min(ratios["aa"]),
                    aa_ratio_max=max(ratios["aa"]),
                    adaptive_tuner=modes.tuner.gate_stats() if break_even else None)
@@ -531,7 +500,7 @@ def main(argv=None) -> int:
         # the same statistic for plain decoding run twice: the noise floor of the above
         "aa_min_ratio": min([r["aa_ratio"] for r in rows]
                             + [statistics.median(t["aa_ratio"] for t in tail)]),
-        "declined_step_ratio": _median_or_none(
+        "declined_step_ratio": median_or_none(
             [r["declined_step_ratio"] for r in rows]
             + [t["declined_step_ratio"] for t in tail]),
         "adaptive_vs_fixed_bs1": bs1["adaptive_vs_fixed"] if bs1 else None,

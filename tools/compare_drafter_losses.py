@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
 
 
 def parse_variant(text: str, default_vocab: int) -> dict:

@@ -46,7 +46,7 @@ def demo_drafter() -> Path:
     print(f"[demo] warming up a drafter for the demo at the recipe's sampling settings "
           f"(bounded, a few minutes on 2 cores) -> {path}", flush=True)
     from megatron_tlt.drafter_training.warmup import WarmupConfig, run_warmup
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
+from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.models.drafter import load_drafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     dpath = Path(args.drafter) if args.drafter else default_drafter_path()
     if not dpath.exists():

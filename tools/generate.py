@@ -25,7 +25,7 @@ from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
 
 def main(argv=None) -> int:
     cfg = parse_args(argv, description=__doc__.splitlines()[1])
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown

@@ -7,7 +7,7 @@
 
 Greedy decoding with Hugging Face transformers (``AutoModelForCausalLM.generate``,
 float32, left padding, stop at the tokenizer's EOS ``<|im_end|>``), prompts from
-``megatron_tlt.rollout.workload.reasoning_gym_prompts``. A response's length is the
+``megatron_tlt.tasks.reasoning_gym_prompts``. A response's length is the
 number of tokens generated before EOS, so a length equal to ``--max-new-tokens``
 means the response was truncated. Prints the length summary and the accuracy by
 the task's verifier; ``--json`` also saves every response.
@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_tlt.assets import AssetError, require_smollm2  # noqa: E402
-from megatron_tlt.rollout.workload import (  # noqa: E402
+from megatron_tlt.assets import AssetError, require_smollm2
+from megatron_tlt.bench.workload import WorkloadError, format_length_stats, length_stats
+from megatron_tlt.tasks import (
     DEFAULT_INSTRUCTION,
     DEFAULT_TASK,
-    WorkloadError,
-    extract_answer,
-    format_length_stats,
-    length_stats,
+    TaskError,
+    extract,
     reasoning_gym_prompts,
     score,
 )
@@ -131,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         records.append({
             "question": prompt.question, "answer": prompt.answer, "length": len(ids),
-            "finished": finished, "extracted": extract_answer(text),
+            "finished": finished, "extracted": extract(text),
             "score": score(prompt, text), "response": text,
         })
     lengths = [r["length"] for r in records]
@@ -160,6 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (WorkloadError, AssetError) as e:
+    except (WorkloadError, TaskError, AssetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

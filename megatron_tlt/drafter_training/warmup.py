@@ -46,9 +46,9 @@ class WarmupError(ValueError):
 class WarmupConfig:
     model: str = "smollm2"  # HF folder, converted checkpoint or 'smollm2'
     out: Optional[str] = None  # checkpoint path (.safetensors or folder); None: not saved
-    task: str = ""  # reasoning-gym task ('' = the workload default)
+    task: str = ""  # reasoning-gym task ('' = tasks.DEFAULT_TASK)
     task_params: dict = field(default_factory=dict)
-    instruction: Optional[str] = None  # None: the workload's default instruction
+    instruction: Optional[str] = None  # None: tasks.DEFAULT_INSTRUCTION
     system_prompt: Optional[str] = None
     train_prompts: int = 256
     eval_prompts: int = 8
@@ -151,7 +151,7 @@ class WarmupResult:
 
 
 def _prompts(cfg: WarmupConfig, tok, n: int) -> list[list[int]]:
-    from ..rollout.workload import DEFAULT_TASK, reasoning_gym_prompts
+    from ..tasks import DEFAULT_TASK, reasoning_gym_prompts
 
     kw = {} if cfg.instruction is None else {"instruction": cfg.instruction}
     return [p.token_ids for p in reasoning_gym_prompts(
@@ -165,7 +165,7 @@ def _generate(cfg, engine, reqs, sp, log, tag):
     if cfg.responses and tag == "train":
         from .responses import ResponseStore, ResponseStoreMismatch, weights_signature
 
-        from ..rollout.workload import DEFAULT_TASK
+        from ..tasks import DEFAULT_TASK
 
         meta = {"model": str(cfg.model), "weights": weights_signature(engine.runner.model),
                 "task": cfg.task or DEFAULT_TASK, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
@@ -214,7 +214,7 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
     from ..config import RolloutConfig
     from ..models.drafter import DrafterConfig, EagleDrafter, load_drafter, save_drafter
     from ..rollout import RolloutEngine, SamplingParams
-    from ..rollout.workload import DEFAULT_TASK
+    from ..tasks import DEFAULT_TASK
     from .alpha import measure_alpha, measured_accept_len
     from .losses import cache_target_probs
     from .trainer import DrafterTrainer, draft_vocabulary

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..platform import cuda_placements_on_cpu
+from ..runtime_env import cuda_placements_on_cpu
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..platform import cuda_placements_on_cpu
+from ..runtime_env import cuda_placements_on_cpu
 from .gpt import ModelArch
 
 

@@ -1,15 +1,15 @@
 """RL prompt sets: reasoning-gym tasks or JSONL / Parquet files, validated up front.
 
 ``build_prompt_sets(cfg.data, tokenizer)`` returns ``(train, eval)`` lists of
-``Prompt``: chat messages, their token ids (chat template applied with the
+``tasks.Prompt``: chat messages, their token ids (chat template applied with the
 assistant generation prompt, no BOS added twice), the reference answer and what
 the verifier needs (the reasoning-gym entry, or the raw file row).
 
 Sources (``data.source``):
 
 * ``reasoning_gym``: ``train_size`` entries of ``data.task`` with
-  ``data.task_params`` merged over ``workload.TASK_PRESETS[task]``, from
-  reasoning-gym seed ``data.seed * 2**32`` (the workload module's seed striding:
+  ``data.task_params`` merged over ``tasks.TASK_PRESETS[task]``, from
+  reasoning-gym seed ``data.seed * 2**32`` (``tasks.make_dataset``'s seed striding:
   reasoning-gym builds entry i from ``Random(seed + i)``). The eval set
   (``eval_size``) comes from the same stream shifted by ``2**31``, so it never
   shares an entry seed with the training set (of any size below 2**31) and does
@@ -56,16 +56,17 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..config import ConfigError, DataConfig
-from ..rollout.workload import (
-    _SEED_STRIDE,
-    WorkloadError,
-    _chat_token_ids,
-    _create_dataset,
-    _normalize_number,
-    _task_config,
+from ..tasks import (
+    Prompt,
+    TaskError,
+    build_messages,
+    chat_token_ids,
+    make_dataset,
+    normalize_number,
+    task_config,
 )
 
-__all__ = ["DataError", "Prompt", "PromptSet", "PromptSampler", "build_prompt_sets",
+__all__ = ["DataError", "PromptSet", "PromptSampler", "build_prompt_sets",
            "EVAL_SEED_OFFSET"]
 
 log = logging.getLogger(__name__)
@@ -82,28 +83,6 @@ class DataError(ValueError):
                  field: str | None = None):
         super().__init__(message)
         self.path, self.line, self.field = path, line, field
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One RL prompt.
-
-    uid: stable id, ``"<task>:train:17"`` (reasoning-gym, index in its split) or
-        ``"<file name>:42"`` (files, the 1-based line).
-    messages: the chat messages given to the chat template.
-    token_ids: the chat template applied with the generation prompt, no double BOS.
-    answer: the reference answer, a string.
-    entry: the reasoning-gym entry (question/answer/metadata) for its scorer, or the
-        raw file row.
-    task: the reasoning-gym task name, None for file prompts.
-    """
-
-    uid: str
-    messages: list
-    token_ids: list
-    answer: str
-    entry: Optional[dict]
-    task: Optional[str]
 
 
 class PromptSet(list):
@@ -151,19 +130,8 @@ def build_prompt_sets(cfg: DataConfig, tokenizer) -> tuple[PromptSet, PromptSet]
 
 
 def _messages(user_or_messages: Any, cfg: DataConfig) -> list[dict]:
-    """Chat messages with the instruction and the system prompt applied."""
-    if isinstance(user_or_messages, str):
-        messages = [{"role": "user", "content": user_or_messages}]
-    else:
-        messages = [{"role": m["role"], "content": m["content"]} for m in user_or_messages]
-    if cfg.instruction:
-        for m in reversed(messages):
-            if m["role"] == "user":
-                m["content"] = f"{m['content']}\n{cfg.instruction}"
-                break
-    if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-    return messages
+    """Chat messages with ``data.instruction`` and ``data.system_prompt`` applied."""
+    return build_messages(user_or_messages, cfg.instruction, cfg.system_prompt or None)
 
 
 class _Collector:
@@ -183,7 +151,7 @@ class _Collector:
     def tokenize(self, uid: str, line: int, field: str, messages: list[dict], answer: str,
                  entry: dict | None, task: str | None) -> Prompt | None:
         try:
-            ids = _chat_token_ids(self.tokenizer, messages)
+            ids = chat_token_ids(self.tokenizer, messages)
         except Exception as e:  # a template that refuses the roles / order of messages
             self.bad(line, field, f"the chat template rejects these messages: {e}",
                      "chat template error")
@@ -222,12 +190,12 @@ def _build_reasoning_gym(cfg: DataConfig, tokenizer) -> tuple[PromptSet, PromptS
         raise ConfigError("data.train_size must be >= 1 for data.source=reasoning_gym")
     task_params = dict(cfg.task_params or {})
     try:
-        config = _task_config(cfg.task, True, task_params)
-        train_ds = _create_dataset(cfg.task, cfg.train_size, cfg.seed * _SEED_STRIDE, config)
-        eval_ds = (_create_dataset(cfg.task, cfg.eval_size,
-                                   cfg.seed * _SEED_STRIDE + EVAL_SEED_OFFSET, config)
+        config = task_config(cfg.task, task_params)
+        train_ds = make_dataset(cfg.task, cfg.train_size, cfg.seed, config)
+        eval_ds = (make_dataset(cfg.task, cfg.eval_size, cfg.seed, config,
+                                offset=EVAL_SEED_OFFSET)
                    if cfg.eval_size else None)
-    except WorkloadError as e:
+    except TaskError as e:
         raise ConfigError(f"data.task={cfg.task!r} / data.task_params={task_params}: "
                           f"{e}") from None
 
@@ -336,7 +304,7 @@ def _answer_string(value: Any) -> str | None:
     if isinstance(value, (float, np.floating)):
         if not math.isfinite(value):
             return None
-        return _normalize_number(repr(float(value)))  # 2.0 -> "2", 0.5 -> "0.5"
+        return normalize_number(repr(float(value)))  # 2.0 -> "2", 0.5 -> "0.5"
     return None
 
 

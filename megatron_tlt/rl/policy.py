@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..platform import cuda_placements_on_cpu
+from ..runtime_env import cuda_placements_on_cpu
 from .samples import MicroBatch
 
 

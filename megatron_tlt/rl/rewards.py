@@ -6,14 +6,9 @@
 DOTALL), the extracted ``answer`` and ``reward`` = score + ``reward.format_reward``
 when the format matches.
 
-Answer extraction (``reward.answer_extraction``):
-  answer_tag   the content of the last ``<answer>...</answer>``
-  boxed        the content of the last ``\\boxed{...}`` (balanced braces)
-  last_number  the last number (workload.extract_answer's number rules: thousands
-               separators dropped, integral decimals shortened, binary minus ignored)
-  last_line    the last non-empty line
-  auto         answer_tag, else boxed, else last_number
-No answer scores 0.
+Answer extraction (``reward.answer_extraction``): ``tasks.extract`` with that mode
+(answer_tag, boxed, last_number, last_line, or auto = answer_tag, else boxed, else
+last_number; see ``megatron_tlt.tasks.answers``). No answer scores 0.
 
 Verifiers (``reward.verifier``; auto = reasoning_gym for reasoning-gym prompts, math
 otherwise):
@@ -47,22 +42,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..config import ConfigError, DataConfig, RewardConfig
-from ..rollout.workload import (
-    _ANSWER_TAG,
-    _NUMBER,
-    WorkloadError,
-    _create_dataset,
-    _normalize_number,
-    _task_config,
+from ..tasks import (
+    EXTRACTION_MODES,
+    Prompt,
+    TaskError,
+    extract,
+    normalize_exact,
+    task_config,
+    task_scorer,
 )
-from .data import Prompt
 
-__all__ = ["RewardResult", "Verifier", "extract", "normalize_exact", "EXTRACTION_MODES"]
+__all__ = ["RewardResult", "Verifier"]
 
 log = logging.getLogger(__name__)
-
-EXTRACTION_MODES = ("auto", "answer_tag", "boxed", "last_number", "last_line")
-
 
 @dataclass
 class RewardResult:
@@ -74,71 +66,6 @@ class RewardResult:
     format_ok: bool          # reward.format_pattern found in the response
     answer: Optional[str]    # extracted answer (None: the response gives none)
     timed_out: bool = False  # math-verify ran past reward.timeout_seconds (score 0)
-
-
-# ----------------------------------------------------------------------------- extraction
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-        # unbalanced: try an earlier one
-    return None
-
-
-def _last_number(text: str) -> str | None:
-    numbers = _NUMBER.findall(text)
-    return _normalize_number(numbers[-1]) if numbers else None
-
-
-def _answer_tag(text: str) -> str | None:
-    tags = _ANSWER_TAG.findall(text)
-    return tags[-1].strip() if tags else None
-
-
-def _last_line(text: str) -> str | None:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else None
-
-
-def extract(text: str, mode: str = "auto") -> str | None:
-    """The answer ``text`` gives under extraction ``mode`` (see the module docstring)."""
-    if mode == "answer_tag":
-        return _answer_tag(text)
-    if mode == "boxed":
-        return _last_boxed(text)
-    if mode == "last_number":
-        return _last_number(text)
-    if mode == "last_line":
-        return _last_line(text)
-    if mode == "auto":
-        for fn in (_answer_tag, _last_boxed, _last_number):
-            found = fn(text)
-            if found is not None:
-                return found
-        return None
-    raise ValueError(f"unknown answer extraction {mode!r}; choose one of "
-                     f"{', '.join(EXTRACTION_MODES)}")
-
-
-def normalize_exact(text: str) -> str:
-    """Stripped, lower-cased, whitespace collapsed; a lone number normalised."""
-    s = " ".join(text.strip().split()).lower()
-    if _NUMBER.fullmatch(s):
-        s = _normalize_number(s)
-        if re.fullmatch(r"-?\d+\.\d+", s):  # "0.50" -> "0.5"
-            s = s.rstrip("0")
-    return s
 
 
 # ----------------------------------------------------------------------------- math-verify
@@ -317,14 +244,11 @@ class Verifier:
                 # the scorer of a dataset with the run's parameters (some tasks' scorers
                 # read their config)
                 try:
-                    config = _task_config(task, True, dict(self.data_cfg.task_params or {}))
-                    fn = _create_dataset(task, 1, 0, config).score_answer
-                except WorkloadError as e:
+                    fn = task_scorer(task, task_config(task, self.data_cfg.task_params))
+                except TaskError as e:
                     raise ConfigError(f"data.task={task!r}: {e}") from None
             else:
-                from reasoning_gym import get_score_answer_fn
-
-                fn = get_score_answer_fn(task)
+                fn = task_scorer(task)
             self._scorers[task] = fn
         return fn
 

@@ -81,8 +81,9 @@ _FORCED_MARCH = {"avx512": "-march=skylake-avx512", "avx2": "-march=haswell",
 _builds: dict = {}  # isa -> compiled module, or None when it could not be built
 
 
-def _cpuinfo() -> tuple[str, set]:
-    """(CPU model name, instruction-set flags) from /proc/cpuinfo (empty off Linux)."""
+def cpu_info() -> tuple[str, set]:
+    """(CPU model name, instruction-set flags) from /proc/cpuinfo; off Linux the flags
+    are empty and the model is what the ``platform`` module reports."""
     import platform
 
     model, flags = "", set()
@@ -102,7 +103,7 @@ def _cpuinfo() -> tuple[str, set]:
 
 
 def cpu_model() -> str:
-    return _cpuinfo()[0]
+    return cpu_info()[0]
 
 
 def _is_x86() -> bool:
@@ -114,7 +115,7 @@ def _is_x86() -> bool:
 def detect_isa() -> str:
     """The best kernel variant this CPU runs: avx512 (AVX-512F), avx2 (AVX2 + FMA) or
     portable (anything else, e.g. SSE-only x86 or ARM)."""
-    flags = _cpuinfo()[1]
+    flags = cpu_info()[1]
     if _is_x86():
         if "avx512f" in flags:
             return "avx512"
@@ -227,7 +228,7 @@ def build_dir(isa: Optional[str] = None):
     from ..assets import default_cache_dir
 
     isa = requested_isa(isa)
-    model, flags = _cpuinfo()
+    model, flags = cpu_info()
     key = hashlib.sha256("\n".join([model, " ".join(sorted(flags)), torch.__version__, _source(),
                                     " ".join(compile_flags(isa)),
                                     " ".join(_openmp_ldflags())]).encode()).hexdigest()[:16]

@@ -224,7 +224,7 @@ class RolloutEngine:
         from ..launch import load_tokenizer
         from ..models import arch_from_source, load_model, resolve_source
         from ..parallel import initialize_model_parallel
-        from ..platform import apply_cpu_redirection, init_distributed
+        from ..runtime_env import apply_cpu_redirection, init_distributed
 
         src = resolve_source(str(source))
         arch_from_source(src)  # config errors before any process group

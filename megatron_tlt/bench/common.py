@@ -1,12 +1,19 @@
-"""Helpers shared by the tools/bench_*.py scripts."""
+"""Helpers shared by the benchmarks (tools/bench_*.py): output checks and the CPU record.
+
+``check_ties`` compares two decoders' outputs that must be identical, forgiving only
+floating-point near-ties; ``cpu_description`` records the CPU, its instruction sets
+and the engine's CPU-kernel build next to a benchmark's numbers.
+"""
 
 from __future__ import annotations
 
 import os
-import platform as pyplatform
+import platform
 from typing import Callable, Sequence
 
 import torch
+
+__all__ = ["check_ties", "cpu_description", "ISA_FLAGS"]
 
 
 def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
@@ -44,16 +51,16 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 
 def cpu_description(engine) -> dict:
     """CPU model, its instruction-set flags, and the engine's CPU-kernel build and policy."""
-    from megatron_tlt.rollout import cpu_kernels
+    from ..rollout import cpu_kernels
 
-    model, flags = cpu_kernels._cpuinfo()
+    model, flags = cpu_kernels.cpu_info()
     kern = engine.runner.kernels
     policy = getattr(kern, "policy", None)
     env = {k: os.environ[k] for k in ("MEGATRON_TLT_CPU_ISA", "MEGATRON_TLT_NO_CPU_KERNELS",
                                       "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                       "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
            if k in os.environ}
-    return dict(cpu=model, arch=pyplatform.machine(),
+    return dict(cpu=model, arch=platform.machine(),
                 cpu_isa_flags=[f for f in ISA_FLAGS if f in flags],
                 cpu_best_isa=cpu_kernels.detect_isa(),
                 torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), env=env,
