@@ -20,15 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from megatron_tlt.assets import AssetError  # noqa: E402
-from megatron_tlt.checkpointing import CheckpointError  # noqa: E402
-from megatron_tlt.config import ConfigError, build_parser, config_from_args  # noqa: E402
-from megatron_tlt.fileio import write_text_atomic  # noqa: E402
-from megatron_tlt.models.drafter import DrafterMismatchError  # noqa: E402
-from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
-from megatron_tlt.rl.data import DataError  # noqa: E402
+from megatron_tlt.assets import AssetError
+from megatron_tlt.checkpointing import CheckpointError
+from megatron_tlt.config import ConfigError, build_parser, config_from_args
+from megatron_tlt.fileio import write_text_atomic
+from megatron_tlt.models.drafter import DrafterMismatchError
+from megatron_tlt.models.gpt import UnsupportedModelError
+from megatron_tlt.rl.data import DataError
 
 # Megatron-LM flag -> config field
 MEGATRON_FLAGS = {

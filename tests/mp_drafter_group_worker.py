@@ -26,14 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

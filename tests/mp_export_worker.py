@@ -13,16 +13,13 @@ model's full-vocabulary logits on probe token ids and the drafter's tensors.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_tlt.config import load_config  # noqa: E402
-from mp_rl_worker import fixed_samples  # noqa: E402
+from megatron_tlt.config import load_config
+from mp_rl_worker import fixed_samples
 
 
 def main() -> None:

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_tlt.models import load_model  # noqa: E402
-from megatron_tlt.models.inference import (forward_local_logits, gather_logits,  # noqa: E402
+from megatron_tlt.models import load_model
+from megatron_tlt.models.inference import (forward_local_logits, gather_logits,
                                            greedy_generate, token_logprobs)
-from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
-from megatron_tlt.runtime_env import init_distributed  # noqa: E402
+from megatron_tlt.parallel import initialize_model_parallel, layout
+from megatron_tlt.runtime_env import init_distributed
 
 
 def main() -> None:

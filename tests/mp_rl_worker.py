@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_tlt.config import load_config  # noqa: E402
+from megatron_tlt.config import load_config
 
 
 def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0,

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megatron_tlt.models import load_model  # noqa: E402
-from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
-from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed  # noqa: E402
-from megatron_tlt.rollout import RolloutEngine  # noqa: E402
-from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,  # noqa: E402
+from megatron_tlt.models import load_model
+from megatron_tlt.parallel import initialize_model_parallel, layout
+from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
+from megatron_tlt.rollout import RolloutEngine
+from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,
                            SPEC_MODEL, case_prompts, spec_config)
 
 

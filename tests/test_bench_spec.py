@@ -1,16 +1,12 @@
-"""tools/bench_spec.py's per-step reading of the break-even gate's declined path."""
+"""The speculative benchmark's per-step reading of the break-even gate's declined path
+(megatron_tlt.bench.stats, used by tools/bench_stats.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_spec  # noqa: E402
-from megatron_tlt.rollout.engine import GenerateStats  # noqa: E402
+from megatron_tlt.bench import stats as bench_stats
+from megatron_tlt.rollout.engine import GenerateStats
 
 
 def _stats(steps):
@@ -29,18 +25,25 @@ def test_declined_step_ratio_compares_plain_steps_at_equal_batch_sizes():
     # speculative steps (any time) and batch sizes plain decoding never ran are left out
     adaptive = _stats([(4, 0.044, False)] * 3 + [(2, 0.020, False), (2, 0.5, True)]
                       + [(3, 9.0, False), (1, 0.3, True)])
-    assert bench_spec.plain_step_medians(adaptive) == {4: 0.044, 2: 0.020, 3: 9.0}
-    assert bench_spec.declined_step_ratio(adaptive, plain) == pytest.approx((1.1 + 1.0) / 2)
+    assert bench_stats.plain_step_medians(adaptive) == {4: 0.044, 2: 0.020, 3: 9.0}
+    assert bench_stats.declined_step_ratio(adaptive, plain) == pytest.approx((1.1 + 1.0) / 2)
     # medians, not means: one slow step does not move it
     adaptive.batch_sizes.append(2), adaptive.step_seconds.append(5.0)
     adaptive.step_speculative.append(False)
     adaptive.batch_sizes.append(2), adaptive.step_seconds.append(0.020)
     adaptive.step_speculative.append(False)
-    assert bench_spec.declined_step_ratio(adaptive, plain) == pytest.approx((1.1 + 1.0) / 2)
+    assert bench_stats.declined_step_ratio(adaptive, plain) == pytest.approx((1.1 + 1.0) / 2)
 
 
 def test_declined_step_ratio_without_common_batch_sizes_is_none():
-    assert bench_spec.declined_step_ratio(_stats([(1, 0.1, True)]),
-                                          _stats([(1, 0.1, False)])) is None
-    assert bench_spec._median_or_none([None, 2.0, None, 4.0]) == 3.0
-    assert bench_spec._median_or_none([None]) is None
+    assert bench_stats.declined_step_ratio(_stats([(1, 0.1, True)]),
+                                           _stats([(1, 0.1, False)])) is None
+    assert bench_stats.median_or_none([None, 2.0, None, 4.0]) == 3.0
+    assert bench_stats.median_or_none([None]) is None
+
+
+def test_rate_ratio_is_a_speed_ratio():
+    # twice the tokens in the same time, or the same tokens in half the time: 2x
+    assert bench_stats.rate_ratio(200, 1.0, 100, 1.0) == pytest.approx(2.0)
+    assert bench_stats.rate_ratio(100, 0.5, 100, 1.0) == pytest.approx(2.0)
+    assert bench_stats.rate_ratio(100, 2.0, 50, 1.0) == pytest.approx(1.0)

@@ -15,8 +15,6 @@ against bf16) and flash-attn's KV-cache kernel.
 from __future__ import annotations
 
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +22,11 @@ import torch
 if not torch.cuda.is_available():
     raise RuntimeError("tests_gpu/ needs a CUDA device (torch reports none)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.models.gpt import te_available  # noqa: E402
 from megatron_tlt.rollout import SamplingParams  # noqa: E402
+
+# the CPU suite's helpers: tests/ is on the import path (pytest's pythonpath, pyproject)
 from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,  # noqa: E402
                               _spec_engine, build_one_layer, self_distilled_samples,
                               train_and_measure)

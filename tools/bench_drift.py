@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 ARMS = ("frozen", "online", "cold")
 

@@ -61,8 +61,6 @@ from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
 ARMS = ("tlt", "off")
@@ -406,7 +404,7 @@ def run_mode(args, mode: str, session, first_model, log) -> dict:
                    "off": arm_numbers(metrics["off"], float(red[1]), seen["off"])}
         numbers["tlt"]["param_moved"], numbers["off"]["param_moved"] = float(red[3]), float(red[4])
         rows.append(step_row(step + 1, order[0], numbers, agree))
-    from bench_common import cpu_description
+    from megatron_tlt.bench.common import cpu_description
 
     cpu = cpu_description(arms["tlt"].trainer.engine)
     mem = torch.tensor([rss_built, _rss_gb(), _peak_rss_gb()], dtype=torch.float64)

@@ -33,18 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench_common import check_ties, cpu_description  # noqa: E402
-from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
+from megatron_tlt.bench.common import check_ties, cpu_description
+from megatron_tlt.runtime_env import silence_expected_warnings
 
 
 def weight_floor(runner, batch: int, reps: int = 9) -> float:

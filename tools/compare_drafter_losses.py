@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
+from megatron_tlt.runtime_env import silence_expected_warnings
 
 
 def parse_variant(text: str, default_vocab: int) -> dict:

@@ -19,23 +19,19 @@ their dtype unless model.dtype names one (auto keeps it), so a round trip is bit
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-from megatron_tlt.assets import AssetError  # noqa: E402
-from megatron_tlt.config import build_parser, config_from_args, validate_for_run  # noqa: E402
-from megatron_tlt.models import resolve_source  # noqa: E402
-from megatron_tlt.models.export import (ExportError, export_run_checkpoint,  # noqa: E402
+from megatron_tlt.assets import AssetError
+from megatron_tlt.config import build_parser, config_from_args, validate_for_run
+from megatron_tlt.models import resolve_source
+from megatron_tlt.models.export import (ExportError, export_run_checkpoint,
                                         is_run_checkpoint)
-from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,  # noqa: E402
+from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,
                                             load_megatron_shards, save_megatron_checkpoint,
                                             tokenizer_folder)
-from megatron_tlt.models.gpt import DTYPES, ModelArch  # noqa: E402
-from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,  # noqa: E402
+from megatron_tlt.models.gpt import DTYPES, ModelArch
+from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,
                                     megatron_to_hf, save_hf_folder)
 
 def _cast(state: dict, dtype: str) -> dict:

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
 # bounded to a few minutes on 2 cores: the recipe's sampling, fewer and shorter responses

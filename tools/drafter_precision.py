@@ -20,11 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
+from megatron_tlt.runtime_env import silence_expected_warnings
 
 
 def main(argv=None) -> int:

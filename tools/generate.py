@@ -12,15 +12,12 @@ that recomputes the whole sequence per token (models.inference.greedy_generate).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_tlt.assets import AssetError  # noqa: E402
-from megatron_tlt.config import ConfigError, parse_args  # noqa: E402
-from megatron_tlt.models.gpt import UnsupportedModelError  # noqa: E402
+from megatron_tlt.assets import AssetError
+from megatron_tlt.config import ConfigError, parse_args
+from megatron_tlt.models.gpt import UnsupportedModelError
 
 
 def main(argv=None) -> int:

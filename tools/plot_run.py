@@ -11,11 +11,8 @@ step and replica: rollout, tail idle, log-probs, update).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:

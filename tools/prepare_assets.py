@@ -16,11 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    from megatron_tlt import assets
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_tlt import assets
+from megatron_tlt import assets
 
 CHECK_PROMPT = "What is 2+3?"
 

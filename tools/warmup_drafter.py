@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_tlt.drafter_training.losses import LOSS_PRESETS  # noqa: E402
-from megatron_tlt.runtime_env import silence_expected_warnings  # noqa: E402
+from megatron_tlt.drafter_training.losses import LOSS_PRESETS
+from megatron_tlt.runtime_env import silence_expected_warnings
 
 
 def parse_args(argv=None):

@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..config import ConfigError, DataConfig, RewardConfig
 from ..tasks import (
