@@ -34,7 +34,7 @@ class ParallelLayout:
 def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelLayout:
     """Create megatron-core's TP/PP/DP groups and seed its model-parallel RNG streams.
 
-    torch.distributed must already be initialised (``platform.init_distributed``).
+    torch.distributed must already be initialised (``runtime_env.init_distributed``).
     """
     from megatron.core import parallel_state, tensor_parallel
 

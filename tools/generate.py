@@ -27,13 +27,11 @@ def main(argv=None) -> int:
     silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown
     from megatron_tlt.models.inference import greedy_generate
+    from megatron_tlt.tasks import build_messages, chat_token_ids
 
     session = setup(cfg)
     tok = session.tokenizer
-    messages = [{"role": "user", "content": cfg.generate.prompt}]
-    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(prompt_ids, list):  # transformers 5 returns a BatchEncoding
-        prompt_ids = list(prompt_ids["input_ids"])
+    prompt_ids = chat_token_ids(tok, build_messages(cfg.generate.prompt))
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     if session.layout.pp_size == 1:
         from megatron_tlt.rollout import RolloutEngine, SamplingParams
