@@ -22,6 +22,7 @@ from megatron_tlt.tasks import (
     DEFAULT_TASK,
     TASK_PRESETS,
     Prompt,
+    build_messages,
     extract,
     reasoning_gym_prompts,
     score,
@@ -124,6 +125,27 @@ def test_other_task(tokenizer):
 def test_bad_prompt_arguments(tokenizer, kwargs, match):
     with pytest.raises(ValueError, match=match):
         reasoning_gym_prompts(tokenizer, **kwargs)
+
+
+def test_build_messages_instruction_and_system_prompt():
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    out = build_messages(chat, "Explain.", "Be brief.")
+    assert out == [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "content": "c\nExplain."}]
+    assert chat[-1]["content"] == "c"  # the input is not modified
+    own_system = [{"role": "system", "content": "S"}, *chat]
+    assert build_messages(own_system, None, "other")[0] == {"role": "system", "content": "S"}
+    assert build_messages("q", "", None) == [{"role": "user", "content": "q"}]
+
+
+def test_file_prompt_has_text_but_no_question():
+    p = Prompt(uid="f.jsonl:3", messages=build_messages("What is 2+2?", "Explain."),
+               token_ids=[1], answer="4", entry={"q": "What is 2+2?"}, task=None)
+    assert p.text == "What is 2+2?\nExplain."
+    with pytest.raises(AttributeError, match=r"f.jsonl:3 is not a reasoning-gym prompt.*\.text"):
+        p.question
 
 
 # ----------------------------------------------------------------------------- scoring
