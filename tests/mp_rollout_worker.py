@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from megatron_tlt.models import load_model
 from megatron_tlt.parallel import initialize_model_parallel, layout
-from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
 from megatron_tlt.rollout import RolloutEngine
+from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
 from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,
                            SPEC_MODEL, case_prompts, spec_config)
 
