@@ -17,3 +17,31 @@ def run_script(script: str, *args: str, nproc: int = 1,
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     return subprocess.run([*launcher, str(REPO / script), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``main(argv)`` of the entry point ``REPO/script`` in this process (no interpreter
+    start-up, imports or model libraries to load again), its exit status, stdout and
+    stderr returned as ``run_script`` returns them. For tests that call a script several
+    times: one call still goes through ``run_script``, so the command line itself stays
+    tested."""
+    import contextlib
+    import importlib.util
+    import io
+
+    path = REPO / script
+    spec = importlib.util.spec_from_file_location(f"_entry_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = list(map(str, args))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = module.main(argv)
+        except SystemExit as e:  # argparse errors and scripts that exit with a message
+            rc = e.code
+            if not (rc is None or isinstance(rc, int)):  # SystemExit("message"): as Python does
+                print(rc, file=sys.stderr)
+                rc = 1
+    return subprocess.CompletedProcess([str(path), *argv], rc or 0, out.getvalue(),
+                                       err.getvalue())

@@ -1,11 +1,13 @@
 """torchrun worker for tests/test_multiproc.py: parity of megatron_tlt's model at TP/PP > 1.
 
     torchrun --standalone --nproc_per_node 2 tests/mp_parity_worker.py \
-        --models DIR --tp 2 --pp 1 --ckpt-root DIR --out result.json
+        --models DIR --layout 2x1 --layout 1x2 --ckpt-root DIR --out result.json
 
-For every tiny model under --models it loads the model (from the HF folder, and from the
-megatron checkpoint under --ckpt-root) at the given TP/PP, runs a forward pass and
-compares logits, log-probs and greedy generation with transformers. Rank 0 writes all ranks' results.
+For each --layout TPxPP in turn (the model-parallel groups re-created in the same process
+group, so one launch checks several layouts) and every tiny model under --models it
+loads the model (from the HF folder, and from the megatron checkpoint under --ckpt-root)
+at that TP/PP, runs a forward pass and compares logits, log-probs and greedy generation
+with transformers. Rank 0 writes all ranks' results, each tagged with its layout.
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
     parser.add_argument("--ckpt-root", required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--layout", action="append", required=True, metavar="TPxPP")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     plat = init_distributed()
-    initialize_model_parallel(args.tp, args.pp)
+    results = []
+    for spec in args.layout:
+        initialize_model_parallel(*map(int, spec.split("x")))
+        results += [dict(r, layout=spec) for r in _parity(args, plat, AutoModelForCausalLM)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if plat.rank == 0:
+        Path(args.out).write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
+    dist.destroy_process_group()
+
+
+def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
+    """This rank's results for every model at the current layout."""
     lay = layout()
     results = []
     for folder in sorted(Path(args.models).iterdir()):
@@ -68,11 +81,7 @@ def main() -> None:
                 checkpoint_equal=bool(torch.equal(logits, ck_logits) and torch.equal(lp, ck_lp)),
                 greedy_equal=all(g == ref_gen for g in generations),
             ))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if plat.rank == 0:
-        Path(args.out).write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
     torchrun --standalone --nproc_per_node 2 tests/mp_rl_worker.py --out r.json \
         model.hf_path=DIR parallel.tensor_model_parallel_size=2 ...
 
+With ``--variant OVERRIDES`` (repeatable; comma-separated overrides added to the common
+ones) it runs one update per variant, one after the other in the same process group
+(set-up, groups and seeds made afresh for each), so one launch checks several layouts;
+each result names its variant.
+
 Every layout sees the same global batch: fixed responses for the step's prompts (random
 tokens from a fixed seed, varied lengths) with fixed rewards; each replica keeps its own
 prompts' groups. The worker fills old log-probs, runs the update (ppo_epochs x
@@ -53,9 +58,28 @@ def main() -> None:
     parser.add_argument("--flat-prompts", default="",
                         help="comma-separated prompt indices whose group rewards are equal "
                              "(zero advantages)")
+    parser.add_argument("--variant", action="append", default=None, metavar="OVERRIDES",
+                        help="comma-separated overrides of one update (repeatable)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_config([], args.overrides)
+    flat = frozenset(int(x) for x in args.flat_prompts.split(",") if x)
+    everyone = []
+    for variant in args.variant or [""]:
+        cfg = load_config([], [*args.overrides, *(x for x in variant.split(",") if x)])
+        result = update_once(cfg, flat)
+        if result is not None:
+            result["variant"] = variant
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        everyone += [r for r in results if r is not None]
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(everyone))
+    dist.barrier()
+
+
+def update_once(cfg, flat: frozenset):
+    """Set up a trainer for ``cfg``, run one update on the fixed batch; this rank's result
+    (None on a pipeline stage without logits)."""
     from megatron_tlt.launch import setup
     from megatron_tlt.runtime_env import silence_expected_warnings
     from megatron_tlt.rl.samples import collate
@@ -65,7 +89,6 @@ def main() -> None:
     session = setup(cfg)
     trainer = Trainer(cfg, session)
     g = cfg.grpo
-    flat = frozenset(int(x) for x in args.flat_prompts.split(",") if x)
     everything = fixed_samples(trainer, g.prompts_per_step, g.group_size, flat_prompts=flat)
     mine = set(trainer.replica_prompts(g.prompts_per_step))
     samples = [s for s in everything if s.prompt_index in mine]
@@ -83,17 +106,12 @@ def main() -> None:
     mb = collate(probe, list(range(4)), pad_id=0, device=trainer.policy.device)
     lp = trainer.policy.logprobs([mb])
     lay = trainer.layout
-    result = None
-    if lp is not None:
-        lp = (lp[0] * mb.mask).tolist()
-        result = {"probe_logprobs": lp, "grad_norm": update["grad_norm"],
-                  "sums": update["sums"], "maxes": update["maxes"],
-                  "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
-    results = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps([r for r in results if r is not None]))
-    dist.barrier()
+    if lp is None:
+        return None
+    lp = (lp[0] * mb.mask).tolist()
+    return {"probe_logprobs": lp, "grad_norm": update["grad_norm"],
+            "sums": update["sums"], "maxes": update["maxes"],
+            "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
 
 
 if __name__ == "__main__":

@@ -163,10 +163,11 @@ def test_engine_draft_trees_are_closed_and_consistent(data, b, k, depth, vocab, 
 
 # --------------------------------------------- coupled identity at scale, through generate
 def test_coupled_trees_equal_plain_decoding_at_scale(one_layer):
-    """10,000 requests in batches of 2,500 decoded at once, a 3-deep 2-wide tree of 6
+    """5,000 requests in batches of 2,500 decoded at once, a 3-deep 2-wide tree of 6
     nodes drafted by a confident random drafter (the case that once crashed the
-    selection), top-k and top-p at T=0.7 and 1.0: every response is plain coupled
-    decoding's, token for token."""
+    selection), top-k at T=0.7 and top-p at T=1.0 (the other two pairings reach the
+    tree's scores through the same processed log-probabilities): every response is
+    plain coupled decoding's, token for token."""
     model, arch, _, bad = one_layer
     plain = _spec_engine(model, arch, sampling_mode="coupled", max_batch_size=2500)
     eng = _spec_engine(model, arch, bad, "3_2_6", sampling_mode="coupled",
@@ -174,8 +175,6 @@ def test_coupled_trees_equal_plain_decoding_at_scale(one_layer):
     prompts = _prompts(lengths=[1 + i % 13 for i in range(2500)], seed=33)
     for c, sp in enumerate([
             SamplingParams(temperature=0.7, top_k=20, max_new_tokens=3, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=3, ignore_eos=True),
-            SamplingParams(temperature=1.0, top_k=20, max_new_tokens=3, ignore_eos=True),
             SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3, ignore_eos=True)]):
         seeds = [request_seed(33, c * 10_000 + i) for i in range(len(prompts))]
         got = eng.generate(prompts, sp, request_seeds=seeds)

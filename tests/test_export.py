@@ -11,7 +11,7 @@ import torch
 from megatron_tlt.models.export import ExportError, export_run_checkpoint, run_meta
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import HFWeights, hf_to_megatron, to_te_names
-from cli import run_script
+from cli import run_main, run_script
 from rl_fixtures import save_tiny_policy
 
 UPDATE = ["grpo.prompts_per_step=4", "grpo.group_size=2", "train.micro_batch_size=4",
@@ -60,12 +60,13 @@ def test_newest_step_by_default_or_a_named_one(tiny_hf_dirs, tmp_path):
                    f"model.hf_path={root}")
     assert r.returncode == 0, r.stderr
     assert "q_proj.bias" in " ".join(HFWeights(tmp_path / "a"))  # qwen2: step 4
-    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "b",
-                   f"model.hf_path={root}", "--step", "2")
+    # --step: the same entry point's main in this process (no second interpreter start)
+    r = run_main("tools/convert_hf_checkpoint.py", "--out", tmp_path / "b",
+                 f"model.hf_path={root}", "--step", "2")
     assert r.returncode == 0, r.stderr
     assert set(HFWeights(tmp_path / "b")) == set(HFWeights(old))
-    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "c",
-                   f"model.hf_path={root}", "--step", "3")
+    r = run_main("tools/convert_hf_checkpoint.py", "--out", tmp_path / "c",
+                 f"model.hf_path={root}", "--step", "3")
     assert r.returncode == 2 and "no checkpoint of step 3; saved steps: [2, 4]" in r.stderr
     assert "Traceback" not in r.stderr
 

@@ -7,40 +7,46 @@ from pathlib import Path
 
 import pytest
 
-from cli import run_script
+from cli import run_main, run_script
 from tiny_models import TINY_CONFIGS
 
 TOL = 1e-4
 pytestmark = pytest.mark.multiproc
 
 
-def _convert(src: Path, out: Path, tp: int, pp: int) -> None:
-    r = run_script("tools/convert_hf_checkpoint.py", "--out", out, f"model.hf_path={src}",
-                   f"parallel.tensor_model_parallel_size={tp}",
-                   f"parallel.pipeline_model_parallel_size={pp}")
-    assert r.returncode == 0, r.stderr
+@pytest.fixture(scope="module")
+def tp2_checkpoints(tiny_hf_dirs, tmp_path_factory) -> Path:
+    """Every tiny model converted to a megatron checkpoint sharded for TP=2, PP=1
+    (tools/convert_hf_checkpoint.py's main in this process: no interpreter start-up per
+    model; its command line is tested in test_conversion.py)."""
+    root = tmp_path_factory.mktemp("ckpt_tp2")
+    for name, folder in tiny_hf_dirs.items():
+        r = run_main("tools/convert_hf_checkpoint.py", "--out", root / name,
+                     f"model.hf_path={folder}", "parallel.tensor_model_parallel_size=2",
+                     "parallel.pipeline_model_parallel_size=1")
+        assert r.returncode == 0, r.stderr
+    return root
 
 
-@pytest.mark.parametrize("tp,pp,ckpt_tp,ckpt_pp", [
-    (2, 1, 2, 1),  # checkpoint at the run's own layout: shards load directly
-    (1, 2, 2, 1),  # checkpoint written for TP=2, loaded at PP=2: resharded on load
-])
-def test_parallel_parity(tp, pp, ckpt_tp, ckpt_pp, tiny_hf_dirs, tmp_path):
+def test_parallel_parity(tiny_hf_dirs, tp2_checkpoints, tmp_path):
+    """TP=2 (a checkpoint at the run's own layout: shards load directly) and PP=2 (the
+    TP=2 checkpoint resharded on load), one after the other in one torchrun launch."""
     models = tmp_path / "models"
     models.mkdir()
     for name, folder in tiny_hf_dirs.items():
         (models / name).symlink_to(folder)
-        _convert(folder, tmp_path / "ckpt" / name, ckpt_tp, ckpt_pp)
     out = tmp_path / "result.json"
     r = run_script("tests/mp_parity_worker.py", "--models", models, "--ckpt-root",
-                   tmp_path / "ckpt", "--tp", tp, "--pp", pp, "--out", out, nproc=2,
-                   timeout=600)
+                   tp2_checkpoints, "--layout", "2x1", "--layout", "1x2", "--out", out,
+                   nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     results = json.loads(out.read_text())
     # TP=2: both ranks hold logits; PP=2: only the last stage does
-    assert len(results) == len(TINY_CONFIGS) * (2 if tp == 2 else 1)
-    if pp == 2:
-        assert {r["pp_rank"] for r in results} == {1}
+    tp2 = [res for res in results if res["layout"] == "2x1"]
+    pp2 = [res for res in results if res["layout"] == "1x2"]
+    assert len(tp2) == 2 * len(TINY_CONFIGS) and len(pp2) == len(TINY_CONFIGS)
+    assert {res["tp_rank"] for res in tp2} == {0, 1}
+    assert {res["pp_rank"] for res in pp2} == {1}
     for res in results:
         assert res["logits_max_diff"] <= TOL, res
         assert res["logprobs_max_diff"] <= TOL, res

@@ -56,28 +56,37 @@ def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(policy, tmp_path
         assert res["sums"]["tokens"] == single_res["sums"]["tokens"]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
-def test_parallel_update_equals_single_process(layout, policy, single, tmp_path):
-    extra = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
-             "pp2": ["parallel.pipeline_model_parallel_size=2"]}[layout]
+LAYOUTS = {"dp2": "", "tp2": "parallel.tensor_model_parallel_size=2",
+           "pp2": "parallel.pipeline_model_parallel_size=2"}
+
+
+def test_parallel_update_equals_single_process(policy, single, tmp_path):
+    """DP=2, TP=2 and PP=2, one after the other in one torchrun launch (the worker sets
+    each up afresh), each against the single-process update."""
     out = tmp_path / "r.json"
-    r = run_script("tests/mp_rl_worker.py", "--out", out, f"model.hf_path={policy}",
-                   *UPDATE, *extra, nproc=2, timeout=600)
+    variants = [arg for v in LAYOUTS.values() for arg in ("--variant", v)]
+    r = run_script("tests/mp_rl_worker.py", "--out", out, *variants,
+                   f"model.hf_path={policy}", *UPDATE, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert len(results) == (1 if layout == "pp2" else 2)  # PP: the last stage only
+    everything = json.loads(out.read_text())
     assert single["sums"]["clip_low_count"] + single["sums"]["clip_high_count"] > 0
-    for res in results:
-        np.testing.assert_allclose(res["probe_logprobs"], single["probe_logprobs"],
-                                   atol=2e-4, rtol=0)
-        # the first optimizer step sees identical weights; later ones inherit Adam's
-        # amplification of last-bit differences (TP all-reduce order)
-        np.testing.assert_allclose(res["grad_norm"][0], single["grad_norm"][0], rtol=1e-5)
-        np.testing.assert_allclose(res["grad_norm"], single["grad_norm"], rtol=1e-3)
-        for key, value in single["sums"].items():
-            # counts of clipped tokens may differ where a ratio sits on the clip edge
-            tol = 2.0 if key.endswith("_count") else 1e-4 * max(abs(value), 1.0)
-            assert abs(res["sums"][key] - value) <= tol, (key, res["sums"][key], value)
+    for layout, variant in LAYOUTS.items():
+        results = [res for res in everything if res["variant"] == variant]
+        assert len(results) == (1 if layout == "pp2" else 2), layout  # PP: the last stage
+        for res in results:
+            np.testing.assert_allclose(res["probe_logprobs"], single["probe_logprobs"],
+                                       atol=2e-4, rtol=0, err_msg=layout)
+            # the first optimizer step sees identical weights; later ones inherit Adam's
+            # amplification of last-bit differences (TP all-reduce order)
+            np.testing.assert_allclose(res["grad_norm"][0], single["grad_norm"][0],
+                                       rtol=1e-5, err_msg=layout)
+            np.testing.assert_allclose(res["grad_norm"], single["grad_norm"], rtol=1e-3,
+                                       err_msg=layout)
+            for key, value in single["sums"].items():
+                # counts of clipped tokens may differ where a ratio sits on the clip edge
+                tol = 2.0 if key.endswith("_count") else 1e-4 * max(abs(value), 1.0)
+                assert abs(res["sums"][key] - value) <= tol, (layout, key, res["sums"][key],
+                                                              value)
 
 
 def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cli import REPO, run_script
+from cli import REPO, run_main, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -138,10 +138,11 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     kept = (tmp_path / "resp.jsonl").read_text().splitlines()
     assert len(kept) == 1 + 24 and all(json.loads(x)["tokens"] for x in kept[1:])
-    # a larger run reuses them and generates only the new prompts' responses
-    r2 = run_script("tools/warmup_drafter.py", "--out", tmp_path / "unused.safetensors",
-                    "--train-prompts", 26, "--max-new-tokens", 96, "--generate-only",
-                    "--responses", tmp_path / "resp.jsonl", timeout=600)
+    # a larger run reuses them and generates only the new prompts' responses (this and
+    # the runs below: the script's main in this process, sparing an interpreter start)
+    r2 = run_main("tools/warmup_drafter.py", "--out", tmp_path / "unused.safetensors",
+                  "--train-prompts", 26, "--max-new-tokens", 96, "--generate-only",
+                  "--responses", tmp_path / "resp.jsonl")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "24/26 responses reused" in r2.stdout and "2/2 generated" in r2.stdout
     assert (tmp_path / "resp.jsonl").read_text().splitlines()[:25] == kept
@@ -153,11 +154,11 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     # re-select the trained drafter's draft vocabulary by token counts: no features, no
     # training
     small, summary2 = tmp_path / "v256.safetensors", tmp_path / "v256.json"
-    r3 = run_script("tools/warmup_drafter.py", "--init", out, "--epochs", 0,
-                    "--draft-vocab", 256, "--draft-vocab-by", "count", "--out", small, "--train-prompts", 24,
-                    "--max-new-tokens", 96, "--responses", tmp_path / "resp.jsonl",
-                    "--eval-prompts", 3, "--eval-new-tokens", 48, "--json", summary2,
-                    timeout=600)
+    r3 = run_main("tools/warmup_drafter.py", "--init", out, "--epochs", 0,
+                  "--draft-vocab", 256, "--draft-vocab-by", "count", "--out", small,
+                  "--train-prompts", 24, "--max-new-tokens", 96, "--responses",
+                  tmp_path / "resp.jsonl", "--eval-prompts", 3, "--eval-new-tokens", 48,
+                  "--json", summary2)
     assert r3.returncode == 0, r3.stderr[-3000:]
     assert "no training" in r3.stdout and "target features" not in r3.stdout
     res2 = json.loads(summary2.read_text())
@@ -167,7 +168,7 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     assert cut.config.extra["init"] == out.name and cut.config.extra["epochs"] == 4
     a, b = big.own_state(), cut.own_state()
     assert all(torch.equal(a[k], b[k]) for k in a if k != "d2t")
-    r4 = run_script("tools/warmup_drafter.py", "--out", small, "--epochs", 0, timeout=300)
+    r4 = run_main("tools/warmup_drafter.py", "--out", small, "--epochs", 0)
     assert r4.returncode != 0 and "--epochs 0 (no training) needs --init" in r4.stderr
     drafter = load_drafter(out, arch)
     prompts = [p.token_ids for p in reasoning_gym_prompts(tok, n=4, seed=11)]
