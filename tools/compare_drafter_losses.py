@@ -9,9 +9,15 @@ One data set (the recipe's sampled responses, kept in --responses and reused), o
 held-out set (responses to unseen prompts at the same settings), one seeded initial
 drafter; each variant trains a fresh copy for --epochs epochs and reports, after every
 epoch, α at depths 1..--depth on the held-out set (``drafter_training.alpha``): α
-against training tokens. A variant is ``LOSS[@uUNROLL][@hHIDDEN][@vVOCAB]``, e.g.
-``kl@u2``, ``log_accept@h0.1@v4096``. α is an expectation over every held-out token, not
-a timing: the comparison holds on a busy machine.
+against training tokens. A variant is ``LOSS[@uUNROLL][@hHIDDEN][@vVOCAB][@lLR][@iLAYER]``,
+e.g. ``kl@u2``, ``log_accept@h0.1@v4096``, ``kl+tv@l5e-4@i-1`` (``@iL``: the drafter's
+layer starts as a copy of target layer L, ``layer_init.py``). α is an expectation over
+every held-out token, not a timing: the comparison holds on a busy machine.
+
+``--eval-at 4000,8000,...`` also measures α whenever the training tokens seen (response
+tokens, repeats counted) pass one of those counts: one pass over a large data set gives
+α against training tokens without retraining per data size. ``--train-tokens N`` keeps
+only the first responses up to N tokens.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_tlt.platform import silence_expected_warnings  # noqa: E402
 
 
-def parse_variant(text: str, default_vocab: int) -> dict:
+def parse_variant(text: str, default_vocab: int, default_lr: float) -> dict:
     loss, *opts = text.split("@")
-    v = {"name": text, "loss": loss, "unroll": 1, "hidden": None, "vocab": default_vocab}
+    v = {"name": text, "loss": loss, "unroll": 1, "hidden": None, "vocab": default_vocab,
+         "lr": default_lr, "init_layer": None}
     for o in opts:
         key, val = o[0], o[1:]
         if key == "u":
@@ -38,9 +45,14 @@ def parse_variant(text: str, default_vocab: int) -> dict:
             v["hidden"] = float(val)
         elif key == "v":
             v["vocab"] = int(val)
+        elif key == "l":
+            v["lr"] = float(val)
+        elif key == "i":
+            v["init_layer"] = int(val)
         else:
             raise SystemExit(f"--variants: {text!r}: unknown option {o!r} (uN unroll, "
-                             "hW hidden weight, vN draft vocabulary)")
+                             "hW hidden weight, vN draft vocabulary, lLR learning rate, "
+                             "iL init from target layer L)")
     return v
 
 
@@ -70,6 +82,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--eval-at", default="",
+                    help="also measure alpha when the training tokens seen pass these "
+                         "counts (comma-separated)")
+    ap.add_argument("--train-tokens", type=int, default=0,
+                    help="train on the first responses up to this many tokens (0 = all)")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1,
+                    help="cosine schedule floor, as a fraction of the peak lr")
     ap.add_argument("--samples-cache", default=None,
                     help="keep the training and held-out samples (with features) in this "
                          "torch file and reuse them")
@@ -81,6 +100,7 @@ def main(argv=None) -> int:
     from megatron_tlt.assets import require_smollm2
     from megatron_tlt.config import RolloutConfig
     from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
+    from megatron_tlt.drafter_training.layer_init import copy_target_layer
     from megatron_tlt.drafter_training.losses import cache_target_probs
     from megatron_tlt.drafter_training.trainer import DrafterTrainer, length_batches
     from megatron_tlt.drafter_training.vocab import (coverage, draft_vocabulary_by_mass,
@@ -90,7 +110,8 @@ def main(argv=None) -> int:
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
-    variants = [parse_variant(v, args.vocab) for v in args.variants.split(",")]
+    variants = [parse_variant(v, args.vocab, args.lr) for v in args.variants.split(",")]
+    eval_at = sorted(int(x) for x in args.eval_at.split(",") if x.strip())
     cfg = WarmupConfig.from_recipe(args.config, train_prompts=args.train_prompts,
                                    eval_prompts=args.eval_prompts,
                                    samples_per_prompt=args.samples_per_prompt,
@@ -123,6 +144,14 @@ def main(argv=None) -> int:
     mass = token_mass(engine.runner, train, temperature=cfg.temperature, top_k=cfg.top_k,
                       top_p=cfg.top_p)
     cov = coverage(mass, COVERAGE_SIZES)
+    if args.train_tokens:
+        keep, acc = [], 0
+        for s in train:
+            if acc >= args.train_tokens:
+                break
+            keep.append(s)
+            acc += len(s.tokens) - s.prompt_len
+        train = keep
     n_tok = sum(len(s.tokens) - s.prompt_len for s in train)
     print(f"data ready in {time.perf_counter() - t0:.0f}s: {len(train)} responses "
           f"({n_tok} tokens), {len(held)} held out; mass coverage "
@@ -137,18 +166,37 @@ def main(argv=None) -> int:
         lc = WarmupConfig.from_recipe(args.config, loss=v["loss"], unroll=v["unroll"],
                                       hidden_weight=v["hidden"]).loss_config()
         cache_target_probs(train, engine.runner, d, lc)
-        steps = len(length_batches(train, args.batch_tokens))
-        trainer = DrafterTrainer(d, engine.runner, lr=args.lr, total_steps=args.epochs * steps,
-                                 warmup_steps=max(1, steps // 2), loss=lc)
+        if v["init_layer"] is not None:
+            copy_target_layer(d, engine.runner.model, v["init_layer"])
+        batches = length_batches(train, args.batch_tokens)
+        trainer = DrafterTrainer(d, engine.runner, lr=v["lr"],
+                                 total_steps=args.epochs * len(batches),
+                                 warmup_steps=max(1, len(batches) // 2), loss=lc,
+                                 min_lr_ratio=args.min_lr_ratio)
         curve = []
         t1 = time.perf_counter()
-        for ep in range(args.epochs):
-            trainer.fit(train, epochs=1, batch_tokens=args.batch_tokens, seed=ep, log=None)
+        seen, todo = 0, [x for x in eval_at if x < n_tok * args.epochs]
+
+        def measure(ep):
             rep = measure_alpha(d, engine.runner, held, temperature=cfg.temperature,
                                 top_k=cfg.top_k, top_p=cfg.top_p, depth=args.depth)
-            curve.append(dict(epoch=ep + 1, train_tokens=n_tok * (ep + 1), **rep.to_dict()))
-            print(f"  {v['name']:>18} epoch {ep + 1}: {rep.line()} "
+            curve.append(dict(epoch=ep, train_tokens=seen, distinct_tokens=min(seen, n_tok),
+                              seconds=time.perf_counter() - t1, **rep.to_dict()))
+            print(f"  {v['name']:>18} {seen:>7} tokens (epoch {ep:.2f}): {rep.line()} "
                   f"({time.perf_counter() - t1:.0f}s)", flush=True)
+
+        for ep in range(args.epochs):
+            g = torch.Generator().manual_seed(ep)
+            for k, j in enumerate(torch.randperm(len(batches), generator=g).tolist()):
+                batch = [train[i] for i in batches[j]]
+                trainer.step(batch)
+                seen += sum(len(s.tokens) - s.prompt_len for s in batch)
+                if todo and seen >= todo[0]:
+                    while todo and seen >= todo[0]:
+                        todo.pop(0)
+                    measure(ep + (k + 1) / len(batches))
+            if not curve or curve[-1]["train_tokens"] != seen:
+                measure(ep + 1)
         rows.append(dict(variant=v, loss=lc.__dict__, curve=curve, final=curve[-1],
                          train_seconds=time.perf_counter() - t1))
         if args.json:  # after every variant: a long comparison keeps what it finished
