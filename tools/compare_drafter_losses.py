@@ -23,6 +23,7 @@ only the first responses up to N tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -92,6 +93,11 @@ def main(argv=None) -> int:
     ap.add_argument("--samples-cache", default=None,
                     help="keep the training and held-out samples (with features) in this "
                          "torch file and reuse them")
+    ap.add_argument("--gen-seconds", type=float, default=float("inf"),
+                    help="stop generating new training responses after this long (the "
+                         "samples cache keeps what was made; a later run continues)")
+    ap.add_argument("--data-only", action="store_true",
+                    help="stop after making the data (with --samples-cache)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     silence_expected_warnings()
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
     from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
     from megatron_tlt.drafter_training.layer_init import copy_target_layer
     from megatron_tlt.drafter_training.losses import cache_target_probs
+    from megatron_tlt.drafter_training.sampled_data import sampled_samples
     from megatron_tlt.drafter_training.trainer import DrafterTrainer, length_batches
     from megatron_tlt.drafter_training.vocab import (coverage, draft_vocabulary_by_mass,
                                                      token_mass)
@@ -120,27 +127,48 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     engine = RolloutEngine.from_pretrained(require_smollm2(), RolloutConfig(max_batch_size=32))
     prompts = _prompts(cfg, engine.tokenizer, cfg.train_prompts + cfg.eval_prompts)
-    train_p, eval_p = prompts[: cfg.train_prompts], prompts[cfg.train_prompts:]
+    # held-out prompts first: the same whatever --train-prompts (a data set can grow)
+    eval_p, train_p = prompts[: cfg.eval_prompts], prompts[cfg.eval_prompts:]
     reqs = [p for p in train_p for _ in range(cfg.samples_per_prompt)]
     sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     base = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
     base.reset_parameters(cfg.seed)
     cache = Path(args.samples_cache) if args.samples_cache else None
-    if cache is not None and cache.is_file():
-        train, held = torch.load(cache, weights_only=False)
-        print(f"training and held-out samples from {cache}", flush=True)
-    else:
+    hsp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
+    if args.responses:  # responses kept as tokens; a second forward for the features
         resp = _generate(cfg, engine, reqs, sp, print, "train")
         print("target features (training set)", flush=True)
         train = _samples(engine, base, reqs, resp, print)
-        hsp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
         print("held-out responses and features", flush=True)
         held = held_out_samples(engine, eval_p, hsp,
                                 per_prompt=min(cfg.samples_per_prompt, 4))
-        if cache is not None:
-            torch.save((train, held), cache)
+    else:  # features from the generation itself (sampled_data.py), kept in --samples-cache
+        train, held, done = [], None, 0
+        if cache is not None and cache.is_file():
+            train, held, done = torch.load(cache, weights_only=False)
+            print(f"{len(train)} training and {len(held)} held-out samples from {cache}",
+                  flush=True)
+        if held is None:
+            held = sampled_samples(engine, eval_p, hsp,
+                                   per_prompt=min(cfg.samples_per_prompt, 4))
+            if cache is not None:
+                torch.save((train, held, done), cache)
+        chunk = 8 * cfg.samples_per_prompt  # requests per generate call (whole groups)
+        while done < len(reqs) and time.perf_counter() - t0 < args.gen_seconds:
+            part = reqs[done: done + chunk]
+            psp = dataclasses.replace(sp, seed=cfg.seed + 1000 + done)
+            train += sampled_samples(engine, part[:: cfg.samples_per_prompt], psp,
+                                     per_prompt=cfg.samples_per_prompt, chunk=chunk)
+            done += len(part)
+            if cache is not None:
+                torch.save((train, held, done), cache)
+            print(f"  {done}/{len(reqs)} responses, "
+                  f"{sum(len(x.tokens) - x.prompt_len for x in train)} tokens "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    if args.data_only:
+        return 0
     mass = token_mass(engine.runner, train, temperature=cfg.temperature, top_k=cfg.top_k,
                       top_p=cfg.top_p)
     cov = coverage(mass, COVERAGE_SIZES)
