@@ -69,6 +69,34 @@ def write_json(args, cfg, train, held, cov, rows, n_tok) -> None:
     Path(args.json).write_text(json.dumps(out, indent=2))
 
 
+def plot_curves(rows, path) -> None:
+    """α at depth 1 against training tokens per variant, with the E[max p̃] bar and the
+    draft vocabulary's mass (the ceiling of a pruned vocabulary) as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in (r for r in rows if "curve" in r):
+        c = r["curve"]
+        line, = ax.plot([x["train_tokens"] for x in c], [x["alpha"][0] for x in c], "o-",
+                        ms=3, label=r["variant"]["name"])
+        ax.axhline(c[-1]["vocab_mass"], color=line.get_color(), ls=":", lw=0.8)
+    last = [r for r in rows if "curve" in r][-1]["curve"][-1]
+    ax.axhline(last["e_max_p"], color="k", ls="--", lw=1, label="E[max p̃] (top-token bar)")
+    ax.axhline(0.65, color="r", ls="--", lw=1, label="goal 0.65")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens seen (response tokens, repeats counted)")
+    ax.set_ylabel(f"held-out α at depth 1 (T={last['temperature']:g})")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--config", required=True, help="RL recipe (task and sampling)")
@@ -98,7 +126,11 @@ def main(argv=None) -> int:
                          "samples cache keeps what was made; a later run continues)")
     ap.add_argument("--data-only", action="store_true",
                     help="stop after making the data (with --samples-cache)")
+    ap.add_argument("--checkpoints", default="",
+                    help="drafter checkpoints (comma-separated) whose alpha on the same "
+                         "held-out set is reported next to the variants (no training)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="α against training tokens (PNG)")
     args = ap.parse_args(argv)
     silence_expected_warnings()
     import torch
@@ -186,6 +218,15 @@ def main(argv=None) -> int:
           + ", ".join(f"{k or 'full'} {v:.3f}" for k, v in cov.items()), flush=True)
     eos = list(engine.eos_token_ids)
     rows = []
+    for path in filter(None, args.checkpoints.split(",")):
+        from megatron_tlt.models.drafter import load_drafter
+
+        d = load_drafter(path, engine.arch)
+        rep = measure_alpha(d, engine.runner, held, temperature=cfg.temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, depth=args.depth)
+        print(f"  {Path(path).name}: {rep.line()}", flush=True)
+        rows.append(dict(checkpoint=str(path), extra=d.config.extra,
+                         draft_vocab=d.config.draft_vocab_size, final=rep.to_dict()))
     for v in variants:
         d = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
         d.load_state_dict(base.state_dict())
@@ -229,12 +270,15 @@ def main(argv=None) -> int:
                          train_seconds=time.perf_counter() - t1))
         if args.json:  # after every variant: a long comparison keeps what it finished
             write_json(args, cfg, train, held, cov, rows, n_tok)
+        if args.plot:
+            plot_curves(rows, args.plot)
     print("\n| variant | α depth 1..%d | E[max p̃] | vocab mass | predicted accept len |"
           % args.depth)
     print("|---|---|---|---|---|")
     for r in rows:
         f = r["final"]
-        print(f"| {r['variant']['name']} | {' / '.join(f'{a:.3f}' for a in f['alpha'])} | "
+        name = r["variant"]["name"] if "variant" in r else Path(r["checkpoint"]).name
+        print(f"| {name} | {' / '.join(f'{a:.3f}' for a in f['alpha'])} | "
               f"{f['e_max_p']:.3f} | {f['vocab_mass']:.3f} | "
               f"{f['predicted_accept_len']:.2f} |")
     return 0
