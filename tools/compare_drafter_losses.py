@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
-    variants = [parse_variant(v, args.vocab, args.lr) for v in args.variants.split(",")]
+    variants = [parse_variant(v, args.vocab, args.lr) for v in args.variants.split(",") if v]
     eval_at = sorted(int(x) for x in args.eval_at.split(",") if x.strip())
     cfg = WarmupConfig.from_recipe(args.config, train_prompts=args.train_prompts,
                                    eval_prompts=args.eval_prompts,
@@ -201,6 +201,10 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     if args.data_only:
         return 0
+    if variants and not train:
+        raise SystemExit("no training responses yet (--samples-cache holds held-out data "
+                         "only): generate some first (--gen-seconds > 0), or pass "
+                         "--variants '' to only measure --checkpoints")
     mass = token_mass(engine.runner, train, temperature=cfg.temperature, top_k=cfg.top_k,
                       top_p=cfg.top_p)
     cov = coverage(mass, COVERAGE_SIZES)
@@ -227,6 +231,8 @@ def main(argv=None) -> int:
         print(f"  {Path(path).name}: {rep.line()}", flush=True)
         rows.append(dict(checkpoint=str(path), extra=d.config.extra,
                          draft_vocab=d.config.draft_vocab_size, final=rep.to_dict()))
+    if rows and args.json:
+        write_json(args, cfg, train, held, cov, rows, n_tok)
     for v in variants:
         d = EagleDrafter(DrafterConfig.for_target(engine.arch), engine.arch)
         d.load_state_dict(base.state_dict())
