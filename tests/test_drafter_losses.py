@@ -244,6 +244,9 @@ def test_cached_target_probabilities_give_the_same_loss(tiny):
         _, plain = drafter_loss(d, eng.runner, samples, cfg)
         cache_target_probs(samples, eng.runner, d, cfg)
         assert all(s.target_probs is not None for s in samples)
+        kept = [s.target_probs for s in samples]
+        cache_target_probs(samples, eng.runner, d, cfg)  # same settings: kept as is
+        assert all(s.target_probs is k for s, k in zip(samples, kept))
         _, cached = drafter_loss(d, eng.runner, samples, cfg)
         for k in ("loss", "alpha", "kl", "tv", "top1"):
             assert cached[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-6), k

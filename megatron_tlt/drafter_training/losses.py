@@ -187,24 +187,35 @@ def _pad_batch(drafter: EagleDrafter, runner, batch):
 def cache_target_probs(samples: Sequence, runner, drafter: EagleDrafter, cfg: LossConfig,
                        chunk: int = 512) -> None:
     """Keep on each ``DraftSample`` the target's processed probabilities over the
-    drafter's draft vocabulary at every position (with max p̃ and the target's top
-    token), so training epochs and α measurements skip the full-vocabulary head and its
-    processing. Only for pruned draft vocabularies (the full one would be [N, V] per
-    sample); a later change of draft vocabulary or settings ignores the cache."""
+    drafter's draft vocabulary at every position that predicts a response token (with
+    max p̃ and the target's top token; prompt positions hold zeros), so training epochs
+    and α measurements skip the full-vocabulary head and its processing. Only for
+    pruned draft vocabularies (the full one would be [N, V] per sample); a later change
+    of draft vocabulary or settings ignores the cache, and samples already cached for
+    the same settings and vocabulary are kept as they are."""
     if drafter.d2t is None:
         return
     head = runner.output_w.detach()[: runner.arch.vocab_size]
     key = cfg.processing()
+    vd = drafter.d2t.numel()
     for s in samples:
+        c = getattr(s, "target_probs", None)
+        if c is not None and c[0] == key and torch.equal(c[1], drafter.d2t):
+            continue  # already cached for these settings and this vocabulary
         h = s.final_hidden[1:]
-        parts = []
-        for i in range(0, h.shape[0], chunk):
+        # positions before the response never predict a response token (``_pad_batch``'s
+        # mask): left at zero instead of paying the full-vocabulary head for them
+        first = min(max(s.prompt_len - 2, 0), h.shape[0])
+        p_d = torch.zeros(h.shape[0], vd)
+        mx = torch.zeros(h.shape[0])
+        top = torch.zeros(h.shape[0], dtype=torch.long)
+        for i in range(first, h.shape[0], chunk):
             lp = processed_logprobs(h[i: i + chunk].to(head.device, head.dtype) @ head.t(),
                                     *key)
-            mx, top = lp.exp().max(-1)
-            parts.append((lp[:, drafter.d2t].exp(), mx, top))
-        s.target_probs = (key, drafter.d2t.clone(),
-                          *(torch.cat([p[k] for p in parts]) for k in range(3)))
+            m, t = lp.exp().max(-1)
+            p_d[i: i + chunk], mx[i: i + chunk] = lp[:, drafter.d2t].exp().cpu(), m.cpu()
+            top[i: i + chunk] = t.cpu()
+        s.target_probs = (key, drafter.d2t.clone(), p_d, mx, top)
 
 
 def _cached(batch, drafter, key, n, sel):

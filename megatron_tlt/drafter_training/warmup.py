@@ -6,7 +6,9 @@
 1. Responses of the target on the task's prompts, sampled at the rollout's settings
    (temperature, top-p, top-k, ``samples_per_prompt`` per prompt as GRPO groups them;
    a recipe sets all of them), optionally kept in a resumable ``ResponseStore``.
-2. The target's features over every prompt + response (``target_features``).
+2. The target's features over every prompt + response: taken during generation
+   (``sampled_data.py``: no second forward) unless a response store or EAGLE-3
+   features ask for a separate forward (``target_features``).
 3. The draft vocabulary: the tokens carrying most of p̃'s mass at the rollout's
    settings (``vocab.py``; or the most frequent response tokens), with the coverage of
    several sizes reported.
@@ -243,7 +245,20 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
     log(f"[1/5] generating {len(reqs)} responses ({task}, {cfg.samples_per_prompt} per "
         f"prompt, max {cfg.max_new_tokens} tokens, {sampling})")
     t0 = time.perf_counter()
-    resp = _generate(cfg, engine, reqs, sp, log, "train")
+    need_features = cfg.epochs > 0 or bool(cfg.draft_vocab and cfg.draft_vocab_by == "mass")
+    samples = None
+    if need_features and not cfg.responses and not cfg.eagle3:
+        # the features come with the generation (sampled_data.py): no second forward
+        from .sampled_data import sampled_samples
+
+        samples = sampled_samples(
+            engine, train_p, sp, per_prompt=cfg.samples_per_prompt,
+            chunk=max(cfg.samples_per_prompt, cfg.chunk - cfg.chunk % cfg.samples_per_prompt),
+            progress=lambda got: log(f"  {len(got)}/{len(reqs)} generated, with features "
+                                     f"({time.perf_counter() - t0:.0f}s)"))
+        resp = [s.tokens[s.prompt_len:] for s in samples]
+    else:
+        resp = _generate(cfg, engine, reqs, sp, log, "train")
     n_resp = sum(len(r) for r in resp)
     report: dict = {"task": task, "recipe": cfg.recipe, "temperature": cfg.temperature,
                     "top_p": cfg.top_p, "top_k": cfg.top_k, "responses": len(resp),
@@ -261,9 +276,9 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
         dcfg = DrafterConfig.for_target(arch, feature_layers="auto" if cfg.eagle3 else ())
         drafter = EagleDrafter(dcfg, arch, dtype=engine.runner.dtype, device=engine.device)
         drafter.reset_parameters(cfg.seed)
-    need_features = cfg.epochs > 0 or (cfg.draft_vocab and cfg.draft_vocab_by == "mass")
-    samples = None
-    if need_features:
+    if samples is not None:
+        log(f"[2/5] target features: taken with the responses ({n_resp} tokens)")
+    elif need_features:
         log(f"[2/5] target features for {len(reqs)} sequences ({n_resp} response tokens)")
         samples = _samples(engine, drafter, reqs, resp, log)
     else:
@@ -344,8 +359,13 @@ def _evaluate(cfg, engine, drafter, eval_p, log, measure_alpha, measured_accept_
     t_alpha = cfg.temperature or 1.0
     hsp = SamplingParams(temperature=t_alpha, top_p=cfg.top_p, top_k=cfg.top_k,
                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + 1)
-    held = held_out_samples(engine, eval_p, hsp, per_prompt=min(cfg.samples_per_prompt, 4),
-                            feature_layers=drafter.config.feature_layers)
+    if drafter.config.feature_layers:
+        held = held_out_samples(engine, eval_p, hsp, per_prompt=min(cfg.samples_per_prompt, 4),
+                                feature_layers=drafter.config.feature_layers)
+    else:  # features from the generation itself
+        from .sampled_data import sampled_samples
+
+        held = sampled_samples(engine, eval_p, hsp, per_prompt=min(cfg.samples_per_prompt, 4))
     rep = measure_alpha(drafter, engine.runner, held, temperature=t_alpha, top_k=cfg.top_k,
                         top_p=cfg.top_p, depth=depth)
     esp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
