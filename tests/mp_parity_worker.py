@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_tlt.models import load_model  # noqa: E402
 from megatron_tlt.models.inference import (forward_local_logits, gather_logits,  # noqa: E402
-                                           greedy_generate, token_logprobs)
+                                           token_logprobs)
 from megatron_tlt.parallel import initialize_model_parallel, layout  # noqa: E402
 from megatron_tlt.platform import init_distributed  # noqa: E402
+from megatron_tlt.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -56,8 +57,9 @@ def main() -> None:
             for source in (folder, Path(args.ckpt_root) / folder.name):
                 model, arch = load_model(source, device=plat.device, dtype="float32")
                 local = forward_local_logits(model, ids)
-                generations.append(greedy_generate(model, arch, ids[0, :5].tolist(),
-                                                   max_new_tokens=8).token_ids)
+                engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
+                generations.append(engine.generate([ids[0, :5].tolist()], SamplingParams(
+                    temperature=0.0, max_new_tokens=8))[0].token_ids)
                 if local is not None:
                     outputs[source.parent.name] = (gather_logits(local, arch),
                                                    token_logprobs(local, targets, arch))
