@@ -25,10 +25,13 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
     from megatron_tlt.platform import apply_cpu_redirection
 
     apply_cpu_redirection()
+    # PP: tied (the last stage's own copy of the embedding) and untied output layers;
+    # the layer kinds (Qwen2's biases, GQA) are TP's and PP=1's concern
+    names = list(TINY_CONFIGS) if layout == "tp2" else [SPEC_MODEL, "llama_untied"]
     models = tmp_path / "models"
     models.mkdir()
-    for name, folder in tiny_hf_dirs.items():
-        (models / name).symlink_to(folder)
+    for name in names:
+        (models / name).symlink_to(tiny_hf_dirs[name])
     out = tmp_path / "result.json"
     drafter_path = _spec_drafter(tiny_hf_dirs[SPEC_MODEL], tmp_path / "drafter.safetensors")
     tp, pp = (2, 1) if layout == "tp2" else (1, 2)
@@ -40,7 +43,7 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
     # both ranks (TP ranks, or pipeline stages) return exactly the same outputs
     assert ranks[0]["results"] == ranks[1]["results"]
     tp2 = ranks[0]["results"]
-    for name in TINY_CONFIGS:
+    for name in names:
         model, arch = load_model(tiny_hf_dirs[name], device=torch.device("cpu"),
                                  dtype="float32")
         engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
