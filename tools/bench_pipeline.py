@@ -39,6 +39,35 @@ import torch
 import torch.distributed as dist
 
 
+MINI = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4)
+MINI_NOTE = ("random Llama, SmolLM2's tokenizer and vocabulary (49,152, tied), "
+             + ", ".join(f"{k}={v}" for k, v in MINI.items()))
+
+
+def _mini_model(smollm2: Path, rank: int) -> Path:
+    """``--model mini``: a random 8-layer, 256-wide Llama with SmolLM2's tokenizer (for
+    machines too loaded to time SmolLM2 in reasonable time); built by rank 0."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.gettempdir()) / "megatron_tlt_bench_mini"
+    if rank == 0 and not (out / "model.safetensors").exists():
+        cfg = AutoConfig.from_pretrained(smollm2)
+        for k, v in MINI.items():
+            setattr(cfg, k, v)
+        cfg.head_dim = MINI["hidden_size"] // MINI["num_attention_heads"]
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        for f in Path(smollm2).iterdir():
+            if f.name.startswith(("tokenizer", "chat_template")):
+                shutil.copy(f, out / f.name)
+    dist.barrier()
+    return out
+
+
 def main(args) -> None:
     import megatron.core
     from megatron.core import parallel_state as ps
@@ -61,7 +90,8 @@ def main(args) -> None:
     apply_cpu_redirection()
     rank = dist.get_rank()
     torch.set_num_threads(args.threads)
-    src = require_smollm2()
+    src = require_smollm2() if args.model == "smollm2" else _mini_model(require_smollm2(),
+                                                                        plat.rank)
     tok = load_tokenizer(src)
     cfg = RolloutConfig(cpu_kernels=args.cpu_kernels)
     # the PP = 1 model first (every rank builds one: the groups are collective), then
@@ -177,7 +207,8 @@ def main(args) -> None:
         result = dict(
             benchmark="rollout_pp",
             date=str(date.today()),
-            config=dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, pp=args.pp,
+            config=dict(model="SmolLM2-135M-Instruct" if args.model == "smollm2" else
+                        MINI_NOTE, dtype=args.dtype, pp=args.pp,
                         batch_sizes=sizes, new_tokens=args.new_tokens, pairs=args.pairs,
                         seed=args.seed, threads_per_rank=args.threads,
                         torch=torch.__version__, megatron_core=megatron.core.__version__,

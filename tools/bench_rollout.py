@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per rank (--pp)")
     ap.add_argument("--recompute-tokens", type=lambda v: [int(x) for x in v.split(",")],
                     default=[16, 64], help="lengths the recompute loop runs at (--pp)")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "mini"),
+                    help="--pp: SmolLM2, or a random 8-layer 256-wide Llama with its "
+                         "tokenizer (a loaded machine)")
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")],
                     default=[64, 256, 1024], help="batch-1 lengths of the per-token "
                                                   "time scaling (--pp)")

@@ -180,13 +180,7 @@ class RolloutEngine:
         if drafter.config.feature_layers and self._graphs is not None:
             raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
                              "graphs do not support; use rollout.cuda_graphs=false")
-        if self.runner.pp_size > 1:
-            if drafter.config.feature_layers:
-                raise ValueError("EAGLE-3 feature layers span pipeline stages and are not "
-                                 "captured at pipeline parallelism > 1; use an EAGLE drafter "
-                                 "without feature_layers or parallel."
-                                 "pipeline_model_parallel_size=1")
-            self.runner.share_vocab_weights()  # the drafter runs on every stage
+        self.runner.prepare_drafter(drafter)
         self.spec = SpeculativeDecoder(drafter, self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = tuner if tuner is not None else self._make_tuner()
@@ -495,8 +489,8 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ helpers
     def _from_tp_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as TP rank 0 holds it, on every TP rank (in place)."""
-        return self.runner.agree(tensor)  # (and the last stage's, at PP > 1)
+        """``tensor`` as TP rank 0 (of the last stage) holds it, on every rank (in place)."""
+        return self.runner.agree(tensor)
 
     def _tp_times(self, *values: float) -> list[float]:
         """``values`` as TP rank 0 measured them, on every TP rank: the tuner's

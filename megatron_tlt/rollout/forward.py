@@ -305,6 +305,9 @@ class ModelRunner:
         """Final hidden states from the last layer's output ``x``."""
         return self.final_hidden(x)
 
+    def prepare_drafter(self, drafter) -> None:
+        """Called before a drafter is attached (nothing to do for the whole model)."""
+
     def agree(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as the deciding rank (TP rank 0) holds it, on every rank of the
         model-parallel group that decodes together (in place)."""

@@ -74,6 +74,16 @@ class PipelinedRunner(ModelRunner):
         else:
             self.embed_w, self.output_w = self._own_embed, self._own_output
 
+    def prepare_drafter(self, drafter) -> None:
+        """A drafter runs on every stage: refuse EAGLE-3 feature layers (they would be
+        captured on several stages), share the embedding and output layer."""
+        if drafter.config.feature_layers:
+            raise ValueError("EAGLE-3 feature layers span pipeline stages and are not "
+                             "captured at pipeline parallelism > 1; use an EAGLE drafter "
+                             "without feature_layers or parallel."
+                             "pipeline_model_parallel_size=1")
+        self.share_vocab_weights()
+
     def share_vocab_weights(self) -> None:
         """Give every stage the embedding and the output layer (this TP rank's
         vocabulary slice): the stages that own them keep theirs, the others get copies,
