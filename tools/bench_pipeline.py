@@ -146,7 +146,7 @@ def main(args) -> None:
         warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
         run_pp1(prompts, warm)
         run_pp2(prompts, warm)
-        ratios, aa, t1s, t2s = [], [], [], []
+        ratios, aa, t1s, t2s, same_here = [], [], [], [], 0
         for _ in range(args.pairs):
             o1, s1 = run_pp1(prompts, params)
             o2, s2 = run_pp2(prompts, params)
@@ -155,6 +155,7 @@ def main(args) -> None:
                 same = [a.token_ids == b.token_ids for a, b in zip(o1, o2)]
                 compared += len(same)
                 identical += sum(same)
+                same_here += sum(same)
                 ratios.append(s1 / s2)
                 aa.append(s1 / s1b)
                 t1s.append(n_tokens / s1)
@@ -164,12 +165,13 @@ def main(args) -> None:
                        pp2_tok_s=statistics.median(t2s), ratio=statistics.median(ratios),
                        ratio_min=min(ratios), ratio_max=max(ratios),
                        aa_ratio=statistics.median(aa), aa_min=min(aa), aa_max=max(aa),
+                       identical=same_here / (len(prompts) * args.pairs),
                        pp2_kv_cache_bytes_per_stage=pp2.last_stats.kv_cache_bytes)
             rows.append(row)
             log(f"{name:>9}: PP=1 {row['pp1_tok_s']:7.1f} tok/s  PP=2 {row['pp2_tok_s']:7.1f} "
                 f"tok/s  PP2/PP1 {row['ratio']:.2f} [{row['ratio_min']:.2f}, "
                 f"{row['ratio_max']:.2f}]  A/A {row['aa_ratio']:.2f} [{row['aa_min']:.2f}, "
-                f"{row['aa_max']:.2f}]")
+                f"{row['aa_max']:.2f}]  identical to PP=1 {row['identical']:.2f}")
 
     # the recompute loop at PP = 2 (batch 1: it runs one sequence at a time anyway)
     recompute = {}
