@@ -779,8 +779,9 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
     if cfg.drafter_group.enable and pp > 1:
         raise ConfigError(
             f"drafter_group.enable=true needs parallel.pipeline_model_parallel_size=1 "
-            f"(the drafter trains beside the rollout engine, which runs at PP = 1), got "
-            f"{pp}; set drafter_group.enable=false or PP = 1")
+            f"(the drafter group trains on unsharded stages), got {pp}; set "
+            f"drafter_group.enable=false (rollout.speculative.drafter still speculates "
+            f"at PP > 1) or PP = 1")
     if arch.num_layers % pp:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "

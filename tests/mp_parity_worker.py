@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt.models import load_model
-from megatron_tlt.models.inference import (forward_local_logits, gather_logits,
-                                           greedy_generate, token_logprobs)
+from megatron_tlt.models.inference import forward_local_logits, gather_logits, token_logprobs
 from megatron_tlt.parallel import initialize_model_parallel, layout
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.runtime_env import init_distributed
 
 
@@ -66,8 +66,9 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
             for source in (folder, Path(args.ckpt_root) / folder.name):
                 model, arch = load_model(source, device=plat.device, dtype="float32")
                 local = forward_local_logits(model, ids)
-                generations.append(greedy_generate(model, arch, ids[0, :5].tolist(),
-                                                   max_new_tokens=8).token_ids)
+                engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
+                generations.append(engine.generate([ids[0, :5].tolist()], SamplingParams(
+                    temperature=0.0, max_new_tokens=8))[0].token_ids)
                 if local is not None:
                     outputs[source.parent.name] = (gather_logits(local, arch),
                                                    token_logprobs(local, targets, arch))

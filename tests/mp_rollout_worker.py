@@ -1,7 +1,8 @@
-"""torchrun worker for tests/test_rollout_tp.py: the rollout engine at TP>1.
+"""torchrun worker for tests/test_rollout_tp.py and test_rollout_pp.py: the rollout
+engine at TP>1 or PP>1.
 
     torchrun --standalone --nproc_per_node 2 tests/mp_rollout_worker.py \
-        --models DIR --tp 2 --out result.json
+        --models DIR --tp 2 --out result.json     # or --tp 1 --pp 2
 
 For every tiny model under --models it runs the engine greedily and with sampling on
 the prompts of tests/test_rollout_tp.py and writes every rank's tokens, log-probs and
@@ -29,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--drafter", default=None,
                         help="also run speculative decoding (SPEC_CASES) on the model "
@@ -36,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     plat = init_distributed()
-    initialize_model_parallel(args.tp, 1)
+    initialize_model_parallel(args.tp, args.pp)
     apply_cpu_redirection()
     results = {}
     for folder in sorted(Path(args.models).iterdir()):
@@ -65,7 +67,7 @@ def main() -> None:
                 results[f"{folder.name}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, results=results))
+    dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, pp_rank=layout().pp_rank, results=results))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.destroy_process_group()

@@ -168,16 +168,16 @@ def test_coupled_acceptance_against_standard_acceptance(one_layer):
     assert acc["coupled"] > 1.0 + 0.6 * (acc["standard"] - 1.0), acc
 
 
-def test_pipeline_decoding_samples_the_engines_coupled_tokens(one_layer):
-    """rl.rollout.pipeline_generate (the PP > 1 path, here on one stage) draws the same
-    coupled tokens as the engine from the same request seeds."""
-    from megatron_tlt.rl.rollout import pipeline_generate
+def test_recompute_decoding_samples_the_engines_coupled_tokens(one_layer):
+    """rollout.reference.recompute_generate (megatron-core's own forward, recomputed per
+    token) draws the same coupled tokens as the engine from the same request seeds."""
+    from megatron_tlt.rollout.reference import recompute_generate
 
     model, arch, _, _ = one_layer
     prompts = _prompts(lengths=(4, 7), seed=9)
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     seeds = [request_seed(3, 50), request_seed(3, 51)]
     ref = _coupled_engine(model, arch).generate(prompts, sp, request_seeds=seeds)
-    got = pipeline_generate(model, arch, [], arch.max_position_embeddings, prompts, sp,
-                            request_seeds=seeds, sampling_mode="coupled")
+    got = recompute_generate(model, arch, [], arch.max_position_embeddings, prompts, sp,
+                             request_seeds=seeds, sampling_mode="coupled")
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -12,7 +12,7 @@ from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 
 @pytest.fixture(scope="module")
 def tiny(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")

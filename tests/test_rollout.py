@@ -248,16 +248,6 @@ def test_bad_prompts_are_rejected_clearly(tiny):
         eng.generate([[1]], [SamplingParams(), SamplingParams()])
 
 
-def test_pipeline_parallel_rollout_is_refused(tiny, monkeypatch):
-    from megatron.core import parallel_state as ps
-
-    from megatron_tlt.rollout.forward import PipelineRolloutError
-
-    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
-    with pytest.raises(PipelineRolloutError, match="pipeline_model_parallel_size=1"):
-        _engine(tiny)
-
-
 # ----------------------------------------------------------------------------- seeds
 def test_sampling_is_reproducible_with_a_seed(tiny):
     prompts = _prompts((5, 9, 3))

@@ -1,4 +1,6 @@
-"""Rollout at TP=2 under `torchrun --nproc_per_node 2` (gloo) equals TP=1."""
+"""Rollout at TP=2 and at PP=2 under `torchrun --nproc_per_node 2` (gloo) equals the
+single-process engine's: tokens, log-probs, hidden states, speculation and coupled
+sampling."""
 
 from __future__ import annotations
 
@@ -17,25 +19,31 @@ from tiny_models import TINY_CONFIGS
 pytestmark = pytest.mark.multiproc
 
 
-def test_tp2_rollout_equals_tp1(tiny_hf_dirs, single_process_parallel, tmp_path):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_process_parallel,
+                                                tmp_path):
     from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
+    # PP: tied (the last stage's own copy of the embedding) and untied output layers;
+    # the layer kinds (Qwen2's biases, GQA) are TP's and PP=1's concern
+    names = list(TINY_CONFIGS) if layout == "tp2" else [SPEC_MODEL, "llama_untied"]
     models = tmp_path / "models"
     models.mkdir()
-    for name, folder in tiny_hf_dirs.items():
-        (models / name).symlink_to(folder)
+    for name in names:
+        (models / name).symlink_to(tiny_hf_dirs[name])
     out = tmp_path / "result.json"
     drafter_path = _spec_drafter(tiny_hf_dirs[SPEC_MODEL], tmp_path / "drafter.safetensors")
-    r = run_script("tests/mp_rollout_worker.py", "--models", models, "--tp", 2, "--out", out,
-                   "--drafter", drafter_path, nproc=2, timeout=600)
+    tp, pp = (2, 1) if layout == "tp2" else (1, 2)
+    r = run_script("tests/mp_rollout_worker.py", "--models", models, "--tp", tp, "--pp", pp,
+                   "--out", out, "--drafter", drafter_path, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     ranks = json.loads(out.read_text())
-    assert sorted(x["tp_rank"] for x in ranks) == [0, 1]
-    # both TP ranks return exactly the same outputs
+    assert sorted(x["tp_rank" if tp == 2 else "pp_rank"] for x in ranks) == [0, 1]
+    # both ranks (TP ranks, or pipeline stages) return exactly the same outputs
     assert ranks[0]["results"] == ranks[1]["results"]
     tp2 = ranks[0]["results"]
-    for name in TINY_CONFIGS:
+    for name in names:
         model, arch = load_model(tiny_hf_dirs[name], device=torch.device("cpu"),
                                  dtype="float32")
         engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])

@@ -48,12 +48,12 @@ def test_logits_logprobs_and_greedy_tokens_match(smollm2):
 
 
 def test_greedy_generation_matches_transformers_generate(smollm2):
-    from megatron_tlt.models.inference import greedy_generate
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
     hf, model, arch, tok = smollm2
     prompt = _chat_ids(tok, "What is 7 + 5?")
-    ours = greedy_generate(model, arch, prompt, max_new_tokens=12,
-                           stop_token_ids=[tok.eos_token_id])
+    ours = RolloutEngine(model, tok, arch=arch).generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=12))[0]
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -235,7 +235,7 @@ class Arm:
     def warm_up(self, tokens: int) -> None:
         """Kernels, caches and weight copies of the engine, outside the timed steps."""
         t = self.trainer
-        if tokens <= 0 or t.engine is None:
+        if tokens <= 0:
             return
         from megatron_tlt.rollout import SamplingParams
 

@@ -3,6 +3,10 @@
 
     python tools/bench_rollout.py --json bench_rollout.json          # full (~12 min)
     python tools/bench_rollout.py --quick                            # < 3 min
+    torchrun --standalone --nproc_per_node 2 tools/bench_rollout.py --pp 2 --json X.json
+
+(``--pp 2``: the pipeline-parallel engine against the PP = 1 engine and the recompute
+loop instead, ``tools/bench_pipeline.py``.)
 
 SmolLM2-135M-Instruct, greedy, exactly ``--new-tokens`` tokens per sequence (EOS
 ignored), batch sizes 1, 8, 32 of real reasoning-gym prompts (different lengths).
@@ -113,7 +117,25 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "true", "false"),
                     help="rollout.cpu_kernels for the engine (default auto: where this "
                          "machine's calibration measured them faster)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="> 1: benchmark the pipeline-parallel engine (under torchrun "
+                         "with this many processes; tools/bench_pipeline.py)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per rank (--pp)")
+    ap.add_argument("--recompute-tokens", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[16, 64], help="lengths the recompute loop runs at (--pp)")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "mini"),
+                    help="--pp: SmolLM2, or a random 8-layer 256-wide Llama with its "
+                         "tokenizer (a loaded machine)")
+    ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[64, 256, 1024], help="batch-1 lengths of the per-token "
+                                                  "time scaling (--pp)")
     args = ap.parse_args()
+    if args.pp > 1:
+        silence_expected_warnings()
+        import bench_pipeline
+
+        bench_pipeline.main(args)
+        return
     if args.quick:
         args.new_tokens, args.pairs = 32, 2
     silence_expected_warnings()

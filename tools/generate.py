@@ -5,9 +5,8 @@
     torchrun --nproc_per_node 2 tools/generate.py --config examples/rl/smollm2_cpu.yaml \
         parallel.tensor_model_parallel_size=2
 
-Greedy, one prompt. With pipeline parallelism 1 (the default) it runs the rollout
-engine (KV cache, megatron_tlt.rollout); with PP>1 it falls back to the reference loop
-that recomputes the whole sequence per token (models.inference.greedy_generate).
+Greedy, one prompt, through the rollout engine (KV cache, megatron_tlt.rollout) at any
+tensor and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -26,27 +25,18 @@ def main(argv=None) -> int:
 
     silence_expected_warnings()
     from megatron_tlt.launch import setup, shutdown
-    from megatron_tlt.models.inference import greedy_generate
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
     from megatron_tlt.tasks import build_messages, chat_token_ids
 
     session = setup(cfg)
     tok = session.tokenizer
     prompt_ids = chat_token_ids(tok, build_messages(cfg.generate.prompt))
-    stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    if session.layout.pp_size == 1:
-        from megatron_tlt.rollout import RolloutEngine, SamplingParams
-
-        engine = RolloutEngine(session.model, tok, cfg.rollout, arch=session.arch)
-        t0 = time.perf_counter()
-        out = engine.generate([prompt_ids], SamplingParams(
-            temperature=0.0, max_new_tokens=cfg.generate.max_new_tokens))[0]
-        seconds = time.perf_counter() - t0
-        token_ids, how = out.token_ids, "rollout engine, KV cache"
-    else:
-        result = greedy_generate(session.model, session.arch, prompt_ids,
-                                 max_new_tokens=cfg.generate.max_new_tokens,
-                                 stop_token_ids=stop)
-        token_ids, seconds, how = result.token_ids, result.seconds, "no KV cache"
+    engine = RolloutEngine(session.model, tok, cfg.rollout, arch=session.arch)
+    t0 = time.perf_counter()
+    out = engine.generate([prompt_ids], SamplingParams(
+        temperature=0.0, max_new_tokens=cfg.generate.max_new_tokens))[0]
+    seconds = time.perf_counter() - t0
+    token_ids, how = out.token_ids, "rollout engine, KV cache"
     if session.platform.rank == 0:
         text = tok.decode(token_ids, skip_special_tokens=True)
         p = session.platform

@@ -1,5 +1,5 @@
-"""Forward passes over a megatron-core GPTModel that callers need before the rollout
-engine exists: full-vocabulary logits, per-token log-probs, and a minimal greedy loop.
+"""Forward passes over a megatron-core GPTModel for training and checks: full-vocabulary
+logits and per-token log-probs (generation is ``rollout.RolloutEngine``'s).
 
 Everything here is tensor- and pipeline-parallel aware: logits are sharded over the
 vocabulary across TP ranks (padding rows masked out), and with PP>1 the forward goes
@@ -8,9 +8,7 @@ through megatron-core's pipeline schedule (results live on the last stage).
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -103,46 +101,3 @@ def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor,
     _mask_vocab_padding_(logits, arch)
     nll = vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
     return -nll.transpose(0, 1)
-
-
-@dataclass
-class GreedyResult:
-    token_ids: list[int]
-    seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
-
-
-@torch.no_grad()
-def greedy_generate(model, arch: ModelArch, prompt_ids: Sequence[int], *,
-                    max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> GreedyResult:
-    """Greedy decoding by full recomputation (no KV cache), one sequence, any TP/PP.
-
-    A correctness-first loop for demos and tests; the rollout engine is the fast path.
-    Every rank of the model-parallel group calls it and gets the same tokens: the last
-    pipeline stage picks each token and broadcasts it along the pipeline.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    pp_group = ps.get_pipeline_model_parallel_group()
-    last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
-    out: list[int] = []
-    stops = set(stop_token_ids)
-    start = time.perf_counter()
-    for _ in range(max_new_tokens):
-        local = forward_local_logits(model, ids)
-        nxt = torch.zeros(1, dtype=torch.long, device=device)
-        if local is not None:
-            nxt[0] = gather_logits(local[:, -1:], arch)[0, -1].argmax()
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(nxt, src=last_stage_rank, group=pp_group)
-        out.append(int(nxt))
-        if out[-1] in stops:
-            break
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return GreedyResult(out, time.perf_counter() - start)

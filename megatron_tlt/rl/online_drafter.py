@@ -34,9 +34,10 @@ class OnlineDrafter:
 
         cfg, dg = trainer.cfg, trainer.cfg.drafter_group
         eng = trainer.engine
-        if eng is None:
-            raise ConfigError("drafter_group.enable=true needs the rollout engine "
-                              "(parallel.pipeline_model_parallel_size=1)")
+        if trainer.layout.pp_size > 1:
+            raise ConfigError("drafter_group.enable=true trains the drafter at "
+                              "parallel.pipeline_model_parallel_size=1; set PP = 1 or "
+                              "drafter_group.enable=false")
         if trainer.layout.tp_size > 1:
             raise ConfigError(
                 "drafter_group.enable=true runs at parallel.tensor_model_parallel_size=1: "

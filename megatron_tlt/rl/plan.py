@@ -100,4 +100,37 @@ def dry_run(cfg: Config, world_size: int) -> str:
             "  (does NOT fit an 80 GiB GPU: lower rollout.max_batch_size, "
             "train.micro_batch_tokens or raise TP/PP)"),
     ]
+    lines += rollout_memory_lines(arch, tp, pp, dtype_bytes, seqs, capacity,
+                                  drafter=bool(cfg.rollout.speculative.drafter))
     return "\n".join(lines)
+
+
+def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
+                         capacity: int, *, drafter: bool) -> list[str]:
+    """The rollout engine's memory on each pipeline stage (one TP rank): the weights it
+    reads in place (not extra), the KV cache of the stage's own layers for ``seqs``
+    sequences of ``capacity`` positions, the float32 logits every stage receives from
+    the last one (one decode step), and with a drafter the copies of the embedding /
+    output layer the stages that do not own them receive."""
+    h, v = arch.hidden_size, arch.padded_vocab_size(tp) // tp
+    q = arch.num_attention_heads * arch.kv_channels
+    kvw = arch.num_query_groups * arch.kv_channels
+    per_layer = (h * (q + 2 * kvw) + q * h + 3 * h * arch.ffn_hidden_size) / tp + 2 * h
+    layers = arch.num_layers // pp
+    kv = 2 * layers * seqs * max(arch.num_query_groups // tp, 1) * capacity \
+        * arch.kv_channels * dtype_bytes
+    logits = seqs * arch.vocab_size * 4
+    out = [f"rollout memory per pipeline stage (one TP rank; {seqs} sequences x "
+           f"{capacity} positions; weights read in place, not extra):"]
+    for s in range(pp):
+        first, last = s == 0, s == pp - 1
+        vocab_mats = int(first) + int(last and (pp > 1 or not arch.tie_word_embeddings))
+        weights = (layers * per_layer + vocab_mats * v * h) * dtype_bytes
+        copies = (2 - vocab_mats) * v * h * dtype_bytes if drafter and pp > 1 else 0
+        extra = kv + logits + copies
+        out.append(f"  stage {s}: layers {s * layers}-{(s + 1) * layers - 1}, weights "
+                   f"{weights / GIB:7.2f} GiB; KV cache {kv / GIB:7.2f} GiB + logits "
+                   f"{logits / GIB:5.2f} GiB" + (f" + vocabulary copies for the drafter "
+                                                 f"{copies / GIB:5.2f} GiB" if copies else "")
+                   + f" = {extra / GIB:7.2f} GiB for the rollout")
+    return out

@@ -36,7 +36,7 @@ from ..tracking import Tracker
 from . import grpo
 from .evaluation import eval_metrics
 from .policy import Policy
-from .rollout import ReplicaRollout, pipeline_generate, rollout_replica, sampling_params
+from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
 
 
@@ -88,12 +88,11 @@ class Trainer:
         self.policy = Policy(session.model, self.arch, cfg.train,
                              total_optimizer_steps=total_opt_steps)
         self.ref_model = self._reference_model() if cfg.grpo.kl_beta > 0 else None
-        self.engine = None
-        if self.layout.pp_size == 1:
-            from ..rollout import RolloutEngine
+        from ..rollout import RolloutEngine
 
-            self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.rollout,
-                                        arch=self.arch)
+        # this replica's stages decode together at PP > 1 (each its own layers' KV cache)
+        self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.rollout,
+                                    arch=self.arch)
         # the drafter group trains the engine's drafter in the rollout tail (it attaches
         # a random one for a cold start), so it is set up before the run state
         self.online = None
@@ -105,9 +104,8 @@ class Trainer:
                        else self.tokenizer.eos_token_id or 0)
         self.state = checkpointing.RunState(
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
-            tuner=self.engine.tuner if self.engine is not None else None,
-            drafter=self.engine.spec.drafter if self.engine is not None and
-            self.engine.spec is not None else None,
+            tuner=self.engine.tuner,
+            drafter=self.engine.spec.drafter if self.engine.spec is not None else None,
             drafter_group=self.online.group if self.online is not None else None,
             meta=run_meta(self.arch, session.source))
         self.tracker = tracker
@@ -135,19 +133,11 @@ class Trainer:
         m, dp = self.mini_batches, self.layout.dp_size
         return [p for p in range(n_prompts) if (p // m) % dp == self.layout.dp_rank]
 
-    def _generate(self, prompt_ids, params, request_seeds=None):
-        if self.engine is not None:
-            return self.engine.generate(prompt_ids, params, request_seeds=request_seeds)
-        return pipeline_generate(self.policy.module, self.arch,
-                                 _eos_ids(self.tokenizer), self.arch.max_position_embeddings,
-                                 prompt_ids, params, request_seeds=request_seeds,
-                                 sampling_mode=self.cfg.rollout.sampling_mode)
-
     def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
         params = sampling_params(self.cfg.grpo, seed, hidden=self.online is not None)
-        stats = (lambda: self.engine.last_stats.summary()) if self.engine is not None else None
-        return rollout_replica(self._generate, [prompts[i] for i in indices], indices,
-                               self.cfg.grpo.group_size, params, t_step, stats)
+        return rollout_replica(self.engine.generate, [prompts[i] for i in indices], indices,
+                               self.cfg.grpo.group_size, params, t_step,
+                               lambda: self.engine.last_stats.summary())
 
     def _score(self, samples: Sequence[Sample], prompts) -> None:
         t0 = time.perf_counter()
@@ -513,7 +503,7 @@ class Trainer:
         params = SamplingParams(temperature=t, max_new_tokens=self.cfg.grpo.max_new_tokens,
                                 top_p=self.cfg.grpo.top_p if t else 1.0,
                                 seed=self.cfg.platform.seed if t else None)
-        outs = self._generate([prompts[i].token_ids for i in mine], params) if mine else []
+        outs = self.engine.generate([prompts[i].token_ids for i in mine], params) if mine else []
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
         per = [(float(x.reward), float(x.correct)) for x in res]
@@ -587,12 +577,6 @@ def _merge_spec(parts: list[dict], decode_steps: int) -> dict:
             "on_fraction": steps / decode_steps if decode_steps else 0.0,
             "steps": steps, "arms": arms,
             "accept_len_by_bucket": {k: sum(v) / len(v) for k, v in buckets.items()}}
-
-
-def _eos_ids(tokenizer) -> tuple[int, ...]:
-    from ..rollout.engine import _eos_ids as eos
-
-    return eos(tokenizer)
 
 
 def config_dict(cfg: Config) -> dict:

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
-from .forward import ModelRunner
 from .kv_cache import KVCache
+from .pipeline import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
 from .speculative import SpecStats
@@ -129,7 +128,7 @@ class RolloutEngine:
             raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
         self.arch = arch
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, arch)
+        self.runner = make_runner(model, arch)  # this pipeline stage's share at PP > 1
         self.device = self.runner.device
         if eos_token_ids is None:
             eos_token_ids = _eos_ids(tokenizer)
@@ -153,9 +152,10 @@ class RolloutEngine:
         self._cache: Optional[KVCache] = None
         self._graphs = None
         if self.config.cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError("rollout.cuda_graphs=true needs CUDA; this engine runs on "
-                                 f"{self.device.type}")
+            if self.device.type != "cuda" or self.runner.pp_size > 1:
+                raise ValueError("rollout.cuda_graphs=true needs CUDA and pipeline "
+                                 "parallelism 1; this engine runs on "
+                                 f"{self.device.type} at PP={self.runner.pp_size}")
             from .cuda_graphs import GraphedDecoder
 
             self._graphs = GraphedDecoder(self.runner)
@@ -180,6 +180,7 @@ class RolloutEngine:
         if drafter.config.feature_layers and self._graphs is not None:
             raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
                              "graphs do not support; use rollout.cuda_graphs=false")
+        self.runner.prepare_drafter(drafter)
         self.spec = SpeculativeDecoder(drafter, self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = tuner if tuner is not None else self._make_tuner()
@@ -488,18 +489,13 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ helpers
     def _from_tp_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as TP rank 0 holds it, on every TP rank (in place)."""
-        if self.runner.tp_group is not None:
-            from megatron.core import parallel_state as ps
-
-            dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
-                           group=self.runner.tp_group)
-        return tensor
+        """``tensor`` as TP rank 0 (of the last stage) holds it, on every rank (in place)."""
+        return self.runner.agree(tensor)
 
     def _tp_times(self, *values: float) -> list[float]:
         """``values`` as TP rank 0 measured them, on every TP rank: the tuner's
         decisions follow measured times, and TP ranks must take the same ones."""
-        if self.runner.tp_group is None:
+        if self.runner.tp_group is None and self.runner.pp_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self._from_tp_rank0(t).tolist()
@@ -563,7 +559,7 @@ class RolloutEngine:
             max_batch = bucket_for(max_batch, 1 << 30)
         self._cache = None  # free the old one first
         self._cache = KVCache(
-            num_layers=self.arch.num_layers, max_batch=max_batch,
+            num_layers=len(self.runner.layers), max_batch=max_batch,
             kv_heads=self.runner.groups, capacity=capacity, head_dim=self.arch.kv_channels,
             dtype=self.runner.dtype, device=self.device,
             layout="bsgd" if self.attention == "flash" else "bgsd")

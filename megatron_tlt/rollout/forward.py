@@ -57,10 +57,6 @@ def _norm_weight(layer, local_name: str, linear) -> torch.Tensor:
     return linear.layer_norm_weight  # Transformer Engine spec: norm fused into the linear
 
 
-class PipelineRolloutError(ValueError):
-    """Rollout with pipeline parallelism was requested (not supported)."""
-
-
 class ModelRunner:
     """Runs the target model incrementally against a ``KVCache``.
 
@@ -71,11 +67,6 @@ class ModelRunner:
     def __init__(self, model, arch: ModelArch):
         from megatron.core import parallel_state as ps
 
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise PipelineRolloutError(
-                "rollout with pipeline parallelism is not supported: use "
-                "parallel.pipeline_model_parallel_size=1 for the rollout engine "
-                "(tensor and data parallelism are supported)")
         self.model = model
         self.arch = arch
         self.tp_size = ps.get_tensor_model_parallel_world_size()
@@ -116,9 +107,15 @@ class ModelRunner:
         self._finish_init()
         return self
 
+    # the fused kernel may end the whole decoder stack with the final norm (a runner
+    # over one pipeline stage's layers sets this False)
+    whole_stack = True
+    pp_size = 1  # pipeline stages decoding together (rollout.pipeline)
+
     def _finish_init(self) -> None:
-        self.dtype = self.embed_w.dtype
-        self.device = self.embed_w.device
+        w = self.embed_w if self.embed_w is not None else self.layers[0].qkv_w
+        self.dtype = w.dtype
+        self.device = w.device
         self._rope_len = 0
         self._cos = self._sin = None
         self.attention = "sdpa"  # or "flash" (set by the engine; CUDA + flash-attn only)
@@ -297,6 +294,30 @@ class ModelRunner:
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
 
+    # The stage boundaries of the forward: the whole model here; a pipeline stage's
+    # runner (``rollout.pipeline``) receives its input from the previous stage and
+    # hands its output on instead.
+    def stage_input(self, make: Callable[[], torch.Tensor], shape: tuple) -> torch.Tensor:
+        """The first layer's input: ``make()`` (the embedding) on the first stage."""
+        return make()
+
+    def stage_output(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states from the last layer's output ``x``."""
+        return self.final_hidden(x)
+
+    def prepare_drafter(self, drafter) -> None:
+        """Called before a drafter is attached (nothing to do for the whole model)."""
+
+    def agree(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the deciding rank (TP rank 0) holds it, on every rank of the
+        model-parallel group that decodes together (in place)."""
+        if self.tp_group is not None:
+            from megatron.core import parallel_state as ps
+
+            dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
+                           group=self.tp_group)
+        return tensor
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""
         lead = hidden.shape[:-1]
@@ -353,7 +374,8 @@ class ModelRunner:
         cos, sin = cos[:, :, None, None, :], (sin * self._sin_sign)[:, :, None, None, :]
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         row_index = torch.arange(b, device=tokens.device)[:, None]
-        x = self.embed(tokens) if embeds is None else embeds
+        x = self.stage_input(lambda: self.embed(tokens) if embeds is None else embeds,
+                             (b, t))
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), lw.ln1, self.eps)
             qkv = self._lin(h, lw.qkv_w, lw.qkv_b).view(b, t, g, hpg + 2, d)
@@ -374,7 +396,7 @@ class ModelRunner:
             x = self._residual(x, F.silu(a) * u, lw.fc2_w)
             if capture is not None:
                 capture(i, x)
-        return self.final_hidden(x)
+        return self.stage_output(x)
 
     def _attention_bias(self, start: torch.Tensor, t: int, span: int,
                         new_token_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -426,11 +448,12 @@ class ModelRunner:
         attention), so ragged per-sequence chains run in one call. Returns final
         hidden states [Q, hidden]. Needs ``self.kernels`` and the "bgsd" layout."""
         kern = self.kernels
+        x = self.stage_input(lambda: x, (x.shape[0],))
         cos, sin = self.rope(pos)
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
-        if self.tp_group is None and capture is None:
+        if self.tp_group is None and capture is None and self.whole_stack:
             return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k,
                                       cache.v, cos, sin, pos, g, hpg, d, self.scale, self.eps,
                                       row_of)
@@ -445,7 +468,7 @@ class ModelRunner:
             x = self._fused_residual(x, kern.silu_mul(fc1), lw.fc2_w)
             if capture is not None:
                 capture(i, x)
-        return self.final_hidden(x)
+        return self.stage_output(x)
 
     def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
         wp, n = self._panel(w), w.shape[0]

@@ -1,0 +1,240 @@
+"""Rollout at pipeline parallelism 2 against the PP = 1 engine and the recompute loop.
+
+    torchrun --standalone --nproc_per_node 2 tools/bench_rollout.py --pp 2 \
+        --json docs/results/bench_rollout_pp2_cpu.json
+
+(``tools/bench_rollout.py --pp 2`` hands over to this module.) SmolLM2-135M-Instruct,
+greedy, EOS ignored, real reasoning-gym prompts. The two processes hold:
+
+- the PP = 2 engine: stage 0 (layers 0..14) on rank 0, stage 1 (15..29) on rank 1;
+- a PP = 1 engine (the whole model) on rank 0; while it runs, rank 1 waits at a
+  barrier, so it has the machine to itself;
+- ``rollout.reference.recompute_generate`` at PP = 2 (megatron-core's pipeline
+  schedule, the whole sequence recomputed per token; the path the trainer took at
+  PP > 1 before the pipelined engine), at batch 1 and short lengths only (quadratic).
+
+Runs interleave (warm-up, then PP=1, PP=2, PP=1, PP=2, ...; each pair a throughput
+ratio, the median reported) at batch 1, 8 and 32 of ``--new-tokens`` tokens and on a
+long-tail batch (32 prompts, log-normal lengths, median 32, cap 256). An A/A control
+(PP=1 against itself, interleaved the same way) shows how much the shared machine
+moves a ratio. Length scaling: batch-1 per-token decode time at 64, 256 and 1,024
+new tokens, PP = 2 and PP = 1.
+
+JSON summary keys: ``pp2_vs_pp1_min`` (smallest PP=2 / PP=1 throughput ratio over
+batches 8 and 32), ``tokens_identical`` (fraction of PP=2 sequences equal to PP=1's,
+over every compared run), ``length_scaling`` (PP=2 per-token time at 1,024 tokens /
+at 64, ``--lengths``; ``length_scaling_256`` at 256 / at 64; ``length_scaling_pp1``
+the PP = 1 engine's).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+MINI = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4)
+MINI_NOTE = ("random Llama, SmolLM2's tokenizer and vocabulary (49,152, tied), "
+             + ", ".join(f"{k}={v}" for k, v in MINI.items()))
+
+
+def _mini_model(smollm2: Path, rank: int) -> Path:
+    """``--model mini``: a random 8-layer, 256-wide Llama with SmolLM2's tokenizer (for
+    machines too loaded to time SmolLM2 in reasonable time); built by rank 0."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.gettempdir()) / "megatron_tlt_bench_mini"
+    if rank == 0 and not (out / "model.safetensors").exists():
+        cfg = AutoConfig.from_pretrained(smollm2)
+        for k, v in MINI.items():
+            setattr(cfg, k, v)
+        cfg.head_dim = MINI["hidden_size"] // MINI["num_attention_heads"]
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        for f in Path(smollm2).iterdir():
+            if f.name.startswith(("tokenizer", "chat_template")):
+                shutil.copy(f, out / f.name)
+    dist.barrier()
+    return out
+
+
+def main(args) -> None:
+    import megatron.core
+    from megatron.core import parallel_state as ps
+
+    from megatron_tlt.bench.common import cpu_description
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.config import RolloutConfig
+    from megatron_tlt.launch import load_tokenizer
+    from megatron_tlt.models import load_model
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.reference import recompute_generate
+    from megatron_tlt.bench.workload import synthetic_workload
+    from megatron_tlt.tasks import reasoning_gym_prompts
+
+    plat = init_distributed("cpu", "auto")
+    if plat.world_size != args.pp:
+        raise SystemExit(f"--pp {args.pp} needs {args.pp} processes (torchrun "
+                         f"--nproc_per_node {args.pp}); got {plat.world_size}")
+    apply_cpu_redirection()
+    rank = dist.get_rank()
+    torch.set_num_threads(args.threads)
+    src = require_smollm2() if args.model == "smollm2" else _mini_model(require_smollm2(),
+                                                                        plat.rank)
+    tok = load_tokenizer(src)
+    cfg = RolloutConfig(cpu_kernels=args.cpu_kernels)
+    # the PP = 1 model first (every rank builds one: the groups are collective), then
+    # the stages of the PP = 2 one; each engine's runner keeps its own groups
+    initialize_model_parallel(1, 1, seed=1234)
+    model1, arch = load_model(src, device=plat.device, dtype=args.dtype)
+    pp1 = RolloutEngine(model1, tok, cfg, arch=arch) if rank == 0 else None
+    if rank != 0:
+        del model1
+    ps.destroy_model_parallel()
+    initialize_model_parallel(1, args.pp, seed=1234)
+    model2, _ = load_model(src, device=plat.device, dtype=args.dtype)
+    pp2 = RolloutEngine(model2, tok, cfg, arch=arch)
+    if rank == 0:
+        print(f"engines ready: PP=1 on rank 0, PP=2 stages of {len(pp2.runner.layers)} "
+              f"layers each", flush=True)
+
+    def run_pp1(prompts, params):
+        """The PP = 1 engine on rank 0 (rank 1 idle at the barrier); (outputs, seconds)."""
+        out, sec = None, 0.0
+        if rank == 0:
+            t0 = time.perf_counter()
+            out = pp1.generate(prompts, params)
+            sec = time.perf_counter() - t0
+        dist.barrier()
+        return out, sec
+
+    def run_pp2(prompts, params):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = pp2.generate(prompts, params)
+        sec = time.perf_counter() - t0
+        return out, sec
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    pool = [p.token_ids for p in reasoning_gym_prompts(tok, n=max(sizes + [32]),
+                                                       seed=args.seed)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    compared = identical = 0
+    rows = []
+    cases = [(f"batch {b}", pool[:b], greedy, b * args.new_tokens) for b in sizes]
+    tail = synthetic_workload(32, vocab_size=arch.vocab_size, median_len=32, max_len=256,
+                              seed=args.seed)
+    tail_params = [SamplingParams(temperature=0.0, max_new_tokens=r.target_len,
+                                  ignore_eos=True) for r in tail]
+    cases.append(("long tail", pool[:32], tail_params, sum(r.target_len for r in tail)))
+    for name, prompts, params, n_tokens in cases:
+        warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        run_pp1(prompts, warm)
+        run_pp2(prompts, warm)
+        ratios, aa, t1s, t2s, same_here = [], [], [], [], 0
+        for _ in range(args.pairs):
+            o1, s1 = run_pp1(prompts, params)
+            o2, s2 = run_pp2(prompts, params)
+            o1b, s1b = run_pp1(prompts, params)  # A/A: PP=1 against itself
+            if rank == 0:
+                same = [a.token_ids == b.token_ids for a, b in zip(o1, o2)]
+                compared += len(same)
+                identical += sum(same)
+                same_here += sum(same)
+                ratios.append(s1 / s2)
+                aa.append(s1 / s1b)
+                t1s.append(n_tokens / s1)
+                t2s.append(n_tokens / s2)
+        if rank == 0:
+            row = dict(case=name, tokens=n_tokens, pp1_tok_s=statistics.median(t1s),
+                       pp2_tok_s=statistics.median(t2s), ratio=statistics.median(ratios),
+                       ratio_min=min(ratios), ratio_max=max(ratios),
+                       aa_ratio=statistics.median(aa), aa_min=min(aa), aa_max=max(aa),
+                       identical=same_here / (len(prompts) * args.pairs),
+                       pp2_kv_cache_bytes_per_stage=pp2.last_stats.kv_cache_bytes)
+            rows.append(row)
+            log(f"{name:>9}: PP=1 {row['pp1_tok_s']:7.1f} tok/s  PP=2 {row['pp2_tok_s']:7.1f} "
+                f"tok/s  PP2/PP1 {row['ratio']:.2f} [{row['ratio_min']:.2f}, "
+                f"{row['ratio_max']:.2f}]  A/A {row['aa_ratio']:.2f} [{row['aa_min']:.2f}, "
+                f"{row['aa_max']:.2f}]  identical to PP=1 {row['identical']:.2f}")
+
+    # the recompute loop at PP = 2 (batch 1: it runs one sequence at a time anyway)
+    recompute = {}
+    for n in args.recompute_tokens:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ref = recompute_generate(model2, arch, (), arch.max_position_embeddings, pool[:1], sp)
+        sec = time.perf_counter() - t0
+        out, s2 = run_pp2(pool[:1], sp)
+        recompute[str(n)] = dict(recompute_tok_s=n / sec, pp2_engine_tok_s=n / s2,
+                                 speedup=sec / s2,
+                                 same_tokens=ref[0].token_ids == out[0].token_ids)
+        log(f"recompute_generate PP=2, {n} tokens: {n / sec:.1f} tok/s; engine PP=2 "
+            f"{n / s2:.1f} tok/s ({sec / s2:.1f}x); same tokens "
+            f"{recompute[str(n)]['same_tokens']}")
+
+    # per-token decode time against length (batch 1)
+    scaling = {}
+    for n in args.lengths:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        run_pp2(pool[:1], sp)
+        st2 = pp2.last_stats
+        per2 = st2.decode_seconds / max(st2.decode_steps, 1)
+        out1, _ = run_pp1(pool[:1], sp)
+        per1 = (pp1.last_stats.decode_seconds / max(pp1.last_stats.decode_steps, 1)
+                if rank == 0 else 0.0)
+        scaling[str(n)] = dict(pp2_ms_per_token=per2 * 1e3, pp1_ms_per_token=per1 * 1e3)
+        log(f"length {n:5d}: per-token decode PP=2 {per2 * 1e3:.2f} ms, PP=1 "
+            f"{per1 * 1e3:.2f} ms")
+
+    if rank == 0:
+        by = {r["case"]: r for r in rows}
+        mid = [by[f"batch {b}"]["ratio"] for b in (8, 32) if f"batch {b}" in by]
+        result = dict(
+            benchmark="rollout_pp",
+            date=str(date.today()),
+            config=dict(model="SmolLM2-135M-Instruct" if args.model == "smollm2" else
+                        MINI_NOTE, dtype=args.dtype, pp=args.pp,
+                        batch_sizes=sizes, new_tokens=args.new_tokens, pairs=args.pairs,
+                        seed=args.seed, threads_per_rank=args.threads,
+                        torch=torch.__version__, megatron_core=megatron.core.__version__,
+                        backend=dist.get_backend(),
+                        note="shared machine: see aa_ratio (PP=1 against itself)",
+                        **cpu_description(pp2)),
+            results=rows,
+            recompute=recompute,
+            length=scaling,
+            pp2_vs_pp1_min=min(mid) if mid else None,
+            tokens_identical=identical / compared if compared else None,
+        )
+        lo, hi = str(args.lengths[0]), str(args.lengths[-1])
+        for key, which in (("length_scaling", "pp2"), ("length_scaling_pp1", "pp1")):
+            result[key] = (scaling[hi][f"{which}_ms_per_token"]
+                           / scaling[lo][f"{which}_ms_per_token"])
+        if len(args.lengths) == 3:
+            mid = str(args.lengths[1])
+            result[f"length_scaling_{mid}"] = (scaling[mid]["pp2_ms_per_token"]
+                                               / scaling[lo]["pp2_ms_per_token"])
+        log(f"pp2_vs_pp1_min {result['pp2_vs_pp1_min']:.3f}  tokens_identical "
+            f"{result['tokens_identical']:.3f}  length_scaling {result['length_scaling']:.2f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
