@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_tlt.models import load_model

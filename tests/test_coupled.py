@@ -13,7 +13,7 @@ import torch
 from scipy import stats as sps
 
 from megatron_tlt.config import ConfigError, RolloutConfig
-from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout import SamplingParams
 from megatron_tlt.rollout.sampling import (choose_tokens, coupled_argmax, coupled_gumbel,
                                            processed_logprobs, request_seed)
 from test_speculative import _chi2_pvalue, _prompts, _random_drafter, _spec_engine, one_layer  # noqa: F401,E501

@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 from ..rollout import SamplingParams
 from ..rollout.engine import RolloutOutput
 from ..rollout.sampling import request_seed
