@@ -45,6 +45,7 @@ class Heartbeat:
         self.on_lost = on_lost
         self._store = store
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # one store connection, used by two threads
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
@@ -77,7 +78,8 @@ class Heartbeat:
         """This rank is done: peers no longer expect its beats."""
         self._stop.set()  # the daemon thread ends at its next wake-up; no join needed
         try:
-            self._store.add(f"done/{self.rank}", 1)
+            with self._lock:
+                self._store.add(f"done/{self.rank}", 1)
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a job
             pass
 
@@ -94,9 +96,12 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
-                self._store.add(str(self.rank), 1)
-                counts = {r: self._store.add(str(r), 0) for r in peers}
-                done = {r for r in peers if self._store.add(f"done/{r}", 0)}
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._store.add(str(self.rank), 1)
+                    counts = {r: self._store.add(str(r), 0) for r in peers}
+                    done = {r for r in peers if self._store.add(f"done/{r}", 0)}
                 store_ok = now
             except Exception as e:  # noqa: BLE001 - the store's host may be the dead one
                 if now - store_ok > self.timeout:

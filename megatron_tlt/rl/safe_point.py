@@ -4,7 +4,8 @@ After the update and its metrics, nothing of the step is half done: ``end_of_ste
 writes the regular checkpoint when one is due (with ``model.json``, the record of the
 model it was saved from, see ``rl.preflight``) and then acts on an agreed stop request
 (``rl.preemption``): a checkpoint unless this step's was just written, the requeue
-marker, ``Stopped``.
+marker, ``Stopped``. A request during the last step is not acted on: the run finishes
+(exit 0), and there is nothing to requeue.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def end_of_step(trainer, step: int, due: bool) -> Optional[Path]:
     folder = trainer.cfg.checkpoint.save
     path = save(trainer) if folder and due else None
     stop = getattr(trainer, "stop", None)
-    if stop is not None and stop.agreed():
+    last = step >= trainer.cfg.train.steps  # the run ends here anyway: exit 0, no requeue
+    if stop is not None and not last and stop.agreed():
         if folder and path is None:
             path = save(trainer)
         raise stop.stop(step, path)
