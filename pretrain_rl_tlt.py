@@ -27,6 +27,7 @@ from megatron_tlt.fileio import write_text_atomic
 from megatron_tlt.models.drafter import DrafterMismatchError
 from megatron_tlt.models.gpt import UnsupportedModelError
 from megatron_tlt.rl.data import DataError
+from megatron_tlt.rl.nonfinite import NonFiniteError
 
 # Megatron-LM flag -> config field
 MEGATRON_FLAGS = {
@@ -91,8 +92,10 @@ def main(argv=None) -> int:
     from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
+    from megatron_tlt.heartbeat import Heartbeat
     from megatron_tlt.launch import setup, shutdown
     from megatron_tlt.rl import run_dir
+    from megatron_tlt.rl.preemption import Stopped, StopRequest
     from megatron_tlt.rl.report import print_summary, write_plots
     from megatron_tlt.rl.trainer import Trainer, config_dict
     from megatron_tlt.tracking import Tracker
@@ -106,6 +109,11 @@ def main(argv=None) -> int:
     requested = run_dir.choose(cfg.tracking, run_name, resume=bool(resume_from))
     session = setup(cfg)
     rank = session.platform.rank
+    heartbeat = Heartbeat.from_environment(cfg.parallel.heartbeat_timeout_s)
+    if heartbeat is not None:
+        heartbeat.start()
+    # SIGTERM / SIGUSR1 / {checkpoint.save}/STOP: checkpoint after the step, exit 75
+    stop = StopRequest(cfg.checkpoint.save, cfg.checkpoint.stop_deadline_s).install()
     trainer = Trainer(cfg, session)
     resumed = trainer.resume(resume_from) if resume_from else None
 
@@ -131,7 +139,19 @@ def main(argv=None) -> int:
                  f"{cfg.grpo.group_size} samples per step, {cfg.train.steps} steps; "
                  f"speculative decoding "
                  f"{'on (' + cfg.rollout.speculative.drafter + ')' if trainer.engine is not None and trainer.engine.spec is not None else 'off'}")
-    history = trainer.train()
+    trainer.stop = stop
+    try:
+        history = trainer.train()
+    except Stopped as stopped:
+        if rank == 0:
+            tracker.info(str(stopped) + f"; exit code {stopped.exit_code}"
+                         + (" (requeue: resume with checkpoint.load="
+                            f"{cfg.checkpoint.save})" if stopped.checkpoint else ""))
+        if heartbeat is not None:
+            heartbeat.stop()
+        shutdown()
+        return stopped.exit_code
+    trainer.stop.uninstall()
     exported = None
     if cfg.checkpoint.export_hf:
         from megatron_tlt.models.export import export_trained
@@ -147,6 +167,8 @@ def main(argv=None) -> int:
                       seconds=time.perf_counter() - t0, exported=exported)
         write_text_atomic(folder / "summary.json", json.dumps(
             {"steps": trainer.state.step, "seconds": time.perf_counter() - t0}, indent=1))
+    if heartbeat is not None:
+        heartbeat.stop()
     shutdown()
     return 0
 
@@ -158,3 +180,6 @@ if __name__ == "__main__":
             CheckpointError, DataError, DrafterMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:  # bad values mid-run (see train.max_nonfinite_steps)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -86,10 +86,20 @@ class ParallelConfig:
         "Tensor-parallel size: must divide the attention heads and the KV groups.", 1)
     pipeline_model_parallel_size: int = _help(
         "Pipeline-parallel size: must divide the number of layers.", 1)
+    collective_timeout_s: float = _help(
+        "torch.distributed timeout of every collective (the process group's): a rank "
+        "that waits longer for its peers fails instead of hanging.", 1800.0)
+    heartbeat_timeout_s: float = _help(
+        "Each rank beats through the rendezvous store; a rank whose peer sent no beat for "
+        "this long exits (code 71) naming the dead or frozen rank (0 = off; one-process "
+        "runs have none).", 300.0)
 
     def __post_init__(self):
         _positive("parallel", "tensor_model_parallel_size", self.tensor_model_parallel_size)
         _positive("parallel", "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        if self.collective_timeout_s <= 0 or self.heartbeat_timeout_s < 0:
+            raise ConfigError("parallel.collective_timeout_s must be > 0 and "
+                              "parallel.heartbeat_timeout_s >= 0 (0 = off)")
 
 
 @dataclass
@@ -458,6 +468,10 @@ class TrainConfig:
                                0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
+    max_nonfinite_steps: int = _help(
+        "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
+        "warned about and counted (metrics nonfinite/*); the run stops with an error "
+        "once more than this many were skipped (0 = at the first).", 3)
 
     def __post_init__(self):
         _positive("train", "steps", self.steps)
@@ -469,6 +483,8 @@ class TrainConfig:
         if self.global_batch_size < 0 or self.micro_batch_tokens < 0:
             raise ConfigError("train.global_batch_size and train.micro_batch_tokens must "
                               "be >= 0")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError("train.max_nonfinite_steps must be >= 0")
 
 
 @dataclass
@@ -544,10 +560,18 @@ class CheckpointConfig:
         "(safetensors, config, tokenizer) to {save}/hf, or {run folder}/hf when "
         "checkpoint.save is empty, with the drafter (if any) in its drafter/ subfolder; "
         "tools/convert_hf_checkpoint.py does the same for any saved step.", False)
+    stop_deadline_s: float = _help(
+        "On SIGTERM, SIGUSR1 or the file {save}/STOP the run checkpoints after the current "
+        "step and exits with code 75 (requeue); if that takes longer than this, or a "
+        "second signal comes, it exits at once with code 76 without writing (0 = no "
+        "deadline). Keep it below the scheduler's warning time (--signal=B:TERM@120).",
+        90.0)
 
     def __post_init__(self):
         if self.save_interval < 0:
             raise ConfigError("checkpoint.save_interval must be >= 0")
+        if self.stop_deadline_s < 0:
+            raise ConfigError("checkpoint.stop_deadline_s must be >= 0 (0 = no deadline)")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from .models.checkpoint import tokenizer_folder
 from .models.gpt import ModelArch
 from .parallel import ParallelLayout, initialize_model_parallel
 from .runtime_env import Platform, init_distributed, seed_everything
+from .rl.preflight import check_vocabulary
 
 
 @dataclass
@@ -42,14 +43,17 @@ def setup(cfg: Config) -> Session:
     source = resolve_source(cfg.model.hf_path)
     arch = arch_from_source(source)
     validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
-    plat = init_distributed(cfg.platform.device, cfg.platform.backend)
+    tokenizer = load_tokenizer(source)
+    check_vocabulary(tokenizer, arch, source)
+    plat = init_distributed(cfg.platform.device, cfg.platform.backend,
+                            timeout_minutes=cfg.parallel.collective_timeout_s / 60)
     seed_everything(cfg.platform.seed)
     layout = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                        cfg.parallel.pipeline_model_parallel_size,
                                        seed=cfg.platform.seed)
     model, arch = load_model(source, device=plat.device, dtype=cfg.model.dtype,
                              impl=cfg.model.transformer_impl)
-    return Session(plat, layout, model, arch, load_tokenizer(source), source)
+    return Session(plat, layout, model, arch, tokenizer, source)
 
 
 def shutdown() -> None:

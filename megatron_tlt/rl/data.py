@@ -384,8 +384,9 @@ def _build_file(cfg: DataConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
             prompts.append(p)
     skipped = col.finish()
     if not prompts:
-        raise DataError(f"{path}: no usable rows ({n_rows} read, {skipped} skipped)",
-                        str(path))
+        raise DataError(f"{path}: no usable rows ({n_rows} read, {skipped} skipped); "
+                        f"data.path needs rows with data.prompt_field={pf!r} and "
+                        f"data.answer_field={af!r}", str(path))
     n_eval = cfg.eval_size
     if n_eval >= len(prompts):
         raise ConfigError(f"data.eval_size={n_eval} leaves no training rows: {path} has "

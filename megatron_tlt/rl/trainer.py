@@ -33,7 +33,7 @@ from .. import checkpointing
 from ..config import Config, ConfigError
 from ..models.export import run_meta
 from ..tracking import Tracker
-from . import grpo
+from . import grpo, nonfinite, preflight, safe_point
 from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
@@ -81,8 +81,7 @@ class Trainer:
         check_layout(cfg, self.layout.dp_size)
         self.mini_batches = mini_batch_count(cfg)
         self.train_prompts, self.eval_prompts = build_prompt_sets(cfg.data, self.tokenizer)
-        if not self.train_prompts:
-            raise ConfigError("the training prompt set is empty (data.train_size / data.path)")
+        preflight.check_prompts(self.train_prompts, self.eval_prompts, cfg, self.arch)
         self.verifier = Verifier(cfg.reward, cfg.data)
         total_opt_steps = cfg.train.steps * cfg.grpo.ppo_epochs * self.mini_batches
         self.policy = Policy(session.model, self.arch, cfg.train,
@@ -109,6 +108,7 @@ class Trainer:
             drafter_group=self.online.group if self.online is not None else None,
             meta=run_meta(self.arch, session.source))
         self.tracker = tracker
+        self.stop = None  # rl.preemption.StopRequest, set by the entry point
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
         # here; the callback must return before the barrier can complete.
@@ -207,6 +207,7 @@ class Trainer:
             s.advantage = a
         zero_std = int(grpo.zero_std_groups(rewards, g.group_size).sum()) if samples else 0
         loss_mask = [not (g.overlong == "mask" and s.truncated) for s in samples]
+        skip = self._dp_sum([nonfinite.bad_rewards(samples)])[0] > 0  # NaN/inf: no update
 
         # 5. old and reference log-probs
         t0 = time.perf_counter()
@@ -226,7 +227,8 @@ class Trainer:
         # 6. update: ppo_epochs x mini-batches, micro-batches accumulate
         t0 = time.perf_counter()
         with self._phase(f"step {step + 1}: update", g.ppo_epochs * self.mini_batches) as tick:
-            update = self._update(samples, loss_mask, fused_old, tick)
+            update = nonfinite.skipped_update(g.ppo_epochs * self.mini_batches, self.policy.lr) \
+                if skip else self._update(samples, loss_mask, fused_old, tick)
         timing["update"] = time.perf_counter() - t0
         timing["step"] = time.perf_counter() - t_step
 
@@ -529,24 +531,23 @@ class Trainer:
                 done = self.state.step
                 if interval and (done % interval == 0 or done == cfg.train.steps):
                     metrics.update(self.evaluate())
+                nonfinite.after_step(done, metrics, self.state.extra, cfg.train.max_nonfinite_steps)
                 if tracker is not None:
                     tracker.log(done, metrics)
                     tracker.step_done(f"reward {metrics['reward/mean']:.3f} "
                                       f"acc {metrics['accuracy']:.2f} "
                                       f"{metrics['timing']['step']:.0f}s")
                 history.append({"step": done, **metrics})
-                save = cfg.checkpoint.save
-                if save and ((cfg.checkpoint.save_interval and
-                              done % cfg.checkpoint.save_interval == 0)
-                             or done == cfg.train.steps):
-                    checkpointing.save(self.state, save, self.layout)
+                every = cfg.checkpoint.save_interval
+                safe_point.end_of_step(self, done, bool(every and done % every == 0)
+                                       or done == cfg.train.steps)  # may raise Stopped
         finally:
             if tracker is not None:
                 tracker.close()
         return history
 
     def resume(self, folder: str | Path) -> Path:
-        return checkpointing.load(self.state, folder, self.layout)
+        return safe_point.resume(self, folder)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""Stopping a run on request: SIGTERM / SIGUSR1 or a stop file, checkpoint, requeue.
+
+A stop request comes from either
+
+* a signal to a rank: SIGTERM (what ``kill`` and most schedulers send) or SIGUSR1
+  (what SLURM's ``--signal=USR1@T`` sends), or
+* the stop file ``{checkpoint.save}/STOP``: the SLURM scripts' trap creates it when the
+  batch shell gets ``--signal=B:TERM@120``. A signal that reaches ``torchrun`` makes it
+  SIGTERM its ranks and SIGKILL them 30 s later, too soon for a checkpoint of a large
+  model, so the scripts do not send the signal through torchrun; every rank looks for
+  the file once a second.
+
+The handler only records the request. The loop acts on it at the next safe point, the
+end of an RL step (after the update and its metrics; a checkpoint is never of a
+half-updated state): every rank calls ``agreed()`` there, an all-reduce (MAX) of the
+flag over all ranks, so all of them stop after the same step and none waits in a
+collective for a rank that left. The run then writes a checkpoint (unless the step's
+regular save just wrote it), rank 0 consumes the stop file and writes
+``{checkpoint.save}/requeue`` (JSON: step, reason, checkpoint), and each rank exits
+with ``REQUEUE_EXIT_CODE`` (75).
+
+The time to exit is bounded: at most the rest of the current step plus one checkpoint
+save. If that takes longer than ``checkpoint.stop_deadline_s`` after the request, or a
+second signal arrives, the rank exits at once with ``FORCED_EXIT_CODE`` (76) without
+writing: the newest complete checkpoint under ``latest`` stays what a resume loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..fileio import write_text_atomic
+
+REQUEUE_EXIT_CODE = 75   # stopped after a step with a checkpoint written: requeue
+FORCED_EXIT_CODE = 76    # stopped mid-step without writing (deadline or second signal)
+STOP_FILE = "STOP"
+REQUEUE_FILE = "requeue"
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """Raised out of the step loop once every rank has agreed to stop."""
+
+    def __init__(self, step: int, reason: str, checkpoint: Optional[Path], seconds: float):
+        self.step, self.reason, self.checkpoint, self.seconds = step, reason, checkpoint, seconds
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.save " \
+                                                              "is empty)"
+        super().__init__(f"stop requested ({reason}): stopped after step {step}, {where}, "
+                         f"{seconds:.1f} s after the request")
+
+    @property
+    def exit_code(self) -> int:
+        return REQUEUE_EXIT_CODE if self.checkpoint is not None else FORCED_EXIT_CODE
+
+
+class StopRequest:
+    """One per rank: records stop requests and agrees on them at safe points."""
+
+    def __init__(self, save_folder: str = "", deadline_s: float = 90.0,
+                 poll_seconds: float = 1.0):
+        self.folder = Path(save_folder) if save_folder else None
+        self.deadline_s = float(deadline_s)
+        self.poll_seconds = poll_seconds
+        self.reason: Optional[str] = None
+        self.requested_at: Optional[float] = None
+        self._previous: dict = {}
+        self._timer: Optional[threading.Timer] = None
+        self._poller: Optional[threading.Thread] = None
+        self._done = threading.Event()
+        self._exit_code: Optional[int] = None  # once stopped, a later signal exits with it
+
+    @property
+    def stop_file(self) -> Optional[Path]:
+        return self.folder / STOP_FILE if self.folder is not None else None
+
+    # ------------------------------------------------------------------ requests
+    def install(self) -> "StopRequest":
+        """Install the signal handlers (main thread) and start the stop-file poll."""
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        if self.stop_file is not None:
+            self._poller = threading.Thread(target=self._poll, name="stop-file-poll",
+                                            daemon=True)
+            self._poller.start()
+        return self
+
+    def uninstall(self) -> None:
+        self._done.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self._exit_code is not None:  # checkpoint written: torchrun stopping the rest
+            os._exit(self._exit_code)
+        if self.requested_at is not None:
+            self._force(f"second stop request ({name})")
+        self.request(name)
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.poll_seconds):
+            if self.requested_at is None and self.stop_file.exists():
+                self.request(f"stop file {self.stop_file}")
+
+    def request(self, reason: str) -> None:
+        """Record a request (idempotent) and arm the deadline."""
+        if self.requested_at is not None:
+            return
+        self.reason, self.requested_at = reason, time.monotonic()
+        print(f"stop requested ({reason}): checkpoint and exit after this step "
+              f"(at most {self.deadline_s:.0f} s, checkpoint.stop_deadline_s)",
+              file=sys.stderr, flush=True)
+        if self.deadline_s > 0:
+            self._timer = threading.Timer(
+                self.deadline_s, self._force,
+                args=(f"checkpoint.stop_deadline_s={self.deadline_s:g} passed",))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _force(self, why: str) -> None:
+        print(f"error: {why}: exiting now without a checkpoint (exit code "
+              f"{FORCED_EXIT_CODE}); the newest complete checkpoint stays the one a "
+              f"resume loads", file=sys.stderr, flush=True)
+        os._exit(FORCED_EXIT_CODE)
+
+    # ------------------------------------------------------------------ the safe point
+    def agreed(self) -> bool:
+        """Whether any rank has a request; every rank must call it at the same point."""
+        flag = 1.0 if self.requested_at is not None else 0.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+            t = torch.tensor([flag], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = float(t.item())
+        if flag and self.requested_at is None:  # another rank's request
+            self.reason, self.requested_at = "a request on another rank", time.monotonic()
+        return flag > 0
+
+    def stop(self, step: int, checkpoint: Optional[Path]) -> Stopped:
+        """After the checkpoint: consume the stop file, write the requeue marker (rank
+        0) and return the exception the loop raises."""
+        seconds = time.monotonic() - (self.requested_at or time.monotonic())
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 and self.folder is not None and checkpoint is not None:
+            self.stop_file.unlink(missing_ok=True)
+            write_text_atomic(self.folder / REQUEUE_FILE, json.dumps(
+                {"step": step, "reason": self.reason, "checkpoint": str(checkpoint),
+                 "exit_code": REQUEUE_EXIT_CODE}) + "\n")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # no rank exits (and has torchrun stop the others) before this
+        self._done.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        stopped = Stopped(step, self.reason or "request", checkpoint, seconds)
+        self._exit_code = stopped.exit_code
+        return stopped
