@@ -24,6 +24,8 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .spec_strategy import POLICIES, Strategy, parse_arms
+
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
@@ -174,8 +176,11 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         _positive("rollout.speculative", "threshold", self.threshold)
-        _choice("rollout.speculative", "policy", self.policy, ("egreedy", "ucb1", "fixed"))
+        _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _positive("rollout.speculative", "window", self.window)
+        if not 0.0 <= self.ucb_c < float("inf"):
+            raise ConfigError(f"rollout.speculative.ucb_c must be a finite number >= 0, got "
+                              f"{self.ucb_c}")
         if not 0.0 <= self.probe_budget < 1.0:
             raise ConfigError(f"rollout.speculative.probe_budget must be in [0, 1), got "
                               f"{self.probe_budget}")
@@ -185,8 +190,6 @@ class SpeculativeConfig:
         if not 0.0 <= self.epsilon <= 1.0:
             raise ConfigError(f"rollout.speculative.epsilon must be in [0, 1], got "
                               f"{self.epsilon}")
-        from .rollout.tuner import Strategy, parse_arms
-
         try:
             Strategy.parse(self.strategy)
             parse_arms(self.arms, self.buckets)

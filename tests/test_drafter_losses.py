@@ -23,7 +23,7 @@ from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout import speculative as spec_mod
 from megatron_tlt.rollout.sampling import processed_logprobs
-from megatron_tlt.rollout.speculative import accept_chain
+from megatron_tlt.rollout.speculative.acceptance import accept_chain
 from tiny_models import VOCAB
 
 
