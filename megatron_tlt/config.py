@@ -178,18 +178,14 @@ class SpeculativeConfig:
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _positive("rollout.speculative", "window", self.window)
-        if not 0.0 <= self.ucb_c < float("inf"):
-            raise ConfigError(f"rollout.speculative.ucb_c must be a finite number >= 0, got "
-                              f"{self.ucb_c}")
-        if not 0.0 <= self.probe_budget < 1.0:
-            raise ConfigError(f"rollout.speculative.probe_budget must be in [0, 1), got "
-                              f"{self.probe_budget}")
-        if not 0.0 <= self.min_draft_prob < 1.0:
-            raise ConfigError(f"rollout.speculative.min_draft_prob must be in [0, 1), got "
-                              f"{self.min_draft_prob}")
-        if not 0.0 <= self.epsilon <= 1.0:
-            raise ConfigError(f"rollout.speculative.epsilon must be in [0, 1], got "
-                              f"{self.epsilon}")
+        for name, ok, want in (
+                ("ucb_c", 0.0 <= self.ucb_c < float("inf"), "a finite number >= 0"),
+                ("probe_budget", 0.0 <= self.probe_budget < 1.0, "in [0, 1)"),
+                ("min_draft_prob", 0.0 <= self.min_draft_prob < 1.0, "in [0, 1)"),
+                ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]")):
+            if not ok:
+                raise ConfigError(f"rollout.speculative.{name} must be {want}, got "
+                                  f"{getattr(self, name)}")
         try:
             Strategy.parse(self.strategy)
             parse_arms(self.arms, self.buckets)

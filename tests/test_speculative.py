@@ -20,9 +20,10 @@ from megatron_tlt.models.drafter import (DrafterConfig, DrafterMismatchError, Ea
                                          load_drafter, save_drafter)
 from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout import speculative as spec_mod
 from megatron_tlt.rollout.sampling import processed_logprobs
+from megatron_tlt.rollout.speculative import decoder as decoder_mod
 from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative.stats import SpecStats
 from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
 
 P_MIN = 1e-4  # chi-square p-value below which a distribution test fails
@@ -249,7 +250,7 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
 def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     """The same end-to-end test catches a lossy acceptance rule."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(spec_mod, "accept_chain", _wrong_accept_chain)
+    monkeypatch.setattr(decoder_mod, "accept_chain", _wrong_accept_chain)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
@@ -371,7 +372,7 @@ def test_catch_up_apart_drafts_what_the_step_would(tiny, kernels, monkeypatch):
     got_drafts, got = _recorded_drafts(eng, prompts, params)
     st = eng.last_stats.spec
     assert st.catchup_seconds > 0 and st.catchup_tokens > 0
-    monkeypatch.setattr(spec_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
+    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
     ref_eng = _spec_engine(model, arch, drafter, "3_1_3", threshold=2, max_batch_size=3,
                            cpu_kernels=kernels)
     ref_drafts, ref = _recorded_drafts(ref_eng, prompts, params)
@@ -521,7 +522,7 @@ def test_training_pairs_match_decoding_pairs(tiny):
     sd.store(0, 0, feats)
     row = type("Row", (), {})()
     row.prompt, row.tokens, row.length = seq[:-1], [seq[-1]], len(seq) - 1
-    stats = spec_mod.SpecStats()
+    stats = SpecStats()
     root_h, _ = sd._catch_up([row], stats)
     assert (root_h[0] - train_out[-1]).abs().max() < 1e-4
     # ... and a shifted pairing (s_p, h_p) would not match
