@@ -615,8 +615,9 @@ def test_gate_reference_survives_an_outlier_and_switch_costs_charge_losing_probe
 
 def test_probe_whose_catch_up_exceeds_the_budget_is_declined():
     """A probe late in long responses would feed the drafter every position it missed;
-    ``decide(batch, pending)`` runs the step plainly when the estimated catch-up (a prior, then the measured seconds per position) does not fit
-    in the bucket's remaining allowance. Speculation that pays is never held back."""
+    ``decide(batch, pending)`` runs the step plainly when the estimated catch-up (the
+    measured seconds per position) does not fit in the bucket's remaining allowance.
+    Speculation that pays is never held back."""
     t = gated(arms=(CHAIN4,))
     for _ in range(3):
         choose(t, 1)
