@@ -62,7 +62,7 @@ class RunState:
     step: int = 0                      # completed RL steps
     policy: Any = None                 # rl.policy.Policy (state_dict / load_state_dict)
     sampler: Any = None                # rl.data.PromptSampler
-    tuner: Any = None                  # rollout.tuner.StrategyTuner or None
+    tuner: Any = None                  # rollout.speculative.tuner.StrategyTuner or None
     drafter: Any = None                # models.drafter.EagleDrafter or None
     drafter_group: Any = None          # drafter_training.group.DrafterGroup or None
     extra: dict = field(default_factory=dict)  # small JSON-able counters

@@ -24,6 +24,8 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .spec_strategy import POLICIES, Strategy, parse_arms
+
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
@@ -184,19 +186,16 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         _positive("rollout.speculative", "threshold", self.threshold)
-        _choice("rollout.speculative", "policy", self.policy, ("egreedy", "ucb1", "fixed"))
+        _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _positive("rollout.speculative", "window", self.window)
-        if not 0.0 <= self.probe_budget < 1.0:
-            raise ConfigError(f"rollout.speculative.probe_budget must be in [0, 1), got "
-                              f"{self.probe_budget}")
-        if not 0.0 <= self.min_draft_prob < 1.0:
-            raise ConfigError(f"rollout.speculative.min_draft_prob must be in [0, 1), got "
-                              f"{self.min_draft_prob}")
-        if not 0.0 <= self.epsilon <= 1.0:
-            raise ConfigError(f"rollout.speculative.epsilon must be in [0, 1], got "
-                              f"{self.epsilon}")
-        from .rollout.tuner import Strategy, parse_arms
-
+        for name, ok, want in (
+                ("ucb_c", 0.0 <= self.ucb_c < float("inf"), "a finite number >= 0"),
+                ("probe_budget", 0.0 <= self.probe_budget < 1.0, "in [0, 1)"),
+                ("min_draft_prob", 0.0 <= self.min_draft_prob < 1.0, "in [0, 1)"),
+                ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]")):
+            if not ok:
+                raise ConfigError(f"rollout.speculative.{name} must be {want}, got "
+                                  f"{getattr(self, name)}")
         try:
             Strategy.parse(self.strategy)
             parse_arms(self.arms, self.buckets)

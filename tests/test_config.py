@@ -144,6 +144,21 @@ def test_strategy_strings_are_not_read_as_numbers():
     assert cfg.rollout.speculative.arms == "*:2_1_2"
 
 
+@pytest.mark.parametrize("override, match", [
+    ("policy=greedy", "policy='greedy' is not valid.*egreedy, ucb1, fixed"),
+    ("epsilon=1.5", "epsilon must be in \\[0, 1\\], got 1.5"),
+    ("window=0", "window must be >= 1, got 0"),
+    ("ucb_c=-1", "ucb_c must be a finite number >= 0, got -1"),
+    ("probe_budget=1.5", "probe_budget must be in \\[0, 1\\), got 1.5"),
+    ("strategy=6_1_7", "rollout.speculative: .*verify_tokens=7"),
+    ("arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
+])
+def test_speculation_settings_are_validated_once_here(override, match):
+    """The tuner takes these as given: config.py is where they are checked."""
+    with pytest.raises(ConfigError, match=match):
+        _cfg(f"rollout.speculative.{override}")
+
+
 def test_empty_value_means_off_or_unset():
     cfg = _cfg("tracking.wandb_project=", "rollout.speculative.drafter=", "model.hf_path=")
     assert cfg.tracking.wandb_project == "" and cfg.rollout.speculative.drafter == ""

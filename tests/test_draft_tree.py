@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from megatron_tlt.rollout import SamplingParams
 from megatron_tlt.rollout.draft_tree import TreePool, ancestor_mask, row_layout
 from megatron_tlt.rollout.sampling import coupled_gumbel, processed_logprobs, request_seed
-from megatron_tlt.rollout.speculative import SpeculativeDecoder
-from megatron_tlt.rollout.tuner import Strategy
+from megatron_tlt.rollout.speculative.drafting import Drafting
+from megatron_tlt.spec_strategy import Strategy
 from test_speculative import _prompts, _spec_engine, one_layer  # noqa: F401
 
 INF = float("inf")
@@ -109,12 +109,9 @@ class _StubDrafter:
         return self.logits(*out.shape[:-1])
 
 
-def _decoder(vocab: int, drafter: _StubDrafter) -> SpeculativeDecoder:
-    dec = SpeculativeDecoder.__new__(SpeculativeDecoder)
-    dec.target = SimpleNamespace(device=torch.device("cpu"),
-                                 arch=SimpleNamespace(vocab_size=vocab))
-    dec.draft, dec.cache = drafter, None
-    return dec
+def _drafting(vocab: int, drafter: _StubDrafter) -> Drafting:
+    return Drafting(drafter, SimpleNamespace(device=torch.device("cpu"),
+                                             arch=SimpleNamespace(vocab_size=vocab)))
 
 
 SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3),
@@ -142,17 +139,18 @@ def test_engine_draft_trees_are_closed_and_consistent(data, b, k, depth, vocab, 
             for i, sp in enumerate(params)]
     drafter = _StubDrafter(torch.Generator().manual_seed(seed), vocab, scale, quantum)
     root = drafter.logits(b)
-    vtok, tree = _decoder(vocab, drafter)._draft_tree(rows, strategy, torch.zeros(b, 4), root)
+    tree = _drafting(vocab, drafter).tree(rows, strategy, torch.zeros(b, 4), root)
+    vtok = tree.verify_tokens
     width = 1 + min(n, k + (depth - 1) * k * k)
-    assert vtok.shape == (b, width) and tree["mask"].shape == (b, width, width)
+    assert vtok.shape == (b, width) and tree.mask.shape == (b, width, width)
     for i, r in enumerate(rows):
-        kids = tree["children"][i]
+        kids = tree.children[i]
         node_par = [-1] * width
         for j, kl in enumerate(kids):
             for c in kl:
                 node_par[c] = j
-        _check_tree(node_par, kids, tree["mask"][i].tolist(), tree["depth"][i].tolist())
-        assert tree["tokens"][i] == vtok[i].tolist() and vtok[i, 0] == r.tokens[-1]
+        _check_tree(node_par, kids, tree.mask[i].tolist(), tree.depth[i].tolist())
+        assert tree.tokens[i] == vtok[i].tolist() and vtok[i, 0] == r.tokens[-1]
         if coupled and not r.params.greedy:
             sp = r.params
             q = processed_logprobs(root[i:i + 1], sp.temperature, sp.top_k, sp.top_p)
@@ -198,5 +196,5 @@ def test_a_broken_selection_names_the_row_and_the_settings(monkeypatch):
     drafter = _StubDrafter(torch.Generator().manual_seed(0), 9, 1.0, 0)
     with pytest.raises(RuntimeError, match=r"batch row 0 .*strategy 2_2_3, temperature=0.7 "
                                            r"top_k=3 top_p=1.0, coupled sampling"):
-        _decoder(9, drafter)._draft_tree(rows, Strategy(2, 2, 3), torch.zeros(2, 4),
-                                         drafter.logits(2))
+        _drafting(9, drafter).tree(rows, Strategy(2, 2, 3), torch.zeros(2, 4),
+                                   drafter.logits(2))

@@ -21,9 +21,9 @@ from megatron_tlt.drafter_training.vocab import draft_vocabulary_by_mass, token_
 from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout import speculative as spec_mod
+from megatron_tlt.rollout.speculative.stats import SpecStats
 from megatron_tlt.rollout.sampling import processed_logprobs
-from megatron_tlt.rollout.speculative import accept_chain
+from megatron_tlt.rollout.speculative.acceptance import accept_chain
 from tiny_models import VOCAB
 
 
@@ -210,8 +210,8 @@ def test_unrolled_pairing_equals_decodings_chain(tiny, depth):
     seen = []
     orig = sd.draft.draft_logits
     sd.draft.draft_logits = lambda h: (seen.append(h.detach().clone()), orig(h))[1]
-    root_h, root_logits = sd._catch_up([row], spec_mod.SpecStats())
-    drafts, _ = sd._draft_chain([row], depth, root_h, root_logits)
+    root_h, root_logits = sd._catch_up([row], SpecStats())
+    drafts, _ = sd.drafting.chain([row], depth, root_h, root_logits)
     sd.draft.draft_logits = orig
     assert len(drafts[0]) == depth and len(seen) == depth  # root + depth-1 chain steps
     full = seq + drafts[0][:-1]

@@ -20,9 +20,10 @@ from megatron_tlt.models.drafter import (DrafterConfig, DrafterMismatchError, Ea
                                          load_drafter, save_drafter)
 from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout import speculative as spec_mod
 from megatron_tlt.rollout.sampling import processed_logprobs
-from megatron_tlt.rollout.speculative import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative import decoder as decoder_mod
+from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative.stats import SpecStats
 from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
 
 P_MIN = 1e-4  # chi-square p-value below which a distribution test fails
@@ -269,7 +270,7 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     """The same end-to-end test catches a lossy acceptance rule, already at half its
     sample size (chi-square ~735 on ~96 d.o.f. at 5,000 draws: p ~ 1e-98)."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(spec_mod, "accept_chain", _wrong_accept_chain)
+    monkeypatch.setattr(decoder_mod, "accept_chain", _wrong_accept_chain)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
@@ -362,7 +363,7 @@ def test_fused_greedy_drafting_equals_the_step_by_step_path(tiny, one_layer, kin
     got_drafts, got = _recorded_drafts(fused, prompts, sp)
     assert len(calls) == len(got_drafts) > 0
     ref_eng = _spec_engine(model, arch, drafter, "5_1_5", max_batch_size=3)
-    monkeypatch.setattr(type(ref_eng.spec), "_fused_chain", lambda self, rows: False)
+    monkeypatch.setattr(type(ref_eng.spec.drafting), "fused", lambda self, rows: False)
     ref_drafts, ref = _recorded_drafts(ref_eng, prompts, sp)
     assert got == ref
     assert got_drafts == ref_drafts
@@ -389,7 +390,7 @@ def test_catch_up_apart_drafts_what_the_step_would(tiny, kernels, monkeypatch):
     got_drafts, got = _recorded_drafts(eng, prompts, params)
     st = eng.last_stats.spec
     assert st.catchup_seconds > 0 and st.catchup_tokens > 0
-    monkeypatch.setattr(spec_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
+    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
     ref_eng = _spec_engine(model, arch, drafter, "3_1_3", threshold=2, max_batch_size=3,
                            cpu_kernels=kernels)
     ref_drafts, ref = _recorded_drafts(ref_eng, prompts, params)
@@ -539,7 +540,7 @@ def test_training_pairs_match_decoding_pairs(tiny):
     sd.store(0, 0, feats)
     row = type("Row", (), {})()
     row.prompt, row.tokens, row.length = seq[:-1], [seq[-1]], len(seq) - 1
-    stats = spec_mod.SpecStats()
+    stats = SpecStats()
     root_h, _ = sd._catch_up([row], stats)
     assert (root_h[0] - train_out[-1]).abs().max() < 1e-4
     # ... and a shifted pairing (s_p, h_p) would not match
@@ -597,7 +598,7 @@ def test_set_draft_vocabulary_reselects_rows_without_touching_weights(tiny, tmp_
     """Re-selecting a trained drafter's draft vocabulary (warmup_drafter --init
     --draft-vocab N --epochs 0): only d2t changes, the checkpoint keeps the choice, the
     draft logits are the full head's logits at those ids, decoding stays exact."""
-    from megatron_tlt.rollout.speculative import DraftRunner
+    from megatron_tlt.rollout.speculative.draft_runner import DraftRunner
 
     model, arch = tiny["qwen2"]
     d = _random_drafter(arch, seed=4)
@@ -691,7 +692,7 @@ def test_off_arm_lets_a_bucket_choose_plain_steps(tiny):
     """With only the '0_0_0' arm below the threshold every step is plain (and rewarded),
     outputs equal plain decoding, and the drafter still catches up when speculation
     starts in a bucket that has drafting arms."""
-    from megatron_tlt.rollout.tuner import Strategy
+    from megatron_tlt.spec_strategy import Strategy
 
     assert Strategy.parse("0_0_0").is_off and not Strategy.parse("1_1_1").is_off
     model, arch = tiny["llama_tied"]
@@ -720,10 +721,13 @@ def _simulated_clock(eng, monkeypatch, spec_cost):
     import types
 
     from megatron_tlt.rollout import engine as engine_mod
+    from megatron_tlt.rollout.speculative import controller as controller_mod
 
     now = [0.0]
-    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    emit, step = eng._emit, eng._spec_step
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(engine_mod, "time", clock)
+    monkeypatch.setattr(controller_mod, "time", clock)
+    emit, step = eng._emit, eng.spec.step
 
     def timed_emit(*args, **kw):
         now[0] += 1.0
@@ -732,7 +736,7 @@ def _simulated_clock(eng, monkeypatch, spec_cost):
     def timed_step(cache, rows, strategy, *args, **kw):
         now[0] += spec_cost(strategy)
         return step(cache, rows, strategy, *args, **kw)
-    eng._emit, eng._spec_step = timed_emit, timed_step
+    eng._emit, eng.spec.step = timed_emit, timed_step
 
 
 @pytest.mark.parametrize("kind", ["random", "good"])

@@ -1,14 +1,18 @@
-"""Speculative-decoding strategy tuner (BEG-MAB): parsing, policies, state round trips."""
+"""Speculative-decoding strategy tuner (BEG-MAB): parsing, policies, the break-even
+gate, the decide/record protocol, state round trips."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+import weakref
 
 import pytest
 
-from megatron_tlt.rollout.tuner import Strategy, StrategyTuner, parse_arms, parse_buckets
+from megatron_tlt.rollout.speculative.decision import Decision, Outcome
+from megatron_tlt.rollout.speculative.tuner import StrategyTuner
+from megatron_tlt.spec_strategy import Strategy, parse_arms, parse_buckets
 
 S = Strategy.parse
 CHAIN6, TREE16, TREE24, CHAIN4 = S("6_1_6"), S("5_4_16"), S("7_4_24"), S("4_1_4")
@@ -18,12 +22,36 @@ def one_bucket(arms, **kw) -> StrategyTuner:
     return StrategyTuner([1], {0: list(arms)}, **kw)
 
 
+_DECIDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def choose(t: StrategyTuner, batch_size: int, pending: int = 0) -> Strategy:
+    """``t.decide``; the decision goes with the next ``update`` of ``t`` (as the engine
+    hands each step's decision to ``record``)."""
+    d = t.decide(batch_size, pending)
+    _DECIDED[t] = d
+    return d.strategy
+
+
+def last(t: StrategyTuner) -> Decision:
+    return _DECIDED[t]
+
+
+def update(t: StrategyTuner, batch_size: int, arm: Strategy, tokens, seconds, **kw) -> None:
+    """``t.record`` of a step of ``arm``: under the decision ``choose`` made when it
+    decided ``arm`` (a probe stays a probe), else as a step the tuner did not decide."""
+    d = _DECIDED.pop(t, None)
+    if d is None or d.strategy != arm or d.bucket != t.bucket_of(batch_size):
+        d = Decision(t.bucket_of(batch_size), arm, arm.is_off)
+    t.record(d, Outcome(batch_size, tokens, seconds, **kw))
+
+
 def pull(tuner: StrategyTuner, reward_of, steps: int, batch_size: int = 1) -> list[Strategy]:
     """Run ``steps`` choose/update rounds; ``reward_of(arm)`` gives tokens per 1 s step."""
     chosen = []
     for _ in range(steps):
-        arm = tuner.choose(batch_size)
-        tuner.update(batch_size, arm, reward_of(arm), 1.0)
+        arm = choose(tuner, batch_size)
+        update(tuner, batch_size, arm, reward_of(arm), 1.0)
         chosen.append(arm)
     return chosen
 
@@ -148,12 +176,6 @@ def test_constructor_validation():
     arms = {0: [CHAIN6]}
     with pytest.raises(ValueError, match="policy must be one of .* got 'greedy'"):
         StrategyTuner([1], arms, policy="greedy")
-    with pytest.raises(ValueError, match="epsilon must be in \\[0, 1\\], got 1.5"):
-        StrategyTuner([1], arms, epsilon=1.5)
-    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
-        StrategyTuner([1], arms, window=0)
-    with pytest.raises(ValueError, match="ucb_c must be .* got -1"):
-        StrategyTuner([1], arms, ucb_c=-1)
     with pytest.raises(ValueError, match="every bucket index 0..1"):
         StrategyTuner([1, 2], arms)
     with pytest.raises(ValueError, match="bucket 1\\+ has no arms"):
@@ -166,14 +188,12 @@ def test_constructor_validation():
 
 def test_update_validation_and_ignored_steps():
     t = one_bucket([CHAIN6, TREE16])
-    t.update(1, CHAIN6, 10, 0.0)
-    t.update(1, CHAIN6, 10, -1.0)
-    t.update(1, CHAIN6, 10, math.nan)
+    update(t, 1, CHAIN6, 10, 0.0)
+    update(t, 1, CHAIN6, 10, -1.0)
+    update(t, 1, CHAIN6, 10, math.nan)
     assert t.stats()["buckets"]["1+"]["6_1_6"] == {"pulls": 0, "median_reward": None}
-    with pytest.raises(ValueError, match="accepted_tokens must be a number >= 0, got -1"):
-        t.update(1, CHAIN6, -1, 1.0)
-    with pytest.raises(ValueError, match="strategy must be a Strategy, got '6_1_6'"):
-        t.update(1, "6_1_6", 1, 1.0)
+    with pytest.raises(ValueError, match="Outcome.tokens must be a number >= 0, got -1"):
+        update(t, 1, CHAIN6, -1, 1.0)
 
 
 # ------------------------------------------------------------------ egreedy
@@ -183,7 +203,7 @@ def test_egreedy_tries_every_arm_first_in_order():
     # even with epsilon=1 the untried arms come first, in listed order
     assert pull(t, lambda a: 1.0, 4) == arms
     # the other bucket is independent
-    assert t.choose(3) == CHAIN4
+    assert choose(t, 3) == CHAIN4
     assert t.best(3) == CHAIN4
 
 
@@ -202,7 +222,7 @@ def test_egreedy_median_beats_outlier_inflated_mean():
     assert t.best(1) == steady
     tail = chosen[-300:]
     assert tail.count(steady) / len(tail) > 0.85  # expected ~0.95
-    spiky_rewards = list(t._windows[0][spiky.name])
+    spiky_rewards = list(t.bandit.windows[0][spiky.name])
     assert sum(spiky_rewards) / len(spiky_rewards) > 150  # the mean would pick the wrong arm
     st = t.stats()["buckets"]["1+"]
     assert st[steady.name]["median_reward"] > st[spiky.name]["median_reward"]
@@ -236,8 +256,8 @@ def test_egreedy_window_tracks_a_drop():
     good_pulls = steps = 0
     few_low_checked = False
     while t.best(1) == good:
-        arm = t.choose(1)
-        t.update(1, arm, level[arm], 1.0)
+        arm = choose(t, 1)
+        update(t, 1, arm, level[arm], 1.0)
         good_pulls += arm == good
         steps += 1
         if good_pulls == 5 and not few_low_checked:
@@ -269,20 +289,20 @@ def test_ucb1_counts_pulls_beyond_window():
     t = one_bucket([CHAIN4, CHAIN6], policy="ucb1", window=5)
     pull(t, lambda a: 10.0, 40)
     assert sum(s["pulls"] for s in t.stats()["buckets"]["1+"].values()) == 40
-    assert all(len(w) <= 5 for w in t._windows[0].values())
+    assert all(len(w) <= 5 for w in t.bandit.windows[0].values())
 
 
 # ------------------------------------------------------------------ fixed
 def test_fixed_policy():
     with pytest.raises(ValueError, match="policy 'fixed' needs a fixed strategy"):
         one_bucket([CHAIN6], policy="fixed")
-    with pytest.raises(ValueError, match="fixed must be a Strategy"):
+    with pytest.raises(ValueError, match="needs a fixed strategy .* got '6_1_6'"):
         one_bucket([CHAIN6], policy="fixed", fixed="6_1_6")
     t = StrategyTuner([1, 8], {0: [CHAIN6, TREE16], 1: [CHAIN4]}, policy="fixed", fixed=TREE24)
-    assert {t.choose(b) for b in (1, 2, 7, 50) for _ in range(5)} == {TREE24}
+    assert {choose(t, b) for b in (1, 2, 7, 50) for _ in range(5)} == {TREE24}
     assert t.best(1) == TREE24
-    t.update(1, TREE24, 30, 0.5)
-    t.update(3, TREE24, 10, 1.0)
+    update(t, 1, TREE24, 30, 0.5)
+    update(t, 3, TREE24, 10, 1.0)
     st = t.stats()
     assert st["policy"] == "fixed"
     assert st["buckets"]["1"]["7_4_24"] == {"pulls": 1, "median_reward": 60.0}
@@ -295,11 +315,11 @@ def test_stats_json_and_pull_counts():
     buckets = [1, 2, 4]
     t = StrategyTuner(buckets, parse_arms("1:6_1_6,5_4_16;*:4_1_4", buckets))
     for _ in range(3):
-        t.update(1, CHAIN6, 12, 2.0)
-    t.update(1, TREE16, 9, 1.0)
-    t.update(3, CHAIN4, 8, 1.0)
-    t.update(100, CHAIN4, 4, 1.0)
-    t.update(100, CHAIN6, 5, 1.0)  # not an arm of that bucket: still recorded
+        update(t, 1, CHAIN6, 12, 2.0)
+    update(t, 1, TREE16, 9, 1.0)
+    update(t, 3, CHAIN4, 8, 1.0)
+    update(t, 100, CHAIN4, 4, 1.0)
+    update(t, 100, CHAIN6, 5, 1.0)  # not an arm of that bucket: still recorded
     st = json.loads(json.dumps(t.stats()))
     assert st == {
         "policy": "egreedy",
@@ -317,8 +337,8 @@ def _noisy_run(tuner: StrategyTuner, sim: random.Random, steps: int) -> list[str
     out = []
     for _ in range(steps):
         bs = sim.choice([1, 2, 3, 6, 40])
-        arm = tuner.choose(bs)
-        tuner.update(bs, arm, sim.randint(0, 60), sim.uniform(0.05, 0.2))
+        arm = choose(tuner, bs)
+        update(tuner, bs, arm, sim.randint(0, 60), sim.uniform(0.05, 0.2))
         out.append(arm.name)
     return out
 
@@ -350,9 +370,9 @@ def test_load_state_dict_into_fresh_tuner_and_rng_is_private():
     other = one_bucket(arms[0], epsilon=0.5, seed=123)
     other.load_state_dict(state)
     random.seed(0)  # the global RNG must not matter
-    first = [t.choose(1) for _ in range(50)]
+    first = [choose(t, 1) for _ in range(50)]
     random.seed(99)
-    second = [other.choose(1) for _ in range(50)]
+    second = [choose(other, 1) for _ in range(50)]
     assert first == second
 
 
@@ -374,11 +394,11 @@ def test_load_state_dict_rejects_mismatch():
 def test_load_keeps_own_policy_and_trims_window():
     t = one_bucket([CHAIN4, CHAIN6], window=10)
     for r in range(10):
-        t.update(1, CHAIN6, r, 1.0)
+        update(t, 1, CHAIN6, r, 1.0)
     narrow = one_bucket([CHAIN4, CHAIN6], window=3, policy="ucb1")
     narrow.load_state_dict(t.state_dict())
     assert narrow.policy == "ucb1"
-    assert list(narrow._windows[0][CHAIN6.name]) == [7.0, 8.0, 9.0]
+    assert list(narrow.bandit.windows[0][CHAIN6.name]) == [7.0, 8.0, 9.0]
     assert narrow.stats()["buckets"]["1+"]["6_1_6"]["pulls"] == 10
 
 
@@ -394,13 +414,13 @@ def simulate(tuner: StrategyTuner, steps: int, spec_of, batch_size: int = 1,
     and the realised tokens per second per sequence relative to plain decoding's."""
     chosen, tokens, seconds = [], 0.0, 0.0
     for _ in range(steps):
-        arm = tuner.choose(batch_size)
+        arm = choose(tuner, batch_size)
         if arm.is_off:
             acc, sec, tpr = None, plain_seconds, 1.0
         else:
             acc, sec = spec_of(arm, batch_size)
             tpr = sum(a + 1 for a in acc) / batch_size
-        tuner.update(batch_size, arm, tpr * batch_size, sec, accepted_drafts=acc)
+        update(tuner, batch_size, arm, tpr * batch_size, sec, accepted_drafts=acc)
         chosen.append(arm)
         tokens += tpr
         seconds += sec
@@ -444,15 +464,6 @@ def test_gate_is_off_by_default_and_under_fixed():
     assert "gate" not in t.stats()
 
 
-def test_gate_validation():
-    with pytest.raises(ValueError, match="probe_budget must be in \\[0, 1\\), got 1.5"):
-        gated(probe_budget=1.5)
-    with pytest.raises(ValueError, match="break_even must be a bool"):
-        gated(break_even=1)
-    with pytest.raises(ValueError, match="gate_window must be an int >= 1"):
-        gated(gate_window=0)
-
-
 def test_gate_converges_to_plain_with_a_random_drafter():
     """A drafter that loses (a random one: 1.1 tokens for 1.4-1.6 plain steps): plain
     decoding first (three steps: the reference), then a probe, then plain steps with
@@ -461,7 +472,6 @@ def test_gate_converges_to_plain_with_a_random_drafter():
     t = gated(probe_budget=0.02)
     chosen, rel = simulate(t, 2000, drafter(0.1))
     assert chosen[:3] == [OFF] * 3 and chosen[3] == CHAIN4  # measure plain, then probe
-    assert t.last_decision is None  # charged by update
     late = chosen[1000:]
     spec = sum(not a.is_off for a in late)
     # re-tried at a bounded rate: each probe loses ~0.3-0.5 of a plain step; the budget
@@ -561,17 +571,17 @@ def test_gate_compares_at_the_same_batch_size():
     speculative step at 5 with plain decoding at 5, not with an 8-row step."""
     t = StrategyTuner([8], {0: [CHAIN4]}, break_even=True)
     for _ in range(3):
-        t.update(8, OFF, 8, 1.6)
-        t.update(5, OFF, 5, 1.0)
+        update(t, 8, OFF, 8, 1.6)
+        update(t, 5, OFF, 5, 1.0)
     assert t.plain_seconds(8) == 1.6 and t.plain_seconds(5) == 1.0
     assert t.plain_seconds(6) == 1.0 and t.plain_seconds(7) == 1.6  # nearest in the bucket
-    t.update(5, CHAIN4, 5 * 1.2, 1.1)  # 1.2 tokens per sequence in 1.1 plain-5 steps
+    update(t, 5, CHAIN4, 5 * 1.2, 1.1)  # 1.2 tokens per sequence in 1.1 plain-5 steps
     assert t.gate_stats()["1+"]["arm_speedup"] == pytest.approx(1.2 / 1.1)
     assert t.best(5) == CHAIN4
     t2 = StrategyTuner([2, 8], {0: [CHAIN4], 1: [CHAIN4]}, break_even=True)
     t2.observe_plain(2, 1.0)  # another bucket's plain data is not used
-    assert t2.plain_seconds(3) is None and t2.choose(3) == OFF
-    assert t2.last_decision.declined and not t2.last_decision.probe
+    assert t2.plain_seconds(3) is None and choose(t2, 3) == OFF
+    assert last(t2).declined and not last(t2).probe
 
 
 def test_gate_reference_survives_an_outlier_and_switch_costs_charge_losing_probes():
@@ -581,72 +591,74 @@ def test_gate_reference_survives_an_outlier_and_switch_costs_charge_losing_probe
     finds speculation losing."""
     t = gated(arms=(CHAIN4,))
     for sec in (30.0, 1.0, 1.0):
-        assert t.choose(1) == OFF
-        t.update(1, OFF, 1, sec)
+        assert choose(t, 1) == OFF
+        update(t, 1, OFF, 1, sec)
     assert t.plain_seconds(1) == 1.0
     t2 = gated(arms=(CHAIN4,))
     for sec in (1.0, 1.0, 1.0):
-        t2.choose(1)
-        t2.update(1, OFF, 1, sec)
-    assert t2.choose(1) == CHAIN4 and t2.last_decision.probe
-    t2.update(1, CHAIN4, 3, 1.4, accepted_drafts=[2], switch_seconds=5.0)  # pays: 2.1x
-    g = t2._gates[0]
+        choose(t2, 1)
+        update(t2, 1, OFF, 1, sec)
+    assert choose(t2, 1) == CHAIN4 and last(t2).probe
+    update(t2, 1, CHAIN4, 3, 1.4, accepted_drafts=[2], switch_seconds=5.0)  # pays: 2.1x
+    g = t2.gate.gates[0]
     assert g.lost == 0.0 and g.elapsed == pytest.approx(9.4, abs=0.05)  # (decayed)
-    assert t2.choose(1) == CHAIN4 and not t2.last_decision.probe
+    assert choose(t2, 1) == CHAIN4 and not last(t2).probe
     t3 = gated(arms=(CHAIN4,))
     for sec in (1.0, 1.0, 1.0):
-        t3.choose(1)
-        t3.update(1, OFF, 1, sec)
-    t3.choose(1)
-    t3.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=5.0)  # loses
-    assert t3._gates[0].lost == pytest.approx(0.4 + 5.0)
-    assert t3.choose(1) == OFF and t3.last_decision.declined
+        choose(t3, 1)
+        update(t3, 1, OFF, 1, sec)
+    choose(t3, 1)
+    update(t3, 1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=5.0)  # loses
+    assert t3.gate.gates[0].lost == pytest.approx(0.4 + 5.0)
+    assert choose(t3, 1) == OFF and last(t3).declined
 
 
 def test_probe_whose_catch_up_exceeds_the_budget_is_declined():
     """A probe late in long responses would feed the drafter every position it missed;
-    the engine asks ``probe_affordable`` first and runs the step plainly when the
-    estimated catch-up (a prior, then the measured seconds per position) does not fit
-    in the bucket's remaining allowance. Speculation that pays is never held back."""
+    ``decide(batch, pending)`` runs the step plainly when the estimated catch-up (the
+    measured seconds per position) does not fit in the bucket's remaining allowance.
+    Speculation that pays is never held back."""
     t = gated(arms=(CHAIN4,))
     for _ in range(3):
-        t.choose(1)
-        t.update(1, OFF, 1, 1.0)
-    assert t.choose(1) == CHAIN4 and t.last_decision.probe
-    assert t.probe_affordable(1, 10_000)  # the first catch-up is measured, whatever it costs
+        choose(t, 1)
+        update(t, 1, OFF, 1, 1.0)
+    # the first catch-up is measured, whatever it costs
+    assert choose(t, 1, pending=10_000) == CHAIN4 and last(t).probe
     # 0.4 s over 400 positions = 1 ms each; the losing probe is charged 0.4 + 0.4 s
-    t.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.4, switch_positions=400)
-    assert t._catchup == pytest.approx(0.001)
+    update(t, 1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.4, switch_positions=400)
+    assert t.gate.catchup == pytest.approx(0.001)
     for _ in range(400):  # plain steps until the allowance (1 % of the decode time) is back
-        if t.choose(1) != OFF:
+        if choose(t, 1) != OFF:
             break
-        t.update(1, OFF, 1, 1.0)
+        update(t, 1, OFF, 1, 1.0)
     for _ in range(100):  # more decode time: a larger allowance left
-        t.update(1, OFF, 1, 1.0)
-    assert t.choose(1) == CHAIN4 and t.last_decision.probe
-    g = t._gates[0]
+        update(t, 1, OFF, 1, 1.0)
+    g = t.gate.gates[0]
     left = 0.01 * max(g.elapsed, 100 * t.plain_seconds(1)) / 2 ** g.backoff - g.lost
     assert left > 0.01
-    assert t.probe_affordable(1, int(0.5 * left / 0.001))
-    # ... or what the bucket saved since its last probe (see the next test)
-    assert not t.probe_affordable(1, int(2 * max(left, g.saved) / 0.001) + 10)
-    assert t.decline_probe() == OFF and t.last_decision.declined
-    probes = t._gates[0].probes
-    t.update(1, OFF, 1, 1.0)
-    assert t._gates[0].probes == probes  # counted as a declined (plain) step
+    state = json.loads(json.dumps(t.state_dict()))
+    assert choose(t, 1, pending=int(0.5 * left / 0.001)) == CHAIN4 and last(t).probe
+    # ... or what the bucket saved since its last probe (see the next test); the same
+    # decision with more positions pending runs plain
+    t.load_state_dict(state)
+    assert choose(t, 1, pending=int(2 * max(left, g.saved) / 0.001) + 10) == OFF
+    assert last(t).declined and not last(t).probe
+    g = t.gate.gates[0]
+    probes = g.probes
+    update(t, 1, OFF, 1, 1.0)
+    assert t.gate.gates[0].probes == probes  # counted as a declined (plain) step
     state = t.state_dict()
     t2 = gated(arms=(CHAIN4,))
     t2.load_state_dict(json.loads(json.dumps(state)))
-    assert t2._catchup == pytest.approx(0.001)
+    assert t2.gate.catchup == pytest.approx(0.001)
     # not a probe (a paying arm, or a plain step): always affordable
     good = gated(arms=(CHAIN4,))
     for _ in range(3):
-        good.choose(1)
-        good.update(1, OFF, 1, 1.0)
-    good.choose(1)
-    good.update(1, CHAIN4, 5, 1.2, accepted_drafts=[4])  # 4.2x
-    assert good.choose(1) == CHAIN4 and not good.last_decision.probe
-    assert good.probe_affordable(1, 10_000)
+        choose(good, 1)
+        update(good, 1, OFF, 1, 1.0)
+    choose(good, 1)
+    update(good, 1, CHAIN4, 5, 1.2, accepted_drafts=[4])  # 4.2x
+    assert choose(good, 1, pending=10_000) == CHAIN4 and not last(good).probe
 
 
 def test_probe_with_a_large_catch_up_waits_until_it_is_saved_up():
@@ -658,38 +670,34 @@ def test_probe_with_a_large_catch_up_waits_until_it_is_saved_up():
     first steps never speculated again)."""
     t = gated(arms=(CHAIN4,))
     for _ in range(3):
-        t.choose(1)
-        t.update(1, OFF, 1, 1.0)
-    assert t.choose(1) == CHAIN4 and t.last_decision.probe
-    assert t.probe_affordable(1, 200)  # the first catch-up is measured
+        choose(t, 1)
+        update(t, 1, OFF, 1, 1.0)
+    assert choose(t, 1, pending=200) == CHAIN4 and last(t).probe  # the first is measured
     # a bad start: 1 token per 1.4 s, catch-up 0.2 s over 200 positions (1 ms each)
-    t.update(1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.2, switch_positions=200)
-    g = t._gates[0]
+    update(t, 1, CHAIN4, 1, 1.4, accepted_drafts=[0], switch_seconds=0.2, switch_positions=200)
+    g = t.gate.gates[0]
     big = 3000  # positions: 3 s of catch-up, more than any window's allowance (~1-2 s)
     waited, ran = 0, False
     for _ in range(20_000):
-        s = t.choose(1)
-        if s != OFF and t.probe_affordable(1, big):
+        if choose(t, 1, pending=big) != OFF:
             ran = True
             break
-        if s != OFF:
-            t.decline_probe()
         assert 0.01 * max(g.elapsed, 100.0) / 2 ** g.backoff < big * 0.001
-        t.update(1, OFF, 1, 1.0)
+        update(t, 1, OFF, 1, 1.0)
         waited += 1
     assert ran
     # saved at 1 % of the decode time, backed off: 3 s take 300-2,400 plain steps
     assert 300 <= waited <= 2400
     assert g.saved >= big * 0.001
     # the probe pays now (4.2x): its catch-up is spent from the savings, speculation on
-    t.update(1, CHAIN4, 5, 1.2, accepted_drafts=[4], switch_seconds=3.0, switch_positions=big)
+    update(t, 1, CHAIN4, 5, 1.2, accepted_drafts=[4], switch_seconds=3.0, switch_positions=big)
     assert g.saved < 0.1
-    assert t.choose(1) == CHAIN4 and not t.last_decision.probe
+    assert choose(t, 1) == CHAIN4 and not last(t).probe
     state = json.loads(json.dumps(t.state_dict()))
     assert state["gate"]["buckets"][0]["saved"] == pytest.approx(g.saved)
     t2 = gated(arms=(CHAIN4,))
     t2.load_state_dict(state)
-    assert t2._gates[0].saved == pytest.approx(g.saved)
+    assert t2.gate.gates[0].saved == pytest.approx(g.saved)
 
 
 def test_gate_state_round_trip(tmp_path):
@@ -709,7 +717,7 @@ def test_gate_state_round_trip(tmp_path):
     v1["version"] = 1
     fresh = gated(probe_budget=0.05, seed=4)
     fresh.load_state_dict(v1)
-    assert fresh.gate_stats() == {} and fresh.choose(1) == OFF
+    assert fresh.gate_stats() == {} and choose(fresh, 1) == OFF
 
 
 def test_gate_bounds_probing_over_a_long_tail():
@@ -726,15 +734,15 @@ def test_gate_bounds_probing_over_a_long_tail():
         for b in [8] * 40 + [7] * 30 + [6] * 20 + [5] * 20 + [4] * 20 + [3] * 15 + \
                 [2] * 30 + [1] * 60:
             t_plain = 0.5 + 0.06 * b
-            arm = t.choose(b)
+            arm = choose(t, b)
             if arm.is_off:
-                t.update(b, arm, b, t_plain)
+                update(t, b, arm, b, t_plain)
                 spec_time += t_plain
             else:  # the first probe in a bucket also catches up the prompts
                 acc, rel = spec_of(arm, b)
                 switch = 2.0 * t_plain if not any(not a.is_off for a in chosen.get(
                     t.bucket_of(b), [])) else 0.0
-                t.update(b, arm, sum(a + 1 for a in acc), rel * t_plain,
+                update(t, b, arm, sum(a + 1 for a in acc), rel * t_plain,
                          accepted_drafts=acc, switch_seconds=switch)
                 spec_time += rel * t_plain * b / sum(a + 1 for a in acc) + switch
             plain_time += t_plain
@@ -757,17 +765,17 @@ def test_gate_refreshes_a_plain_reference_measured_on_a_busy_machine():
     which a random drafter is declined."""
     t = gated(arms=(CHAIN4,))
     for _ in range(3):
-        t.choose(1)
-        t.update(1, OFF, 1, 3.0)  # busy
+        choose(t, 1)
+        update(t, 1, OFF, 1, 3.0)  # busy
     spec_of = drafter(0.05)
     chosen = []
     for _ in range(400):
-        arm = t.choose(1)
+        arm = choose(t, 1)
         if arm.is_off:
-            t.update(1, arm, 1, 1.0)  # quiet again
+            update(t, 1, arm, 1, 1.0)  # quiet again
         else:
             acc, sec = spec_of(arm, 1)
-            t.update(1, arm, acc[0] + 1, sec, accepted_drafts=acc)
+            update(t, 1, arm, acc[0] + 1, sec, accepted_drafts=acc)
         chosen.append(arm)
     first_plain = chosen.index(OFF)
     assert first_plain <= 4 * 32 + 1
@@ -781,13 +789,13 @@ def test_gate_remeasures_plain_when_a_speculative_step_beats_it():
     one that is means the plain reference is stale: it is re-measured at once."""
     t = gated(arms=(CHAIN4,))
     for _ in range(3):
-        t.choose(1)
-        t.update(1, OFF, 1, 3.0)  # measured while the machine was busy
-    assert t.choose(1) == CHAIN4
-    t.update(1, CHAIN4, 2, 1.4, accepted_drafts=[1])  # 0.47 of a plain step
+        choose(t, 1)
+        update(t, 1, OFF, 1, 3.0)  # measured while the machine was busy
+    assert choose(t, 1) == CHAIN4
+    update(t, 1, CHAIN4, 2, 1.4, accepted_drafts=[1])  # 0.47 of a plain step
     plain = 0
-    while t.choose(1) == OFF and plain < 10:  # re-measured until the median is new
-        t.update(1, OFF, 1, 1.0)
+    while choose(t, 1) == OFF and plain < 10:  # re-measured until the median is new
+        update(t, 1, OFF, 1, 1.0)
         plain += 1
     assert 3 <= plain < 10 and t.plain_seconds(1) == 1.0
 
@@ -798,8 +806,8 @@ def test_acceptance_profile_never_rises_with_the_draft_position():
     No sequence accepts draft j+1 without draft j: the profile (and the chains' expected
     tokens built on it) is capped by the shallower positions' rates."""
     t = gated()
-    t.update(1, S("2_1_2"), 10, 1.0, accepted_drafts=[1] + [0] * 9)
-    t.update(1, CHAIN6, 70, 1.0, accepted_drafts=[6] * 10)
+    update(t, 1, S("2_1_2"), 10, 1.0, accepted_drafts=[1] + [0] * 9)
+    update(t, 1, CHAIN6, 70, 1.0, accepted_drafts=[6] * 10)
     profile = t.acceptance_profile()
     assert len(profile) == 6 and profile[0] < 0.9
     assert all(b <= a for a, b in zip(profile, profile[1:])), profile

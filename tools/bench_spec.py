@@ -227,7 +227,7 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
         return None
     from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
     from megatron_tlt.rollout import SamplingParams
-    from megatron_tlt.rollout.tuner import Strategy
+    from megatron_tlt.spec_strategy import Strategy
 
     t = temperature or 1.0
     s = Strategy.parse(strategy)

@@ -93,7 +93,7 @@ class WarmupConfig:
         if self.draft_vocab_by not in ("mass", "count"):
             raise WarmupError(f"draft_vocab_by must be mass or count, got "
                               f"{self.draft_vocab_by!r}")
-        from ..rollout.tuner import Strategy
+        from ..spec_strategy import Strategy
 
         try:
             Strategy.parse(self.eval_strategy)
@@ -113,7 +113,7 @@ class WarmupConfig:
 
     @property
     def alpha_depth(self) -> int:
-        from ..rollout.tuner import Strategy
+        from ..spec_strategy import Strategy
 
         s = Strategy.parse(self.eval_strategy)
         return s.depth if s.is_chain else 4

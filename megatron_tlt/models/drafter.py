@@ -140,7 +140,7 @@ class EagleDrafter(torch.nn.Module):
     """The drafter's own weights; the target supplies embedding, output layer and RoPE.
 
     ``forward`` is the training path (megatron-core layer, autograd); decoding runs the
-    same math incrementally through ``rollout.speculative.DraftRunner``.
+    same math incrementally through ``rollout.speculative.draft_runner.DraftRunner``.
     """
 
     def __init__(self, config: DrafterConfig, target_arch: ModelArch, *,

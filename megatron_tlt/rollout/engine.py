@@ -33,7 +33,8 @@ from .kv_cache import KVCache
 from .pipeline import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
-from .speculative import SpecStats
+from .speculative.controller import SpeculationController
+from .speculative.stats import SpecStats
 
 
 class PromptError(ValueError):
@@ -174,7 +175,8 @@ class RolloutEngine:
         """Speculate with ``drafter`` (an ``EagleDrafter`` for this model) while the
         running batch is at most ``config.speculative.threshold``; ``tuner`` (a
         ``StrategyTuner``) defaults to one built from ``config.speculative``."""
-        from .speculative import SpeculativeDecoder
+        from .speculative.decoder import SpeculativeDecoder
+        from .speculative.tuner import StrategyTuner
 
         drafter.config.check_target(self.arch)
         if drafter.config.feature_layers and self._graphs is not None:
@@ -183,31 +185,12 @@ class RolloutEngine:
         self.runner.prepare_drafter(drafter)
         self.spec = SpeculativeDecoder(drafter, self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
-        self.tuner = tuner if tuner is not None else self._make_tuner()
+        self.tuner = (tuner if tuner is not None
+                      else StrategyTuner.from_config(self.config.speculative))
 
     def detach_drafter(self) -> None:
         self.spec = None
         self.tuner = None
-
-    def _make_tuner(self):
-        from .tuner import Strategy, StrategyTuner, parse_arms
-
-        sc = self.config.speculative
-        state = Path(sc.tuner_state) if sc.tuner_state else None
-        if state is not None and state.is_file():
-            return StrategyTuner.load(state)
-        return StrategyTuner(sc.buckets, parse_arms(sc.arms, sc.buckets), policy=sc.policy,
-                             epsilon=sc.epsilon, window=sc.window, ucb_c=sc.ucb_c,
-                             fixed=Strategy.parse(sc.strategy), seed=sc.seed,
-                             break_even=sc.break_even, probe_budget=sc.probe_budget)
-
-    def _spec_slack(self) -> int:
-        """Cache slots beyond a sequence's length that drafting/verification may use."""
-        t = self.tuner
-        arms = [a for bucket in t.arms.values() for a in bucket]
-        if t.fixed is not None:
-            arms.append(t.fixed)
-        return max(max(a.verify_tokens, (a.depth - 1) * a.top_k) for a in arms) + 2
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -270,16 +253,14 @@ class RolloutEngine:
         capacity = max(min(len(p) + sp.max_new_tokens, self.context)
                        for p, sp in zip(prompts, plist))
         max_batch = min(self.config.max_batch_size, n)
-        spec = self.spec
+        sc = self.config.speculative
+        ctl = (SpeculationController(self.spec, self.tuner, threshold=sc.threshold,
+                                     tuner_state=sc.tuner_state, tp_times=self._tp_times)
+               if self.spec is not None else None)
         self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
-        if spec is not None:
-            spec.draft.pack_weights()
-        slack = self._spec_slack() if spec is not None else 0
-        cache = self._get_cache(max_batch, capacity + slack)
-        if spec is not None:
-            spec.begin(max_batch, capacity, slack)
-            stats.spec = SpecStats()
-        threshold = self.config.speculative.threshold
+        cache = self._get_cache(max_batch, capacity + (ctl.slack if ctl is not None else 0))
+        if ctl is not None:
+            stats.spec = ctl.begin(max_batch, capacity)
         stats.kv_cache_bytes = cache.nbytes
         want_hidden = any(sp.return_hidden_states for sp in plist)
         max_new = max(sp.max_new_tokens for sp in plist)
@@ -298,84 +279,34 @@ class RolloutEngine:
                     admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i],
                                          keys[i]))
                 t0 = time.perf_counter()
-                self._prefill(cache, rows, admitted, hidden_buf, stats)
+                self._prefill(cache, rows, admitted, hidden_buf, stats, ctl)
                 stats.prefill_seconds += time.perf_counter() - t0
                 rows.extend(admitted)
-                self._retire(cache, rows, outputs, hidden_buf)
+                self._retire(cache, rows, outputs, hidden_buf, ctl)
                 continue
             t0 = time.perf_counter()
-            b = len(rows)
-            stats.batch_sizes.append(b)
-            tuned = spec is not None and b <= threshold
-            strategy = self.tuner.choose(b) if tuned else None
-            decision = self.tuner.last_decision if tuned else None
-            if (decision is not None and decision.probe and not strategy.is_off
-                    and not self.tuner.probe_affordable(b, spec.pending(rows))):
-                # a probe whose drafter catch-up would exceed the probe budget
-                strategy = self.tuner.decline_probe()
-                decision = self.tuner.last_decision
-            probe = decision is not None and decision.probe
-            label = self.tuner.bucket_label(self.tuner.bucket_of(b)) if tuned else ""
-            if strategy is not None and not strategy.is_off:
-                # what the drafter missed (plain steps, new rows) is fed first and timed
-                # apart: a switching cost, not a property of the strategy
-                t1 = time.perf_counter()
-                fed = spec.catch_up(rows, stats.spec)
-                switch = time.perf_counter() - t1 if fed else 0.0
-                emitted, accepted = self._spec_step(cache, rows, strategy, hidden_buf, stats,
-                                                    label)
-                seconds = time.perf_counter() - t0
-                seconds, switch = self._tp_times(seconds, switch)
-                # the step's time measured like a plain step's, the switching cost apart
-                self.tuner.update(b, strategy, emitted, seconds - switch,
-                                  accepted_drafts=accepted, switch_seconds=switch,
-                                  switch_positions=fed)
-                stats.spec.record_tuned(label, declined=False, probe=probe, rows=b,
-                                        tokens=emitted, seconds=seconds)
-                stats.record_step(seconds, speculative=True)
-                self._retire(cache, rows, outputs, hidden_buf)
-                continue
-            last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
-                                device=self.device)[:, None]
-            start = torch.tensor([r.length for r in rows], dtype=torch.long,
-                                 device=self.device)
-            hook, got = spec.capture_hook() if spec is not None else (None, None)
-            if self._graphs is not None:  # (EAGLE-3 capture is refused with graphs)
-                hidden = self._graphs.run(cache, last, start)
+            stats.batch_sizes.append(len(rows))
+            if ctl is None:
+                self._plain_step(cache, rows, hidden_buf, None)
+                stats.record_step(time.perf_counter() - t0, speculative=False)
             else:
-                hidden = self.runner.extend(cache, slice(0, b), last, start, capture=hook)
-            if spec is not None:  # the drafter's input at this position, for later
-                spec.features[torch.arange(b, device=self.device), start] = \
-                    spec.features_of(hidden, got)[:, 0].to(spec.features.dtype)
-            hidden = hidden[:, 0]
-            for r in rows:
-                r.length += 1
-            self._emit(rows, 0, hidden, hidden_buf)
-            seconds = time.perf_counter() - t0
-            stats.record_step(seconds, speculative=False)
-            if spec is not None:  # TP ranks feed their tuners the same times (rank 0's),
-                seconds = self._tp_times(seconds)[0]  # so they decide alike
-            if strategy is not None:  # the tuner chose not to speculate: reward it too
-                self.tuner.update(b, strategy, b, seconds)
-                stats.spec.arms[strategy.name] = stats.spec.arms.get(strategy.name, 0) + 1
-                stats.spec.record_tuned(label, declined=True, probe=probe, rows=b, tokens=b,
-                                        seconds=seconds)
-            elif spec is not None:  # above the threshold: plain decoding's reference time
-                self.tuner.observe_plain(b, seconds)
-            self._retire(cache, rows, outputs, hidden_buf)
+                ctl.decode_step(
+                    cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
+                    lambda *verified: self._commit(rows, hidden_buf, *verified),
+                    stats.record_step)
+            self._retire(cache, rows, outputs, hidden_buf, ctl)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
-        if spec is not None and self.tuner.break_even:
-            stats.spec.gate = self.tuner.gate_stats()
-        if spec is not None and self.config.speculative.tuner_state:
-            self.tuner.save(self.config.speculative.tuner_state)
+        if ctl is not None:
+            ctl.finish()
         return outputs  # type: ignore[return-value]
 
-    def _spec_step(self, cache: KVCache, rows: list[_Row], strategy, hidden_buf,
-                   stats: GenerateStats, bucket: str) -> tuple[int, list[int]]:
-        """One speculative step for every running row: draft, verify, emit, rewind.
-        Returns the number of tokens emitted and each row's accepted draft count."""
-        emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
-        emitted, accepted = [], []
+    def _commit(self, rows: list[_Row], hidden_buf, emissions, hidden, logits, plp
+                ) -> list[int]:
+        """Emit a speculative step's tokens (``SpeculationController``'s commit): per
+        row its accepted drafts and next token, with log-probs and hidden states as
+        plain decoding emits them, cut at a stop token or length limit. Returns how
+        many tokens each row kept."""
+        emitted = []
         for i, (r, e) in enumerate(zip(rows, emissions)):
             L = r.length
             idx = torch.tensor(e.nodes, device=self.device)
@@ -396,15 +327,29 @@ class RolloutEngine:
                 r.length = L + m
                 if self._finish_reason(r) is not None:
                     break
-            self.spec.compact(cache, i, L, e.nodes[1:m])
             emitted.append(m)
-            accepted.append(len(e.tokens) - 1)
-        stats.spec.record(strategy, bucket, accepted, emitted)
-        return sum(emitted), accepted
+        return emitted
+
+    def _plain_step(self, cache: KVCache, rows: list[_Row], hidden_buf, capture):
+        """One plain decode step: the target over every row's last token, one token
+        emitted per row. Returns the hidden states [B, 1, H] and their positions [B]."""
+        b = len(rows)
+        last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long,
+                            device=self.device)[:, None]
+        start = torch.tensor([r.length for r in rows], dtype=torch.long, device=self.device)
+        if self._graphs is not None:  # (EAGLE-3 capture is refused with graphs)
+            hidden = self._graphs.run(cache, last, start)
+        else:
+            hidden = self.runner.extend(cache, slice(0, b), last, start, capture=capture)
+        for r in rows:
+            r.length += 1
+        self._emit(rows, 0, hidden[:, 0], hidden_buf)
+        return hidden, start
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],
-                 hidden_buf: Optional[torch.Tensor], stats: GenerateStats) -> None:
+                 hidden_buf: Optional[torch.Tensor], stats: GenerateStats,
+                 ctl: Optional[SpeculationController]) -> None:
         """Prefill ``admitted`` into rows len(rows).. in chunks; sample their first token."""
         chunks: list[list[_Row]] = [[]]
         for r in admitted:  # greedy packing: padded tokens per chunk <= prefill_tokens
@@ -420,14 +365,10 @@ class RolloutEngine:
                 ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
             ids = ids.to(self.device)
             start = torch.zeros(n, dtype=torch.long, device=self.device)
-            spec = self.spec
-            hook, got = spec.capture_hook() if spec is not None else (None, None)
+            hook, got = ctl.capture() if ctl is not None else (None, None)
             hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook)
-            if spec is not None:  # the drafter's inputs at every prompt position
-                feats = spec.features_of(hidden, got)
-                for j, r in enumerate(chunk):
-                    spec.new_row(lo + j)
-                    spec.store(lo + j, 0, feats[j, : len(r.prompt)])
+            if ctl is not None:  # the drafter's inputs at every prompt position
+                ctl.store_prompts(lo, [len(r.prompt) for r in chunk], hidden, got)
             last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
             stats.prefill_tokens += n * t
             self._emit(chunk, lo, hidden[torch.arange(n, device=self.device), last], hidden_buf)
@@ -462,7 +403,8 @@ class RolloutEngine:
         return None
 
     def _retire(self, cache: KVCache, rows: list[_Row], outputs: list,
-                hidden_buf: Optional[torch.Tensor]) -> None:
+                hidden_buf: Optional[torch.Tensor],
+                ctl: Optional[SpeculationController] = None) -> None:
         """Move finished sequences to ``outputs``; keep running rows contiguous."""
         i = 0
         while i < len(rows):
@@ -480,8 +422,8 @@ class RolloutEngine:
             if i != last:
                 moved = rows[last]
                 cache.move_row(last, i, moved.length)
-                if self.spec is not None:
-                    self.spec.move_row(last, i, moved.length)
+                if ctl is not None:
+                    ctl.move_row(last, i, moved.length)
                 if hidden_buf is not None:
                     hidden_buf[i, : len(moved.tokens)] = hidden_buf[last, : len(moved.tokens)]
                 rows[i] = moved

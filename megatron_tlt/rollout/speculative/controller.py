@@ -1,0 +1,152 @@
+"""The rollout engine's one interface to speculation during a ``generate`` call.
+
+``SpeculationController`` owns the tuner's protocol and the drafter's inputs: per
+decode step the engine makes one call, ``decode_step``, which asks the tuner for the
+step's strategy (``StrategyTuner.decide``), runs either a speculative step (the
+drafter's catch-up, then ``SpeculativeDecoder.step``) or the engine's plain step
+(whose target features it keeps for the drafter), times it and reports it back
+(``StrategyTuner.record``) and into ``SpecStats``. Prefill and row moves go through it
+too (``capture`` / ``store_prompts``, ``move_row``), so the drafter's feature store is
+written only here and in the decoder.
+
+Engine -> controller -> decoder: a decode step reads through these three files.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ...spec_strategy import Strategy
+from ..kv_cache import KVCache
+from .decision import Outcome
+from .decoder import Emission, SpeculativeDecoder
+from .stats import SpecStats
+from .tuner import StrategyTuner
+
+# The engine's plain decode step: given a capture hook (None, or one collecting the
+# drafter's EAGLE-3 feature layers) it runs the target over every row's last token,
+# emits one token per row, and returns the target's hidden states [B, 1, H] and the
+# positions they were computed at [B].
+PlainStep = Callable[[Optional[Callable]], tuple[torch.Tensor, torch.Tensor]]
+# The engine's commit of a speculative step: given the decoder's emissions and, per row,
+# the verify forward's hidden states, logits and processed log-probs, it emits each
+# row's tokens (stop tokens and length limits cut the run) and returns how many each
+# row kept.
+Commit = Callable[[list[Emission], list, list, list], list[int]]
+
+
+class SpeculationController:
+    """Speculation for one ``generate`` call: ``decoder`` (the drafter and its state)
+    decoding at most ``threshold`` rows speculatively, ``tuner`` choosing the strategy
+    per step; ``tp_times(*seconds)`` gives TP rank 0's measured times on every rank
+    (the tuner's decisions follow measured times, and TP ranks must take the same
+    ones); ``tuner_state``: a file the tuner is saved to after the call ('' = none)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, tuner: StrategyTuner, *,
+                 threshold: int, tuner_state: str = "",
+                 tp_times: Callable[..., list[float]] = lambda *v: list(v)) -> None:
+        self.decoder = decoder
+        self.tuner = tuner
+        self.threshold = threshold
+        self.tuner_state = tuner_state
+        self.tp_times = tp_times
+        self.stats = SpecStats()
+
+    # ------------------------------------------------------------ the call
+    @property
+    def slack(self) -> int:
+        """Cache slots beyond a sequence's length that drafting/verification may use."""
+        return max(max(a.verify_tokens, (a.depth - 1) * a.top_k)
+                   for a in self.tuner.all_arms()) + 2
+
+    def begin(self, max_batch: int, capacity: int) -> SpecStats:
+        """Before the call's first step: the drafter's weights and caches for
+        ``max_batch`` rows of ``capacity`` positions. Returns the call's ``SpecStats``."""
+        self.decoder.draft.pack_weights()
+        self.decoder.begin(max_batch, capacity, self.slack)
+        return self.stats
+
+    def finish(self) -> None:
+        """After the call's last step: the gate's state into the stats, and the tuner's
+        state saved where configured."""
+        if self.tuner.break_even:
+            self.stats.gate = self.tuner.gate_stats()
+        if self.tuner_state:
+            self.tuner.save(self.tuner_state)
+
+    # ------------------------------------------------------------ rows
+    def capture(self):
+        """A target forward's ``capture`` hook and what it collects (the drafter's
+        EAGLE-3 feature layers; (None, None) without)."""
+        return self.decoder.capture_hook()
+
+    def store_prompts(self, first_row: int, prompt_lengths: Sequence[int],
+                      hidden: torch.Tensor, got) -> None:
+        """The drafter's inputs at every prompt position of rows first_row.. (just
+        prefilled; ``hidden`` [n, T, H] and what ``capture`` collected)."""
+        feats = self.decoder.features_of(hidden, got)
+        for j, n in enumerate(prompt_lengths):
+            self.decoder.new_row(first_row + j)
+            self.decoder.store(first_row + j, 0, feats[j, :n])
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Cache row ``src`` (``length`` positions) moved to ``dst``."""
+        self.decoder.move_row(src, dst, length)
+
+    # ------------------------------------------------------------ a decode step
+    def decode_step(self, cache: KVCache, rows: Sequence, t0: float, plain: PlainStep,
+                    commit: Commit, record_step: Callable[[float, bool], None]) -> None:
+        """One decode step for the running ``rows`` (started at ``t0``): speculative or
+        plain as the tuner decides (plain above the threshold), timed and recorded
+        (``record_step(seconds, speculative)``: the engine's per-step stats)."""
+        b = len(rows)
+        decision = (self.tuner.decide(b, self.decoder.pending(rows)) if b <= self.threshold
+                    else None)
+        label = self.tuner.bucket_label(decision.bucket) if decision is not None else ""
+        if decision is not None and not decision.strategy.is_off:
+            # what the drafter missed (plain steps, new rows) is fed first and timed
+            # apart: a switching cost, not a property of the strategy
+            t1 = time.perf_counter()
+            fed = self.decoder.catch_up(rows, self.stats)
+            switch = time.perf_counter() - t1 if fed else 0.0
+            emitted, accepted = self._speculate(cache, rows, decision.strategy, label,
+                                                commit)
+            seconds, switch = self.tp_times(time.perf_counter() - t0, switch)
+            # the step's time measured like a plain step's, the switching cost apart
+            self.tuner.record(decision, Outcome(b, emitted, seconds - switch, accepted,
+                                                switch, fed))
+            self.stats.record_tuned(label, declined=False, probe=decision.probe, rows=b,
+                                    tokens=emitted, seconds=seconds)
+            record_step(seconds, True)
+            return
+        hook, got = self.capture()
+        hidden, start = plain(hook)
+        # the drafter's input at this position, for later
+        self.decoder.store_step(start, self.decoder.features_of(hidden, got))
+        seconds = time.perf_counter() - t0
+        record_step(seconds, False)
+        seconds = self.tp_times(seconds)[0]  # TP ranks feed their tuners the same times
+        if decision is not None:  # the tuner chose not to speculate: reward it too
+            self.tuner.record(decision, Outcome(b, b, seconds))
+            name = decision.strategy.name
+            self.stats.arms[name] = self.stats.arms.get(name, 0) + 1
+            self.stats.record_tuned(label, declined=True, probe=decision.probe, rows=b,
+                                    tokens=b, seconds=seconds)
+        else:  # above the threshold: plain decoding's reference time
+            self.tuner.observe_plain(b, seconds)
+
+    def _speculate(self, cache: KVCache, rows: Sequence, strategy: Strategy, label: str,
+                   commit: Commit) -> tuple[int, list[int]]:
+        """Draft, verify, emit (``commit``) and rewind for every running row. Returns
+        the number of tokens emitted and each row's accepted draft count."""
+        lengths = [r.length for r in rows]
+        emissions, hidden, logits, plp = self.decoder.step(cache, rows, strategy, self.stats)
+        emitted = commit(emissions, hidden, logits, plp)
+        for i, (length, e, m) in enumerate(zip(lengths, emissions, emitted)):
+            self.decoder.compact(cache, i, length, e.nodes[1:m])
+        accepted = [len(e.tokens) - 1 for e in emissions]
+        self.stats.record(strategy, label, accepted, emitted)
+        return sum(emitted), accepted

@@ -1,0 +1,281 @@
+"""Drafting: the draft tokens a speculative step sends to verification, from the root
+outputs of the drafter's catch-up (its hidden state ĥ and draft logits per row).
+
+- a chain of ``depth`` tokens (sampled from the processed q when the request samples,
+  argmax when greedy), optionally stopped early below ``min_draft_prob``;
+- the fused chain: catch-up and a greedy chain in one call of the fused CPU kernels;
+- an EAGLE-2 tree: top-k children per node, the top-k nodes of each depth by
+  cumulative draft log-probability expanded, and the ``verify_tokens`` best nodes of
+  the whole tree kept, a selection closed under parents by construction
+  (``rollout/draft_tree.py``), handed to verification as a ``DraftTree``.
+
+Coupled rows (a noise ``key``) draft argmax(log q~ + g_t) with the target's noise at
+their response position; trees rank children by their perturbed processed score, so
+the drafter's own coupled token is always the first child.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ...spec_strategy import Strategy
+from ..draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_scores,
+                          row_layout)
+from ..forward import ModelRunner
+from ..kv_cache import KVCache
+from ..sampling import argmax_rows, coupled_gumbel
+from .acceptance import processed_rows, sample
+from .draft_runner import DraftRunner
+
+
+def is_coupled(r) -> bool:
+    """Whether row ``r`` samples under coupled sampling (it has a noise key)."""
+    return getattr(r, "key", None) is not None and not r.params.greedy
+
+
+def ragged(counts: Sequence[int], starts: Sequence[int], device):
+    """Cache row and position of every query of runs of ``counts`` positions starting at
+    ``starts`` (the layout of ``extend_chains``)."""
+    row_of = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)],
+                          dtype=torch.long, device=device)
+    pos = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)],
+                       dtype=torch.long, device=device)
+    return row_of, pos
+
+
+@dataclass
+class DraftTree:
+    """A batch's draft trees as verification takes them: per row node 0 (the root,
+    the last emitted token) and n drafted nodes."""
+
+    verify_tokens: torch.Tensor  # [B, 1+n] node tokens (target vocabulary)
+    mask: torch.Tensor  # [B, 1+n, 1+n] node j attends node a (a is j or its ancestor)
+    depth: torch.Tensor  # [B, 1+n] node depths (the root 0)
+    tokens: list[list[int]]  # per row, node tokens
+    children: list[list[list[int]]]  # per row and node, its children, best draft first
+
+
+class Drafting:
+    """Chain, fused-chain and tree drafting with ``draft`` (the drafter's runner) for
+    ``target``'s rows, in the drafter's KV cache ``cache``."""
+
+    def __init__(self, draft: DraftRunner, target: ModelRunner):
+        self.draft = draft
+        self.target = target
+        self.cache: Optional[KVCache] = None  # the drafter's cache (SpeculativeDecoder.begin)
+        self.min_draft_prob = 0.0  # chains stop below this cumulative draft probability
+
+    def _draft_noise(self, rows, offset: int):
+        """Coupled rows' noise at response position len(tokens) + offset over the draft
+        vocabulary, [B, V_draft] (zeros for other rows), and their mask [B]; None when
+        no row is coupled."""
+        idx = [i for i, r in enumerate(rows) if is_coupled(r)]
+        if not idx:
+            return None
+        dev = self.target.device
+        g = coupled_gumbel([rows[i].key for i in idx],
+                           [len(rows[i].tokens) + offset for i in idx],
+                           self.target.arch.vocab_size, dev, token_ids=self.draft.d2t)
+        full = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32, device=dev)
+        index = torch.tensor(idx, device=dev)
+        full[index] = g
+        mask = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        mask[index] = True
+        return full, mask
+
+    def _tree_scores(self, rows, logits: torch.Tensor, offset: int) -> torch.Tensor:
+        """Draft scores of the token after each tree node, from the drafter's logits
+        [B, V_draft] or [B, K, V_draft]: its log-probabilities, and in coupled rows its
+        processed log-probabilities (the request's temperature, top-k, top-p) plus the
+        noise of response position len(tokens) + offset, shifted so each node's best is
+        0 (``draft_tree.coupled_child_scores``)."""
+        noise = self._draft_noise(rows, offset)
+        if noise is None:
+            return torch.log_softmax(logits, dim=-1)
+        lp = None if bool(noise[1].all()) else torch.log_softmax(logits, dim=-1)
+        return coupled_child_scores(processed_rows(logits, rows), lp, noise)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft.d2t is None else self.draft.d2t[draft_ids]
+
+    def _q(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        """Drafter's sampling distributions over the FULL vocabulary, [B, V] log-probs
+        (each row processed with its request's settings, like the target's p)."""
+        lp = processed_rows(logits, rows)
+        if self.draft.d2t is None:
+            return lp
+        full = torch.full((*lp.shape[:-1], self.target.arch.vocab_size), float("-inf"),
+                          device=lp.device)
+        full[..., self.draft.d2t] = lp
+        return full
+
+    def chain(self, rows, depth: int, h: torch.Tensor, logits: torch.Tensor):
+        """Up to ``depth`` draft tokens per row. Before drafting position j a row stops if
+        (probability of its draft so far) x (largest probability at j) is below
+        ``min_draft_prob`` (zero drafts is allowed), so verification spends rows only
+        where acceptance is likely. The rule never looks at the token about to be drawn,
+        so every kept draft still follows q and acceptance stays exact (a rule that
+        dropped unlikely draws would bias them; the distribution test catches that).
+        Returns per-row draft token lists and, for
+        sampled rows, the drafter's sampling distributions [n_i, V] (None for greedy)."""
+        dev = self.target.device
+        b = len(rows)
+        coupled = [is_coupled(r) for r in rows]
+        sampled = [not r.params.greedy for r in rows]
+        any_sampled = any(sampled)
+        min_prob = self.min_draft_prob
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        drafts: list[list[int]] = [[] for _ in range(b)]
+        alive, cum = [True] * b, [1.0] * b
+        start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
+        for j in range(depth):
+            top_p, top_id = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            full_tok = self._to_target(top_id)
+            q_all = self._q(logits, rows) if any_sampled else None
+            tok_l, conf_l = full_tok.tolist(), top_p.tolist()
+            coupled_tok = {}
+            idx = [i for i in range(b) if coupled[i] and alive[i]]
+            if idx:  # the drafter's coupled tokens: the target's noise at position t0 + j
+                g = coupled_gumbel([rows[i].key for i in idx],
+                                   [len(rows[i].tokens) + j for i in idx],
+                                   q_all.shape[-1], dev)
+                index = torch.tensor(idx, device=dev)
+                best_tok = argmax_rows(q_all.index_select(0, index) + g, self.draft.kernels)
+                coupled_tok = dict(zip(idx, best_tok.tolist()))
+            for i, r in enumerate(rows):
+                if not alive[i]:
+                    continue
+                # decide to stop BEFORE drawing: a draw kept only when its own probability
+                # is high would no longer follow q, and the acceptance ratio would be wrong
+                best = float(q_all[i].max().exp()) if sampled[i] else conf_l[i]
+                if min_prob > 0 and cum[i] * best < min_prob:
+                    alive[i] = False
+                    continue
+                if coupled[i]:
+                    tok = coupled_tok[i]
+                    cum[i] *= float(q_all[i, tok].exp())
+                elif sampled[i]:
+                    tok = sample(q_all[i].exp(), r.generator)
+                    cum[i] *= float(q_all[i, tok].exp())
+                else:
+                    tok = tok_l[i]
+                    cum[i] *= best
+                drafts[i].append(tok)
+                if sampled[i] and not coupled[i]:
+                    q_rows[i].append(q_all[i])
+            if j == depth - 1 or not any(alive):
+                break
+            # next drafter step for every row (stopped rows feed a placeholder; ignored)
+            feed = torch.tensor([d[-1] if d else 0 for d in drafts], dtype=torch.long,
+                                device=dev)
+            feed = torch.where(torch.tensor([bool(d) for d in drafts], device=dev), feed, last)
+            x = self.draft.inputs(feed, h, target_features=False)
+            h = self.draft.extend(self.cache, slice(0, b), feed[:, None], start + j,
+                                  embeds=x[:, None])[:, 0]
+            logits = self.draft.draft_logits(h)
+        q_lp = None
+        if any(sampled[i] and not coupled[i] for i in range(b)):
+            q_lp = [torch.stack(q) if q else None for q in q_rows]
+        return drafts, q_lp
+
+    def fused(self, rows) -> bool:
+        """Whether ``fused_chain`` drafts this batch: greedy rows, no confidence stop,
+        the fused kernels' own cases (TP 1, float32 CPU, no FP8)."""
+        d = self.draft
+        return (d.kernels is not None and d.tp_group is None and not d.fp8
+                and self.min_draft_prob <= 0 and self.cache.layout == "bgsd"
+                and len(rows) <= d.fused_max_rows and all(r.params.greedy for r in rows))
+
+    def fused_chain(self, rows, depth: int, pending) -> list[list[int]]:
+        """The catch-up over ``pending`` (``SpeculativeDecoder``'s pending drafter
+        inputs: tokens, target features, row counts, first positions) then a chain of
+        ``depth`` greedy drafts, in one kernel call (``DraftRunner.draft_chain_fused``):
+        the same kernels in the same order as the unfused path, so the same drafts,
+        without the ~0.2 ms of host work per drafter run."""
+        tok, feats, counts, starts = pending
+        row_of, pos = ragged(counts, starts, self.target.device)
+        last = torch.tensor(counts).cumsum(0) - 1
+        start = torch.tensor([r.length for r in rows], dtype=torch.long)
+        return self.draft.draft_chain_fused(self.cache, tok, feats, row_of, pos, last, start,
+                                            depth, self.target.arch.vocab_size)
+
+    def tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
+        """EAGLE-2 style dynamic tree, batched over rows (``draft_tree.TreePool``: each
+        depth's top-k nodes expanded, the ``verify_tokens`` best nodes of the whole tree
+        kept, closed under parents). Returns the ``DraftTree``."""
+        dev = self.target.device
+        b, k = len(rows), s.top_k
+        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        pool = TreePool(self._tree_scores(rows, logits, 0), k)
+        parent_h = h[:, None].expand(b, k, h.shape[-1])
+        # drafter tree masks: frontier j (slots L + (j-1)K ..) sees its ancestors
+        anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
+        fed_pool: list[torch.Tensor] = []  # pool index of each fed slot
+        for depth in range(1, s.depth):
+            w = anc.shape[1]
+            new_anc = torch.zeros(b, w + k, w + k, dtype=torch.bool, device=dev)
+            new_anc[:, :w, :w] = anc
+            if w:  # a frontier node sees its parent's ancestors (parent was fed last round)
+                par_slot = self._slot_of_parent(pool, fed_pool)
+                new_anc[:, w:, :w] = torch.gather(anc, 1, par_slot[:, :, None].expand(b, k, w))
+                new_anc[:, w:, :w].scatter_(2, par_slot[:, :, None], True)
+            new_anc[:, w:, w:] = torch.eye(k, dtype=torch.bool, device=dev)
+            anc = new_anc
+            fed_pool.append(pool.front)
+            full_tok = self._to_target(pool.front_tok)
+            x = self.draft.inputs(full_tok.reshape(-1), parent_h.reshape(b * k, -1),
+                                  target_features=False).view(b, k, -1)
+            out = self.draft.extend(
+                self.cache, slice(0, b), full_tok, L + w,
+                rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
+                embeds=x)  # [B, K, H]
+            # children predict response position t0 + depth
+            best = pool.grow(self._tree_scores(rows, self.draft.draft_logits(out), depth))
+            parent_h = torch.gather(out, 1, (best // k)[:, :, None].expand(b, k, out.shape[-1]))
+        tok, par, dep, score, chosen = pool.select(s.verify_tokens)
+        return self._tree_inputs(rows, s, tok, par, dep, chosen, score)
+
+    @staticmethod
+    def _slot_of_parent(pool: TreePool, fed_pool: list[torch.Tensor]) -> torch.Tensor:
+        """Fed-slot index (within the drafter's tree region) of each frontier node's
+        parent [B, K]."""
+        par = torch.cat(pool.par, 1).gather(1, pool.front)  # pool index of parents [B, K]
+        fed = torch.cat(fed_pool, 1)  # [B, W] pool index per fed slot
+        match = fed[:, None, :] == par[:, :, None]  # [B, K, W]
+        return match.float().argmax(dim=-1)
+
+    def _tree_inputs(self, rows, s: Strategy, tok, par, dep, chosen, score):
+        dev = self.target.device
+        b, n = chosen.shape
+        par_l, dep_l, ch_l = par.tolist(), dep.tolist(), chosen.tolist()
+        score_l = score.tolist()
+        full_l = self._to_target(tok).tolist()
+        vtok = torch.empty(b, n + 1, dtype=torch.long, device=dev)
+        mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=dev)
+        depth = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
+        tokens, children = [], []
+        for i, r in enumerate(rows):
+            try:
+                node_par, kids = row_layout(par_l[i], ch_l[i], score_l[i])
+            except TreeNotClosed as e:
+                sp = r.params
+                mode = ("greedy" if sp.greedy else "coupled" if is_coupled(r)
+                        else "standard")
+                raise RuntimeError(
+                    f"draft tree of batch row {i} is not closed under parents ({e}): "
+                    f"strategy {s.name}, temperature={sp.temperature} top_k={sp.top_k} "
+                    f"top_p={sp.top_p}, {mode} sampling. This is an engine bug; chain "
+                    "strategies only (top_k 1 in rollout.speculative.strategy / arms) "
+                    "avoid trees until it is fixed"
+                ) from None
+            node_tok = [r.tokens[-1]] + [full_l[i][p] for p in ch_l[i]]
+            mask[i] = torch.tensor(ancestor_mask(node_par), dtype=torch.bool)
+            depth[i] = torch.tensor([0] + [dep_l[i][p] for p in ch_l[i]])
+            vtok[i] = torch.tensor(node_tok)
+            tokens.append(node_tok)
+            children.append(kids)
+        return DraftTree(vtok, mask, depth, tokens, children)
