@@ -34,6 +34,7 @@ from .forward import ModelRunner
 from .kv_cache import KVCache
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
+from . import position_accept
 from .speculative import SpecStats
 
 
@@ -374,7 +375,7 @@ class RolloutEngine:
         """One speculative step for every running row: draft, verify, emit, rewind.
         Returns the number of tokens emitted and each row's accepted draft count."""
         emissions, hidden, logits, plp = self.spec.step(cache, rows, strategy, stats.spec)
-        emitted, accepted = [], []
+        emitted, accepted, positions = [], [], [len(r.tokens) for r in rows]
         for i, (r, e) in enumerate(zip(rows, emissions)):
             L = r.length
             idx = torch.tensor(e.nodes, device=self.device)
@@ -399,6 +400,7 @@ class RolloutEngine:
             emitted.append(m)
             accepted.append(len(e.tokens) - 1)
         stats.spec.record(strategy, bucket, accepted, emitted)
+        position_accept.record(stats.spec.by_position, positions, emitted)
         return sum(emitted), accepted
 
     # ------------------------------------------------------------------ steps

@@ -269,6 +269,7 @@ class SpecStats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, list[int]] = field(default_factory=dict)  # label -> [rows, emitted]
     by_depth: dict[int, list[int]] = field(default_factory=dict)  # depth -> [rows, emitted]
+    by_position: dict[str, list[int]] = field(default_factory=dict)  # position_accept.py
     arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps chosen
     # (including "0_0_0": plain steps the tuner chose below the threshold)
     declined: int = 0  # steps below the threshold that ran plain (break-even gate or 0_0_0)
@@ -344,6 +345,7 @@ class SpecStats:
             "accept_len": self.accept_len,
             "accept_len_by_bucket": {k: mean(v) for k, v in self.by_bucket.items()},
             "accept_len_by_depth": {str(k): mean(v) for k, v in self.by_depth.items()},
+            "accept_by_position": {k: list(v) for k, v in self.by_position.items()},
             "accept_rate_at_position": {str(k): v for k, v in reach.items()},
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "catchup_tokens": self.catchup_tokens, "catchup_seconds": self.catchup_seconds,
