@@ -510,6 +510,10 @@ class DrafterGroupConfig:
     canary_min_alpha: float = _help(
         "Warn when the canary's alpha falls below this (a drafter corrupted by a weight "
         "update accepts about 1 token per step).", 0.05)
+    overlap_sync: bool = _help(
+        "Run the step's drafter averaging (one coalesced transfer of weights and AdamW "
+        "moments) behind the policy update instead of before it; its write-back and "
+        "checksum follow the update, before the canary and the next rollout.", True)
     poll_seconds: float = _help("Wait between checks while fewer than min_idle_replicas "
                                 "have finished.", 0.005)
 
