@@ -253,7 +253,7 @@ class DrafterGroup:
             else:
                 n = sum(t.numel() for t in self._tensors(create=True))
                 flat = torch.empty(n, dtype=torch.float32, device=self.device)
-            work = dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, src),
+            work = dist.broadcast(flat, src=self._dp_global(src),
                                   group=self.dp_group, async_op=True)
             keep = self.dp_rank == src  # the source's state is already the result
         else:
@@ -267,6 +267,9 @@ class DrafterGroup:
         if not self.overlap_sync:
             out.update(self.finish_sync(record=False))
         return out
+
+    def _dp_global(self, k: int) -> int:
+        return k if self.dp_group is None else dist.get_global_rank(self.dp_group, k)
 
     def finish_sync(self, *, record: bool = True) -> dict:
         """Complete the window's averaging: wait for the transfer, write the result into
@@ -289,7 +292,7 @@ class DrafterGroup:
         healed = False
         if any(not torch.equal(x, sums[0]) for x in sums):  # never expected; made certain
             flat = self._flat()
-            dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, 0),
+            dist.broadcast(flat, src=self._dp_global(0),
                            group=self.dp_group)
             self._write_flat(flat)
             cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
