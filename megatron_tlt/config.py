@@ -501,6 +501,10 @@ class DrafterGroupConfig:
     batch_tokens: int = _help(
         "Padded tokens per drafter micro-step (one response per row). A micro-step is the "
         "preemption bound: the last replica waits for at most one.", 512)
+    stop_checks: int = _help(
+        "Stop-flag reads per micro-step: its rows run in this many chunks whose gradients "
+        "accumulate, the flag read before each; a stop mid-step applies the chunks done. "
+        "The last replica then waits for one chunk, not one micro-step (1 = per step).", 4)
     buffer_tokens: int = _help(
         "Responses' feature rows held per replica for training (CPU memory: rows x "
         "hidden x 4 bytes); the current and the previous step's responses, oldest "
@@ -521,6 +525,7 @@ class DrafterGroupConfig:
         _positive("drafter_group", "min_idle_replicas", self.min_idle_replicas)
         _positive("drafter_group", "max_steps_per_window", self.max_steps_per_window)
         _positive("drafter_group", "batch_tokens", self.batch_tokens)
+        _positive("drafter_group", "stop_checks", self.stop_checks)
         _positive("drafter_group", "buffer_tokens", self.buffer_tokens)
         _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
         from .drafter_training.losses import LOSS_PRESETS

@@ -24,7 +24,6 @@ steps at each rate carry the drafter on responses it has not seen.
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import json
 import sys
@@ -94,7 +93,8 @@ def main(argv=None) -> int:
     loss = LossConfig.for_sampling(dg.loss, a.temperature)
     plan = length_batches(train, dg.batch_tokens)
     for lr in (float(x) for x in a.lrs.split(",")):
-        drafter = copy.deepcopy(base)
+        drafter = load_drafter(path, engine.arch, dtype=engine.runner.dtype,
+                               device=engine.device)
         tr = DrafterTrainer(drafter, engine.runner, lr=lr, weight_decay=dg.weight_decay,
                             warmup_steps=dg.lr_warmup_steps, total_steps=a.steps,
                             min_lr_ratio=1.0, grad_clip=dg.grad_clip, loss=loss)

@@ -14,15 +14,20 @@ the step barrier (``Trainer.idle_window_hooks``):
    DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
    optimizer step (a micro-step; the ``cfg.loss`` preset of ``losses.py`` at the
    rollout's temperature / top-k / top-p) on its buffer, checking the store before
-   each one, so it stops within one micro-step of the last replica finishing. The last replica to
+   each one and between its ``stop_checks`` row chunks (gradients accumulate; a stop
+   mid-step applies the chunks done), so it stops within one chunk of the last
+   replica finishing. The last replica to
    finish sees the count complete and trains nothing.
 4. Synchronisation, a collective every replica calls (it ends at the latest replica's
    arrival, which the barrier would wait for anyway): the replicas' step counts are
-   gathered; if nobody trained, nothing else happens. Otherwise drafter parameters and
-   AdamW moments are averaged over DP weighted by the local step counts (a replica with
-   0 steps, or a failed one, weighs 0), the LR-schedule counter advances by the
-   largest step count, and a checksum all-gather of the averaged vector confirms every
-   replica holds bit-identical state (else DP rank 0's is broadcast).
+   gathered; if nobody trained, nothing else happens. If one replica trained, its
+   drafter parameters and AdamW moments are broadcast (a byte copy); otherwise they are
+   averaged over DP weighted by the local step counts (a replica with 0 steps, or a
+   failed one, weighs 0) in one all-reduce of one flat vector. The LR-schedule counter
+   advances by the largest step count. The transfer is asynchronous: ``finish_sync``
+   (at once, or after the policy update with ``overlap_sync``) writes it back and a
+   checksum all-gather confirms every replica holds bit-identical state (else DP rank
+   0's is broadcast).
 
 A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
 gives it weight 0 and turns speculation off for the next rollout on every replica
@@ -181,7 +186,9 @@ class DrafterGroup:
                 break
             t_first = self.clock() if t_first is None else t_first
             try:
-                parts = self.trainer.step(batch)
+                parts = self.trainer.step(  # the stop flag read between row chunks
+                    batch, chunks=self.cfg.stop_checks,
+                    stop=lambda: self._decide(steps) == STOP)
                 if not math.isfinite(float(parts["loss"])):
                     raise FloatingPointError(f"drafter loss is {parts['loss']}")
             except Exception as e:  # noqa: BLE001 - any drafter failure: RL continues
