@@ -108,6 +108,9 @@ def main(argv=None) -> int:
                       f"  predicted accept len {rows[-1]['predicted_accept_len']:.3f}",
                       flush=True)
         res["lrs"][f"{lr:g}"] = rows
+        if a.json:  # after every rate: a cut-short sweep keeps what it measured
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
     best = max(res["lrs"], key=lambda k: res["lrs"][k][-1]["alpha"])
     res["best_lr"] = float(best)
     res["config"] = {"prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
