@@ -490,7 +490,8 @@ class DrafterGroupConfig:
         "Drafter loss preset (eagle, kl, tv, log_accept, kl+tv), computed at the rollout's "
         "sampling settings (grpo.temperature / top_p / top_k); the default is the warm-up's.",
         "kl+tv")
-    lr: float = _help("Drafter AdamW peak learning rate.", 3e-4)
+    lr: float = _help("Drafter AdamW peak learning rate (chosen by tools/sweep_drafter_lr.py: "
+                      "docs/benchmarks.md).", 1e-3)
     lr_warmup_steps: int = _help("Linear warm-up, in drafter optimizer steps.", 4)
     lr_decay: str = _help("After warm-up: constant or cosine (to lr x min_lr_ratio at "
                           "train.steps x max_steps_per_window drafter steps).", "constant")
