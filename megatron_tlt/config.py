@@ -505,7 +505,8 @@ class DrafterGroupConfig:
         "Drafter loss preset (eagle, kl, tv, log_accept, kl+tv), computed at the rollout's "
         "sampling settings (grpo.temperature / top_p / top_k); the default is the warm-up's.",
         "kl+tv")
-    lr: float = _help("Drafter AdamW peak learning rate.", 3e-4)
+    lr: float = _help("Drafter AdamW peak learning rate (chosen by tools/sweep_drafter_lr.py: "
+                      "docs/benchmarks.md).", 1e-3)
     lr_warmup_steps: int = _help("Linear warm-up, in drafter optimizer steps.", 4)
     lr_decay: str = _help("After warm-up: constant or cosine (to lr x min_lr_ratio at "
                           "train.steps x max_steps_per_window drafter steps).", "constant")
@@ -516,6 +517,10 @@ class DrafterGroupConfig:
     batch_tokens: int = _help(
         "Padded tokens per drafter micro-step (one response per row). A micro-step is the "
         "preemption bound: the last replica waits for at most one.", 512)
+    stop_checks: int = _help(
+        "Stop-flag reads per micro-step: its rows run in this many chunks whose gradients "
+        "accumulate, the flag read before each; a stop mid-step applies the chunks done. "
+        "The last replica then waits for one chunk, not one micro-step (1 = per step).", 4)
     buffer_tokens: int = _help(
         "Responses' feature rows held per replica for training (CPU memory: rows x "
         "hidden x 4 bytes); the current and the previous step's responses, oldest "
@@ -525,6 +530,10 @@ class DrafterGroupConfig:
     canary_min_alpha: float = _help(
         "Warn when the canary's alpha falls below this (a drafter corrupted by a weight "
         "update accepts about 1 token per step).", 0.05)
+    overlap_sync: bool = _help(
+        "Run the step's drafter averaging (one coalesced transfer of weights and AdamW "
+        "moments) behind the policy update instead of before it; its write-back and "
+        "checksum follow the update, before the canary and the next rollout.", True)
     poll_seconds: float = _help("Wait between checks while fewer than min_idle_replicas "
                                 "have finished.", 0.005)
 
@@ -532,6 +541,7 @@ class DrafterGroupConfig:
         _positive("drafter_group", "min_idle_replicas", self.min_idle_replicas)
         _positive("drafter_group", "max_steps_per_window", self.max_steps_per_window)
         _positive("drafter_group", "batch_tokens", self.batch_tokens)
+        _positive("drafter_group", "stop_checks", self.stop_checks)
         _positive("drafter_group", "buffer_tokens", self.buffer_tokens)
         _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
         from .drafter_training.losses import LOSS_PRESETS

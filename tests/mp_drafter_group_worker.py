@@ -16,6 +16,10 @@ DIR/rank{R}.json), the group's loss and canary at a recipe's sampling settings
   each, the full drafter + AdamW state is compared across ranks, and every micro-step
   records whether the last replica had already finished when it ended (at most one per
   window may: preemption within one micro-step);
+  odd windows overlap the averaging with a stand-in for the policy update's
+  collectives (``overlap_sync``) and complete it with ``finish_sync``;
+- averaged: both replicas took local steps (2 and 1; DP >= 3 does this): the 2:1
+  weighted average of weights and moments, the same bytes everywhere;
 - failure: replica 0's loss is NaN -> its drafter is restored, speculation is off for
   the next rollout on both replicas (the engine then takes no speculative step);
 - resume: the group's state saved and loaded into a fresh drafter + group.
@@ -103,7 +107,7 @@ def main() -> None:
     before = group._flat(create=True).clone()
     rec = group.run_window(0, responses(0))
     res["together"] = {"steps": rec["steps"], "version": group.version,
-                       "checksum": rec["checksum"],
+                       "checksum": rec["checksum"], "pending": group._pending is not None,
                        "unchanged": bool(torch.equal(before, group._flat()))}
 
     # ---- uneven: replica 1 finishes after replica 0's 3rd micro-step
@@ -153,14 +157,48 @@ def main() -> None:
             ends.append(group.signal.finished(window) >= group.dp_size)
 
         group.after_micro_step = timed
+        group.overlap_sync = k % 2 == 1  # odd windows: the averaging behind an "update"
         time.sleep(rng.uniform(0.0, 0.05))
         rec = group.run_window(2 + k, responses(2 + k))
+        pending = group._pending is not None
+        if group.overlap_sync:  # the policy update's collectives run meanwhile
+            dist.all_reduce(torch.ones(4096), group=ps.get_data_parallel_group())
+            group.finish_sync()
         flats = all_flats()
         sched.append({"steps": rec["steps"], "overrun": sum(ends),
                       "identical": all(torch.equal(f, flats[0]) for f in flats),
-                      "sync_wait": rec["sync_wait"], "last": rec["last_finisher"]})
+                      "sync_wait": rec["sync_wait"], "last": rec["last_finisher"],
+                      "overlap": group.overlap_sync, "pending": pending,
+                      "checksum": group.last["checksum"],
+                      "own_checksum": int(group.checksum()[0])})
     group.after_micro_step = None
+    group.overlap_sync = False
     res["schedules"] = sched
+
+    # ---- both trained (DP = 2 never does: the last finisher never trains; DP >= 3
+    # does): 2 and 1 local steps on different data -> the 2:1 weighted average
+    group.overlap_sync = True
+    base = group.trainer.step_count
+    batches = group.buffer.batches(cfg.batch_tokens, seed=rank)
+    for _ in range(2 - rank):
+        group.trainer.step(next(batches))
+    mine = group._flat(create=True)
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    version = group.version
+    group._synchronise(base, None, mine.clone())
+    pending = group._pending is not None
+    group.finish_sync(record=False)
+    flats = all_flats()
+    res["averaged"] = {
+        "pending": pending, "version": group.version - version,
+        "step_count": group.trainer.step_count - base,
+        "identical": all(torch.equal(f, flats[0]) for f in flats),
+        "weighted": bool(torch.allclose(flats[0], both[0] * (2 / 3) + both[1] * (1 / 3),
+                                        rtol=1e-6, atol=1e-7)),
+        "adam_step": all(float(group.trainer.opt.state[p]["step"]) ==
+                         group.trainer.step_count for p in group.trainer.params)}
+    group.overlap_sync = False
 
     # ---- failure: replica 0's loss is NaN
     real_loss = group.trainer.loss

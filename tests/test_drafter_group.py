@@ -26,7 +26,7 @@ def test_all_finishing_together_trains_nothing_and_averages_nothing(results):
     for res in results:
         t = res["together"]
         assert t["steps"] == 0 and t["version"] == 0 and t["unchanged"]
-        assert t["checksum"] is None  # no averaging collective ran
+        assert t["checksum"] is None and not t["pending"]  # no averaging collective ran
 
 
 def test_the_group_trains_with_the_configured_loss_at_the_recipes_sampling(results):
@@ -72,7 +72,20 @@ def test_random_schedules_stay_identical_and_preempt_within_one_micro_step(resul
         last = next(r for r in rows if r["last"])
         assert last["steps"] == 0
         trained += sum(r["steps"] for r in rows)
+        # an overlapped averaging is pending after the window exactly when one ran
+        assert all(r["pending"] == (r["overlap"] and any(x["steps"] for x in rows))
+                   for r in rows), (k, rows)
+        assert all(r["checksum"] is None or r["checksum"] == r["own_checksum"]
+                   for r in rows), (k, rows)
     assert trained > 0  # the schedules did exercise training
+    assert any(r["overlap"] and r["pending"] for r in results[0]["schedules"])
+
+
+def test_two_trained_replicas_average_weighted_by_their_steps(results):
+    for res in results:
+        a = res["averaged"]
+        assert a["pending"] and a["identical"] and a["weighted"] and a["adam_step"]
+        assert a["version"] == 1 and a["step_count"] == 2
 
 
 def test_a_drafter_failure_restores_it_and_turns_speculation_off_once(results):

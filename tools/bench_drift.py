@@ -49,6 +49,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
               f"train.steps={a.steps}", f"train.lr={a.policy_lr}",
               f"grpo.max_new_tokens={a.max_new_tokens}",
               f"grpo.prompts_per_step={a.prompts}", f"grpo.group_size={a.group_size}",
+              "train.eval_interval=0",  # held-out accuracy measures nothing here
               "rollout.sampling_mode=coupled", *strategy_args(a.strategy), "tracking.wandb_project=\"\"",
               "tracking.plots=false", "tracking.progress=false",
               f"tracking.output_dir={a.out_dir}", f"tracking.run_name={arm}"]

@@ -14,15 +14,20 @@ the step barrier (``Trainer.idle_window_hooks``):
    DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
    optimizer step (a micro-step; the ``cfg.loss`` preset of ``losses.py`` at the
    rollout's temperature / top-k / top-p) on its buffer, checking the store before
-   each one, so it stops within one micro-step of the last replica finishing. The last replica to
+   each one and between its ``stop_checks`` row chunks (gradients accumulate; a stop
+   mid-step applies the chunks done), so it stops within one chunk of the last
+   replica finishing. The last replica to
    finish sees the count complete and trains nothing.
 4. Synchronisation, a collective every replica calls (it ends at the latest replica's
    arrival, which the barrier would wait for anyway): the replicas' step counts are
-   gathered; if nobody trained, nothing else happens. Otherwise drafter parameters and
-   AdamW moments are averaged over DP weighted by the local step counts (a replica with
-   0 steps, or a failed one, weighs 0), the LR-schedule counter advances by the
-   largest step count, and a checksum all-gather of the averaged vector confirms every
-   replica holds bit-identical state (else DP rank 0's is broadcast).
+   gathered; if nobody trained, nothing else happens. If one replica trained, its
+   drafter parameters and AdamW moments are broadcast (a byte copy); otherwise they are
+   averaged over DP weighted by the local step counts (a replica with 0 steps, or a
+   failed one, weighs 0) in one all-reduce of one flat vector. The LR-schedule counter
+   advances by the largest step count. The transfer is asynchronous: ``finish_sync``
+   (at once, or after the policy update with ``overlap_sync``) writes it back and a
+   checksum all-gather confirms every replica holds bit-identical state (else DP rank
+   0's is broadcast).
 
 A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
 gives it weight 0 and turns speculation off for the next rollout on every replica
@@ -92,7 +97,8 @@ class DrafterGroup:
 
     def __init__(self, drafter, runner, cfg, *, dp_group=None, tp_group=None, store=None,
                  total_steps: int = 1000, seed: int = 0, sampling=None,
-                 loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter):
+                 loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter,
+                 overlap_sync: bool = False):
         self.cfg = cfg
         self.drafter = drafter
         self.sampling = ((1.0, 0, 1.0) if sampling is None else
@@ -120,6 +126,8 @@ class DrafterGroup:
         self.after_micro_step: Optional[Callable[[int], None]] = None  # tests: delays
         self.last: dict = {}     # this replica's record of the last window
         self._announced: Optional[int] = None
+        self.overlap_sync = overlap_sync  # finish_sync later, after the policy update
+        self._pending = None     # (work, flat, keep): an averaging not yet written back
 
     @property
     def device(self) -> torch.device:
@@ -152,6 +160,7 @@ class DrafterGroup:
         """Buffer ``responses``, train until the last replica finishes, synchronise.
         Returns this replica's record (also kept as ``self.last``); times are seconds
         since the call started."""
+        self.finish_sync()  # (normally done already, after the last policy update)
         t0 = self.clock()
         base = self.trainer.step_count
         self.buffer.add(step, responses)
@@ -177,7 +186,9 @@ class DrafterGroup:
                 break
             t_first = self.clock() if t_first is None else t_first
             try:
-                parts = self.trainer.step(batch)
+                parts = self.trainer.step(  # the stop flag read between row chunks
+                    batch, chunks=self.cfg.stop_checks,
+                    stop=lambda: self._decide(steps) == STOP)
                 if not math.isfinite(float(parts["loss"])):
                     raise FloatingPointError(f"drafter loss is {parts['loss']}")
             except Exception as e:  # noqa: BLE001 - any drafter failure: RL continues
@@ -217,7 +228,9 @@ class DrafterGroup:
     # ------------------------------------------------------------------ synchronisation
     def _synchronise(self, base: int, failure: Optional[str], snapshot) -> dict:
         """Weighted average over DP (see the module docstring); ``base`` is the schedule
-        counter at the window's start, ``snapshot`` the state there (None: untouched)."""
+        counter at the window's start, ``snapshot`` the state there (None: untouched).
+        The transfer is launched here; ``finish_sync`` completes it (at once unless
+        ``overlap_sync``)."""
         t0 = self.clock()
         steps = self.trainer.step_count - base
         mine = torch.tensor([0.0 if failure else float(steps), 1.0 if failure else 0.0],
@@ -235,24 +248,66 @@ class DrafterGroup:
         out = {"wait": wait, "checksum": None, "healed": False}
         if total == 0:
             return out
-        # every contribution was checked finite (a replica whose state was not counts
-        # as failed, weight 0), so the average is finite
-        flat = self._flat(create=True)
-        flat.mul_(good[self.dp_rank] / total)
-        dist.all_reduce(flat, group=self.dp_group)
         self.trainer.step_count = base + int(max(good))
         self.version += 1
+        trained = [k for k, g in enumerate(good) if g > 0]
+        if len(trained) == 1:
+            # one replica trained (weight 1, the others 0): its state, copied byte for
+            # byte; no arithmetic, and the others need not flatten theirs
+            src = trained[0]
+            if self.dp_rank == src:
+                flat = self._flat(create=True)
+            else:
+                n = sum(t.numel() for t in self._tensors(create=True))
+                flat = torch.empty(n, dtype=torch.float32, device=self.device)
+            work = dist.broadcast(flat, src=self._dp_global(src),
+                                  group=self.dp_group, async_op=True)
+            keep = self.dp_rank == src  # the source's state is already the result
+        else:
+            # every contribution was checked finite (a replica whose state was not
+            # counts as failed, weight 0), so the average is finite
+            flat = self._flat(create=True)
+            flat.mul_(good[self.dp_rank] / total)
+            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            keep = False
+        self._pending = (work, flat, keep)
+        if not self.overlap_sync:
+            out.update(self.finish_sync(record=False))
+        return out
+
+    def _dp_global(self, k: int) -> int:
+        return k if self.dp_group is None else dist.get_global_rank(self.dp_group, k)
+
+    def finish_sync(self, *, record: bool = True) -> dict:
+        """Complete the window's averaging: wait for the transfer, write the result into
+        the drafter and its AdamW moments, and confirm over DP that every replica holds
+        the same bytes (else DP rank 0's state is broadcast). Every replica calls it at
+        the same point (a collective); a no-op when nothing is pending. Returns (and,
+        with ``record``, adds to ``self.last``) the checksum and the seconds it took."""
+        if self._pending is None:
+            return {}
+        t0 = self.clock()
+        work, flat, keep = self._pending
+        self._pending = None
+        work.wait()
+        if not keep:
+            self._write_flat(flat)
+        self._set_adam_step()
         cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
         sums = [torch.empty_like(cs) for _ in range(self.dp_size)]
         dist.all_gather(sums, cs, group=self.dp_group)
+        healed = False
         if any(not torch.equal(x, sums[0]) for x in sums):  # never expected; made certain
-            dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, 0),
+            flat = self._flat()
+            dist.broadcast(flat, src=self._dp_global(0),
                            group=self.dp_group)
+            self._write_flat(flat)
             cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
-            out["healed"] = True
-        self._write_flat(flat)
-        self._set_adam_step()
-        out["checksum"] = int(cs[0])
+            healed = True
+        out = {"checksum": int(cs[0]), "healed": healed, "finish": self.clock() - t0}
+        if record and self.last:
+            self.last.update(checksum=out["checksum"], healed=healed,
+                             sync_seconds=self.last["sync_seconds"] + out["finish"])
         return out
 
     def _tensors(self, create: bool = False) -> list[torch.Tensor]:
@@ -301,7 +356,9 @@ class DrafterGroup:
     # ------------------------------------------------------------------ speculation
     @contextlib.contextmanager
     def speculation_guard(self, engine):
-        """Speculation off for one rollout when the last window failed."""
+        """Speculation off for one rollout when the last window failed (an averaging
+        still pending is completed first: the rollout drafts with the averaged drafter)."""
+        self.finish_sync()
         if not self.speculation_off or engine is None:
             yield
             return

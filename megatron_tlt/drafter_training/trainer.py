@@ -114,14 +114,26 @@ class DrafterTrainer:
         """The configured loss over a padded batch of samples; returns (loss, parts)."""
         return drafter_loss(self.drafter, self.runner, batch, self.loss_config)
 
-    def step(self, batch: Sequence[DraftSample]) -> dict:
+    def step(self, batch: Sequence[DraftSample], *, chunks: int = 1,
+             stop: Optional[Callable[[], bool]] = None) -> dict:
+        """One optimizer step on ``batch``. With ``chunks`` > 1 the batch's rows are
+        split into that many chunks whose gradients accumulate (weighted by their
+        response positions, so the step equals the whole batch's up to float rounding);
+        ``stop()`` is asked before each chunk after the first, and a True answer steps
+        on the chunks done (a smaller batch): a caller that must yield is held for one
+        chunk, not one batch. ``parts["chunks"]`` says how many ran."""
         self.drafter.train()
         lr = self.lr_at(self.step_count)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
-        loss, parts = self.loss(batch)
-        loss.backward()
+        n = max(1, min(int(chunks), len(batch)))
+        if n == 1:
+            loss, parts = self.loss(batch)
+            loss.backward()
+            parts["chunks"] = 1
+        else:
+            parts = self._chunked_backward(batch, n, stop)
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.opt.step()
@@ -129,6 +141,27 @@ class DrafterTrainer:
         self.drafter.eval()
         parts["lr"] = lr
         return parts
+
+    def _chunked_backward(self, batch, n: int, stop) -> dict:
+        size = -(-len(batch) // n)
+        tokens, weighted, ran, parts = 0, 0.0, 0, {}
+        for j in range(0, len(batch), size):
+            if j and stop is not None and stop():
+                break
+            chunk = batch[j:j + size]
+            loss, parts = self.loss(chunk)
+            w = parts.get("tokens") or len(chunk)  # (a custom loss may not count them)
+            (loss * w).backward()
+            tokens += w
+            weighted += parts["loss"] * w
+            ran += 1
+        scale = 1.0 / max(tokens, 1)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        # the last chunk's diagnostics; loss and tokens over the chunks that ran
+        return dict(parts, loss=weighted * scale if tokens else parts["loss"],
+                    tokens=tokens, chunks=ran)
 
     def fit(self, samples: Sequence[DraftSample], *, epochs: int, batch_tokens: int = 2048,
             seed: int = 0, log: Optional[Callable[[str], None]] = print,

@@ -67,7 +67,8 @@ class OnlineDrafter:
                                   tp_group=ps.get_tensor_model_parallel_group(),
                                   total_steps=cfg.train.steps * dg.max_steps_per_window,
                                   seed=cfg.platform.seed,
-                                  sampling=sampling_params(cfg.grpo, cfg.platform.seed))
+                                  sampling=sampling_params(cfg.grpo, cfg.platform.seed),
+                                  overlap_sync=dg.overlap_sync)
         self.finished_at = 0.0
 
     def hook(self, step: int, roll) -> None:
@@ -82,7 +83,10 @@ class OnlineDrafter:
         return self.group.speculation_guard(self.engine)
 
     def after_update(self, metrics: dict) -> dict:
-        """The canary and the step's drafter metrics (every rank calls it)."""
+        """The canary and the step's drafter metrics (every rank calls it). The window's
+        averaging, launched at the step barrier, ran behind the policy update; its
+        write-back and checksum happen here, before the canary reads the drafter."""
+        self.group.finish_sync()
         alpha = self.group.canary_alpha()
         rec = dict(self.group.last, alpha=alpha, finished_at=self.finished_at)
         parts: list = [None] * dist.get_world_size(self.dp_group)

@@ -1,7 +1,7 @@
 """What a finished run shows: a per-step summary table and PNG plots of its JSONL.
 
 ``write_plots`` is also ``tools/plot_run.py``: reward / accuracy / length curves, the
-speculative acceptance per batch-size bucket, and the per-step replica timeline
+speculative acceptance per batch-size and response-position bucket, and the per-step replica timeline
 (rollout, tail idle with the drafter group's training in it, update).
 """
 
@@ -122,13 +122,19 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     for b in buckets:
         ax.plot(steps, [r.get("spec", {}).get("accept_len_by_bucket", {}).get(b, float("nan"))
                         for r in train], marker=".", label=f"batch {b}")
-    if buckets:
+    positions = list(dict.fromkeys(
+        k for r in train for k in r.get("spec", {}).get("accept_len_by_position", {})))
+    for k in positions:  # response-position buckets, dashed
+        ax.plot(steps, [r.get("spec", {}).get("accept_len_by_position", {}).get(
+            k, float("nan")) for r in train], marker="x", linestyle="--",
+            label=f"response tokens {k}")
+    if buckets or positions:
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no speculative steps in this run", ha="center",
                 transform=ax.transAxes)
     ax.set_xlabel("step")
-    ax.set_title("speculative acceptance length per bucket")
+    ax.set_title("acceptance length per batch / response-position bucket")
     fig.tight_layout()
     p = out / "curves.png"
     _save(fig, p)

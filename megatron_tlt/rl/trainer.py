@@ -38,6 +38,7 @@ from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
+from .spec_metrics import merge_spec
 
 
 def mini_batch_count(cfg: Config) -> int:
@@ -486,7 +487,7 @@ class Trainer:
         if g.tis_cap > 0:
             out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
         if any(x is not None for x in spec):
-            out["spec"] = _merge_spec([x for x in spec if x is not None], sum(decode))
+            out["spec"] = merge_spec([x for x in spec if x is not None], sum(decode))
         return out
 
     # ------------------------------------------------------------------ evaluation
@@ -561,23 +562,6 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
         return 0.0
     k = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
     return float(sorted_values[k])
-
-
-def _merge_spec(parts: list[dict], decode_steps: int) -> dict:
-    rows = sum(p.get("rows", 0) for p in parts)
-    accepted = sum(p.get("accept_len", 0.0) * p.get("rows", 0) for p in parts)
-    steps = sum(p.get("steps", 0) for p in parts)
-    arms: dict[str, int] = {}
-    buckets: dict[str, list[float]] = {}
-    for p in parts:
-        for k, v in p.get("arms", {}).items():
-            arms[k] = arms.get(k, 0) + v
-        for k, v in p.get("accept_len_by_bucket", {}).items():
-            buckets.setdefault(k, []).append(v)
-    return {"accept_len": accepted / rows if rows else 0.0,
-            "on_fraction": steps / decode_steps if decode_steps else 0.0,
-            "steps": steps, "arms": arms,
-            "accept_len_by_bucket": {k: sum(v) / len(v) for k, v in buckets.items()}}
 
 
 def config_dict(cfg: Config) -> dict:

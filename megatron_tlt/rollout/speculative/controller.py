@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ...spec_strategy import Strategy
+from .. import position_accept
 from ..kv_cache import KVCache
 from .decision import Outcome
 from .decoder import Emission, SpeculativeDecoder
@@ -143,10 +144,12 @@ class SpeculationController:
         """Draft, verify, emit (``commit``) and rewind for every running row. Returns
         the number of tokens emitted and each row's accepted draft count."""
         lengths = [r.length for r in rows]
+        positions = [len(r.tokens) for r in rows]  # response tokens so far
         emissions, hidden, logits, plp = self.decoder.step(cache, rows, strategy, self.stats)
         emitted = commit(emissions, hidden, logits, plp)
         for i, (length, e, m) in enumerate(zip(lengths, emissions, emitted)):
             self.decoder.compact(cache, i, length, e.nodes[1:m])
         accepted = [len(e.tokens) - 1 for e in emissions]
         self.stats.record(strategy, label, accepted, emitted)
+        position_accept.record(self.stats.by_position, positions, emitted)
         return sum(emitted), accepted

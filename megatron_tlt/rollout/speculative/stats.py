@@ -63,6 +63,8 @@ class SpecStats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, Tally] = field(default_factory=dict)  # bucket label -> tally
     by_depth: dict[int, Tally] = field(default_factory=dict)  # strategy depth -> tally
+    # response-position bucket -> [rows, emitted] (rollout/position_accept.py)
+    by_position: dict[str, list[int]] = field(default_factory=dict)
     arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps chosen
     # (including "0_0_0": plain steps the tuner chose below the threshold)
     declined: int = 0  # steps below the threshold that ran plain (break-even gate or 0_0_0)
@@ -128,6 +130,7 @@ class SpecStats:
             "accept_len": self.accept_len,
             "accept_len_by_bucket": {k: v.mean for k, v in self.by_bucket.items()},
             "accept_len_by_depth": {str(k): v.mean for k, v in self.by_depth.items()},
+            "accept_by_position": {k: list(v) for k, v in self.by_position.items()},
             "accept_rate_at_position": {str(k): v for k, v in reach.items()},
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "catchup_tokens": self.catchup_tokens, "catchup_seconds": self.catchup_seconds,
