@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_tlt.assets import AssetError  # noqa: E402
-from megatron_tlt.checkpointing import CheckpointError  # noqa: E402
+from megatron_tlt.checkpoint import CheckpointError  # noqa: E402
 from megatron_tlt.config import ConfigError, build_parser, config_from_args  # noqa: E402
 from megatron_tlt.fileio import write_text_atomic  # noqa: E402
 from megatron_tlt.models.drafter import DrafterMismatchError  # noqa: E402

@@ -544,10 +544,18 @@ class CheckpointConfig:
         "(safetensors, config, tokenizer) to {save}/hf, or {run folder}/hf when "
         "checkpoint.save is empty, with the drafter (if any) in its drafter/ subfolder; "
         "tools/convert_hf_checkpoint.py does the same for any saved step.", False)
+    keep_last: int = _help("Keep the newest N checkpoints under checkpoint.save, removing "
+                           "older ones after each save; 0 = keep all.", 3)
+    fallback_to_previous: bool = _help(
+        "On resume, when the newest checkpoint is incomplete or corrupt, load the newest "
+        "complete older one instead of stopping with the error.", False)
 
     def __post_init__(self):
         if self.save_interval < 0:
             raise ConfigError("checkpoint.save_interval must be >= 0")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0 "
+                              f"(0 keeps every checkpoint)")
 
 
 @dataclass

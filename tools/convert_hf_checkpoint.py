@@ -31,7 +31,7 @@ from megatron_tlt.config import build_parser, config_from_args, validate_for_run
 from megatron_tlt.models import resolve_source  # noqa: E402
 from megatron_tlt.models.export import (ExportError, export_run_checkpoint,  # noqa: E402
                                         is_run_checkpoint)
-from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,  # noqa: E402
+from megatron_tlt.models.megatron_weights import (is_megatron_checkpoint,  # noqa: E402
                                             load_megatron_shards, save_megatron_checkpoint,
                                             tokenizer_folder)
 from megatron_tlt.models.gpt import DTYPES, ModelArch  # noqa: E402

@@ -171,7 +171,7 @@ def export_run_checkpoint(folder: str | Path, out: str | Path, *, step: Optional
 
 
 def _tokenizer_of(source: str) -> Optional[Path]:
-    from .checkpoint import tokenizer_folder
+    from .megatron_weights import tokenizer_folder
 
     return tokenizer_folder(source) if source and Path(source).exists() else None
 
