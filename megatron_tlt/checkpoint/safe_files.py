@@ -134,7 +134,7 @@ def read_json(path: Path) -> Any:
 _DCP_ALLOWED = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
 }
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 
