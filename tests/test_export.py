@@ -4,6 +4,7 @@ the drafter as a standalone file the engine loads."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def tp2_run(smollm2_dir, tmp_path_factory, single_process_parallel):
                    f"model.hf_path={policy}", "parallel.tensor_model_parallel_size=2",
                    f"rollout.speculative.drafter={drafter}", *UPDATE, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"policy": policy, "run": root / "run",
+    return {"policy": policy, "run": root / "run", "drafter": drafter,
             "trained": torch.load(root / "run" / "trained.pt", weights_only=True)}
 
 
@@ -207,3 +208,33 @@ def test_export_folder_follows_the_umask(tiny_hf_dirs, tmp_path):
         os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o755
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.multiproc
+def test_tp2_run_checkpoint_resumes_at_tp1_with_the_trained_weights(tp2_run):
+    """The TP=2 checkpoint loads into a TP=1 trainer (resharded by dist_checkpointing):
+    the trained logits, the optimizer state and the drafter come back, and it trains on."""
+    from megatron_tlt.config import load_config
+    from megatron_tlt.launch import setup
+    from megatron_tlt.models.inference import forward_local_logits, gather_logits
+    from megatron_tlt.rl.trainer import Trainer
+
+    cfg = load_config([], [f"model.hf_path={tp2_run['policy']}",
+                           f"rollout.speculative.drafter={tp2_run['drafter']}", *UPDATE])
+    session = setup(cfg)
+    trainer = Trainer(cfg, session)
+    trainer.resume(tp2_run["run"] / "ckpt")
+    assert trainer.state.step == 1
+    trained = tp2_run["trained"]
+    with torch.no_grad():
+        logits = gather_logits(forward_local_logits(trainer.policy.module, trained["ids"]),
+                               session.arch)
+    torch.testing.assert_close(logits.float(), trained["logits"], rtol=1e-5, atol=1e-5)
+    drafter = trainer.state.drafter.own_state()
+    assert all(torch.equal(drafter[k], v) for k, v in trained["drafter"].items())
+    opt = trainer.policy.optimizer
+    inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt
+    moments = list(inner.state.values())
+    assert moments and all(s["exp_avg"].abs().sum() > 0 for s in moments)
+    metrics = trainer.train_step(1)
+    assert trainer.state.step == 2 and math.isfinite(metrics["loss/total"])
