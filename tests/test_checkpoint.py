@@ -58,18 +58,15 @@ def _record_size(step_dir: Path, name: str) -> None:
     (step_dir / "run.json").write_text(json.dumps(run))
 
 
-def test_tree_round_trip_keeps_int_keys_tuples_and_rng_states():
+def test_tree_round_trip_keeps_int_keys_tuples_and_rng_states(tmp_path):
     from megatron_tlt.checkpoint.safe_files import read_tree, write_tree
-
-    import tempfile
 
     tree = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
             "param_groups": [{"betas": (0.9, 0.99), "params": [0], "lr": 1e-3}],
             "python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(), "none": None}
-    with tempfile.TemporaryDirectory() as d:
-        write_tree(Path(d) / "x", tree)
-        back = read_tree(Path(d) / "x")
+    write_tree(tmp_path / "x", tree)
+    back = read_tree(tmp_path / "x")
     assert back["state"][0]["exp_avg"].equal(tree["state"][0]["exp_avg"])
     assert back["param_groups"][0]["betas"] == (0.9, 0.99)
     assert back["python"] == tree["python"]
@@ -164,3 +161,22 @@ def test_a_save_killed_before_publishing_leaves_the_previous_one_loadable(
         _save(trainer, tmp_path, step, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000003",
                                                           "step_0000004"]
+
+
+def test_the_drafter_buffer_is_kept_not_dropped(tmp_path):
+    """Buffered responses (tokens, feature rows, step) survive a save / load exactly."""
+    from megatron_tlt.checkpoint.safe_files import read_tree, write_tree
+    from megatron_tlt.checkpoint.state import buffer_state, load_buffer_state
+    from megatron_tlt.drafter_training.buffer import BufferedResponse, DataBuffer
+
+    buf = DataBuffer(budget_tokens=12)
+    buf.add(3, [BufferedResponse([1, 2, 3, 4, 5], 2, torch.randn(3, 4), 3)])
+    buf.add(4, [BufferedResponse([1, 7, 8, 9, 9, 9], 1, torch.randn(5, 4), 4),
+                BufferedResponse(list(range(20)), 2, torch.randn(18, 4), 4)])  # too long
+    write_tree(tmp_path / "b", buffer_state(buf))
+    back = DataBuffer(budget_tokens=12)
+    load_buffer_state(back, read_tree(tmp_path / "b"))
+    assert (back.tokens, back.dropped, back.steps) == (buf.tokens, buf.dropped, [3, 4])
+    assert [(r.tokens, r.prompt_len, r.step) for r in back] == \
+        [(r.tokens, r.prompt_len, r.step) for r in buf]
+    assert all(a.features.equal(b.features) for a, b in zip(back, buf))

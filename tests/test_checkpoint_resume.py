@@ -6,7 +6,6 @@ the uninterrupted run's step-1 checkpoint resumed at DP=1 continues with its ste
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
