@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO))
 
 PHASES = ("rollout", "update", "save", "publish")
 # metrics that depend on wall-clock time, not on the computation
-VOLATILE = ("timing", "time", "timeline", "throughput", "tokens_per_s", "elapsed", "mem")
+VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds", "elapsed",
+            "mem")
 
 
 def _die() -> None:
