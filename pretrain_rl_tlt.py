@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from megatron_tlt.assets import AssetError
-from megatron_tlt.checkpointing import CheckpointError
+from megatron_tlt.checkpoint import CheckpointError
 from megatron_tlt.config import ConfigError, build_parser, config_from_args
 from megatron_tlt.fileio import write_text_atomic
 from megatron_tlt.models.drafter import DrafterMismatchError

@@ -575,12 +575,20 @@ class CheckpointConfig:
         "second signal comes, it exits at once with code 76 without writing (0 = no "
         "deadline). Keep it below the scheduler's warning time (--signal=B:TERM@120).",
         90.0)
+    keep_last: int = _help("Keep the newest N checkpoints under checkpoint.save, removing "
+                           "older ones after each save; 0 = keep all.", 3)
+    fallback_to_previous: bool = _help(
+        "On resume, when the newest checkpoint is incomplete or corrupt, load the newest "
+        "complete older one instead of stopping with the error.", False)
 
     def __post_init__(self):
         if self.save_interval < 0:
             raise ConfigError("checkpoint.save_interval must be >= 0")
         if self.stop_deadline_s < 0:
             raise ConfigError("checkpoint.stop_deadline_s must be >= 0 (0 = no deadline)")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0 "
+                              f"(0 keeps every checkpoint)")
 
 
 @dataclass

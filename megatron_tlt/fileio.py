@@ -5,11 +5,16 @@ file system), flushes it to disk, then renames it over the target with ``os.repl
 which is atomic: a reader, or the next run after a crash, sees either the old file or
 the new one, never a torn one. A failed write removes its temporary file and leaves
 the target untouched.
+
+Folders (checkpoints) follow the same rule: written under a temporary sibling name,
+flushed, then renamed (``publish_dir``; ``atomic_dir`` for a single writer).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -51,3 +56,43 @@ def write_bytes_atomic(path: PathLike, data: bytes) -> Path:
     with atomic_write(path, "wb") as f:
         f.write(data)
     return Path(path)
+
+
+def publish_dir(tmp: PathLike, final: PathLike) -> Path:
+    """Give the finished folder ``tmp`` its final name ``final`` (same parent folder),
+    replacing an earlier ``final``. Its files are flushed to disk first, so a crash
+    after the rename never exposes a folder with torn files; a crash before it leaves
+    ``final`` as it was (a crash between removing an old ``final`` and the rename leaves
+    no ``final``, never a partial one)."""
+    tmp, final = Path(tmp), Path(final)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    if final.exists():
+        old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+@contextmanager
+def atomic_dir(path: PathLike) -> Iterator[Path]:
+    """``with atomic_dir(out) as tmp: ...write into tmp...``: a temporary sibling folder
+    that becomes ``out`` (``publish_dir``) once the block has finished without error;
+    on an error it is removed and ``out`` is left untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        publish_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

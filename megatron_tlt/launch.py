@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, resolve_source
-from .models.checkpoint import tokenizer_folder
+from .models.megatron_weights import tokenizer_folder
 from .models.gpt import ModelArch
 from .parallel import ParallelLayout, initialize_model_parallel
 from .runtime_env import Platform, init_distributed, seed_everything

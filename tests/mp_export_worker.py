@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     cfg = load_config([], args.overrides)
-    from megatron_tlt import checkpointing
+    from megatron_tlt import checkpoint
     from megatron_tlt.launch import setup
     from megatron_tlt.models.export import export_trained
     from megatron_tlt.models.inference import forward_local_logits, gather_logits
@@ -52,7 +52,7 @@ def main() -> None:
             for p in drafter.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p))
     trainer.state.step = 1
-    checkpointing.save(trainer.state, out / "ckpt", trainer.layout)
+    checkpoint.save(trainer.state, out / "ckpt", trainer.layout)
     export_trained(trainer.policy.module, drafter, trainer.layout, session.arch,
                    session.source, out / "live_hf", step=1)
     ids = torch.randint(0, session.arch.vocab_size, (2, 11),

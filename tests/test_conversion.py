@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tlt.models.checkpoint import load_megatron_shards, shard_for_rank
+from megatron_tlt.models.megatron_weights import load_megatron_shards, shard_for_rank
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import (HFWeights, from_te_names, hf_to_megatron, megatron_to_hf,
                                     to_te_names)

@@ -16,7 +16,7 @@ def test_chunked_step_equals_whole_batch_and_stops_between_chunks(tiny_hf_dirs,
                                                                    single_process_parallel):
     import pytest
 
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     model, arch = load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"),

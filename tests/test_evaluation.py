@@ -30,7 +30,7 @@ def test_eval_metrics():
 
 def _stub_trainer(steps: int, interval: int):
     """A Trainer whose step and evaluation are stand-ins: only the loop runs."""
-    from megatron_tlt import checkpointing
+    from megatron_tlt import checkpoint as checkpointing
     from megatron_tlt.config import load_config
     from megatron_tlt.rl.trainer import Trainer
 

@@ -4,6 +4,7 @@ the drafter as a standalone file the engine loads."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,31 +19,43 @@ UPDATE = ["grpo.prompts_per_step=4", "grpo.group_size=2", "train.micro_batch_siz
           "train.lr=1e-2", "data.train_size=16", "rollout.cpu_kernels=false"]
 
 
-def _fake_run_checkpoint(root, hf_dir, step: int, tp: int, pp: int, te_names: bool = False):
+def _fake_run_checkpoint(root, hf_dir, step: int, te_names: bool = False):
     """A checkpoint.save folder holding one step of ``hf_dir``'s weights, laid out as
-    checkpointing.save writes it (rank files with the model under policy/model)."""
+    checkpoint.save writes it: the model in policy/ (torch.distributed.checkpoint, the
+    per-layer tensors stacked on a layer axis under TransformerEngine names, as
+    megatron-core's sharded state dict keys them) and run.json with the file sizes."""
+    import torch.distributed.checkpoint as dcp
+
     arch = ModelArch.from_hf_folder(hf_dir)
-    hf = HFWeights(hf_dir)
+    model = to_te_names(hf_to_megatron(HFWeights(hf_dir), arch, tp_size=1, tp_rank=0,
+                                       pp_size=1, pp_rank=0))
+    stacked: dict = {}
+    for key, value in model.items():
+        parts = key.split(".")
+        if key.startswith("decoder.layers."):
+            stacked.setdefault("decoder.layers." + ".".join(parts[3:]), []).append(value)
+        else:
+            stacked[key] = value
+    sd = {k: torch.stack(v) if isinstance(v, list) else v for k, v in stacked.items()}
+    if not te_names:
+        sd["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(1)
     folder = root / f"step_{step:07d}"
-    folder.mkdir(parents=True)
-    for t in range(tp):
-        for p in range(pp):
-            model = hf_to_megatron(hf, arch, tp_size=tp, tp_rank=t, pp_size=pp, pp_rank=p)
-            if te_names:
-                model = to_te_names(model)
-                model["decoder.layers.0.self_attention.core_attention._extra_state"] = None
-            for d in range(2):  # two DP replicas: the reader takes DP rank 0's files
-                torch.save({"step": step, "policy": {"model": model, "optimizer": {}},
-                            "meta": run_meta(arch, hf_dir)},
-                           folder / f"rank_tp{t}_pp{p}_dp{d}.pt")
+    (folder / "policy").mkdir(parents=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "policy")), no_dist=True)
+    torch.save({}, folder / "policy" / "common.pt")
+    files = {str(f.relative_to(folder)): f.stat().st_size
+             for f in folder.rglob("*") if f.is_file()}
+    (folder / "run.json").write_text(json.dumps(
+        {"format_version": 2, "step": step, "layout": {"tp": 1, "pp": 1, "dp": 1},
+         "meta": run_meta(arch, hf_dir), "files": files}))
     (root / "latest").write_text(folder.name + "\n")
     return root
 
 
-@pytest.mark.parametrize("tp,pp,te", [(1, 1, False), (2, 2, False), (1, 2, True)])
-def test_run_checkpoint_at_any_layout_exports_bit_exact(tp, pp, te, tiny_hf_dirs, tmp_path):
+@pytest.mark.parametrize("te", [False, True])
+def test_run_checkpoint_exports_bit_exact(te, tiny_hf_dirs, tmp_path):
     src = tiny_hf_dirs["llama_untied"]
-    run = _fake_run_checkpoint(tmp_path / "ckpt", src, 5, tp, pp, te_names=te)
+    run = _fake_run_checkpoint(tmp_path / "ckpt", src, 5, te_names=te)
     out = export_run_checkpoint(run, tmp_path / "hf")
     orig, new = HFWeights(src), HFWeights(out)
     assert set(orig) == set(new)
@@ -54,8 +67,8 @@ def test_run_checkpoint_at_any_layout_exports_bit_exact(tp, pp, te, tiny_hf_dirs
 def test_newest_step_by_default_or_a_named_one(tiny_hf_dirs, tmp_path):
     old, new = tiny_hf_dirs["llama_tied"], tiny_hf_dirs["qwen2"]
     root = tmp_path / "ckpt"
-    _fake_run_checkpoint(root, old, 2, 1, 1)
-    _fake_run_checkpoint(root, new, 4, 2, 1)  # the newest, marked latest
+    _fake_run_checkpoint(root, old, 2)
+    _fake_run_checkpoint(root, new, 4)  # the newest, marked latest
     r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "a",
                    f"model.hf_path={root}")
     assert r.returncode == 0, r.stderr
@@ -72,14 +85,13 @@ def test_newest_step_by_default_or_a_named_one(tiny_hf_dirs, tmp_path):
 
 
 def test_export_errors_name_the_fix(tiny_hf_dirs, tmp_path):
-    root = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1, 1, 1)
+    root = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(FileExistsError, match="not empty"):
         export_run_checkpoint(root, tmp_path / "full")
-    (root / "step_0000001" / "rank_tp0_pp0_dp0.pt").rename(root / "step_0000001" / "x.pt")
-    (root / "step_0000001" / "rank_tp0_pp0_dp1.pt").unlink()
-    with pytest.raises(ExportError, match="no rank_tp"):
+    (root / "step_0000001" / "policy" / "__0_0.distcp").unlink()
+    with pytest.raises(ExportError, match="__0_0.distcp: missing"):
         export_run_checkpoint(root, tmp_path / "out")
     with pytest.raises(ExportError, match="no complete run checkpoint"):
         export_run_checkpoint(tmp_path / "full", tmp_path / "out2")
@@ -103,7 +115,7 @@ def tp2_run(smollm2_dir, tmp_path_factory, single_process_parallel):
                    f"model.hf_path={policy}", "parallel.tensor_model_parallel_size=2",
                    f"rollout.speculative.drafter={drafter}", *UPDATE, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"policy": policy, "run": root / "run",
+    return {"policy": policy, "run": root / "run", "drafter": drafter,
             "trained": torch.load(root / "run" / "trained.pt", weights_only=True)}
 
 
@@ -197,3 +209,33 @@ def test_export_folder_follows_the_umask(tiny_hf_dirs, tmp_path):
         os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o755
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.multiproc
+def test_tp2_run_checkpoint_resumes_at_tp1_with_the_trained_weights(tp2_run):
+    """The TP=2 checkpoint loads into a TP=1 trainer (resharded by dist_checkpointing):
+    the trained logits, the optimizer state and the drafter come back, and it trains on."""
+    from megatron_tlt.config import load_config
+    from megatron_tlt.launch import setup
+    from megatron_tlt.models.inference import forward_local_logits, gather_logits
+    from megatron_tlt.rl.trainer import Trainer
+
+    cfg = load_config([], [f"model.hf_path={tp2_run['policy']}",
+                           f"rollout.speculative.drafter={tp2_run['drafter']}", *UPDATE])
+    session = setup(cfg)
+    trainer = Trainer(cfg, session)
+    trainer.resume(tp2_run["run"] / "ckpt")
+    assert trainer.state.step == 1
+    trained = tp2_run["trained"]
+    with torch.no_grad():
+        logits = gather_logits(forward_local_logits(trainer.policy.module, trained["ids"]),
+                               session.arch)
+    torch.testing.assert_close(logits.float(), trained["logits"], rtol=1e-5, atol=1e-5)
+    drafter = trainer.state.drafter.own_state()
+    assert all(torch.equal(drafter[k], v) for k, v in trained["drafter"].items())
+    opt = trainer.policy.optimizer
+    inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt
+    moments = list(inner.state.values())
+    assert moments and all(s["exp_avg"].abs().sum() > 0 for s in moments)
+    metrics = trainer.train_step(1)
+    assert trainer.state.step == 2 and math.isfinite(metrics["loss/total"])

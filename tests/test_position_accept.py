@@ -39,7 +39,7 @@ def test_engine_buckets_steps_by_response_position(tiny_hf_dirs, single_process_
     """Rows decode 140 tokens after prompts of 9 and 17: the counts cover every
     speculative row-step once, and the 128-511 bucket holds what was emitted from
     response token ~128 on (cache positions would put far more there)."""
-    from megatron_tlt.platform import apply_cpu_redirection
+    from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
     model, arch = load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"),

@@ -27,12 +27,12 @@ from megatron_tlt.config import build_parser, config_from_args, validate_for_run
 from megatron_tlt.models import resolve_source
 from megatron_tlt.models.export import (ExportError, export_run_checkpoint,
                                         is_run_checkpoint)
-from megatron_tlt.models.checkpoint import (is_megatron_checkpoint,
-                                            load_megatron_shards, save_megatron_checkpoint,
-                                            tokenizer_folder)
 from megatron_tlt.models.gpt import DTYPES, ModelArch
 from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,
                                     megatron_to_hf, save_hf_folder)
+from megatron_tlt.models.megatron_weights import (is_megatron_checkpoint,
+                                                  load_megatron_shards,
+                                                  save_megatron_checkpoint, tokenizer_folder)
 
 def _cast(state: dict, dtype: str) -> dict:
     if dtype == "auto":

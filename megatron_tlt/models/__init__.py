@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import is_megatron_checkpoint, load_into_model, read_meta, shard_for_rank
+from .megatron_weights import is_megatron_checkpoint, load_into_model, read_meta, shard_for_rank
 from .gpt import ModelArch, build_gpt_model, resolve_dtype, resolve_impl
 
 __all__ = ["ModelArch", "build_gpt_model", "load_model", "arch_from_source", "resolve_source"]

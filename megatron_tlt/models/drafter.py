@@ -272,7 +272,7 @@ class EagleDrafter(torch.nn.Module):
         """Load unsharded tensors (as ``own_state`` returns them), sharding for TP."""
         from megatron.core import parallel_state as ps
 
-        from .checkpoint import load_into_model
+        from .megatron_weights import load_into_model
 
         d2t = state.get("d2t")
         if d2t is not None:

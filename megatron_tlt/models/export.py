@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from .gpt import DTYPES, ModelArch
 from .hf import copy_tokenizer_files, from_te_names, megatron_to_hf, save_hf_folder
 
 DRAFTER_DIR = "drafter"
-_RANK_FILE = re.compile(r"rank_tp(\d+)_pp(\d+)_dp0\.pt")
 
 
 class ExportError(ValueError):
@@ -64,7 +62,7 @@ def local_model_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 
 @dataclass
 class RunCheckpoint:
-    """The model shards (DP rank 0) and metadata of one saved step."""
+    """The whole model (as one TP = PP = 1 shard) and metadata of one saved step."""
 
     path: Path
     step: int
@@ -79,26 +77,29 @@ class RunCheckpoint:
 
 def is_run_checkpoint(path: str | Path) -> bool:
     """A ``checkpoint.save`` folder (``latest`` or ``step_*`` inside) or one step folder."""
+    from ..checkpoint.store import RUN_FILE
+
     path = Path(path)
     if not path.is_dir():
         return False
-    if any(path.glob("rank_tp*_pp*_dp*.pt")):
+    if (path / RUN_FILE).is_file():
         return True
     return (path / "latest").is_file() or any(p.is_dir() for p in path.glob("step_*"))
 
 
 def step_folder(folder: str | Path, step: Optional[int] = None) -> Path:
     """The step folder of a run checkpoint: the newest (``latest``) or step ``step``."""
-    from .. import checkpointing
+    from .. import checkpoint
+    from ..checkpoint.store import RUN_FILE
 
     root = Path(folder)
-    if root.name.startswith("step_") and any(root.glob("rank_*.pt")):
+    if root.name.startswith("step_") and (root / RUN_FILE).is_file():
         if step is not None and int(root.name[len("step_"):]) != step:
             raise ExportError(f"{root} is step {int(root.name[5:])}, not {step}; give the "
                               f"checkpoint.save folder to choose a step")
         return root
     if step is None:
-        path = checkpointing.latest(root)
+        path = checkpoint.latest(root)
         if path is None:
             raise ExportError(f"{root} holds no complete run checkpoint (step_N folders "
                               f"written by checkpoint.save)")
@@ -110,41 +111,55 @@ def step_folder(folder: str | Path, step: Optional[int] = None) -> Path:
     return path
 
 
+def _full_model_state(policy_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model (TP = PP = 1, local-spec names) from a checkpoint's ``policy/``
+    folder (megatron-core dist_checkpointing): every model tensor read at its global
+    shape, the per-layer tensors (stacked on a leading layer axis) split by layer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(policy_dir))
+    meta = reader.read_metadata()  # checked by checkpoint.verify before
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    dcp.load(want, storage_reader=reader, no_dist=True)
+    out = {}
+    for key, value in want.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for layer in range(value.shape[0]):
+                out[f"decoder.layers.{layer}.{rest}"] = value[layer].clone()
+        else:
+            out[key] = value
+    return local_model_state(out)
+
+
 def read_run_checkpoint(folder: str | Path, step: Optional[int] = None) -> RunCheckpoint:
-    """Every model shard of one saved step (any TP/PP; DP replicas are identical, so
-    DP rank 0's files), the model's architecture and the drafter, if the run had one."""
+    """The whole model of one saved step (any TP/PP/DP layout: read at TP = PP = 1),
+    the model's architecture and the drafter, if the run had one."""
+    from .. import checkpoint
+    from ..checkpoint.store import DRAFTER_FILE, POLICY_DIR
+
     path = step_folder(folder, step)
-    files = {}
-    for f in path.glob("rank_tp*_pp*_dp0.pt"):
-        m = _RANK_FILE.fullmatch(f.name)
-        if m:
-            files[(int(m.group(1)), int(m.group(2)))] = f
-    if not files:
-        raise ExportError(f"{path} holds no rank_tp*_pp*_dp0.pt files")
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
-    if missing:
-        raise ExportError(f"{path} is incomplete: no file for (tp, pp) ranks {missing}")
-    shards, meta, drafter_state, drafter_config = {}, None, None, None
-    for (t, p), f in sorted(files.items()):
-        # mmap: the optimizer state in the same file is never read into memory
-        payload = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-        shards[(t, p)] = local_model_state(payload["policy"]["model"])
-        if (t, p) == (0, 0):
-            saved_step = int(payload["step"])
-            meta = payload.get("meta")
-            drafter_state = payload.get("drafter")
-            drafter_config = payload.get("drafter_config")
+    try:
+        run = checkpoint.verify(path)
+    except checkpoint.CheckpointError as e:
+        raise ExportError(str(e)) from None
+    meta = run.get("meta")
     if not meta or "hf_config" not in meta:
         raise ExportError(f"{path} does not record the model's configuration (saved by an "
                           f"older version); export it with the version that wrote it")
-    if drafter_state is not None:
-        drafter_state = {k: v.clone() for k, v in drafter_state.items()}
-    return RunCheckpoint(path=path, step=saved_step, shards=shards, tp_size=tp,
-                         pp_size=pp, arch=ModelArch.from_hf_config(meta["hf_config"]),
+    drafter_state = None
+    if (path / DRAFTER_FILE).is_file():
+        from safetensors.torch import load_file
+
+        drafter_state = load_file(str(path / DRAFTER_FILE))
+    return RunCheckpoint(path=path, step=int(run["step"]),
+                         shards={(0, 0): _full_model_state(path / POLICY_DIR)},
+                         tp_size=1, pp_size=1, arch=ModelArch.from_hf_config(meta["hf_config"]),
                          model_source=meta.get("model_source", ""),
-                         drafter_state=drafter_state, drafter_config=drafter_config)
+                         drafter_state=drafter_state, drafter_config=run.get("drafter_config"))
 
 
 def export_run_checkpoint(folder: str | Path, out: str | Path, *, step: Optional[int] = None,
@@ -171,7 +186,7 @@ def export_run_checkpoint(folder: str | Path, out: str | Path, *, step: Optional
 
 
 def _tokenizer_of(source: str) -> Optional[Path]:
-    from .checkpoint import tokenizer_folder
+    from .megatron_weights import tokenizer_folder
 
     return tokenizer_folder(source) if source and Path(source).exists() else None
 

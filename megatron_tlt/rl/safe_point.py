@@ -15,12 +15,13 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .. import checkpointing
+from .. import checkpoint as checkpointing
 from . import preflight
 
 
 def save(trainer) -> Path:
-    path = checkpointing.save(trainer.state, trainer.cfg.checkpoint.save, trainer.layout)
+    path = checkpointing.save(trainer.state, trainer.cfg.checkpoint.save, trainer.layout,
+                              keep_last=trainer.cfg.checkpoint.keep_last)
     if not dist.is_initialized() or dist.get_rank() == 0:
         preflight.record_model(path, trainer.state.meta)
     return path
@@ -41,7 +42,9 @@ def end_of_step(trainer, step: int, due: bool) -> Optional[Path]:
 
 def resume(trainer, folder: str | Path) -> Path:
     """Check the checkpoint's recorded model against this run's, then load it."""
-    root = Path(folder)
-    step_folder = root if root.name.startswith("step_") else checkpointing.latest(root)
+    # the folder a resume uses (``latest``, or an older complete one with
+    # checkpoint.fallback_to_previous), verified on every rank
+    step_folder, _ = checkpointing.choose(
+        folder, fallback_to_previous=trainer.cfg.checkpoint.fallback_to_previous)
     preflight.check_checkpoint_model(step_folder, trainer.state.meta)
-    return checkpointing.load(trainer.state, folder, trainer.layout)
+    return checkpointing.load(trainer.state, step_folder, trainer.layout)

@@ -14,7 +14,7 @@ index (``p % mini_batches``) and its replica by ``(p // mini_batches) % DP``, so
 mini-batch holds the same samples whatever the DP size: DP=2 computes exactly what DP=1
 computes on the same global batch.
 
-Everything a resumed run needs lives in ``self.state`` (``checkpointing.RunState``).
+Everything a resumed run needs lives in ``self.state`` (``checkpoint.RunState``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import checkpointing
+from .. import checkpoint as checkpointing
 from ..config import Config, ConfigError
 from ..models.export import run_meta
 from ..tracking import Tracker

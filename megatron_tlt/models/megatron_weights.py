@@ -1,4 +1,7 @@
-"""Megatron-format model checkpoints and loading weights into a live GPTModel.
+"""Megatron-format model weights (converted from HF) and loading them into a GPTModel.
+
+These are the weights a run starts from (``tools/convert_hf_checkpoint.py``); a run's
+own checkpoints (model, optimizer, run state) are ``megatron_tlt.checkpoint``.
 
 Layout (the Megatron-LM convention, so its tools recognise it)::
 
@@ -14,14 +17,12 @@ Hugging Face state dict and re-split for the loading rank.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
+from ..fileio import atomic_dir
 from .gpt import ModelArch
 from .hf import HFWeights, copy_tokenizer_files, hf_to_megatron, megatron_to_hf, to_te_names
 
@@ -66,9 +67,9 @@ def save_megatron_checkpoint(out_dir: str | Path, shards: Mapping[tuple[int, int
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new output folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    if out.exists():
+        out.rmdir()
+    with atomic_dir(out) as tmp:
         for (tp_rank, pp_rank), state in shards.items():
             rank_dir = tmp / "release" / rank_dir_name(tp_rank, pp_rank, pp_size)
             rank_dir.mkdir(parents=True)
@@ -81,12 +82,6 @@ def save_megatron_checkpoint(out_dir: str | Path, shards: Mapping[tuple[int, int
         if tokenizer_dir is not None:
             (tmp / TOKENIZER_DIR).mkdir()
             copy_tokenizer_files(tokenizer_dir, tmp / TOKENIZER_DIR)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,0 +1,120 @@
+"""The policy's weights and optimizer state through megatron-core ``dist_checkpointing``.
+
+The state dict is megatron-core's sharded one (``GPTModel.sharded_state_dict``): every
+tensor is named by its global key with its slice of the global shape, and a tensor
+replicated over data-parallel ranks is written by one of them only, so each shard is
+on disk once whatever the DP size. Loading asks for the slices this rank's layout
+needs, which reshards a checkpoint saved at another TP, PP or DP size.
+
+Optimizer state follows the same keys: megatron-core's optimizer builds its sharded
+state dict itself (``sharded_state_dict``); ``train.optimizer=torch`` (torch AdamW)
+gets one here from megatron-core's own helpers (``optim_state_to_sharding_state``),
+its moments keyed like the parameters they belong to. The per-parameter step and the
+parameter groups are plain data (megatron-core's ``common.pt``, read back with
+``weights_only=True``); the LR schedule is the caller's JSON.
+
+``_extra_state`` entries (TransformerEngine FP8 metadata, pickled objects in
+``dist_checkpointing``) are left out: no FP8 is trained here, and a checkpoint then
+holds tensors and plain data only (``safe_files.check_dcp_metadata`` enforces it on
+load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..platform import cuda_placements_on_cpu
+from .safe_files import CheckpointError, check_common_pt, check_dcp_metadata
+
+
+def model_sharded_state_dict(module) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {k: v for k, v in module.sharded_state_dict().items()
+            if not isinstance(v, ShardedObject) and not k.endswith("_extra_state")}
+
+
+def _torch_optimizer_sharded(optimizer, model_sd: dict, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if is_loading:  # the tensors to load into (AdamW creates them on its first step)
+        for p in params:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p.data)
+                st["exp_avg_sq"] = torch.zeros_like(p.data)
+    state = optimizer.state_dict()
+    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"optimizer steps differ per parameter ({sorted(steps)}); "
+                              f"cannot store them as one")
+    id_map = get_param_id_to_sharded_param_map(model_sd, params)
+    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    if steps:
+        state["state"]["common_step"] = steps.pop()
+    return state
+
+
+def _load_torch_optimizer(optimizer, state: dict) -> None:
+    step = state["state"].pop("common_step", None)
+    if step is not None:
+        for s in state["state"].values():
+            s["step"] = torch.tensor(float(step))
+    optimizer.load_state_dict(state)
+
+
+def policy_sharded_state_dict(policy, is_loading: bool = False) -> dict:
+    model_sd = model_sharded_state_dict(policy.module)
+    if policy.kind == "megatron":
+        with cuda_placements_on_cpu():
+            optim = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    else:
+        optim = _torch_optimizer_sharded(policy.optimizer, model_sd, is_loading)
+    return {"model": model_sd, "optimizer": optim}
+
+
+def save_policy(policy, folder: Path) -> None:
+    """Every rank calls it (a collective); ``folder`` must exist and be empty."""
+    from megatron.core import dist_checkpointing
+
+    with cuda_placements_on_cpu():
+        dist_checkpointing.save(policy_sharded_state_dict(policy), str(folder))
+
+
+def verify_policy(folder: Path) -> None:
+    """The checks a load makes before megatron-core opens any file (see module doc):
+    safe metadata, every data file present and long enough, a safe ``common.pt``."""
+    folder = Path(folder)
+    for f, need in check_dcp_metadata(folder).items():
+        path = folder / f
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
+        if path.stat().st_size < need:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, its metadata "
+                                  f"needs {need}; the file is truncated")
+    check_common_pt(folder)
+
+
+def load_policy(policy, folder: Path) -> None:
+    """Load weights and optimizer state into ``policy``, resharding to this rank's
+    layout. Every rank calls it."""
+    from megatron.core import dist_checkpointing
+
+    sd = policy_sharded_state_dict(policy, is_loading=True)
+    with cuda_placements_on_cpu():
+        loaded = dist_checkpointing.load(sd, str(folder))
+    model = loaded["model"]
+    own = policy.module.state_dict()
+    for k, v in own.items():  # the left-out _extra_state entries keep their value
+        if k not in model and k.endswith("_extra_state"):
+            model[k] = v
+    policy.module.load_state_dict(model, strict=True)
+    if policy.kind == "megatron":
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        _load_torch_optimizer(policy.optimizer, loaded["optimizer"])

@@ -1,0 +1,220 @@
+"""Kill a training run at chosen points and check that resuming reproduces it exactly.
+
+Two modes:
+
+``worker``: run ``pretrain_rl_tlt.py`` (same arguments) with a kill point armed: every
+rank SIGKILLs itself when it reaches ``--kill PHASE:STEP`` (STEP counts from 1)::
+
+    torchrun --standalone --nproc_per_node 2 tools/fault_inject.py worker \
+        --kill update:3 -- model.hf_path=... checkpoint.save=DIR ...
+
+PHASE is ``rollout`` (generating step STEP's responses), ``update`` (between
+backward and the optimizer step of STEP's first mini-batch), ``save`` (writing
+checkpoint STEP: the policy files are on disk, the per-rank files not) or
+``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name).
+
+``sweep``: an uninterrupted reference run of ``--steps`` steps (2 ranks, a checkpoint
+every step), then ``--points`` runs each killed at a random (phase, step) and resumed
+from ``latest`` until done; every resumed run's metrics for each step must equal the
+reference's exactly. Writes a JSON report::
+
+    python tools/fault_inject.py sweep --policy DIR --out runs/faults --points 20 \
+        --report docs/results/fault_inject_kill.json
+
+``--policy`` is an HF folder (``tests/rl_fixtures.save_tiny_policy`` writes the tiny one
+with SmolLM2's tokenizer; ``--make-tiny-policy`` does that first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PHASES = ("rollout", "update", "save", "publish")
+# metrics that depend on wall-clock time, not on the computation
+VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds", "elapsed",
+            "mem")
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(phase: str, step: int) -> None:
+    """Patch the trainer so this process SIGKILLs itself at ``phase`` of ``step``."""
+    from megatron_tlt.checkpoint import store
+    from megatron_tlt.rl import policy as policy_mod
+    from megatron_tlt.rl import trainer as trainer_mod
+
+    current = {"step": 0}
+    train_step = trainer_mod.Trainer.train_step
+
+    def tracked_step(self, s):
+        current["step"] = s + 1
+        return train_step(self, s)
+
+    trainer_mod.Trainer.train_step = tracked_step
+
+    def at(name, fn):
+        def wrapped(*a, **k):
+            if phase == name and current["step"] == step:
+                _die()
+            return fn(*a, **k)
+        return wrapped
+
+    if phase == "rollout":
+        trainer_mod.Trainer._generate = at("rollout", trainer_mod.Trainer._generate)
+    elif phase == "update":
+        policy_mod.Policy._optimizer_step = at("update", policy_mod.Policy._optimizer_step)
+    elif phase == "save":
+        store.write_tree = at("save", store.write_tree)
+    elif phase == "publish":
+        store.publish_dir = at("publish", store.publish_dir)
+
+
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fault_inject.py worker")
+    p.add_argument("--kill", default="", help="PHASE:STEP, e.g. update:3 (empty: none)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.kill:
+        phase, step = args.kill.split(":")
+        if phase not in PHASES:
+            raise SystemExit(f"--kill {args.kill}: phase must be one of {PHASES}")
+        arm(phase, int(step))
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    import pretrain_rl_tlt
+
+    return pretrain_rl_tlt.main(rest)
+
+
+# ------------------------------------------------------------------ sweep
+def run_args(policy: Path, out: Path, ckpt: Path, steps: int) -> list[str]:
+    """The tiny 2-rank run: tiny policy, short responses, a checkpoint every step."""
+    return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
+            "grpo.max_new_tokens=8", "data.train_size=16", "tracking.run_name=run",
+            f"tracking.output_dir={out}", "tracking.progress=false", "tracking.wandb_mode=disabled",
+            "reward.format_reward=1.0", "reward.format_pattern=k", "train.lr=1e-3",
+            f"train.steps={steps}", f"checkpoint.save={ckpt}", "checkpoint.save_interval=1",
+            "checkpoint.keep_last=0"]
+
+
+def launch(args: list[str], *, nproc: int = 2, kill: str = "", timeout: int = 900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill, "--", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_folder: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_folder / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[int(rec["step"])] = {k: v for k, v in rec.items()
+                                 if not any(w in k for w in VOLATILE)}
+    return out
+
+
+def killed_and_resumed(policy: Path, root: Path, steps: int, kill: str,
+                       nproc: int = 2) -> dict:
+    """Kill a run at ``kill``, resume from ``latest`` until it finishes; returns the
+    run folder, the checkpoint it resumed from and the launches' return codes."""
+    shutil.rmtree(root, ignore_errors=True)
+    out, ckpt = root / "runs", root / "ckpt"
+    args = run_args(policy, out, ckpt, steps)
+    t0 = time.perf_counter()
+    first = launch(args, nproc=nproc, kill=kill)
+    latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").is_file() else None
+    second = launch(args + [f"checkpoint.load={ckpt}"], nproc=nproc)
+    return {"kill": kill, "killed_rc": first.returncode, "resumed_from": latest,
+            "resume_rc": second.returncode, "seconds": round(time.perf_counter() - t0, 1),
+            "run": out / "run", "stderr": second.stderr[-2000:]}
+
+
+def compare(reference: dict[int, dict], got: dict[int, dict]) -> list[str]:
+    diffs = []
+    for step, ref in reference.items():
+        if step not in got:
+            diffs.append(f"step {step} missing")
+            continue
+        for k, v in ref.items():
+            if got[step].get(k) != v:
+                diffs.append(f"step {step} {k}: {v!r} != {got[step].get(k)!r}")
+    return diffs
+
+
+def sweep(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fault_inject.py sweep")
+    p.add_argument("--policy", type=Path, required=True)
+    p.add_argument("--make-tiny-policy", action="store_true",
+                   help="write the tiny policy (SmolLM2 tokenizer) to --policy first")
+    p.add_argument("--out", type=Path, default=Path("runs/faults"))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--points", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.make_tiny_policy:
+        sys.path.insert(0, str(REPO / "tests"))
+        from megatron_tlt.assets import prepare_smollm2
+        from rl_fixtures import save_tiny_policy
+
+        save_tiny_policy(args.policy, prepare_smollm2())
+    ref_root = args.out / "reference"
+    shutil.rmtree(ref_root, ignore_errors=True)
+    r = launch(run_args(args.policy, ref_root / "runs", ref_root / "ckpt", args.steps))
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return 1
+    reference = metrics(ref_root / "runs" / "run")
+    rng = random.Random(args.seed)
+    # a kill needs a checkpoint to resume from: steps 2..N (step 1 is saved after it)
+    points = [f"{rng.choice(PHASES)}:{rng.randint(2, args.steps)}" for _ in range(args.points)]
+    results = []
+    for i, kill in enumerate(points):
+        res = killed_and_resumed(args.policy, args.out / f"kill_{i:02d}", args.steps, kill)
+        got = metrics(res.pop("run")) if res["resume_rc"] == 0 else {}
+        res["diffs"] = compare(reference, got)[:5] if got else ["resume failed"]
+        res["exact"] = not res["diffs"]
+        if res["exact"]:
+            res.pop("stderr")
+        results.append(res)
+        print(f"[{i + 1}/{len(points)}] kill {kill}: killed rc {res['killed_rc']}, resumed "
+              f"from {res['resumed_from']}, exact={res['exact']} ({res['seconds']} s)",
+              flush=True)
+    summary = {"steps": args.steps, "ranks": 2, "points": len(points),
+               "exact": sum(r["exact"] for r in results),
+               "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
+               "compared_metrics": sorted(next(iter(reference.values()))),
+               "results": results}
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{summary['exact']}/{summary['points']} resumed runs reproduce the reference "
+          f"exactly")
+    return 0 if summary["exact"] == summary["points"] else 1
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("worker", "sweep"):
+        print(__doc__)
+        return 2
+    mode, rest = sys.argv[1], sys.argv[2:]
+    return worker(rest) if mode == "worker" else sweep(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
