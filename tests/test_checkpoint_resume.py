@@ -5,15 +5,16 @@ the uninterrupted run's step-1 checkpoint resumed at DP=1 continues with its ste
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 
 import pytest
 
 from cli import REPO
 from rl_fixtures import save_tiny_policy
 
-sys.path.insert(0, str(REPO / "tools"))
-import fault_inject  # noqa: E402
+_spec = importlib.util.spec_from_file_location("fault_inject", REPO / "tools" / "fault_inject.py")
+fault_inject = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fault_inject)
 
 STEPS = 3
 

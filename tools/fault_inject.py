@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 PHASES = ("rollout", "update", "save", "publish")
 # metrics that depend on wall-clock time, not on the computation
@@ -168,9 +167,16 @@ def sweep(argv: list[str]) -> int:
     p.add_argument("--report", type=Path, default=None)
     args = p.parse_args(argv)
     if args.make_tiny_policy:
-        sys.path.insert(0, str(REPO / "tests"))
+        import importlib.util
+
         from megatron_tlt.assets import prepare_smollm2
-        from rl_fixtures import save_tiny_policy
+
+        # the tests' tiny policy (a checkout's tests/rl_fixtures.py)
+        spec = importlib.util.spec_from_file_location("rl_fixtures",
+                                                      REPO / "tests" / "rl_fixtures.py")
+        rl_fixtures = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(rl_fixtures)
+        save_tiny_policy = rl_fixtures.save_tiny_policy
 
         save_tiny_policy(args.policy, prepare_smollm2())
     ref_root = args.out / "reference"

@@ -30,9 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 
 def main(argv=None) -> int:
@@ -52,7 +49,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_tlt.platform import silence_expected_warnings
+    from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
     torch.set_num_threads(a.threads)
@@ -64,7 +61,7 @@ def main(argv=None) -> int:
     from megatron_tlt.drafter_training.trainer import DrafterTrainer, length_batches
     from megatron_tlt.models.drafter import load_drafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.workload import reasoning_gym_prompts
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
     t0 = time.perf_counter()
     dg = DrafterGroupConfig()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..platform import cuda_placements_on_cpu
+from ..runtime_env import cuda_placements_on_cpu
 from .safe_files import CheckpointError, check_common_pt, check_dcp_metadata
 
 
