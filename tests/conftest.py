@@ -19,7 +19,7 @@ def pytest_configure(config):
 def _cpu_kernels_everywhere():
     """Engines made by tests use the fused CPU kernels wherever they apply, as with
     rollout.cpu_kernels=true, so which paths a test exercises never depends on this
-    machine's timings; tests/test_kernel_policy.py tests the calibration itself."""
+    machine's timings; tests/rollout/test_kernel_policy.py tests the calibration itself."""
     from megatron_tlt.rollout import kernel_policy
 
     kernel_policy.pinned = kernel_policy.ALWAYS
@@ -41,7 +41,7 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Each tiny random model of tests/tiny_models.py saved as an HF folder."""
+    """Each tiny random model of tests/support/tiny_models.py saved as an HF folder."""
     from tiny_models import TINY_CONFIGS, save_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny_hf")

@@ -171,9 +171,9 @@ def sweep(argv: list[str]) -> int:
 
         from megatron_tlt.assets import prepare_smollm2
 
-        # the tests' tiny policy (a checkout's tests/rl_fixtures.py)
+        # the tests' tiny policy (a checkout's tests/support/rl_fixtures.py)
         spec = importlib.util.spec_from_file_location("rl_fixtures",
-                                                      REPO / "tests" / "rl_fixtures.py")
+                                                      REPO / "tests" / "support" / "rl_fixtures.py")
         rl_fixtures = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(rl_fixtures)
         save_tiny_policy = rl_fixtures.save_tiny_policy

@@ -45,7 +45,7 @@ threads are one pool. If building fails, or ``MEGATRON_TLT_NO_CPU_KERNELS=1`` is
 the engine uses eager torch ops. Whether the engine uses a built kernel at a given batch
 size is decided by ``kernel_policy`` (rollout.cpu_kernels=auto: a per-build
 calibration against eager torch). Tests pin every kernel of every variant the CPU runs
-to torch (tests/test_cpu_kernels.py) and both engine paths to full-sequence forwards.
+to torch (tests/rollout/test_cpu_kernels.py) and both engine paths to full-sequence forwards.
 """
 
 from __future__ import annotations

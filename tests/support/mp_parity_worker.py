@@ -1,6 +1,6 @@
-"""torchrun worker for tests/test_multiproc.py: parity of megatron_tlt's model at TP/PP > 1.
+"""torchrun worker for tests/models/test_multiproc.py: parity of megatron_tlt's model at TP/PP > 1.
 
-    torchrun --standalone --nproc_per_node 2 tests/mp_parity_worker.py \
+    torchrun --standalone --nproc_per_node 2 tests/support/mp_parity_worker.py \
         --models DIR --layout 2x1 --layout 1x2 --ckpt-root DIR --out result.json
 
 For each --layout TPxPP in turn (the model-parallel groups re-created in the same process

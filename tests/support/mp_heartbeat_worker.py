@@ -1,4 +1,4 @@
-"""Worker for tests/test_faults.py: two ranks in a loop of all-reduces, with heartbeats.
+"""Worker for tests/rl/test_faults.py: two ranks in a loop of all-reduces, with heartbeats.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python mp_heartbeat_worker.py T
 

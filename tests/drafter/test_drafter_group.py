@@ -1,6 +1,6 @@
 """The drafter group under torchrun (2 gloo ranks, DP = 2, a tiny model): who trains,
 preemption within one micro-step, bit-identical drafters after every window, failure
-handling, resume (scenarios in tests/mp_drafter_group_worker.py)."""
+handling, resume (scenarios in tests/support/mp_drafter_group_worker.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def results(tiny_hf_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("dgroup")
-    r = run_script("tests/mp_drafter_group_worker.py", "--model", tiny_hf_dirs["llama_tied"],
+    r = run_script("tests/support/mp_drafter_group_worker.py", "--model", tiny_hf_dirs["llama_tied"],
                    "--out", out, "--schedules", 50, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]

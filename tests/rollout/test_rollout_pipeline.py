@@ -1,5 +1,5 @@
 """The rollout's per-stage memory in the dry-run plan (the PP=2 engine's outputs are
-tests/test_rollout_tp.py's pp2 case)."""
+tests/rollout/test_rollout_tp.py's pp2 case)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Worker for tests/test_drafter_group.py: the drafter group on 2 gloo ranks (DP = 2).
+"""Worker for tests/drafter/test_drafter_group.py: the drafter group on 2 gloo ranks (DP = 2).
 
-    torchrun --standalone --nproc_per_node 2 tests/mp_drafter_group_worker.py \
+    torchrun --standalone --nproc_per_node 2 tests/support/mp_drafter_group_worker.py \
         --model TINY_HF_DIR --out DIR [--schedules 50]
 
 One launch runs every scenario in turn on a tiny model (each rank writes

@@ -1,11 +1,11 @@
-"""torchrun worker for tests/test_rollout_tp.py and test_rollout_pp.py: the rollout
+"""torchrun worker for tests/rollout/test_rollout_tp.py and test_rollout_pp.py: the rollout
 engine at TP>1 or PP>1.
 
-    torchrun --standalone --nproc_per_node 2 tests/mp_rollout_worker.py \
+    torchrun --standalone --nproc_per_node 2 tests/support/mp_rollout_worker.py \
         --models DIR --tp 2 --out result.json     # or --tp 1 --pp 2
 
 For every tiny model under --models it runs the engine greedily and with sampling on
-the prompts of tests/test_rollout_tp.py and writes every rank's tokens, log-probs and
+the prompts of tests/rollout/test_rollout_tp.py and writes every rank's tokens, log-probs and
 hidden states (rank 0 writes the file).
 """
 

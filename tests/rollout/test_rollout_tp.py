@@ -35,7 +35,7 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
     out = tmp_path / "result.json"
     drafter_path = _spec_drafter(tiny_hf_dirs[SPEC_MODEL], tmp_path / "drafter.safetensors")
     tp, pp = (2, 1) if layout == "tp2" else (1, 2)
-    r = run_script("tests/mp_rollout_worker.py", "--models", models, "--tp", tp, "--pp", pp,
+    r = run_script("tests/support/mp_rollout_worker.py", "--models", models, "--tp", tp, "--pp", pp,
                    "--out", out, "--drafter", drafter_path, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     ranks = json.loads(out.read_text())

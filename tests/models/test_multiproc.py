@@ -36,7 +36,7 @@ def test_parallel_parity(tiny_hf_dirs, tp2_checkpoints, tmp_path):
     for name, folder in tiny_hf_dirs.items():
         (models / name).symlink_to(folder)
     out = tmp_path / "result.json"
-    r = run_script("tests/mp_parity_worker.py", "--models", models, "--ckpt-root",
+    r = run_script("tests/support/mp_parity_worker.py", "--models", models, "--ckpt-root",
                    tp2_checkpoints, "--layout", "2x1", "--layout", "1x2", "--out", out,
                    nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -1,9 +1,9 @@
-"""Worker for tests/test_export.py: one GRPO update, then the run's exports.
+"""Worker for tests/models/test_export.py: one GRPO update, then the run's exports.
 
-    torchrun --standalone --nproc_per_node 2 tests/mp_export_worker.py --out DIR \
+    torchrun --standalone --nproc_per_node 2 tests/support/mp_export_worker.py --out DIR \
         model.hf_path=POLICY parallel.tensor_model_parallel_size=2 ...
 
-After an update on the fixed batch of tests/mp_rl_worker.py (and, with a drafter, a
+After an update on the fixed batch of tests/support/mp_rl_worker.py (and, with a drafter, a
 perturbation of the drafter so it differs from the file it was loaded from) the worker
 writes DIR/ckpt (a run checkpoint, as checkpoint.save does), DIR/live_hf (the
 end-of-run export, as checkpoint.export_hf does) and DIR/trained.pt: the trained

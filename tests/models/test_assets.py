@@ -16,7 +16,7 @@ import pytest
 
 from megatron_tlt import assets
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_cli():

@@ -1,6 +1,6 @@
-"""Worker for tests/test_rl_parallel.py: one GRPO update on a fixed global batch.
+"""Worker for tests/rl/test_rl_parallel.py: one GRPO update on a fixed global batch.
 
-    torchrun --standalone --nproc_per_node 2 tests/mp_rl_worker.py --out r.json \
+    torchrun --standalone --nproc_per_node 2 tests/support/mp_rl_worker.py --out r.json \
         model.hf_path=DIR parallel.tensor_model_parallel_size=2 ...
 
 With ``--variant OVERRIDES`` (repeatable; comma-separated overrides added to the common

@@ -32,7 +32,7 @@ def policy(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "r.json"
-    r = run_script("tests/mp_rl_worker.py", "--out", out, f"model.hf_path={policy}", *UPDATE)
+    r = run_script("tests/support/mp_rl_worker.py", "--out", out, f"model.hf_path={policy}", *UPDATE)
     assert r.returncode == 0, r.stderr[-3000:]
     (res,) = json.loads(out.read_text())
     return res
@@ -45,9 +45,9 @@ def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(policy, tmp_path
     # prompts 2 and 3 go to replica 1 (mini-batches = 2: replica (p // 2) % 2)
     args = ["--flat-prompts", "2,3", f"model.hf_path={policy}", *update]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    r = run_script("tests/mp_rl_worker.py", "--out", one, *args)
+    r = run_script("tests/support/mp_rl_worker.py", "--out", one, *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_script("tests/mp_rl_worker.py", "--out", two, *args, nproc=2, timeout=600)
+    r = run_script("tests/support/mp_rl_worker.py", "--out", two, *args, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (single_res,) = json.loads(one.read_text())
     for res in json.loads(two.read_text()):
@@ -65,7 +65,7 @@ def test_parallel_update_equals_single_process(policy, single, tmp_path):
     each up afresh), each against the single-process update."""
     out = tmp_path / "r.json"
     variants = [arg for v in LAYOUTS.values() for arg in ("--variant", v)]
-    r = run_script("tests/mp_rl_worker.py", "--out", out, *variants,
+    r = run_script("tests/support/mp_rl_worker.py", "--out", out, *variants,
                    f"model.hf_path={policy}", *UPDATE, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     everything = json.loads(out.read_text())

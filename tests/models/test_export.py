@@ -111,7 +111,7 @@ def tp2_run(smollm2_dir, tmp_path_factory, single_process_parallel):
     arch = arch_from_source(policy)
     drafter = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
                            root / "d.safetensors")
-    r = run_script("tests/mp_export_worker.py", "--out", root / "run",
+    r = run_script("tests/support/mp_export_worker.py", "--out", root / "run",
                    f"model.hf_path={policy}", "parallel.tensor_model_parallel_size=2",
                    f"rollout.speculative.drafter={drafter}", *UPDATE, nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

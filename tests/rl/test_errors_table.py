@@ -69,7 +69,7 @@ def _trigger(case: str, tmp_path, tokenizer):
     from megatron_tlt.rl.trainer import mini_batch_count
 
     if case == "unknown-config-key":  # the training entry point's parser (exit code 2:
-        spec = importlib.util.spec_from_file_location(  # tests/test_config.py runs its CLI)
+        spec = importlib.util.spec_from_file_location(  # tests/infra/test_config.py runs its CLI)
             "pretrain_rl_tlt", REPO / "pretrain_rl_tlt.py")
         pretrain_rl_tlt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pretrain_rl_tlt)

@@ -28,7 +28,7 @@ def _free_port() -> int:
 def _pair(timeout_s: float) -> list[subprocess.Popen]:
     port = _free_port()
     return [subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "mp_heartbeat_worker.py"), str(timeout_s)],
+        [sys.executable, str(REPO / "tests" / "support" / "mp_heartbeat_worker.py"), str(timeout_s)],
         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
