@@ -51,6 +51,14 @@ def write_text_atomic(path: PathLike, text: str) -> Path:
     return Path(path)
 
 
+def write_json(path: PathLike, obj, *, indent: int = 1) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically, creating its folder (results files)."""
+    import json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
 def write_bytes_atomic(path: PathLike, data: bytes) -> Path:
     """Replace ``path``'s content with ``data`` atomically (see ``atomic_write``)."""
     with atomic_write(path, "wb") as f:

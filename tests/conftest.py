@@ -57,3 +57,16 @@ def single_process_parallel():
     platform = init_distributed()
     initialize_model_parallel(1, 1, seed=1234)
     return platform
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_hf_dirs, single_process_parallel):
+    """(model, arch): the tied tiny Llama as a megatron-core model (float32, CPU), one per
+    test module (tests that train or modify it get a fresh one in the next module)."""
+    import torch
+
+    from megatron_tlt.models import load_model
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")

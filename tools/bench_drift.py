@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_tlt.fileio import write_json
+
 REPO = Path(__file__).resolve().parents[1]
 
 ARMS = ("frozen", "online", "cold")
@@ -162,8 +164,7 @@ def main(argv=None) -> int:
             + "  step s " + " ".join(f"{r['step_s']:.0f}" for r in rs))
     print(json.dumps({k: v for k, v in res.items() if k != "per_step"}, indent=1))
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(a.json, res)
     return 0
 
 

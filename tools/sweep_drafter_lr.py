@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
+
+from megatron_tlt.fileio import write_json
 
 
 
@@ -106,8 +107,7 @@ def main(argv=None) -> int:
                       flush=True)
         res["lrs"][f"{lr:g}"] = rows
         if a.json:  # after every rate: a cut-short sweep keeps what it measured
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+            write_json(a.json, res)
     best = max(res["lrs"], key=lambda k: res["lrs"][k][-1]["alpha"])
     res["best_lr"] = float(best)
     res["config"] = {"prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
@@ -117,8 +117,7 @@ def main(argv=None) -> int:
                      "minutes": (time.perf_counter() - t0) / 60}
     print(f"[lr] best after {a.steps} steps: lr {best}", flush=True)
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(a.json, res)
     return 0
 
 

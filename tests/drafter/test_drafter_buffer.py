@@ -8,7 +8,6 @@ import torch
 
 from megatron_tlt.drafter_training.buffer import BufferedResponse, DataBuffer
 from megatron_tlt.drafter_training.trainer import drafter_pairs, target_features
-from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
@@ -64,14 +63,6 @@ def test_packed_batches_cover_every_response_within_the_token_budget():
 def test_bad_records_name_the_problem():
     with pytest.raises(ValueError, match="feature row"):
         BufferedResponse([1, 2, 3, 4], 2, torch.zeros(3, 4), 0)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.runtime_env import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")
 
 
 def test_batched_rows_do_not_attend_across_samples(tiny_llama):

@@ -6,20 +6,11 @@ import pytest
 import torch
 
 from megatron_tlt.drafter_training.layer_init import copy_target_layer
-from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.runtime_env import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")
-
-
-def test_copy_target_layer_makes_the_drafter_layer_compute_the_target_layer(tiny):
-    model, arch = tiny
+def test_copy_target_layer_makes_the_drafter_layer_compute_the_target_layer(tiny_llama):
+    model, arch = tiny_llama
     d = EagleDrafter(DrafterConfig.for_target(arch), arch)
     d.reset_parameters(1)
     src = model.decoder.layers[-1]

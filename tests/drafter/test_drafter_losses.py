@@ -18,21 +18,12 @@ from megatron_tlt.drafter_training.losses import (LOSS_PRESETS, LossConfig, cach
 from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer, drafter_pairs,
                                                    target_features)
 from megatron_tlt.drafter_training.vocab import draft_vocabulary_by_mass, token_mass
-from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative.stats import SpecStats
 from megatron_tlt.rollout.sampling import processed_logprobs
 from megatron_tlt.rollout.speculative.acceptance import accept_chain
 from tiny_models import VOCAB
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.runtime_env import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")
 
 
 def _drafter(arch, seed=3, **kw):
@@ -86,8 +77,8 @@ def test_alpha_is_the_rate_speculative_sampling_accepts():
     assert abs(hits / n - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / n)
 
 
-def test_measure_alpha_reports_depths_and_bars(tiny):
-    model, arch = tiny
+def test_measure_alpha_reports_depths_and_bars(tiny_llama):
+    model, arch = tiny_llama
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     held = _samples(eng)
     rep = measure_alpha(_drafter(arch), eng.runner, held, temperature=1.0, depth=3)
@@ -109,10 +100,10 @@ def test_measure_alpha_reports_depths_and_bars(tiny):
 # --------------------------------------------------------------------------- losses
 @pytest.mark.parametrize("preset,unroll", [("eagle", 1), ("kl", 2), ("tv", 1),
                                            ("log_accept", 3), ("kl+tv", 2)])
-def test_drafter_losses_reach_only_drafter_parameters(tiny, preset, unroll):
+def test_drafter_losses_reach_only_drafter_parameters(tiny_llama, preset, unroll):
     """The policy's gradients are the same with and without a drafter loss added, even
     when the features handed to the drafter still carry the policy's autograd graph."""
-    model, arch = tiny
+    model, arch = tiny_llama
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     samples = _samples(eng, n=3, new=6)
     ids = torch.tensor([samples[0].tokens])
@@ -147,9 +138,9 @@ def test_drafter_losses_reach_only_drafter_parameters(tiny, preset, unroll):
     assert len(parts["alpha_by_depth"]) == unroll and math.isfinite(parts["loss"])
 
 
-def test_acceptance_loss_raises_alpha(tiny):
+def test_acceptance_loss_raises_alpha(tiny_llama):
     """Training on the TV / -log alpha terms raises held-out alpha (the exact metric)."""
-    model, arch = tiny
+    model, arch = tiny_llama
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     train, held = _samples(eng, n=40, new=12, seed=1), _samples(eng, n=8, seed=2)
     d = _drafter(arch, seed=5)
@@ -188,11 +179,11 @@ def test_chain_mask_small_case():
 
 
 @pytest.mark.parametrize("depth", [2, 4])
-def test_unrolled_pairing_equals_decodings_chain(tiny, depth):
+def test_unrolled_pairing_equals_decodings_chain(tiny_llama, depth):
     """Pass j of the unrolled forward at position root+j-1 equals the drafter output of
     decoding's depth-j draft for the same tokens (greedy chain drafting from a root),
     and the naive causal unroll (every position fed drafter outputs) does not."""
-    model, arch = tiny
+    model, arch = tiny_llama
     d = _drafter(arch, seed=4)
     from megatron_tlt.config import SpeculativeConfig
 
@@ -233,8 +224,8 @@ def test_unrolled_pairing_equals_decodings_chain(tiny, depth):
     assert (naive[0, root + depth - 1] - seen[-1][0]).abs().max() > 1e-3
 
 
-def test_cached_target_probabilities_give_the_same_loss(tiny):
-    model, arch = tiny
+def test_cached_target_probabilities_give_the_same_loss(tiny_llama):
+    model, arch = tiny_llama
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     samples = _samples(eng, n=4, new=8)
     d = _drafter(arch, draft_vocab_size=60)

@@ -3,28 +3,18 @@ separate forward over prompt + response computes, one prefill per distinct promp
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.drafter_training import sampled_data
 from megatron_tlt.drafter_training.sampled_data import sampled_samples
 from megatron_tlt.drafter_training.trainer import target_features
-from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from tiny_models import VOCAB
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_hf_dirs, single_process_parallel):
-    from megatron_tlt.runtime_env import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    return load_model(tiny_hf_dirs["llama_tied"], device=torch.device("cpu"), dtype="float32")
-
-
-def test_sampled_samples_match_a_separate_forward(tiny, monkeypatch):
-    model, arch = tiny
+def test_sampled_samples_match_a_separate_forward(tiny_llama, monkeypatch):
+    model, arch = tiny_llama
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (3 + i,), generator=g).tolist() for i in range(3)]
