@@ -1,0 +1,7 @@
+"""``python -m megatron_tlt.config [--markdown]``: print the field reference."""
+
+import sys
+
+from . import describe
+
+print(describe(markdown="--markdown" in sys.argv[1:]))

@@ -1,0 +1,237 @@
+"""The model, layout, platform, generation and rollout sections, and ``Config`` itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..spec_strategy import POLICIES, Strategy, parse_arms
+from .base import ConfigError, _choice, _help, _positive
+from .rl_sections import (CheckpointConfig, DataConfig, DrafterGroupConfig, GRPOConfig,
+                          RewardConfig, TrackingConfig, TrainConfig)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build and where its weights come from."""
+
+    hf_path: Optional[str] = _help(
+        "Hugging Face model folder (config.json + safetensors) or a megatron_tlt "
+        "checkpoint from tools/convert_hf_checkpoint.py; 'smollm2' means the prepared "
+        "SmolLM2-135M-Instruct asset (tools/prepare_assets.py).", None)
+    dtype: str = _help(
+        "Parameter and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+        "bfloat16, float16 (trained with megatron-core's dynamic loss scaling; steps whose "
+        "gradients overflow are skipped and counted in updates_skipped).", "auto")
+    transformer_impl: str = _help(
+        "Layer implementation: auto (Transformer Engine when installed and CUDA is "
+        "present, else local), local (megatron-core modules), transformer_engine.", "auto")
+
+    def __post_init__(self):
+        _choice("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("model", "transformer_impl", self.transformer_impl,
+                ("auto", "local", "transformer_engine"))
+
+
+@dataclass
+class ParallelConfig:
+    """megatron-core parallel layout; data parallel size is world_size / (TP x PP)."""
+
+    tensor_model_parallel_size: int = _help(
+        "Tensor-parallel size: must divide the attention heads and the KV groups.", 1)
+    pipeline_model_parallel_size: int = _help(
+        "Pipeline-parallel size: must divide the number of layers.", 1)
+    collective_timeout_s: float = _help(
+        "torch.distributed timeout of every collective (the process group's): a rank "
+        "that waits longer for its peers fails instead of hanging.", 1800.0)
+    heartbeat_timeout_s: float = _help(
+        "Each rank beats through the rendezvous store; a rank whose peer sent no beat for "
+        "this long exits (code 71) naming the dead or frozen rank (0 = off; one-process "
+        "runs have none).", 300.0)
+
+    def __post_init__(self):
+        _positive("parallel", "tensor_model_parallel_size", self.tensor_model_parallel_size)
+        _positive("parallel", "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        if self.collective_timeout_s <= 0 or self.heartbeat_timeout_s < 0:
+            raise ConfigError("parallel.collective_timeout_s must be > 0 and "
+                              "parallel.heartbeat_timeout_s >= 0 (0 = off)")
+
+
+@dataclass
+class PlatformConfig:
+    """Hardware and reproducibility."""
+
+    device: str = _help("auto (CUDA when available, else CPU), cuda or cpu.", "auto")
+    backend: str = _help("torch.distributed backend: auto (nccl on CUDA, gloo on CPU), "
+                         "nccl, gloo.", "auto")
+    seed: int = _help("Seed for Python, NumPy, torch and megatron-core's RNG streams.", 1234)
+
+    def __post_init__(self):
+        _choice("platform", "device", self.device, ("auto", "cuda", "cpu"))
+        _choice("platform", "backend", self.backend, ("auto", "nccl", "gloo"))
+
+
+@dataclass
+class GenerateConfig:
+    """Plain generation (the demo and tools)."""
+
+    prompt: str = _help("User message, wrapped in the model's chat template.",
+                        "What is 7 + 5? Answer briefly.")
+    max_new_tokens: int = _help("Tokens to generate at most.", 32)
+
+    def __post_init__(self):
+        _positive("generate", "max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding in the rollout engine (EAGLE drafter, exact verification)."""
+
+    drafter: str = _help(
+        "Drafter checkpoint (.safetensors file or folder, from tools/warmup_drafter.py); "
+        "empty = speculative decoding off.", "")
+    threshold: int = _help(
+        "Speculate only while the running batch has at most this many sequences (the "
+        "long tail); larger batches decode plainly. Switching on mid-generation costs one "
+        "drafter pass over the positions it missed, never a target re-prefill.", 16)
+    policy: str = _help(
+        "Strategy choice per batch-size bucket: egreedy (BEG-MAB: epsilon-greedy over the "
+        "median of a sliding window of accepted tokens per second; with break_even, where "
+        "speculation pays, the greedy arm is the gate's best speedup estimate, which "
+        "compares chains on one shared acceptance profile), ucb1, or fixed (always "
+        "`strategy`, for benchmarks).", "egreedy")
+    strategy: str = _help(
+        "The fixed strategy, depth_topk_verifytokens (top-k 1 = chain, e.g. 6_1_6; tree "
+        "e.g. 5_4_16).", "7_1_7")
+    buckets: str = _help("Batch-size bucket upper bounds, ascending.", "1,2,4,8,16,32")
+    arms: str = _help(
+        "Arms per bucket: 'BOUNDS:arm,arm;...' with a bound, a range lo-hi or * (the "
+        "rest); arms are depth_topk_verifytokens, and 0_0_0 is 'do not speculate' (a "
+        "plain step), so a bucket can learn that speculation does not pay there. In a "
+        "YAML recipe quote a value that starts with * (YAML reads * as an alias); on the "
+        "command line no quoting is needed (rollout.speculative.arms=*:2_1_2).",
+        "1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
+        "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
+    min_draft_prob: float = _help(
+        "Chains stop drafting once the drafter's probability of the whole draft would "
+        "fall below this (0 = always draft the arm's depth); verification then spends "
+        "rows only where acceptance is likely. Exact either way.", 0.0)
+    epsilon: float = _help("egreedy: probability of a random arm.", 0.1)
+    window: int = _help("Rewards per arm kept for the median (sliding window).", 50)
+    ucb_c: float = _help("ucb1: exploration weight.", 1.0)
+    break_even: bool = _help(
+        "Break-even gate (egreedy, ucb1): every bucket may decline to speculate. From this "
+        "run's own step times (plain decoding's at each batch size; each arm's relative to "
+        "it, with its tokens per sequence) a bucket decodes plainly while its best arm's "
+        "estimated rate is below plain's, and re-measures at a bounded cost "
+        "(probe_budget), so a weak or stale drafter costs at most that and a retrained one "
+        "is picked up again. false = the bandit alone (0_0_0 arms only where listed).",
+        True)
+    probe_budget: float = _help(
+        "Break-even gate: the share of recent decode time (~200 steps, per bucket and "
+        "over all buckets) that speculative steps may lose against plain decoding, "
+        "probes included; a probe that confirms the loss halves it (down to an eighth).",
+        0.01)
+    seed: int = _help("Seed of the tuner's own random stream.", 0)
+    tuner_state: str = _help(
+        "JSON file the tuner's state is loaded from when it exists and saved to after "
+        "each generate call; empty = not persisted.", "")
+
+    def __post_init__(self):
+        _positive("rollout.speculative", "threshold", self.threshold)
+        _choice("rollout.speculative", "policy", self.policy, POLICIES)
+        _positive("rollout.speculative", "window", self.window)
+        for name, ok, want in (
+                ("ucb_c", 0.0 <= self.ucb_c < float("inf"), "a finite number >= 0"),
+                ("probe_budget", 0.0 <= self.probe_budget < 1.0, "in [0, 1)"),
+                ("min_draft_prob", 0.0 <= self.min_draft_prob < 1.0, "in [0, 1)"),
+                ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]")):
+            if not ok:
+                raise ConfigError(f"rollout.speculative.{name} must be {want}, got "
+                                  f"{getattr(self, name)}")
+        try:
+            Strategy.parse(self.strategy)
+            parse_arms(self.arms, self.buckets)
+        except ValueError as e:
+            raise ConfigError(f"rollout.speculative: {e}") from None
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engine (``megatron_tlt.rollout.RolloutEngine``)."""
+
+    max_batch_size: int = _help(
+        "Sequences decoded at once; more prompts queue and enter as rows free up. "
+        "KV-cache memory is 2 x layers x max_batch_size x kv_heads/TP x capacity x "
+        "head_dim x dtype bytes, capacity = longest prompt + max_new_tokens of a call "
+        "(at most max_seq_len).", 64)
+    max_seq_len: int = _help(
+        "Longest prompt + response, in tokens; 0 means the model's "
+        "max_position_embeddings. A prompt this long or longer is an error.", 0)
+    prefill_tokens: int = _help(
+        "Prompt tokens (padded) processed per prefill forward; bounds prefill "
+        "activation memory.", 4096)
+    attention: str = _help(
+        "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
+        "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
+    cpu_kernels: str = _help(
+        "Fused CPU kernels for decode steps of up to 64 rows in float32 (panel-packed "
+        "GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole layer stack in "
+        "one call at TP=1), compiled on first use for the CPU's instruction set (~1 min, "
+        "cached; MEGATRON_TLT_CPU_ISA=avx512|avx2|portable forces a variant). auto: a "
+        "calibration on the build's first use (a few seconds, stored next to the build, "
+        "logged) times each kernel family against eager torch ops and they run only at "
+        "the batch sizes where they measured faster; true: at every size; false: never "
+        "(also MEGATRON_TLT_NO_CPU_KERNELS=1). Eager torch ops if compiling fails.",
+        "auto")
+    cuda_graphs: bool = _help(
+        "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
+        "bucket).", False)
+    hidden_states_dtype: str = _help(
+        "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
+        "bfloat16, float16.", "auto")
+    sampling_mode: str = _help(
+        "How sampled (temperature > 0) tokens are drawn. standard: per-request random "
+        "generators; speculative decoding accepts drafts by rejection sampling (exact in "
+        "distribution). coupled: every token is argmax(log p + Gumbel noise) with the "
+        "noise a hash of (request seed, position in the response, token id), so a "
+        "request's response is the same token for token whatever its batch, whether "
+        "speculation is on, the drafter, the TP size or the device (up to floating-point "
+        "near-ties); the drafter drafts with the same noise and verification accepts "
+        "while its token equals the target's. Same distribution, reproducible rollouts; "
+        "acceptance per token >= (1-TV)/(1+TV) instead of 1-TV.", "standard")
+    speculative: SpeculativeConfig = _help("Speculative decoding.",
+                                           factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        _positive("rollout", "max_batch_size", self.max_batch_size)
+        if self.max_seq_len < 0:
+            raise ConfigError(f"rollout.max_seq_len must be >= 0 (0 = model's), "
+                              f"got {self.max_seq_len}")
+        _positive("rollout", "prefill_tokens", self.prefill_tokens)
+        _choice("rollout", "attention", self.attention, ("auto", "sdpa", "flash"))
+        # YAML / CLI booleans arrive as True / "False"; Python callers may pass bools
+        self.cpu_kernels = str(self.cpu_kernels).strip().lower()
+        _choice("rollout", "cpu_kernels", self.cpu_kernels, ("auto", "true", "false"))
+        _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
+                ("auto", "float32", "bfloat16", "float16"))
+        _choice("rollout", "sampling_mode", self.sampling_mode, ("standard", "coupled"))
+
+
+@dataclass
+class Config:
+    """Everything a megatron_tlt run reads. Sections are added as features land."""
+
+    model: ModelConfig = _help("Model and weights.", factory=ModelConfig)
+    parallel: ParallelConfig = _help("Parallel layout.", factory=ParallelConfig)
+    platform: PlatformConfig = _help("Device, backend, seed.", factory=PlatformConfig)
+    generate: GenerateConfig = _help("Plain generation.", factory=GenerateConfig)
+    rollout: RolloutConfig = _help("Rollout engine.", factory=RolloutConfig)
+    data: DataConfig = _help("Prompts.", factory=DataConfig)
+    reward: RewardConfig = _help("Verifiers.", factory=RewardConfig)
+    grpo: GRPOConfig = _help("GRPO loss family.", factory=GRPOConfig)
+    train: TrainConfig = _help("Optimisation.", factory=TrainConfig)
+    drafter_group: DrafterGroupConfig = _help("Online drafter training on idle replicas.",
+                                              factory=DrafterGroupConfig)
+    checkpoint: CheckpointConfig = _help("Checkpoints.", factory=CheckpointConfig)
+    tracking: TrackingConfig = _help("Metrics and logging.", factory=TrackingConfig)
