@@ -2,7 +2,7 @@
 settings: a strategy ``depth_topk_verify`` (``Strategy``), batch-size bucket bounds
 (``parse_buckets``), arms per bucket (``parse_arms``) and the tuner policies.
 
-A neutral module: ``config.py`` validates the settings with it and the rollout
+A neutral module: ``config/`` validates the settings with it and the rollout
 package's speculation (``rollout/speculative/``) builds its tuner from it, so the
 grammar is declared once and imports nothing of either.
 """

@@ -154,7 +154,7 @@ def test_strategy_strings_are_not_read_as_numbers():
     ("arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
 ])
 def test_speculation_settings_are_validated_once_here(override, match):
-    """The tuner takes these as given: config.py is where they are checked."""
+    """The tuner takes these as given: config/ is where they are checked."""
     with pytest.raises(ConfigError, match=match):
         _cfg(f"rollout.speculative.{override}")
 

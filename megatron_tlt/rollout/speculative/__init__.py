@@ -16,5 +16,5 @@ A decode step reads engine -> ``controller.py`` -> ``decoder.py``:
 - ``stats.py``: ``SpecStats``, what speculation did in one ``generate`` call.
 
 Strategies and the grammar of their settings live in ``megatron_tlt.spec_strategy``
-(shared with ``config.py``).
+(shared with ``config/``).
 """
