@@ -109,7 +109,7 @@ def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, 
     are logged, every replica holds the same drafter version and checksum after every
     step, the timeline has the training spans, and the checkpoint carries the drafter's
     optimizer state."""
-    import torch
+    from megatron_tlt.checkpoint.safe_files import read_tree
 
     from rl_fixtures import save_tiny_policy
 
@@ -137,8 +137,7 @@ def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, 
         assert 0.0 <= rec["drafter/idle_used_fraction"] <= 1.0
     version = recs[-1]["drafter/version"][0]
     for k in range(2):
-        state = torch.load(tmp_path / "ckpt" / "step_0000002" / f"rank_tp0_pp0_dp{k}.pt",
-                           weights_only=False)
+        state = read_tree(tmp_path / "ckpt" / "step_0000002" / f"rank_tp0_pp0_dp{k}")
         assert state["drafter_group"]["version"] == version
         if version:  # AdamW moments on every replica, trained or not
             assert state["drafter_group"]["optimizer"]["state"]
