@@ -193,7 +193,7 @@ def test_cli_run_exports_at_the_end_and_evaluates_before_and_after(smollm2_dir, 
     r = run_script("tools/generate.py", f"model.hf_path={run / 'hf'}",
                    "generate.max_new_tokens=2")
     assert r.returncode == 0, r.stderr[-3000:]
-    fake = _fake_run_checkpoint(tmp_path / "ckpt", policy, 1, 1, 1)
+    fake = _fake_run_checkpoint(tmp_path / "ckpt", policy, 1)
     r = run_script("tools/generate.py", f"model.hf_path={fake}")
     assert r.returncode == 2 and "is a run checkpoint" in r.stderr and "Traceback" not in r.stderr
 
@@ -201,7 +201,7 @@ def test_cli_run_exports_at_the_end_and_evaluates_before_and_after(smollm2_dir, 
 def test_export_folder_follows_the_umask(tiny_hf_dirs, tmp_path):
     import os
 
-    run = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1, 1, 1)
+    run = _fake_run_checkpoint(tmp_path / "ckpt", tiny_hf_dirs["qwen2"], 1)
     mask = os.umask(0o022)
     try:
         out = export_run_checkpoint(run, tmp_path / "hf")
