@@ -41,7 +41,8 @@ def skipped_update(updates: int, lr: float) -> dict:
 def after_step(step: int, metrics: dict, extra: dict, limit: int) -> None:
     """Count and report a step whose reward or loss was not finite (adds the
     ``nonfinite/*`` metrics); raise ``NonFiniteError`` past ``limit`` such steps."""
-    bad = [k for k in ("reward/mean", "loss/total") if not math.isfinite(metrics[k])]
+    bad = [k for k in ("reward/mean", "loss/total")
+           if k in metrics and not math.isfinite(metrics[k])]
     total = int(extra.get(COUNTER, 0)) + (1 if bad else 0)
     extra[COUNTER] = total
     metrics["nonfinite/skipped"] = 1 if bad else 0
