@@ -75,7 +75,7 @@ def arm(phase: str, step: int) -> None:
         return wrapped
 
     if phase == "rollout":
-        trainer_mod.Trainer._generate = at("rollout", trainer_mod.Trainer._generate)
+        trainer_mod.rollout_replica = at("rollout", trainer_mod.rollout_replica)
     elif phase == "update":
         policy_mod.Policy._optimizer_step = at("update", policy_mod.Policy._optimizer_step)
     elif phase == "save":
@@ -95,9 +95,14 @@ def worker(argv: list[str]) -> int:
             raise SystemExit(f"--kill {args.kill}: phase must be one of {PHASES}")
         arm(phase, int(step))
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    import pretrain_rl_tlt
+    import importlib.util
 
-    return pretrain_rl_tlt.main(rest)
+    # the training entry point, run in this process so the patches above apply
+    spec = importlib.util.spec_from_file_location("pretrain_rl_tlt",
+                                                  REPO / "pretrain_rl_tlt.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return entry.main(rest)
 
 
 # ------------------------------------------------------------------ sweep
@@ -171,12 +176,14 @@ def sweep(argv: list[str]) -> int:
 
         from megatron_tlt.assets import prepare_smollm2
 
-        # the tests' tiny policy (a checkout's tests/support/rl_fixtures.py)
-        spec = importlib.util.spec_from_file_location("rl_fixtures",
-                                                      REPO / "tests" / "support" / "rl_fixtures.py")
-        rl_fixtures = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(rl_fixtures)
-        save_tiny_policy = rl_fixtures.save_tiny_policy
+        # the tests' tiny policy (a checkout's tests/support/rl_fixtures.py, which
+        # imports its neighbour tiny_models)
+        support = REPO / "tests" / "support"
+        for name in ("tiny_models", "rl_fixtures"):
+            spec = importlib.util.spec_from_file_location(name, support / f"{name}.py")
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+        save_tiny_policy = sys.modules["rl_fixtures"].save_tiny_policy
 
         save_tiny_policy(args.policy, prepare_smollm2())
     ref_root = args.out / "reference"
