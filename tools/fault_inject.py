@@ -28,6 +28,7 @@ with SmolLM2's tokenizer; ``--make-tiny-policy`` does that first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -120,7 +121,22 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", timeout: int = 90
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill, "--", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # A SIGKILLed rank leaves its checkpoint writer's helper processes behind (they
+    # hold inherited pipes open): output goes to files, the launch runs in its own
+    # session, and whatever of it is left when it returns is killed with the session.
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
 
 
 def metrics(run_folder: Path) -> dict[int, dict]:
