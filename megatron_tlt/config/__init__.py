@@ -17,10 +17,8 @@ checks against the model and the world size that fail before any compute.
 
 from __future__ import annotations
 
-# The package's names, public and private, as ``megatron_tlt.config`` has always offered them.
-from .base import ConfigError, _choice, _help, _positive
-from .loading import (_all_keys, _closest_hint, _translate, _yaml_line, build_parser,
-                      config_from_args, load_config, parse_args, validate_for_run)
+from .base import ConfigError
+from .loading import build_parser, config_from_args, load_config, parse_args, validate_for_run
 from .markdown import describe
 from .rl_sections import (CheckpointConfig, DataConfig, DrafterGroupConfig, GRPOConfig,
                           RewardConfig, TrackingConfig, TrainConfig)
@@ -31,6 +29,6 @@ __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
     "GRPOConfig", "TrainConfig", "DrafterGroupConfig", "CheckpointConfig", "TrackingConfig",
-    "build_parser", "config_from_args", "load_config", "parse_args",
+    "build_parser", "config_from_args", "describe", "load_config", "parse_args",
     "validate_for_run",
 ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import describe
+from .markdown import describe
 
 print(describe(markdown="--markdown" in sys.argv[1:]))
