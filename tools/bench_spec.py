@@ -240,6 +240,9 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
     return rep.to_dict()
 
 
+RECIPE_SEED_OFFSET = 7919  # --config: prompts unrelated to the warm-up's (seed data.seed)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--drafter", default=None,
@@ -277,6 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha-prompts", type=int, default=4,
                     help="prompts (the last of the benchmark pool, unseen in warm-up) whose sampled responses "
                          "measure the drafter's exact alpha by depth (0: skip)")
+    ap.add_argument("--config", default=None,
+                    help="RL recipe (YAML): prompts of its task in its prompt format, drawn "
+                         "with a seed its warm-up does not use (default: basic_arithmetic)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -300,8 +306,16 @@ def main(argv=None) -> int:
     print(f"drafter: {dname}", flush=True)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     strat = dict(item.split(":") for item in args.strategies.split(","))
-    pool = [p.token_ids for p in reasoning_gym_prompts(
-        engine.tokenizer, n=max(sizes + [args.tail_prompts, args.prompts]), seed=args.seed)]
+    n_pool = max(sizes + [args.tail_prompts, args.prompts])
+    if args.config:  # the recipe's task; seed offset so its warm-up never saw them
+        from megatron_tlt.drafter_training.warmup import WarmupConfig, recipe_prompts
+
+        rcfg = WarmupConfig.from_recipe(args.config)
+        pool = recipe_prompts(rcfg, engine.tokenizer, n_pool,
+                              seed=rcfg.seed + RECIPE_SEED_OFFSET + args.seed)
+    else:
+        pool = [p.token_ids for p in reasoning_gym_prompts(
+            engine.tokenizer, n=n_pool, seed=args.seed)]
     greedy = args.temperature <= 0
     temp = 0.0 if greedy else args.temperature
     coupled = args.sampling_mode == "coupled" and not greedy
@@ -484,7 +498,7 @@ def main(argv=None) -> int:
                        tail_pairs=args.tail_pairs, tail_fixed=tail_fixed,
                        threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
                        break_even=cfg.break_even, probe_budget=cfg.probe_budget,
-                       temperature=temp, sampling_mode=args.sampling_mode,
+                       temperature=temp, sampling_mode=args.sampling_mode, recipe=args.config,
                        tie_margin=args.tie_margin, **cpu_description(engine),
                        kernels_on=engine.runner.kernels is not None,
                        torch=torch.__version__, megatron_core=megatron.core.__version__,

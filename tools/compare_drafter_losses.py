@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     from megatron_tlt.drafter_training.vocab import (coverage, draft_vocabulary_by_mass,
                                                      token_mass)
     from megatron_tlt.drafter_training.warmup import (COVERAGE_SIZES, WarmupConfig, _generate,
-                                                      _prompts, _samples)
+                                                      recipe_prompts, _samples)
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                                    responses=args.responses, chunk=32)
     t0 = time.perf_counter()
     engine = RolloutEngine.from_pretrained(require_smollm2(), RolloutConfig(max_batch_size=32))
-    prompts = _prompts(cfg, engine.tokenizer, cfg.train_prompts + cfg.eval_prompts)
+    prompts = recipe_prompts(cfg, engine.tokenizer, cfg.train_prompts + cfg.eval_prompts)
     # held-out prompts first: the same whatever --train-prompts (a data set can grow)
     eval_p, train_p = prompts[: cfg.eval_prompts], prompts[cfg.eval_prompts:]
     reqs = [p for p in train_p for _ in range(cfg.samples_per_prompt)]

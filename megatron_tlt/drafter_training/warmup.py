@@ -152,13 +152,16 @@ class WarmupResult:
     path: Optional[Path] = None
 
 
-def _prompts(cfg: WarmupConfig, tok, n: int) -> list[list[int]]:
+def recipe_prompts(cfg: WarmupConfig, tok, n: int, seed: Optional[int] = None
+                   ) -> list[list[int]]:
+    """``n`` token-id prompts of ``cfg``'s task in its prompt format; ``seed`` (default
+    ``cfg.seed``, the warm-up's own) picks another, unrelated set."""
     from ..tasks import DEFAULT_TASK, reasoning_gym_prompts
 
     kw = {} if cfg.instruction is None else {"instruction": cfg.instruction}
     return [p.token_ids for p in reasoning_gym_prompts(
-        tok, cfg.task or DEFAULT_TASK, n=n, seed=cfg.seed, system_prompt=cfg.system_prompt,
-        **kw, **cfg.task_params)]
+        tok, cfg.task or DEFAULT_TASK, n=n, seed=cfg.seed if seed is None else seed,
+        system_prompt=cfg.system_prompt, **kw, **cfg.task_params)]
 
 
 def _generate(cfg, engine, reqs, sp, log, tag):
@@ -233,7 +236,7 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
         engine = RolloutEngine.from_pretrained(src, RolloutConfig(max_batch_size=32))
     arch, tok = engine.arch, engine.tokenizer
     task = cfg.task or DEFAULT_TASK
-    prompts = _prompts(cfg, tok, cfg.train_prompts + cfg.eval_prompts)
+    prompts = recipe_prompts(cfg, tok, cfg.train_prompts + cfg.eval_prompts)
     train_p, eval_p = prompts[: cfg.train_prompts], prompts[cfg.train_prompts:]
     sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)

@@ -79,3 +79,20 @@ def test_weights_signature_follows_every_parameter():
     changed = weights_signature(m)
     assert changed != sig
     assert weights_signature(m.to(torch.bfloat16)) != changed  # (converts m in place)
+
+
+def test_recipe_prompts_follow_the_recipe_and_another_seed_gives_unseen_ones(smollm2_dir):
+    """bench_spec --config measures a drafter on the recipe's task, on prompts its
+    warm-up (seed data.seed) never trained on."""
+    from transformers import AutoTokenizer
+
+    from megatron_tlt.drafter_training.warmup import WarmupConfig, recipe_prompts
+
+    cfg = WarmupConfig.from_recipe("examples/rl/smollm2_cpu.yaml")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    warm = recipe_prompts(cfg, tok, 16)
+    assert warm == recipe_prompts(cfg, tok, 16, seed=cfg.seed)  # deterministic
+    text = tok.decode(warm[0])
+    assert cfg.instruction and cfg.instruction in text  # the recipe's prompt format
+    other = recipe_prompts(cfg, tok, 16, seed=cfg.seed + 7919)
+    assert not set(map(tuple, other)) & set(map(tuple, warm))
