@@ -29,6 +29,18 @@ the step barrier (``Trainer.idle_window_hooks``):
    checksum all-gather confirms every replica holds bit-identical state (else DP rank
    0's is broadcast).
 
+Tensor parallelism: the TP ranks of a replica train together, on the same batches
+(chosen by DP rank) with the same decisions (step 2's broadcast, also at every stop
+check), each holding its shards of the drafter layer's linears (megatron-core's
+column- and row-parallel layers, their collectives inside the forward and backward).
+The loss reads the target's embedding and output layer whole, all-gathered over TP once
+per training window and released after it (``target_view.WholeVocabTarget``); gradient
+clipping uses the norm over all shards (``DrafterTrainer``). The averaging runs per TP
+rank over its own DP group (each TP rank averages its shards with the same weights); a
+failure on one TP rank counts for the replica, and ``finish_sync`` checks the
+replicated parameters and moments agree over TP (TP rank 0's broadcast otherwise) and
+sums the checksum over TP, so ``drafter/identical`` covers every shard.
+
 A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
 gives it weight 0 and turns speculation off for the next rollout on every replica
 (``speculation_guard``); the RL step never waits on a drafter that failed.
@@ -53,6 +65,7 @@ import torch.distributed as dist
 from .alpha import measure_alpha
 from .buffer import BufferedResponse, DataBuffer
 from .losses import LossConfig
+from .target_view import WholeVocabTarget
 from .trainer import DrafterTrainer
 
 __all__ = ["DrafterGroup", "StopSignal", "TRAIN", "WAIT", "STOP"]
@@ -104,11 +117,15 @@ class DrafterGroup:
         self.sampling = ((1.0, 0, 1.0) if sampling is None else
                          (float(sampling.temperature), int(sampling.top_k),
                           float(sampling.top_p)))
+        # the loss reads the target's embedding and output layer whole: at TP > 1
+        # gathered over the TP group for each window that trains (target_view.py)
+        self.target = WholeVocabTarget(runner)
         self.trainer = DrafterTrainer(
-            drafter, runner, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            drafter, self.target, lr=cfg.lr, weight_decay=cfg.weight_decay,
             warmup_steps=cfg.lr_warmup_steps, total_steps=total_steps,
             min_lr_ratio=cfg.min_lr_ratio if cfg.lr_decay == "cosine" else 1.0,
             grad_clip=cfg.grad_clip, loss=LossConfig.for_sampling(cfg.loss, *self.sampling))
+        self._custom_loss = loss_fn is not None
         if loss_fn is not None:
             self.trainer.loss = loss_fn
         self.buffer = DataBuffer(cfg.buffer_tokens)
@@ -140,6 +157,10 @@ class DrafterGroup:
         n = 0
         if self.tp_rank == 0:
             n = self.signal.announce(self.window)
+        if self.tp_size > 1:  # (the same answer on every TP rank of the replica)
+            t = torch.tensor([n], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+            n = int(t)
         self._announced = self.window
         return n
 
@@ -170,6 +191,7 @@ class DrafterGroup:
         steps, losses, failure = 0, [], None
         snapshot, batches = None, None
         t_first = t_end = None
+        whole = contextlib.ExitStack()  # the unsharded target while training (TP > 1)
         while True:
             code = self._decide(steps)
             if code == STOP:
@@ -181,6 +203,8 @@ class DrafterGroup:
                 seed = (self.seed * 1_000_003 + step) * 1_009 + self.dp_rank
                 batches = self.buffer.batches(self.cfg.batch_tokens, seed=seed)
                 snapshot = self._flat(create=True).clone()
+                if not self._custom_loss:
+                    whole.enter_context(self.target.whole_vocab())
             batch = next(batches, None)
             if batch is None:
                 break
@@ -193,16 +217,22 @@ class DrafterGroup:
                     raise FloatingPointError(f"drafter loss is {parts['loss']}")
             except Exception as e:  # noqa: BLE001 - any drafter failure: RL continues
                 failure = f"{type(e).__name__}: {e}"
-                break
             finally:
                 t_end = self.clock()
+            if self.tp_size > 1:  # the replica's TP ranks leave the loop together
+                failure = self._agree_failure(failure)
+            if failure is not None:
+                break
             steps += 1
             losses.append(float(parts["loss"]))
             if self.after_micro_step is not None:
                 self.after_micro_step(steps)
+        whole.close()
         if failure is None and snapshot is not None and not all(
                 bool(torch.isfinite(t).all()) for t in self._tensors()):
             failure = "FloatingPointError: non-finite drafter weights or moments"
+        if self.tp_size > 1 and snapshot is not None:
+            failure = self._agree_failure(failure)
         t_sync = self.clock()
         sync = self._synchronise(base, failure, snapshot)
         t_done = self.clock()
@@ -226,6 +256,16 @@ class DrafterGroup:
         return self.last
 
     # ------------------------------------------------------------------ synchronisation
+    def _agree_failure(self, failure: Optional[str]) -> Optional[str]:
+        """A failure on any TP rank of the replica is the replica's (each rank checks
+        only its own shards): every TP rank restores and reports it alike."""
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
+                            device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if failure is None and int(flag[0]):
+            failure = "failed on another tensor-parallel rank of this replica"
+        return failure
+
     def _synchronise(self, base: int, failure: Optional[str], snapshot) -> dict:
         """Weighted average over DP (see the module docstring); ``base`` is the schedule
         counter at the window's start, ``snapshot`` the state there (None: untouched).
@@ -304,11 +344,40 @@ class DrafterGroup:
             self._write_flat(flat)
             cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
             healed = True
+        if self.tp_size > 1:
+            if self._agree_tp():
+                healed = True
+                cs = self._flat().view(torch.int32).sum(dtype=torch.int64).reshape(1)
+            dist.all_reduce(cs, group=self.tp_group)  # the whole replica's fingerprint
         out = {"checksum": int(cs[0]), "healed": healed, "finish": self.clock() - t0}
         if record and self.last:
             self.last.update(checksum=out["checksum"], healed=healed,
                              sync_seconds=self.last["sync_seconds"] + out["finish"])
         return out
+
+    def _agree_tp(self) -> bool:
+        """Make the replicated (not TP-sharded) parameters and their moments TP rank
+        0's bytes on every TP rank of the replica. They get the same all-reduced
+        gradients and the same clipping factor, so they agree already; a checksum
+        all-gather confirms it and a broadcast repairs it otherwise. Returns whether it
+        had to."""
+        reps = [t for p in self.trainer.params if not getattr(p, "tensor_model_parallel", False)
+                for t in [p.data] + [self.trainer.opt.state[p][k] for k in
+                                     ("exp_avg", "exp_avg_sq") if k in self.trainer.opt.state[p]]]
+        if not reps:
+            return False
+        flat = torch.cat([t.detach().float().reshape(-1) for t in reps])
+        cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+        sums = [torch.empty_like(cs) for _ in range(self.tp_size)]
+        dist.all_gather(sums, cs, group=self.tp_group)
+        if all(torch.equal(x, sums[0]) for x in sums):
+            return False
+        dist.broadcast(flat, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        i = 0
+        for t in reps:
+            t.copy_(flat[i:i + t.numel()].view_as(t))
+            i += t.numel()
+        return True
 
     def _tensors(self, create: bool = False) -> list[torch.Tensor]:
         """Parameters and AdamW moments, in a fixed order (moments made zero if absent)."""
@@ -343,7 +412,8 @@ class DrafterGroup:
 
     def checksum(self) -> torch.Tensor:
         """An int64 fingerprint of the drafter's parameters and AdamW moments (their
-        bytes summed as int32 words)."""
+        bytes summed as int32 words; under TP summed over the replica's TP ranks, which
+        all call it)."""
         words = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
         s = torch.zeros(1, dtype=torch.int64, device=self.device)
         for t in self._tensors():
@@ -351,6 +421,8 @@ class DrafterGroup:
             flat = t.detach().contiguous().reshape(-1)
             s += (flat.view(w) if w != torch.uint8 else flat.view(torch.uint8)).sum(
                 dtype=torch.int64)
+        if self.tp_size > 1:  # (a collective over the replica's TP ranks)
+            dist.all_reduce(s, group=self.tp_group)
         return s
 
     # ------------------------------------------------------------------ speculation
@@ -381,8 +453,9 @@ class DrafterGroup:
         if not samples:
             return None
         t, k, p = self.sampling
-        return measure_alpha(self.drafter, self.trainer.runner, samples, temperature=t,
-                             top_k=k, top_p=p, depth=1).alpha[0]
+        with self.target.whole_vocab():
+            return measure_alpha(self.drafter, self.target, samples, temperature=t,
+                                 top_k=k, top_p=p, depth=1).alpha[0]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

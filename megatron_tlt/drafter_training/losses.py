@@ -150,6 +150,19 @@ def sampled_acceptance(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor,
     return torch.minimum(p.exp(), q_logprobs.exp()).sum(-1)
 
 
+def _whole_vocab(runner) -> None:
+    """Refuse a runner whose embedding and output layer are vocabulary slices (TP > 1):
+    the loss needs them whole (``target_view.WholeVocabTarget``)."""
+    from .target_view import WholeVocabTarget
+
+    if getattr(runner, "tp_group", None) is not None and not isinstance(runner,
+                                                                        WholeVocabTarget):
+        raise ValueError("the drafter loss reads the target's embedding and output layer "
+                         "whole; at tensor parallel size > 1 pass "
+                         "drafter_training.target_view.WholeVocabTarget(runner) and call "
+                         "inside its whole_vocab()")
+
+
 def _head(drafter: EagleDrafter, runner) -> torch.Tensor:
     """Output-layer rows of the draft vocabulary (frozen)."""
     w = runner.output_w.detach()[: runner.arch.vocab_size]
@@ -195,6 +208,7 @@ def cache_target_probs(samples: Sequence, runner, drafter: EagleDrafter, cfg: Lo
     the same settings and vocabulary are kept as they are."""
     if drafter.d2t is None:
         return
+    _whole_vocab(runner)
     head = runner.output_w.detach()[: runner.arch.vocab_size]
     key = cfg.processing()
     vd = drafter.d2t.numel()
@@ -247,6 +261,7 @@ def batch_terms(drafter: EagleDrafter, runner, batch: Sequence, cfg: LossConfig,
     ``hidden``, ``top1``; and, per depth-1 position, ``p_max`` (max p̃) and
     ``vocab_mass`` (p̃'s mass inside the draft vocabulary)."""
     passes = passes or cfg.unroll
+    _whole_vocab(runner)
     tok, feat, tgt, mask, first = _pad_batch(drafter, runner, batch)
     with torch.no_grad():
         emb = F.embedding(tok, runner.embed_w)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..models.drafter import EagleDrafter
 from ..rollout.forward import ModelRunner
@@ -135,12 +136,31 @@ class DrafterTrainer:
         else:
             parts = self._chunked_backward(batch, n, stop)
         if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self._clip_grads()
         self.opt.step()
         self.step_count += 1
         self.drafter.eval()
         parts["lr"] = lr
         return parts
+
+    def _clip_grads(self) -> None:
+        """Clip by the norm of the whole drafter's gradient. Under TP the layer's
+        linears are sharded over the runner's TP group: their squared norms are summed
+        over it, the replicated parameters' counted once (TP rank 0's), so every TP
+        rank scales by the same factor, the one TP = 1 would use."""
+        group = getattr(self.runner, "tp_group", None)
+        if group is None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            return
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [p.grad for p in self.params
+                 if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+        sq = torch.zeros(1, dtype=torch.float32, device=self.params[0].device)
+        if grads:
+            sq += torch.nn.utils.get_total_norm(grads, 2.0).float() ** 2
+        dist.all_reduce(sq, group=group)
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, sq.sqrt()[0])
 
     def _chunked_backward(self, batch, n: int, stop) -> dict:
         size = -(-len(batch) // n)

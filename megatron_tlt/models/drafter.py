@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .gpt import ModelArch, layer_spec, te_available, transformer_config
+from .gpt import (ModelArch, layer_spec, mark_tensor_parallel_params, te_available,
+                  transformer_config)
 
 CHECKPOINT_KEY = "megatron_tlt_drafter"
 FORMAT_VERSION = 1
@@ -166,6 +167,7 @@ class EagleDrafter(torch.nn.Module):
                                   tp=self.tp_size, pp=1, impl=impl)
         spec = fp8_layer_spec() if config.fp8 else layer_spec(impl)
         self.layer = build_module(spec, config=tcfg, layer_number=1)
+        mark_tensor_parallel_params(self.layer)  # (clipping sums the shards' norms over TP)
         kw = dict(dtype=dtype, device=device)
         self.fc = torch.nn.Linear(2 * h, h, bias=False, **kw)
         self.feature_fc = (torch.nn.Linear(config.feature_width, h, bias=False, **kw)
@@ -181,13 +183,25 @@ class EagleDrafter(torch.nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Small random init (std 0.02, norms 1; fc starts as the mean of its halves
-        so the layer first sees something close to the target's own features)."""
+        so the layer first sees something close to the target's own features). Under
+        TP the unsharded matrices are drawn and each rank keeps its shards: the same
+        drafter at any TP size (not TP copies of one shard)."""
         g = torch.Generator().manual_seed(seed)
-        for p in self.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        full = {}
+        for name, p in self.named_parameters():
+            shape = list(p.shape)
+            if self.tp_size > 1 and name in _COLUMN + (_FC1,):
+                shape[0] *= self.tp_size
+            elif self.tp_size > 1 and name in _ROW:
+                shape[1] *= self.tp_size
+            full[name] = (torch.ones(shape) if p.dim() == 1 else
+                          torch.randn(shape, generator=g) * 0.02)
+        if self.tp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            full = _shard_layer(full, self.tp_size, ps.get_tensor_model_parallel_rank())
+        for name, p in self.named_parameters():
+            p.copy_(full[name])
         h = self.config.hidden_size
         eye = torch.eye(h)
         self.fc.weight.add_(torch.cat([0.5 * eye, 0.5 * eye], dim=1).to(self.fc.weight))

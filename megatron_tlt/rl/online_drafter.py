@@ -38,11 +38,6 @@ class OnlineDrafter:
             raise ConfigError("drafter_group.enable=true trains the drafter at "
                               "parallel.pipeline_model_parallel_size=1; set PP = 1 or "
                               "drafter_group.enable=false")
-        if trainer.layout.tp_size > 1:
-            raise ConfigError(
-                "drafter_group.enable=true runs at parallel.tensor_model_parallel_size=1: "
-                "the drafter loss reads the target's embedding and output layer unsharded; "
-                "set TP = 1 or drafter_group.enable=false")
         if eng.spec is None:  # a cold start: a random drafter, the same on every rank
             eng.attach_drafter(EagleDrafter(DrafterConfig.for_target(trainer.arch),
                                             trainer.arch, dtype=eng.runner.dtype,

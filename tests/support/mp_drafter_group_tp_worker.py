@@ -1,0 +1,210 @@
+"""Worker for tests/drafter/test_drafter_group_tp.py: the drafter group at TP = 2 x DP = 2
+(4 gloo ranks, a tiny model).
+
+    torchrun --standalone --nproc_per_node 4 tests/support/mp_drafter_group_tp_worker.py \
+        --model TINY_HF_DIR --out DIR
+
+Each rank writes DIR/rank{R}.json:
+
+- uneven: replica 1 (both its TP ranks) finishes only after replica 0 took 3 micro-steps
+  -> replica 0's TP ranks train together, replica 1's do not, and every rank leaves with
+  the same unsharded drafter and AdamW moments (and the same TP-summed checksum);
+- tp_failure: replica 0's TP rank 1 alone gets a NaN loss -> both TP ranks of replica
+  0 restore their shards, and every rank reports the failure;
+- loss (full and pruned draft vocabulary): the group's loss on one batch and its
+  clipped gradient (unsharded) at TP = 2; then the same at TP = 1 (model parallelism
+  re-initialised, the same weights) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from megatron_tlt.config import DrafterGroupConfig, RolloutConfig, SpeculativeConfig
+    from megatron_tlt.drafter_training.buffer import BufferedResponse
+    from megatron_tlt.drafter_training.group import DrafterGroup, default_store
+    from megatron_tlt.drafter_training.losses import LossConfig
+    from megatron_tlt.drafter_training.target_view import WholeVocabTarget
+    from megatron_tlt.drafter_training.trainer import DrafterTrainer
+    from megatron_tlt.models import load_model
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.forward import ModelRunner
+    from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
+
+    silence_expected_warnings()
+    init_distributed(device="cpu", backend="gloo")
+    lay = initialize_model_parallel(2, 1, seed=1234)
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, arch = load_model(args.model, device=torch.device("cpu"), dtype="float32",
+                             impl="local")
+    drafter = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    # one unsharded drafter, the same on every rank (a copy: own_state returns the
+    # replicated tensors themselves)
+    full0 = {k: v.clone() for k, v in drafter.own_state().items()}
+    sc = SpeculativeConfig(policy="fixed", strategy="2_1_2", threshold=1 << 20)
+    engine = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                           eos_token_ids=[], drafter=drafter)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist()
+               for n in (3, 6, 4, 8)]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3,
+                                                   return_hidden_states=True))
+
+    def responses(step):
+        return [BufferedResponse.from_output(o, step) for o in outs]
+
+    cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
+                             batch_tokens=24)
+    recipe = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
+    store = default_store()
+    group = DrafterGroup(engine.spec.drafter, engine.runner, cfg,
+                         dp_group=ps.get_data_parallel_group(),
+                         tp_group=ps.get_tensor_model_parallel_group(), store=store,
+                         total_steps=10_000, seed=1, sampling=recipe)
+    policy_before = [p.detach().clone() for p in model.parameters()]
+
+    def unsharded() -> torch.Tensor:
+        """The whole drafter and its AdamW moments, unsharded (a TP collective)."""
+        opt = group.trainer.opt
+        moments = {k: [opt.state[p].get(k, torch.zeros_like(p)) for p in group.trainer.params]
+                   for k in ("exp_avg", "exp_avg_sq")}
+        keep = [(p, p.data.clone()) for p in group.trainer.params]
+        parts = [torch.cat([v.reshape(-1) for v in drafter.own_state().values()])]
+        for k in ("exp_avg", "exp_avg_sq"):  # the moments through the same unsharding
+            for (p, _), m in zip(keep, moments[k]):
+                p.data.copy_(m)
+            parts.append(torch.cat([v.reshape(-1) for v in drafter.own_state().values()]))
+        for p, w in keep:
+            p.data.copy_(w)
+        return torch.cat(parts)
+
+    def identical_everywhere(flat: torch.Tensor) -> bool:
+        every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, flat)
+        return all(torch.equal(f, every[0]) for f in every)
+
+    res: dict = {"tp_rank": lay.tp_rank, "dp_rank": lay.dp_rank}
+
+    # ---- uneven: replica 1 finishes after replica 0's 3rd micro-step
+    def record(steps):
+        if steps == 3 and lay.tp_rank == 0:
+            store.set("tp_uneven/r0_three", "1")
+
+    before = unsharded()
+    if lay.dp_rank == 0:
+        group.after_micro_step = record
+    else:
+        store.wait(["tp_uneven/r0_three"])
+    rec = group.run_window(1, responses(1))
+    group.after_micro_step = None
+    after = unsharded()
+    sums = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, rec["checksum"])
+    res["uneven"] = {
+        "steps": rec["steps"], "last_finisher": rec["last_finisher"],
+        "failure": rec["failure"], "version": group.version, "healed": rec["healed"],
+        "changed": not torch.equal(before, after),
+        "identical": identical_everywhere(after),
+        "checksums_equal": len(set(sums)) == 1 and sums[0] is not None,
+        "policy_untouched": all(torch.equal(a, b) for a, b in
+                                zip(policy_before, model.parameters())),
+        "alpha": group.canary_alpha()}
+
+    # ---- a NaN loss on one TP rank of replica 0: the whole replica restores
+    real_loss = group.trainer.loss
+
+    def nan_loss(batch):
+        store.set("tp_fail/r0_training", "1")  # replica 1 finishes once this ran
+        loss, parts = real_loss(batch)
+        return loss * float("nan"), dict(parts, loss=float("nan"))
+
+    if lay.dp_rank == 0 and lay.tp_rank == 1:
+        group.trainer.loss = nan_loss
+    before = unsharded()
+    if lay.dp_rank == 1:
+        store.wait(["tp_fail/r0_training"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = group.run_window(2, responses(2))
+    group.trainer.loss = real_loss
+    after = unsharded()
+    res["tp_failure"] = {"failure": rec["failure"], "steps": rec["steps"],
+                         "speculation_off": group.speculation_off,
+                         "restored": bool(torch.equal(before, after)),
+                         "identical": identical_everywhere(after)}
+    group.speculation_off = False
+
+    # ---- the loss and its clipped gradient at TP = 2 vs TP = 1, same weights and batch
+    batch = next(group.buffer.batches(cfg.batch_tokens, seed=5))
+    vocab = torch.arange(0, arch.vocab_size, 3)  # a pruned draft vocabulary
+
+    def loss_and_grad(d, target):
+        out = {}
+        for name, ids in (("full", None), ("pruned", vocab)):
+            d.set_draft_vocabulary(None)
+            d.load_own_state(full0)
+            d.set_draft_vocabulary(ids)
+            tr = DrafterTrainer(d, target, grad_clip=0.05,
+                                loss=LossConfig.for_sampling(cfg.loss, 0.7, 20, 0.9))
+            with target.whole_vocab():
+                loss, parts = tr.loss(batch)
+            loss.backward()
+            tr._clip_grads()
+            # the clipped gradient, unsharded like the weights
+            keep = [(p, p.data.clone()) for p in tr.params]
+            for p in tr.params:
+                p.data.copy_(p.grad)
+            grad = torch.cat([v.reshape(-1).double() for k, v in d.own_state().items()
+                              if k != "d2t"])
+            for p, w in keep:
+                p.data.copy_(w)
+            out[name] = {"loss": parts["loss"], "alpha": parts["alpha"],
+                         "grad": grad.tolist()}
+        d.set_draft_vocabulary(None)
+        return out
+
+    engine.spec.drafter.load_own_state(full0)
+    res["tp2"] = loss_and_grad(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                               WholeVocabTarget(engine.runner))
+    # the bare sharded runner is refused with a message, not read as a slice
+    try:
+        DrafterTrainer(engine.spec.drafter, engine.runner).loss(batch)
+        res["bare_runner_error"] = None
+    except ValueError as e:
+        res["bare_runner_error"] = str(e)
+
+    initialize_model_parallel(1, 1, seed=1234)
+    model1, _ = load_model(args.model, device=torch.device("cpu"), dtype="float32",
+                           impl="local")
+    runner1 = ModelRunner(model1, arch)
+    d1 = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    # a fresh drafter is the same one at TP = 1 and (sharded) at TP = 2
+    res["init_same"] = all(torch.equal(v, full0[k]) for k, v in d1.own_state().items())
+    res["tp1"] = loss_and_grad(d1, WholeVocabTarget(runner1))
+
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
