@@ -225,17 +225,21 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
     rollouts would accept), as a dict (``drafter_training.alpha.AlphaReport``)."""
     if not prompts:
         return None
-    from megatron_tlt.drafter_training.alpha import held_out_samples, measure_alpha
+    from megatron_tlt.drafter_training.alpha import (held_out_samples, measure_alpha,
+                                                     measured_accept_len)
     from megatron_tlt.rollout import SamplingParams
     from megatron_tlt.spec_strategy import Strategy
 
     t = temperature or 1.0
     s = Strategy.parse(strategy)
-    held = held_out_samples(engine, prompts, SamplingParams(
-        temperature=t, max_new_tokens=max_new, seed=seed + 7),
-        feature_layers=drafter.config.feature_layers)
-    rep = measure_alpha(drafter, engine.runner, held, temperature=t,
-                        depth=s.depth if s.is_chain else 4)
+    depth = s.depth if s.is_chain else 4
+    sp = SamplingParams(temperature=t, max_new_tokens=max_new, seed=seed + 7)
+    held = held_out_samples(engine, prompts, sp, feature_layers=drafter.config.feature_layers)
+    rep = measure_alpha(drafter, engine.runner, held, temperature=t, depth=depth)
+    # the same prompts and sampling decoded with that chain always on: what the
+    # prediction from alpha should match
+    rep.measured_accept_len = measured_accept_len(engine, drafter, prompts, sp,
+                                                  depth)["accept_len"]
     print(f"held-out {rep.line()}", flush=True)
     return rep.to_dict()
 
