@@ -13,6 +13,10 @@ backward and the optimizer step of STEP's first mini-batch), ``save`` (writing
 checkpoint STEP: the policy files are on disk, the per-rank files not) or
 ``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name).
 
+``--term PHASE:STEP[:RANK]`` sends SIGTERM instead, to one rank only (default 1): a
+stop request, which abandons the step in progress. PHASE is ``rollout`` (just before
+step STEP's generation) or ``update`` (just before step STEP's first micro-batch).
+
 ``sweep``: an uninterrupted reference run of ``--steps`` steps (2 ranks, a checkpoint
 every step), then ``--points`` runs each killed at a random (phase, step) and resumed
 from ``latest`` until done; every resumed run's metrics for each step must equal the
@@ -53,8 +57,17 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(phase: str, step: int) -> None:
-    """Patch the trainer so this process SIGKILLs itself at ``phase`` of ``step``."""
+TERM_PHASES = ("rollout", "update")
+
+
+def _terminate() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+
+
+def arm(phase: str, step: int, action=_die) -> None:
+    """Patch the trainer so this process calls ``action`` (SIGKILL itself) at
+    ``phase`` of ``step``; ``action=_terminate`` at ``rollout`` / ``update`` sends a
+    stop request at the start of that phase instead."""
     from megatron_tlt.checkpoint import store
     from megatron_tlt.rl import policy as policy_mod
     from megatron_tlt.rl import trainer as trainer_mod
@@ -71,12 +84,14 @@ def arm(phase: str, step: int) -> None:
     def at(name, fn):
         def wrapped(*a, **k):
             if phase == name and current["step"] == step:
-                _die()
+                action()
             return fn(*a, **k)
         return wrapped
 
     if phase == "rollout":
         trainer_mod.rollout_replica = at("rollout", trainer_mod.rollout_replica)
+    elif phase == "update" and action is _terminate:
+        policy_mod.Policy.train_step = at("update", policy_mod.Policy.train_step)
     elif phase == "update":
         policy_mod.Policy._optimizer_step = at("update", policy_mod.Policy._optimizer_step)
     elif phase == "save":
@@ -88,6 +103,8 @@ def arm(phase: str, step: int) -> None:
 def worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fault_inject.py worker")
     p.add_argument("--kill", default="", help="PHASE:STEP, e.g. update:3 (empty: none)")
+    p.add_argument("--term", default="", help="PHASE:STEP[:RANK], e.g. rollout:2 "
+                   "(SIGTERM to RANK, default 1; empty: none)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.kill:
@@ -95,6 +112,12 @@ def worker(argv: list[str]) -> int:
         if phase not in PHASES:
             raise SystemExit(f"--kill {args.kill}: phase must be one of {PHASES}")
         arm(phase, int(step))
+    if args.term:
+        phase, step, *rank = args.term.split(":")
+        if phase not in TERM_PHASES:
+            raise SystemExit(f"--term {args.term}: phase must be one of {TERM_PHASES}")
+        if int(os.environ.get("RANK", "0")) == int(rank[0] if rank else 1):
+            arm(phase, int(step), _terminate)
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     import importlib.util
 
@@ -117,10 +140,12 @@ def run_args(policy: Path, out: Path, ckpt: Path, steps: int) -> list[str]:
             "checkpoint.keep_last=0"]
 
 
-def launch(args: list[str], *, nproc: int = 2, kill: str = "", timeout: int = 900):
+def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
+           timeout: int = 900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill, "--", *args]
+    cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill,
+            "--term", term, "--", *args]
     # A SIGKILLed rank leaves its checkpoint writer's helper processes behind (they
     # hold inherited pipes open): output goes to files, the launch runs in its own
     # session, and whatever of it is left when it returns is killed with the session.

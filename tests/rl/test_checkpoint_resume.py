@@ -1,11 +1,13 @@
-"""SIGKILL anywhere, resume exactly (2 ranks, gloo, tiny policy): a run killed
-mid-update and, resumed, killed again mid-save, then resumed to the end, logs the
-uninterrupted run's metrics for every step (not zero steps, counters not restarted);
+"""SIGKILL or SIGTERM anywhere, resume exactly (2 ranks, gloo, tiny policy): a run
+killed mid-update, resumed and killed again mid-save, resumed and stopped (SIGTERM)
+mid-rollout, then resumed to the end, logs the uninterrupted run's metrics for every
+step (not zero steps, counters not restarted);
 the uninterrupted run's step-1 checkpoint resumed at DP=1 continues with its steps."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -31,7 +33,8 @@ def reference(smollm2_dir, tmp_path_factory):
 
 
 @pytest.mark.multiproc
-def test_killed_mid_update_then_mid_save_resumes_to_the_same_metrics(reference, tmp_path):
+def test_killed_mid_update_mid_save_stopped_mid_rollout_resumes_to_the_same_metrics(
+        reference, tmp_path):
     policy, _, ref = reference
     out, ckpt = tmp_path / "runs", tmp_path / "ckpt"
     args = fault_inject.run_args(policy, out, ckpt, STEPS)
@@ -40,6 +43,17 @@ def test_killed_mid_update_then_mid_save_resumes_to_the_same_metrics(reference, 
     r = fault_inject.launch(args + [f"checkpoint.load={ckpt}"], kill="publish:3")
     assert r.returncode != 0 and (ckpt / "latest").read_text().strip() == "step_0000002"
     assert (ckpt / ".step_0000003.partial").is_dir()
+    # SIGTERM to rank 1 as step 3's rollout starts: its engine stops at the first
+    # decode step, every rank abandons step 3 at the step barrier, restores what the
+    # step changed and exits 75; step 2's checkpoint is the one to resume (not rewritten)
+    run_json = (ckpt / "step_0000002" / "run.json").stat().st_mtime_ns
+    r = fault_inject.launch(args + [f"checkpoint.load={ckpt}"], term="rollout:3")
+    assert "exitcode  : 75" in r.stderr or "exitcode: 75" in r.stderr, r.stderr[-3000:]
+    assert "stopped after step 2 (step 3 abandoned" in r.stdout, r.stdout[-3000:]
+    assert json.loads((ckpt / "requeue").read_text())["step"] == 2
+    assert (ckpt / "latest").read_text().strip() == "step_0000002"
+    assert (ckpt / "step_0000002" / "run.json").stat().st_mtime_ns == run_json
+    assert sorted(fault_inject.metrics(out / "run")) == [1, 2]
     r = fault_inject.launch(args + [f"checkpoint.load={ckpt}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "at step 2" in r.stdout  # resumed, not restarted
@@ -62,3 +76,4 @@ def test_a_dp2_checkpoint_resumes_at_dp1(reference, tmp_path):
         for key in ("reward/mean", "loss/total", "grad_norm", "response_length/mean"):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), \
                 (step, key)
+
