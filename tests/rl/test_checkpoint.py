@@ -180,3 +180,49 @@ def test_the_drafter_buffer_is_kept_not_dropped(tmp_path):
     assert [(r.tokens, r.prompt_len, r.step) for r in back] == \
         [(r.tokens, r.prompt_len, r.step) for r in buf]
     assert all(a.features.equal(b.features) for a, b in zip(back, buf))
+
+
+def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(tmp_path):
+    """megatron-core's file writer is a forked process: SIGKILL the rank while it
+    writes, and the writer goes too; the rank starts no other helper process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from cli import REPO
+
+    pidfile = tmp_path / "writer.pid"
+    (tmp_path / "ckpt").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "support" / "mp_checkpoint_writer_worker.py"),
+         str(tmp_path / "ckpt"), str(pidfile)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not pidfile.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pidfile.is_file(), proc.communicate(timeout=60)[1][-3000:]
+        writer, started = map(int, pidfile.read_text().split())
+        assert started == 1  # the writer only: no multiprocessing manager process
+        proc.kill()
+        proc.wait(timeout=60)
+
+        def alive(pid):
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 30
+        while alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(writer), "the checkpoint writer outlived its rank"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
+        except ProcessLookupError:
+            pass
