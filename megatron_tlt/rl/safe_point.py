@@ -97,7 +97,12 @@ def resume(trainer, folder: str | Path) -> Path:
     """Check the checkpoint's recorded model against this run's, then load it."""
     # the folder a resume uses (``latest``, or an older complete one with
     # checkpoint.fallback_to_previous), verified on every rank
-    step_folder, _ = checkpointing.choose(
-        folder, fallback_to_previous=trainer.cfg.checkpoint.fallback_to_previous)
-    preflight.check_checkpoint_model(step_folder, trainer.state.meta)
-    return checkpointing.load(trainer.state, step_folder, trainer.layout)
+    notes: list[str] = []
+    chosen = checkpointing.choose(
+        folder, fallback_to_previous=trainer.cfg.checkpoint.fallback_to_previous,
+        notes=notes)
+    if notes and (not dist.is_initialized() or dist.get_rank() == 0):
+        for n in notes:
+            print(f"[checkpoint] {n}", flush=True)
+    preflight.check_checkpoint_model(chosen[0], trainer.state.meta)
+    return checkpointing.load(trainer.state, chosen[0], trainer.layout, chosen=chosen)

@@ -1,6 +1,8 @@
 """Run checkpoints on disk: safe formats only (a crafted pickle runs nothing), corrupt or
-partial checkpoints named in the error and skipped on request, a save killed before it
-is published leaves the previous one loadable, keep-last-N, exact state round trip."""
+partial checkpoints (a truncated file, a flipped byte) named in the error and skipped on
+request, a save killed before it is published leaves the previous one loadable,
+keep-last-N, exact state round trip, no checkpoint-writer process outlives a killed
+rank."""
 
 from __future__ import annotations
 
@@ -52,9 +54,12 @@ def _save(trainer, root: Path, step: int, **kw) -> Path:
 
 
 def _record_size(step_dir: Path, name: str) -> None:
-    """Make run.json agree with a replaced file (as a forger would)."""
+    """Make run.json agree with a replaced file (size and checksum, as a forger would)."""
+    from megatron_tlt.checkpoint.store import crc32
+
     run = json.loads((step_dir / "run.json").read_text())
     run["files"][name] = (step_dir / name).stat().st_size
+    run["crc32"][name] = crc32(step_dir / name)
     (step_dir / "run.json").write_text(json.dumps(run))
 
 
@@ -135,6 +140,23 @@ def test_corrupt_checkpoint_names_the_file_and_falls_back_when_asked(trainer, tm
     (bad / "run.json").write_text("{not json")
     with pytest.raises(checkpoint.CheckpointError, match=str(bad / "run.json")):
         checkpoint.load(trainer.state, bad, trainer.layout)
+    got = checkpoint.load(trainer.state, tmp_path, trainer.layout, fallback_to_previous=True)
+    assert got.name == "step_0000001" and trainer.state.step == 1
+
+
+@pytest.mark.parametrize("target", ["policy/*.distcp", "rank_*.safetensors"])
+def test_a_flipped_byte_fails_its_checksum_and_falls_back_when_asked(target, trainer,
+                                                                     tmp_path):
+    from megatron_tlt import checkpoint
+
+    _save(trainer, tmp_path, 1)
+    bad = _save(trainer, tmp_path, 2)
+    f = next(bad.glob(target))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    f.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{f}: its CRC-32 differs"):
+        checkpoint.load(trainer.state, tmp_path, trainer.layout)
     got = checkpoint.load(trainer.state, tmp_path, trainer.layout, fallback_to_previous=True)
     assert got.name == "step_0000001" and trainer.state.step == 1
 
