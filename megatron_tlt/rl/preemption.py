@@ -11,7 +11,9 @@ A stop request comes from either
   the file once a second.
 
 The handler only records the request (``pending``, rank-local, read without any
-collective). The step in progress then ends early where that is safe, and every rank
+collective). Given the launch's rendezvous store, each rank's once-a-second poll also
+publishes its own request there and picks up another rank's, so a signal that reached
+one rank only reaches the others within about a second. The step in progress then ends early where that is safe, and every rank
 calls ``agreed()``, an all-reduce (MAX) of the flag over all ranks, at the same
 agreement points, so all of them stop at the same point and none waits in a
 collective for a rank that left:
@@ -85,8 +87,12 @@ class StopRequest:
     """One per rank: records stop requests and agrees on them at safe points."""
 
     def __init__(self, save_folder: str = "", deadline_s: float = 90.0,
-                 poll_seconds: float = 1.0):
+                 poll_seconds: float = 1.0, store=None):
         self.folder = Path(save_folder) if save_folder else None
+        self.store = store  # shared with the other ranks (heartbeat.rendezvous_store)
+        # one key per launch attempt (torchrun restarts reuse the store)
+        self.shared_key = f"request/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._shared = False
         self.deadline_s = float(deadline_s)
         self.poll_seconds = poll_seconds
         self.reason: Optional[str] = None
@@ -106,7 +112,7 @@ class StopRequest:
         """Install the signal handlers (main thread) and start the stop-file poll."""
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        if self.stop_file is not None:
+        if self.stop_file is not None or self.store is not None:
             self._poller = threading.Thread(target=self._poll, name="stop-file-poll",
                                             daemon=True)
             self._poller.start()
@@ -130,8 +136,20 @@ class StopRequest:
 
     def _poll(self) -> None:
         while not self._done.wait(self.poll_seconds):
-            if self.requested_at is None and self.stop_file.exists():
+            if self.requested_at is None and self.stop_file is not None \
+                    and self.stop_file.exists():
                 self.request(f"stop file {self.stop_file}")
+            if self.store is None:
+                continue
+            try:
+                if self.requested_at is not None and not self._shared:
+                    self.store.set(self.shared_key, self.reason or "request")
+                    self._shared = True
+                elif self.requested_at is None and self.store.check([self.shared_key]):
+                    self.request("a request on another rank")
+                    self._shared = True
+            except Exception:  # noqa: BLE001 - the store's host may be gone at the end
+                pass
 
     def request(self, reason: str) -> None:
         """Record a request (idempotent) and arm the deadline."""

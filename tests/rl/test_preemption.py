@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,31 @@ def test_a_stop_request_mid_update_abandons_the_step_and_restores_what_it_change
     assert torch.equal(torch.get_rng_state(), rng)
     assert e.value.checkpoint == ckpt / "step_0000000"
     assert checkpoint.verify(e.value.checkpoint)["step"] == 0
+
+
+def test_a_request_on_one_rank_reaches_the_others_through_the_store():
+    """Ranks share requests through the rendezvous store (here an in-memory one): a
+    request recorded on one is pending on the other within its poll, no collective."""
+    import torch.distributed as dist
+
+    from megatron_tlt.rl.preemption import StopRequest
+
+    store = dist.HashStore()
+    a, b = (StopRequest(poll_seconds=0.02, store=store) for _ in range(2))
+    for r in (a, b):  # the polls only (install() also sets signal handlers)
+        r._poller = threading.Thread(target=r._poll, daemon=True)
+        r._poller.start()
+    try:
+        time.sleep(0.2)
+        assert not a.pending() and not b.pending()
+        b.request("SIGTERM")
+        deadline = time.monotonic() + 30
+        while not a.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.pending() and a.reason == "a request on another rank"
+    finally:
+        a.uninstall()
+        b.uninstall()
 
 
 def _fake_slurm(tmp_path: Path, nodes: int, srun_body: str = "exit 0") -> dict:
