@@ -20,10 +20,13 @@ step STEP's generation) or ``update`` (just before step STEP's first micro-batch
 ``sweep``: an uninterrupted reference run of ``--steps`` steps (2 ranks, a checkpoint
 every step), then ``--points`` runs each killed at a random (phase, step) and resumed
 from ``latest`` until done; every resumed run's metrics for each step must equal the
-reference's exactly. Writes a JSON report::
+reference's exactly. Prints and writes (``--report``) a JSON summary: the points, the
+phases hit (a point whose run exited 0 was not reached), whether every resumed run
+reproduced the reference (``all_exact``), seconds per killed-and-resumed pair, and
+each point's record::
 
-    python tools/fault_inject.py sweep --policy DIR --out runs/faults --points 20 \
-        --report docs/results/fault_inject_kill.json
+    python tools/fault_inject.py sweep --make-tiny-policy --policy runs/faults/policy \
+        --out runs/faults --points 20 --report docs/results/fault_inject_kill.json
 
 ``--policy`` is an HF folder (``tests/rl_fixtures.save_tiny_policy`` writes the tiny one
 with SmolLM2's tokenizer; ``--make-tiny-policy`` does that first).
@@ -146,9 +149,9 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
            "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill,
             "--term", term, "--", *args]
-    # A SIGKILLed rank leaves its checkpoint writer's helper processes behind (they
-    # hold inherited pipes open): output goes to files, the launch runs in its own
-    # session, and whatever of it is left when it returns is killed with the session.
+    # Output goes to files and the launch runs in its own session; whatever of it is
+    # left when it returns is killed with the session (a safety net: the checkpoint
+    # writers die with their rank, checkpoint.sharded.writers_die_with_rank).
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -229,7 +232,9 @@ def sweep(argv: list[str]) -> int:
         save_tiny_policy(args.policy, prepare_smollm2())
     ref_root = args.out / "reference"
     shutil.rmtree(ref_root, ignore_errors=True)
+    t0 = time.perf_counter()
     r = launch(run_args(args.policy, ref_root / "runs", ref_root / "ckpt", args.steps))
+    reference_seconds = round(time.perf_counter() - t0, 1)
     if r.returncode != 0:
         print(r.stderr[-3000:], file=sys.stderr)
         return 1
@@ -249,14 +254,27 @@ def sweep(argv: list[str]) -> int:
         print(f"[{i + 1}/{len(points)}] kill {kill}: killed rc {res['killed_rc']}, resumed "
               f"from {res['resumed_from']}, exact={res['exact']} ({res['seconds']} s)",
               flush=True)
-    summary = {"steps": args.steps, "ranks": 2, "points": len(points),
-               "exact": sum(r["exact"] for r in results),
+    hit: dict[str, int] = {}
+    for r in results:
+        if r["killed_rc"] != 0:
+            phase = r["kill"].split(":")[0]
+            hit[phase] = hit.get(phase, 0) + 1
+    pairs = [r["seconds"] for r in results]
+    summary = {"steps": args.steps, "ranks": 2, "points": len(points), "kills": points,
+               "phases_hit": hit, "exact": sum(r["exact"] for r in results),
+               "all_exact": all(r["exact"] for r in results),
                "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
+               "reference_seconds": reference_seconds,
+               "seconds_per_pair": {"mean": round(sum(pairs) / max(len(pairs), 1), 1),
+                                    "min": min(pairs, default=0.0),
+                                    "max": max(pairs, default=0.0)},
                "compared_metrics": sorted(next(iter(reference.values()))),
                "results": results}
+    text = json.dumps(summary, indent=1) + "\n"
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(summary, indent=1) + "\n")
+        args.report.write_text(text)
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     print(f"{summary['exact']}/{summary['points']} resumed runs reproduce the reference "
           f"exactly")
     return 0 if summary["exact"] == summary["points"] else 1

@@ -32,11 +32,11 @@ import torch.distributed as dist
 from .. import checkpoint as checkpointing
 from ..config import Config, ConfigError
 from ..models.export import run_meta
+from ..rollout.engine import GenerationInterrupted
 from ..tracking import Tracker
 from . import grpo, nonfinite, preflight, safe_point
 from .evaluation import eval_metrics
 from .policy import Policy
-from ..rollout.engine import GenerationInterrupted
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
 from .spec_metrics import merge_spec
