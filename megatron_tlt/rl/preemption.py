@@ -13,10 +13,10 @@ A stop request comes from either
 The handler only records the request (``pending``, rank-local, read without any
 collective). Given the launch's rendezvous store, each rank's once-a-second poll also
 publishes its own request there and picks up another rank's, so a signal that reached
-one rank only reaches the others within about a second. The step in progress then ends early where that is safe, and every rank
-calls ``agreed()``, an all-reduce (MAX) of the flag over all ranks, at the same
-agreement points, so all of them stop at the same point and none waits in a
-collective for a rank that left:
+one rank only reaches the others within about a second. The step in progress then
+ends early where that is safe, and every rank calls ``agreed()``, an all-reduce (MAX)
+of the flag over all ranks, at the same agreement points, so all of them stop at the
+same point and none waits in a collective for a rank that left:
 
 * after the rollout (at the step barrier): a replica at TP = PP = 1 stops decoding at
   its next decode step (``RolloutEngine.interrupt``) and drops its partial responses;
