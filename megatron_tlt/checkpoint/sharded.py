@@ -17,6 +17,8 @@ parameter groups are plain data (megatron-core's ``common.pt``, read back with
 ``dist_checkpointing``) are left out: no FP8 is trained here, and a checkpoint then
 holds tensors and plain data only (``safe_files.check_dcp_metadata`` enforces it on
 load).
+
+A save starts no process that outlives its rank (``writers_die_with_rank``).
 """
 
 from __future__ import annotations

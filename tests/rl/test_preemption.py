@@ -75,7 +75,8 @@ def test_a_stop_request_mid_update_abandons_the_step_and_restores_what_it_change
         tiny_policy, single_process_parallel, tmp_path):
     """A request as the update starts: no micro-batch runs, no optimizer step; the
     sampler's position and the RNG streams the step used are restored, the state of
-    the end of the last completed step (here: none, step 0) is checkpointed, Stopped."""
+    the end of the last completed step (here: none, step 0) is checkpointed, Stopped;
+    a second stop with that checkpoint under `latest` does not write it again."""
     import torch
 
     from megatron_tlt import checkpoint
@@ -120,6 +121,14 @@ def test_a_stop_request_mid_update_abandons_the_step_and_restores_what_it_change
     assert torch.equal(torch.get_rng_state(), rng)
     assert e.value.checkpoint == ckpt / "step_0000000"
     assert checkpoint.verify(e.value.checkpoint)["step"] == 0
+    # still requested: the next try stops at the step barrier, and `latest` already
+    # holds the state, so nothing is written again
+    written = (ckpt / "step_0000000" / "run.json").stat().st_mtime_ns
+    with pytest.raises(Stopped) as e:
+        trainer.train_step(0)
+    assert e.value.abandoned and e.value.checkpoint == ckpt / "step_0000000"
+    assert (ckpt / "step_0000000" / "run.json").stat().st_mtime_ns == written
+    assert micro_batches == [0] and trainer.state.sampler.state_dict() == sampler
 
 
 def test_a_request_on_one_rank_reaches_the_others_through_the_store():
