@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
-    from megatron_tlt.heartbeat import Heartbeat
+    from megatron_tlt.heartbeat import Heartbeat, rendezvous_store
     from megatron_tlt.launch import setup, shutdown
     from megatron_tlt.rl import run_dir
     from megatron_tlt.rl.preemption import Stopped, StopRequest
@@ -112,8 +112,11 @@ def main(argv=None) -> int:
     heartbeat = Heartbeat.from_environment(cfg.parallel.heartbeat_timeout_s)
     if heartbeat is not None:
         heartbeat.start()
-    # SIGTERM / SIGUSR1 / {checkpoint.save}/STOP: checkpoint after the step, exit 75
-    stop = StopRequest(cfg.checkpoint.save, cfg.checkpoint.stop_deadline_s).install()
+    # SIGTERM / SIGUSR1 / {checkpoint.save}/STOP, shared through the rendezvous store:
+    # the step in progress is abandoned (or finished), checkpoint, exit 75
+    stop = StopRequest(cfg.checkpoint.save, cfg.checkpoint.stop_deadline_s,
+                       store=rendezvous_store("megatron_tlt/stop",
+                                              cfg.parallel.collective_timeout_s)).install()
     trainer = Trainer(cfg, session)
     resumed = trainer.resume(resume_from) if resume_from else None
 

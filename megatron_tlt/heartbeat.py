@@ -29,6 +29,20 @@ PEER_LOST_EXIT_CODE = 71
 PREFIX = "megatron_tlt/heartbeat"
 
 
+def rendezvous_store(prefix: str, timeout: float):
+    """A client connection of this rank's own to the launch's rendezvous store
+    (``MASTER_ADDR:MASTER_PORT``, torchrun / srun), its keys under ``prefix``; None
+    outside a multi-rank launch."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+    return dist.PrefixStore(prefix, store)
+
+
 def _exit(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(PEER_LOST_EXIT_CODE)
@@ -58,12 +72,7 @@ class Heartbeat:
         return cls(int(os.environ["RANK"]), world, timeout, **kw)
 
     def _connect(self):
-        import torch.distributed as dist
-
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
-        return dist.PrefixStore(PREFIX, store)
+        return rendezvous_store(PREFIX, self.timeout)
 
     def start(self) -> "Heartbeat":
         if self._store is None:

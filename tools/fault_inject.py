@@ -13,13 +13,20 @@ backward and the optimizer step of STEP's first mini-batch), ``save`` (writing
 checkpoint STEP: the policy files are on disk, the per-rank files not) or
 ``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name).
 
+``--term PHASE:STEP[:RANK]`` sends SIGTERM instead, to one rank only (default 1): a
+stop request, which abandons the step in progress. PHASE is ``rollout`` (just before
+step STEP's generation) or ``update`` (just before step STEP's first micro-batch).
+
 ``sweep``: an uninterrupted reference run of ``--steps`` steps (2 ranks, a checkpoint
 every step), then ``--points`` runs each killed at a random (phase, step) and resumed
 from ``latest`` until done; every resumed run's metrics for each step must equal the
-reference's exactly. Writes a JSON report::
+reference's exactly. Prints and writes (``--report``) a JSON summary: the points, the
+phases hit (a point whose run exited 0 was not reached), whether every resumed run
+reproduced the reference (``all_exact``), seconds per killed-and-resumed pair, and
+each point's record::
 
-    python tools/fault_inject.py sweep --policy DIR --out runs/faults --points 20 \
-        --report docs/results/fault_inject_kill.json
+    python tools/fault_inject.py sweep --make-tiny-policy --policy runs/faults/policy \
+        --out runs/faults --points 20 --report docs/results/fault_inject_kill.json
 
 ``--policy`` is an HF folder (``tests/rl_fixtures.save_tiny_policy`` writes the tiny one
 with SmolLM2's tokenizer; ``--make-tiny-policy`` does that first).
@@ -53,8 +60,17 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(phase: str, step: int) -> None:
-    """Patch the trainer so this process SIGKILLs itself at ``phase`` of ``step``."""
+TERM_PHASES = ("rollout", "update")
+
+
+def _terminate() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+
+
+def arm(phase: str, step: int, action=_die) -> None:
+    """Patch the trainer so this process calls ``action`` (SIGKILL itself) at
+    ``phase`` of ``step``; ``action=_terminate`` at ``rollout`` / ``update`` sends a
+    stop request at the start of that phase instead."""
     from megatron_tlt.checkpoint import store
     from megatron_tlt.rl import policy as policy_mod
     from megatron_tlt.rl import trainer as trainer_mod
@@ -71,12 +87,14 @@ def arm(phase: str, step: int) -> None:
     def at(name, fn):
         def wrapped(*a, **k):
             if phase == name and current["step"] == step:
-                _die()
+                action()
             return fn(*a, **k)
         return wrapped
 
     if phase == "rollout":
         trainer_mod.rollout_replica = at("rollout", trainer_mod.rollout_replica)
+    elif phase == "update" and action is _terminate:
+        policy_mod.Policy.train_step = at("update", policy_mod.Policy.train_step)
     elif phase == "update":
         policy_mod.Policy._optimizer_step = at("update", policy_mod.Policy._optimizer_step)
     elif phase == "save":
@@ -88,6 +106,8 @@ def arm(phase: str, step: int) -> None:
 def worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fault_inject.py worker")
     p.add_argument("--kill", default="", help="PHASE:STEP, e.g. update:3 (empty: none)")
+    p.add_argument("--term", default="", help="PHASE:STEP[:RANK], e.g. rollout:2 "
+                   "(SIGTERM to RANK, default 1; empty: none)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.kill:
@@ -95,6 +115,12 @@ def worker(argv: list[str]) -> int:
         if phase not in PHASES:
             raise SystemExit(f"--kill {args.kill}: phase must be one of {PHASES}")
         arm(phase, int(step))
+    if args.term:
+        phase, step, *rank = args.term.split(":")
+        if phase not in TERM_PHASES:
+            raise SystemExit(f"--term {args.term}: phase must be one of {TERM_PHASES}")
+        if int(os.environ.get("RANK", "0")) == int(rank[0] if rank else 1):
+            arm(phase, int(step), _terminate)
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     import importlib.util
 
@@ -117,13 +143,15 @@ def run_args(policy: Path, out: Path, ckpt: Path, steps: int) -> list[str]:
             "checkpoint.keep_last=0"]
 
 
-def launch(args: list[str], *, nproc: int = 2, kill: str = "", timeout: int = 900):
+def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
+           timeout: int = 900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill, "--", *args]
-    # A SIGKILLed rank leaves its checkpoint writer's helper processes behind (they
-    # hold inherited pipes open): output goes to files, the launch runs in its own
-    # session, and whatever of it is left when it returns is killed with the session.
+    cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill,
+            "--term", term, "--", *args]
+    # Output goes to files and the launch runs in its own session; whatever of it is
+    # left when it returns is killed with the session (a safety net: the checkpoint
+    # writers die with their rank, checkpoint.sharded.writers_die_with_rank).
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -204,7 +232,9 @@ def sweep(argv: list[str]) -> int:
         save_tiny_policy(args.policy, prepare_smollm2())
     ref_root = args.out / "reference"
     shutil.rmtree(ref_root, ignore_errors=True)
+    t0 = time.perf_counter()
     r = launch(run_args(args.policy, ref_root / "runs", ref_root / "ckpt", args.steps))
+    reference_seconds = round(time.perf_counter() - t0, 1)
     if r.returncode != 0:
         print(r.stderr[-3000:], file=sys.stderr)
         return 1
@@ -224,14 +254,27 @@ def sweep(argv: list[str]) -> int:
         print(f"[{i + 1}/{len(points)}] kill {kill}: killed rc {res['killed_rc']}, resumed "
               f"from {res['resumed_from']}, exact={res['exact']} ({res['seconds']} s)",
               flush=True)
-    summary = {"steps": args.steps, "ranks": 2, "points": len(points),
-               "exact": sum(r["exact"] for r in results),
+    hit: dict[str, int] = {}
+    for r in results:
+        if r["killed_rc"] != 0:
+            phase = r["kill"].split(":")[0]
+            hit[phase] = hit.get(phase, 0) + 1
+    pairs = [r["seconds"] for r in results]
+    summary = {"steps": args.steps, "ranks": 2, "points": len(points), "kills": points,
+               "phases_hit": hit, "exact": sum(r["exact"] for r in results),
+               "all_exact": all(r["exact"] for r in results),
                "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
+               "reference_seconds": reference_seconds,
+               "seconds_per_pair": {"mean": round(sum(pairs) / max(len(pairs), 1), 1),
+                                    "min": min(pairs, default=0.0),
+                                    "max": max(pairs, default=0.0)},
                "compared_metrics": sorted(next(iter(reference.values()))),
                "results": results}
+    text = json.dumps(summary, indent=1) + "\n"
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(summary, indent=1) + "\n")
+        args.report.write_text(text)
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     print(f"{summary['exact']}/{summary['points']} resumed runs reproduce the reference "
           f"exactly")
     return 0 if summary["exact"] == summary["points"] else 1

@@ -17,10 +17,17 @@ parameter groups are plain data (megatron-core's ``common.pt``, read back with
 ``dist_checkpointing``) are left out: no FP8 is trained here, and a checkpoint then
 holds tensors and plain data only (``safe_files.check_dcp_metadata`` enforces it on
 load).
+
+A save starts no process that outlives its rank (``writers_die_with_rank``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import queue
+import signal
 from pathlib import Path
 
 import torch
@@ -82,7 +89,7 @@ def save_policy(policy, folder: Path) -> None:
     """Every rank calls it (a collective); ``folder`` must exist and be empty."""
     from megatron.core import dist_checkpointing
 
-    with cuda_placements_on_cpu():
+    with cuda_placements_on_cpu(), writers_die_with_rank():
         dist_checkpointing.save(policy_sharded_state_dict(policy), str(folder))
 
 
@@ -118,3 +125,51 @@ def load_policy(policy, folder: Path) -> None:
         policy.optimizer.load_state_dict(loaded["optimizer"])
     else:
         _load_torch_optimizer(policy.optimizer, loaded["optimizer"])
+
+
+# ------------------------------------------------------------------ writer processes
+_WRITER_PARENT = {"pid": None}  # set while a save runs: the rank its writers belong to
+
+
+def _writer_dies_with_rank() -> None:
+    """In a process forked during a save (megatron-core's file writers): have the kernel
+    SIGKILL it when the rank that forked it dies (``prctl(PR_SET_PDEATHSIG)``, Linux),
+    so a killed rank leaves no writer behind."""
+    parent = _WRITER_PARENT["pid"]
+    if parent is None:
+        return
+    _WRITER_PARENT["pid"] = None  # the child's own forks are not the rank's writers
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (AttributeError, OSError):  # not Linux: nothing to set
+        return
+    if os.getppid() != parent:  # the rank died before the call above
+        os._exit(1)
+
+
+_HOOKED = []
+
+
+@contextlib.contextmanager
+def writers_die_with_rank():
+    """Around ``dist_checkpointing.save``: its writer processes die with this rank.
+
+    megatron-core's torch_dist strategy forks one writer per file bucket and keeps its
+    results queue in a ``multiprocessing`` manager process it spawns once per rank; a
+    SIGKILLed rank would leave both running. The forked writers get the parent-death
+    signal (``_writer_dies_with_rank``); the results queue, which a synchronous save
+    fills and reads in this process only, becomes a plain in-process queue, so no
+    manager process is started at all."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not _HOOKED:
+        os.register_at_fork(after_in_child=_writer_dies_with_rank)
+        _HOOKED.append(True)
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+    _WRITER_PARENT["pid"] = os.getpid()
+    try:
+        yield
+    finally:
+        _WRITER_PARENT["pid"] = None

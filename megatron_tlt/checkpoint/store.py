@@ -13,13 +13,16 @@ Layout of one checkpoint (``{save}/step_{N:07d}/``)::
 Nothing is a pickle except the two files megatron-core writes in ``policy/``, which are
 checked with an allow-list before megatron-core reads them (``safe_files``).
 
-A save writes into ``.step_N.partial``; after every rank has written, rank 0 records
-the file sizes in ``run.json``, renames the folder to ``step_N`` (``fileio.publish_dir``)
-and then points ``latest`` at it, so a kill at any moment leaves the previous
-checkpoint loadable. Older checkpoints beyond ``keep_last`` are removed afterwards.
+A save writes into ``.step_N.partial``; after every rank has written, the ranks
+checksum the files (CRC-32, each rank a share of them), rank 0 records every file's
+size and checksum in ``run.json``, renames the folder to ``step_N``
+(``fileio.publish_dir``) and then points ``latest`` at it, so a kill at any moment
+leaves the previous checkpoint loadable. Older checkpoints beyond ``keep_last`` are
+removed afterwards.
 
 A load verifies the checkpoint first (``verify``: every file present, of its recorded
-size, readable by the safe readers) and names the file that fails; with
+size and checksum, readable by the safe readers; each rank reads its share of the
+files and the ranks agree on the verdict) and names the file that fails; with
 ``fallback_to_previous`` it then tries the next older complete checkpoint.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -60,9 +64,38 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.barrier()
+
+
+def _gather(obj) -> list:
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+CHUNK = 16 << 20
+
+
+def crc32(path: Path) -> int:
+    """CRC-32 of a file's bytes, streamed."""
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of ``names`` (every rank sees the same sorted list)."""
+    return names[_rank()::_world()]
 
 
 # ------------------------------------------------------------------ save
@@ -88,11 +121,13 @@ def save(state: RunState, folder: str | Path, layout, *, keep_last: int = 0) -> 
     write_tree(tmp / rank_stem(layout.tp_rank, layout.pp_rank, layout.dp_rank),
                state.rank_state())
     _barrier()
+    names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+    sums = {k: v for part in _gather({n: crc32(tmp / n) for n in _share(names)})
+            for k, v in part.items()}
     if rank == 0:
-        files = {str(f.relative_to(tmp)): f.stat().st_size
-                 for f in sorted(tmp.rglob("*")) if f.is_file()}
+        files = {n: (tmp / n).stat().st_size for n in names}
         run = {"format_version": FORMAT_VERSION, "layout": _layout_dict(layout),
-               **state.global_state(), "files": files}
+               **state.global_state(), "files": files, "crc32": sums}
         (tmp / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
         publish_dir(tmp, final)
         write_text_atomic(root / "latest", final.name + "\n")
@@ -139,11 +174,26 @@ def latest(folder: str | Path) -> Optional[Path]:
 
 
 # ------------------------------------------------------------------ verify / load
-def verify(path: str | Path) -> dict:
+def verify(path: str | Path, *, collective: bool = False) -> dict:
     """Check a ``step_N`` folder before any of it is loaded; returns its ``run.json``.
     Raises ``CheckpointError`` naming the first missing, truncated, corrupt or unsafe
-    file."""
+    file. ``collective``: every rank calls it and checksums only its share of the
+    files, and all raise the same error (or none)."""
     path = Path(path)
+    if not collective:
+        return _verify(path, None)
+    error = None
+    try:
+        run = _verify(path, _share)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in _gather(error) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
+    return run
+
+
+def _verify(path: Path, share) -> dict:
     run = read_json(path / RUN_FILE)
     if not isinstance(run, dict) or run.get("format_version") != FORMAT_VERSION:
         got = run.get("format_version") if isinstance(run, dict) else None
@@ -157,6 +207,12 @@ def verify(path: str | Path) -> dict:
         if f.stat().st_size != size:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, saved with {size}; the "
                                   f"file is truncated or was changed")
+    sums = run.get("crc32", {})  # (absent from checkpoints written before checksums)
+    names = sorted(sums)
+    for name in share(names) if share is not None else names:
+        if crc32(path / name) != sums[name]:
+            raise CheckpointError(f"{path / name}: its CRC-32 differs from the one saved; "
+                                  f"the file is corrupt (changed after the save)")
     if (path / POLICY_DIR).is_dir():
         verify_policy(path / POLICY_DIR)
     return run
@@ -177,7 +233,8 @@ def choose(folder: str | Path, *, fallback_to_previous: bool = False,
     """The checkpoint a resume from ``folder`` uses (``latest``, or ``folder`` itself
     when it is a ``step_N`` folder) and its ``run.json``, verified. With
     ``fallback_to_previous`` a failing one is skipped (and said in ``notes``) for the
-    next older one."""
+    next older one. Every rank calls it (the checksums are shared out, see
+    ``verify``), so all choose the same folder or all fail."""
     root = Path(folder)
     found = _candidates(root)
     if not found:
@@ -186,7 +243,7 @@ def choose(folder: str | Path, *, fallback_to_previous: bool = False,
     errors = []
     for path in found if fallback_to_previous else found[:1]:
         try:
-            return path, verify(path)
+            return path, verify(path, collective=True)
         except CheckpointError as e:
             errors.append(str(e))
             if notes is not None:
@@ -198,14 +255,17 @@ def choose(folder: str | Path, *, fallback_to_previous: bool = False,
 
 
 def load(state: RunState, folder: str | Path, layout, *,
-         fallback_to_previous: bool = False) -> Path:
+         fallback_to_previous: bool = False,
+         chosen: Optional[tuple[Path, dict]] = None) -> Path:
     """Restore ``state`` from the newest checkpoint under ``folder`` (or ``folder``
     itself when it is a ``step_N`` folder), resharding the policy when this run's
-    TP/PP/DP sizes differ from the saved ones. Every rank calls it; returns the path."""
+    TP/PP/DP sizes differ from the saved ones. Every rank calls it; returns the path.
+    ``chosen``: what ``choose`` returned (already verified: not verified again)."""
     notes: list[str] = []
     # every rank verifies, so all pick the same folder or all fail (no rank left
     # waiting in a collective)
-    path, run = choose(folder, fallback_to_previous=fallback_to_previous, notes=notes)
+    path, run = chosen if chosen is not None else choose(
+        folder, fallback_to_previous=fallback_to_previous, notes=notes)
     saved, here = run.get("layout", {}), _layout_dict(layout)
     if state.policy is not None:
         load_policy(state.policy, path / POLICY_DIR)

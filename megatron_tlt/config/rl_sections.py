@@ -308,7 +308,8 @@ class CheckpointConfig:
         "checkpoint.save is empty, with the drafter (if any) in its drafter/ subfolder; "
         "tools/convert_hf_checkpoint.py does the same for any saved step.", False)
     stop_deadline_s: float = _help(
-        "On SIGTERM, SIGUSR1 or the file {save}/STOP the run checkpoints after the current "
+        "On SIGTERM, SIGUSR1 or the file {save}/STOP the run abandons the step in progress "
+        "(or finishes it, past its first optimizer step), checkpoints the last completed "
         "step and exits with code 75 (requeue); if that takes longer than this, or a "
         "second signal comes, it exits at once with code 76 without writing (0 = no "
         "deadline). Keep it below the scheduler's warning time (--signal=B:TERM@120).",

@@ -123,10 +123,12 @@ class Policy:
 
     # ----------------------------------------------------------------- forward passes
     def _schedule(self, micro_batches: Sequence[MicroBatch], forward_only: bool,
-                  loss_fn: Optional[Callable], temperature: float = 1.0):
+                  loss_fn: Optional[Callable], temperature: float = 1.0,
+                  interrupt: Optional[Callable[[], bool]] = None):
         """Run megatron-core's schedule over the micro-batches; returns, on the last
         stage, one entry per micro-batch: ``loss_fn``'s metrics dict, or (forward only)
-        the log-probs of the targets under softmax(logits / ``temperature``)."""
+        the log-probs of the targets under softmax(logits / ``temperature``). At PP = 1
+        ``interrupt`` is polled before each micro-batch: True ends the loop early."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from ..models.inference import token_logprobs
@@ -148,6 +150,8 @@ class Policy:
         if self.pp_size == 1:  # the same steps without the schedule's CUDA placements
             out = []
             for mb in micro_batches:
+                if interrupt is not None and interrupt():
+                    break
                 logits, finish = forward_step(iter([mb]), self.ddp)
                 result = finish(logits)
                 if loss_fn is not None:
@@ -201,20 +205,31 @@ class Policy:
                              temperature=temperature)
         return list(out) if self.is_last_stage else None
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable, *,
+                   interrupt: Optional[Callable[[], bool]] = None,
+                   before_step: Optional[Callable[[], None]] = None
                    ) -> tuple[StepResult, list[dict]]:
         """One optimizer step over ``micro_batches`` (gradient accumulation).
 
         ``loss_fn(mb, local_logits) -> (loss, metrics)`` returns the micro-batch's share
         of the mini-batch loss (global denominators). Returns the step result and, on
         the last stage, each micro-batch's metrics.
+
+        ``interrupt`` (PP = 1) is polled between micro-batches and ends them early;
+        ``before_step`` runs on every rank after the micro-batches and before the
+        gradient reduction and the optimizer step, the last moment at which the weights
+        and optimizer state are those of before the call (the RL trainer's stop
+        agreement, which raises to abandon the step).
         """
         from megatron.core.distributed import finalize_model_grads
 
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        metrics = self._schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
+        metrics = self._schedule(micro_batches, forward_only=False, loss_fn=loss_fn,
+                                 interrupt=interrupt if self.pp_size == 1 else None)
+        if before_step is not None:
+            before_step()
         with cuda_placements_on_cpu():
             finalize_model_grads([self.ddp], None)  # DP all-reduce, tied embeddings (PP)
             result = self._optimizer_step()

@@ -10,19 +10,36 @@ A stop request comes from either
   model, so the scripts do not send the signal through torchrun; every rank looks for
   the file once a second.
 
-The handler only records the request. The loop acts on it at the next safe point, the
-end of an RL step (after the update and its metrics; a checkpoint is never of a
-half-updated state): every rank calls ``agreed()`` there, an all-reduce (MAX) of the
-flag over all ranks, so all of them stop after the same step and none waits in a
-collective for a rank that left. The run then writes a checkpoint (unless the step's
-regular save just wrote it), rank 0 consumes the stop file and writes
+The handler only records the request (``pending``, rank-local, read without any
+collective). Given the launch's rendezvous store, each rank's once-a-second poll also
+publishes its own request there and picks up another rank's, so a signal that reached
+one rank only reaches the others within about a second. The step in progress then
+ends early where that is safe, and every rank calls ``agreed()``, an all-reduce (MAX)
+of the flag over all ranks, at the same agreement points, so all of them stop at the
+same point and none waits in a collective for a rank that left:
+
+* after the rollout (at the step barrier): a replica at TP = PP = 1 stops decoding at
+  its next decode step (``RolloutEngine.interrupt``) and drops its partial responses;
+* before the step's first optimizer step: at PP = 1 the remaining micro-batches of the
+  first mini-batch are skipped (the policy's weights and optimizer are untouched until
+  the optimizer step);
+* at the end of the step (after the update and its metrics).
+
+At the first two the step is abandoned (``rl.safe_point.abandon_if_agreed``): what it
+had changed (RNG streams, the sampler's position, counters, the tuner, the drafter with
+its optimizer and data buffer) is restored from the copy taken when it began, so the
+run is exactly at the end of the last completed step; a resume redoes the abandoned
+step. The run then writes a checkpoint of that state (unless that step's regular save
+already wrote it), rank 0 consumes the stop file and writes
 ``{checkpoint.save}/requeue`` (JSON: step, reason, checkpoint), and each rank exits
 with ``REQUEUE_EXIT_CODE`` (75).
 
-The time to exit is bounded: at most the rest of the current step plus one checkpoint
-save. If that takes longer than ``checkpoint.stop_deadline_s`` after the request, or a
-second signal arrives, the rank exits at once with ``FORCED_EXIT_CODE`` (76) without
-writing: the newest complete checkpoint under ``latest`` stays what a resume loads.
+The time to exit is bounded: at most the rest of the phase that cannot be cut (the
+old/reference log-prob pass; at TP or PP > 1 the rollout; updates after the step's
+first optimizer step) plus one checkpoint save. If that takes longer than
+``checkpoint.stop_deadline_s`` after the request, or a second signal arrives, the rank
+exits at once with ``FORCED_EXIT_CODE`` (76) without writing: the newest complete
+checkpoint under ``latest`` stays what a resume loads.
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ import torch.distributed as dist
 
 from ..fileio import write_text_atomic
 
-REQUEUE_EXIT_CODE = 75   # stopped after a step with a checkpoint written: requeue
+REQUEUE_EXIT_CODE = 75   # stopped with a checkpoint written: requeue
 FORCED_EXIT_CODE = 76    # stopped mid-step without writing (deadline or second signal)
 STOP_FILE = "STOP"
 REQUEUE_FILE = "requeue"
@@ -51,12 +68,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Stopped(Exception):
     """Raised out of the step loop once every rank has agreed to stop."""
 
-    def __init__(self, step: int, reason: str, checkpoint: Optional[Path], seconds: float):
+    def __init__(self, step: int, reason: str, checkpoint: Optional[Path], seconds: float,
+                 abandoned: bool = False):
         self.step, self.reason, self.checkpoint, self.seconds = step, reason, checkpoint, seconds
+        self.abandoned = abandoned
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.save " \
                                                               "is empty)"
-        super().__init__(f"stop requested ({reason}): stopped after step {step}, {where}, "
-                         f"{seconds:.1f} s after the request")
+        cut = f" (step {step + 1} abandoned, a resume redoes it)" if abandoned else ""
+        super().__init__(f"stop requested ({reason}): stopped after step {step}{cut}, "
+                         f"{where}, {seconds:.1f} s after the request")
 
     @property
     def exit_code(self) -> int:
@@ -67,8 +87,12 @@ class StopRequest:
     """One per rank: records stop requests and agrees on them at safe points."""
 
     def __init__(self, save_folder: str = "", deadline_s: float = 90.0,
-                 poll_seconds: float = 1.0):
+                 poll_seconds: float = 1.0, store=None):
         self.folder = Path(save_folder) if save_folder else None
+        self.store = store  # shared with the other ranks (heartbeat.rendezvous_store)
+        # one key per launch attempt (torchrun restarts reuse the store)
+        self.shared_key = f"request/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._shared = False
         self.deadline_s = float(deadline_s)
         self.poll_seconds = poll_seconds
         self.reason: Optional[str] = None
@@ -88,7 +112,7 @@ class StopRequest:
         """Install the signal handlers (main thread) and start the stop-file poll."""
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        if self.stop_file is not None:
+        if self.stop_file is not None or self.store is not None:
             self._poller = threading.Thread(target=self._poll, name="stop-file-poll",
                                             daemon=True)
             self._poller.start()
@@ -112,16 +136,28 @@ class StopRequest:
 
     def _poll(self) -> None:
         while not self._done.wait(self.poll_seconds):
-            if self.requested_at is None and self.stop_file.exists():
+            if self.requested_at is None and self.stop_file is not None \
+                    and self.stop_file.exists():
                 self.request(f"stop file {self.stop_file}")
+            if self.store is None:
+                continue
+            try:
+                if self.requested_at is not None and not self._shared:
+                    self.store.set(self.shared_key, self.reason or "request")
+                    self._shared = True
+                elif self.requested_at is None and self.store.check([self.shared_key]):
+                    self.request("a request on another rank")
+                    self._shared = True
+            except Exception:  # noqa: BLE001 - the store's host may be gone at the end
+                pass
 
     def request(self, reason: str) -> None:
         """Record a request (idempotent) and arm the deadline."""
         if self.requested_at is not None:
             return
         self.reason, self.requested_at = reason, time.monotonic()
-        print(f"stop requested ({reason}): checkpoint and exit after this step "
-              f"(at most {self.deadline_s:.0f} s, checkpoint.stop_deadline_s)",
+        print(f"stop requested ({reason}): ending the step in progress, then checkpoint "
+              f"and exit (at most {self.deadline_s:.0f} s, checkpoint.stop_deadline_s)",
               file=sys.stderr, flush=True)
         if self.deadline_s > 0:
             self._timer = threading.Timer(
@@ -136,7 +172,11 @@ class StopRequest:
               f"resume loads", file=sys.stderr, flush=True)
         os._exit(FORCED_EXIT_CODE)
 
-    # ------------------------------------------------------------------ the safe point
+    # ------------------------------------------------------------------ the safe points
+    def pending(self) -> bool:
+        """Whether this rank has a request (no collective: cheap to poll in loops)."""
+        return self.requested_at is not None
+
     def agreed(self) -> bool:
         """Whether any rank has a request; every rank must call it at the same point."""
         flag = 1.0 if self.requested_at is not None else 0.0
@@ -150,7 +190,7 @@ class StopRequest:
             self.reason, self.requested_at = "a request on another rank", time.monotonic()
         return flag > 0
 
-    def stop(self, step: int, checkpoint: Optional[Path]) -> Stopped:
+    def stop(self, step: int, checkpoint: Optional[Path], abandoned: bool = False) -> Stopped:
         """After the checkpoint: consume the stop file, write the requeue marker (rank
         0) and return the exception the loop raises."""
         seconds = time.monotonic() - (self.requested_at or time.monotonic())
@@ -165,6 +205,6 @@ class StopRequest:
         self._done.set()
         if self._timer is not None:
             self._timer.cancel()
-        stopped = Stopped(step, self.reason or "request", checkpoint, seconds)
+        stopped = Stopped(step, self.reason or "request", checkpoint, seconds, abandoned)
         self._exit_code = stopped.exit_code
         return stopped

@@ -1,15 +1,24 @@
-"""The end of an RL step: the one point where the run may be saved or stopped.
+"""Where an RL step may be saved or stopped.
 
-After the update and its metrics, nothing of the step is half done: ``end_of_step``
-writes the regular checkpoint when one is due (with ``model.json``, the record of the
-model it was saved from, see ``rl.preflight``) and then acts on an agreed stop request
-(``rl.preemption``): a checkpoint unless this step's was just written, the requeue
-marker, ``Stopped``. A request during the last step is not acted on: the run finishes
-(exit 0), and there is nothing to requeue.
+At the end of the step, after the update and its metrics, nothing of the step is half
+done: ``end_of_step`` writes the regular checkpoint when one is due (with
+``model.json``, the record of the model it was saved from, see ``rl.preflight``) and
+then acts on an agreed stop request (``rl.preemption``): a checkpoint unless this
+step's was just written, the requeue marker, ``Stopped``. A request that reaches the
+end of the last step is not acted on: the run finishes (exit 0), and there is nothing
+to requeue.
+
+Inside a step (after the rollout, before the first optimizer step) a stop request
+abandons the step instead: ``step_start`` copies, when the step begins, what the step
+may change before its first optimizer step and a checkpoint holds (RNG streams, the
+sampler's position, counters, the tuner, the drafter, its optimizer and data buffer);
+``abandon_if_agreed`` restores that copy once every rank agrees, so the run state is
+the end of the last completed step again, checkpoints it and raises ``Stopped``.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +34,50 @@ def save(trainer) -> Path:
     if not dist.is_initialized() or dist.get_rank() == 0:
         preflight.record_model(path, trainer.state.meta)
     return path
+
+
+def _saved(trainer) -> Optional[Path]:
+    """The checkpoint of the current state when ``latest`` already names it."""
+    folder = trainer.cfg.checkpoint.save
+    done = Path(folder) / checkpointing.store.step_name(trainer.state.step)
+    newest = checkpointing.latest(folder)
+    return done if newest is not None and newest.resolve() == done.resolve() else None
+
+
+def step_start(trainer) -> Optional[dict]:
+    """The copy ``abandon_if_agreed`` restores (None when the run takes no stop
+    requests). Every rank calls it when a step begins (the drafter's weights are
+    gathered over TP)."""
+    if getattr(trainer, "stop", None) is None:
+        return None
+    state = trainer.state
+    snap = state.rank_state()  # fresh RNG states and buffer record lists
+    for key in ("sampler", "tuner", "extra", "drafter_group"):
+        if snap.get(key) is not None:  # the live objects' own dicts and tensors
+            snap[key] = copy.deepcopy(snap[key])
+    if state.drafter is not None and state.drafter_group is not None:
+        snap["drafter_weights"] = {k: v.clone() for k, v in state.drafter.own_state().items()}
+    return snap
+
+
+def abandon_if_agreed(trainer, snap: Optional[dict]) -> None:
+    """An agreement point inside a step: every rank calls it at the same point. When
+    any rank has a stop request, restore ``snap`` (``step_start``'s), checkpoint the
+    state of the end of the last completed step (unless ``latest`` already holds it)
+    and raise ``preemption.Stopped``."""
+    stop = getattr(trainer, "stop", None)
+    if stop is None or snap is None or not stop.agreed():
+        return
+    state = trainer.state
+    if trainer.online is not None:  # an averaging still in flight, then the old state
+        trainer.online.group.finish_sync(record=False)
+    if "drafter_weights" in snap:
+        state.drafter.load_own_state(snap["drafter_weights"])
+    state.load_rank_state(snap)
+    path = None
+    if trainer.cfg.checkpoint.save:
+        path = _saved(trainer) or save(trainer)
+    raise stop.stop(state.step, path, abandoned=True)
 
 
 def end_of_step(trainer, step: int, due: bool) -> Optional[Path]:
@@ -44,7 +97,12 @@ def resume(trainer, folder: str | Path) -> Path:
     """Check the checkpoint's recorded model against this run's, then load it."""
     # the folder a resume uses (``latest``, or an older complete one with
     # checkpoint.fallback_to_previous), verified on every rank
-    step_folder, _ = checkpointing.choose(
-        folder, fallback_to_previous=trainer.cfg.checkpoint.fallback_to_previous)
-    preflight.check_checkpoint_model(step_folder, trainer.state.meta)
-    return checkpointing.load(trainer.state, step_folder, trainer.layout)
+    notes: list[str] = []
+    chosen = checkpointing.choose(
+        folder, fallback_to_previous=trainer.cfg.checkpoint.fallback_to_previous,
+        notes=notes)
+    if notes and (not dist.is_initialized() or dist.get_rank() == 0):
+        for n in notes:
+            print(f"[checkpoint] {n}", flush=True)
+    preflight.check_checkpoint_model(chosen[0], trainer.state.meta)
+    return checkpointing.load(trainer.state, chosen[0], trainer.layout, chosen=chosen)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import checkpoint as checkpointing
 from ..config import Config, ConfigError
 from ..models.export import run_meta
+from ..rollout.engine import GenerationInterrupted
 from ..tracking import Tracker
 from . import grpo, nonfinite, preflight, safe_point
 from .evaluation import eval_metrics
@@ -136,9 +137,28 @@ class Trainer:
 
     def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
         params = sampling_params(self.cfg.grpo, seed, hidden=self.online is not None)
-        return rollout_replica(self.engine.generate, [prompts[i] for i in indices], indices,
-                               self.cfg.grpo.group_size, params, t_step,
-                               lambda: self.engine.last_stats.summary())
+        try:
+            return rollout_replica(self.engine.generate, [prompts[i] for i in indices],
+                                   indices, self.cfg.grpo.group_size, params, t_step,
+                                   lambda: self.engine.last_stats.summary())
+        except GenerationInterrupted:  # a stop request: the step is abandoned after the
+            # barrier; the rest of the step's collectives still run, on no samples
+            return ReplicaRollout([], 0.0, time.perf_counter() - t_step, 0)
+
+    def _interrupt(self) -> Optional[Callable[[], bool]]:
+        """This rank's stop flag, where a replica may cut work short on its own (TP = PP
+        = 1: its decode and micro-batch loops run no collective); else None."""
+        if self.stop is None or self.layout.tp_size * self.layout.pp_size > 1:
+            return None
+        return self.stop.pending
+
+    @contextlib.contextmanager
+    def _interruptible_rollout(self):
+        self.engine.interrupt = self._interrupt()
+        try:
+            yield
+        finally:
+            self.engine.interrupt = None
 
     def _score(self, samples: Sequence[Sample], prompts) -> None:
         t0 = time.perf_counter()
@@ -175,6 +195,9 @@ class Trainer:
         timing: dict[str, float] = {}
         self._reward_seconds = 0.0
 
+        # what the step changes before its first optimizer step, for a stop request
+        snap = safe_point.step_start(self)
+
         # 1. prompts: the same list on every rank (the sampler is deterministic)
         prompts = self.state.sampler.next_batch(g.prompts_per_step)
         mine = self.replica_prompts(len(prompts))
@@ -183,7 +206,7 @@ class Trainer:
         seed = cfg.platform.seed * 1_000_003 + step
         guard = self.online.rollout_guard() if self.online is not None \
             else contextlib.nullcontext()
-        with self._phase(f"step {step + 1}: rollout"), guard:
+        with self._phase(f"step {step + 1}: rollout"), guard, self._interruptible_rollout():
             roll = self._rollout(prompts, mine, seed, t_step)
             self._score(roll.samples, prompts)
             rounds, replaced = self._dynamic_sampling(roll, step, t_step)
@@ -198,6 +221,7 @@ class Trainer:
         finish_times = self._dp_all_gather(roll.finished_at)  # the step barrier
         window = time.perf_counter() - t_idle
         timing["barrier_wait"] = window
+        safe_point.abandon_if_agreed(self, snap)  # a stop request: raises Stopped
 
         # 4. advantages per group (groups are local to the replica)
         samples = roll.samples
@@ -229,7 +253,7 @@ class Trainer:
         t0 = time.perf_counter()
         with self._phase(f"step {step + 1}: update", g.ppo_epochs * self.mini_batches) as tick:
             update = nonfinite.skipped_update(g.ppo_epochs * self.mini_batches, self.policy.lr) \
-                if skip else self._update(samples, loss_mask, fused_old, tick)
+                if skip else self._update(samples, loss_mask, fused_old, tick, snap)
         timing["update"] = time.perf_counter() - t0
         timing["step"] = time.perf_counter() - t_step
 
@@ -339,7 +363,7 @@ class Trainer:
         return g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1
 
     def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
-                tick: Optional[Callable] = None) -> dict:
+                tick: Optional[Callable] = None, snap: Optional[dict] = None) -> dict:
         from ..models.inference import token_logprobs
 
         g = self.cfg.grpo
@@ -397,7 +421,11 @@ class Trainer:
                 per_mb = self.policy.loss_metrics(
                     self._micro_batches(samples, idle, loss_mask, for_loss=True), loss_fn
                 ) if idle else []
-                result, trained = self.policy.train_step(mbs, loss_fn)
+                first = _epoch == 0 and m == 0  # no optimizer step yet: may be abandoned
+                result, trained = self.policy.train_step(
+                    mbs, loss_fn, interrupt=self._interrupt() if first else None,
+                    before_step=(lambda: safe_point.abandon_if_agreed(self, snap))
+                    if first and snap is not None else None)
                 per_mb += trained
                 for met in per_mb:
                     for k, v in met.items():

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -39,6 +39,11 @@ from .speculative.stats import SpecStats
 
 class PromptError(ValueError):
     """A prompt the engine cannot run (empty, out-of-vocabulary ids, too long)."""
+
+
+class GenerationInterrupted(Exception):
+    """``generate`` stopped early because ``RolloutEngine.interrupt`` said so; the
+    partial outputs are dropped."""
 
 
 @dataclass
@@ -162,6 +167,10 @@ class RolloutEngine:
             self._graphs = GraphedDecoder(self.runner)
         self.spec = None  # SpeculativeDecoder when a drafter is attached
         self.tuner = None
+        # polled before every decode step: when it returns True, ``generate`` raises
+        # ``GenerationInterrupted`` (the RL trainer's stop request; rank-local, no
+        # collective: the caller sets it only where the replica decodes alone, TP=PP=1)
+        self.interrupt: Optional[Callable[[], bool]] = None
         if drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
 
@@ -272,6 +281,9 @@ class RolloutEngine:
         queue = deque(range(n))
         rows: list[_Row] = []
         while queue or rows:
+            if self.interrupt is not None and self.interrupt():
+                raise GenerationInterrupted(f"generation interrupted with {len(queue)} "
+                                            f"queued and {len(rows)} running requests")
             if queue and len(rows) < max_batch:
                 admitted = []
                 while queue and len(rows) + len(admitted) < max_batch:

@@ -1,6 +1,8 @@
 """Run checkpoints on disk: safe formats only (a crafted pickle runs nothing), corrupt or
-partial checkpoints named in the error and skipped on request, a save killed before it
-is published leaves the previous one loadable, keep-last-N, exact state round trip."""
+partial checkpoints (a truncated file, a flipped byte) named in the error and skipped on
+request, a save killed before it is published leaves the previous one loadable,
+keep-last-N, exact state round trip, no checkpoint-writer process outlives a killed
+rank."""
 
 from __future__ import annotations
 
@@ -52,9 +54,12 @@ def _save(trainer, root: Path, step: int, **kw) -> Path:
 
 
 def _record_size(step_dir: Path, name: str) -> None:
-    """Make run.json agree with a replaced file (as a forger would)."""
+    """Make run.json agree with a replaced file (size and checksum, as a forger would)."""
+    from megatron_tlt.checkpoint.store import crc32
+
     run = json.loads((step_dir / "run.json").read_text())
     run["files"][name] = (step_dir / name).stat().st_size
+    run["crc32"][name] = crc32(step_dir / name)
     (step_dir / "run.json").write_text(json.dumps(run))
 
 
@@ -139,6 +144,23 @@ def test_corrupt_checkpoint_names_the_file_and_falls_back_when_asked(trainer, tm
     assert got.name == "step_0000001" and trainer.state.step == 1
 
 
+@pytest.mark.parametrize("target", ["policy/*.distcp", "rank_*.safetensors"])
+def test_a_flipped_byte_fails_its_checksum_and_falls_back_when_asked(target, trainer,
+                                                                     tmp_path):
+    from megatron_tlt import checkpoint
+
+    _save(trainer, tmp_path, 1)
+    bad = _save(trainer, tmp_path, 2)
+    f = next(bad.glob(target))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    f.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{f}: its CRC-32 differs"):
+        checkpoint.load(trainer.state, tmp_path, trainer.layout)
+    got = checkpoint.load(trainer.state, tmp_path, trainer.layout, fallback_to_previous=True)
+    assert got.name == "step_0000001" and trainer.state.step == 1
+
+
 def test_a_save_killed_before_publishing_leaves_the_previous_one_loadable(
         trainer, tmp_path, monkeypatch):
     from megatron_tlt import checkpoint
@@ -180,3 +202,49 @@ def test_the_drafter_buffer_is_kept_not_dropped(tmp_path):
     assert [(r.tokens, r.prompt_len, r.step) for r in back] == \
         [(r.tokens, r.prompt_len, r.step) for r in buf]
     assert all(a.features.equal(b.features) for a, b in zip(back, buf))
+
+
+def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(tmp_path):
+    """megatron-core's file writer is a forked process: SIGKILL the rank while it
+    writes, and the writer goes too; the rank starts no other helper process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from cli import REPO
+
+    pidfile = tmp_path / "writer.pid"
+    (tmp_path / "ckpt").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "support" / "mp_checkpoint_writer_worker.py"),
+         str(tmp_path / "ckpt"), str(pidfile)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not pidfile.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pidfile.is_file(), proc.communicate(timeout=60)[1][-3000:]
+        writer, started = map(int, pidfile.read_text().split())
+        assert started == 1  # the writer only: no multiprocessing manager process
+        proc.kill()
+        proc.wait(timeout=60)
+
+        def alive(pid):
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 30
+        while alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(writer), "the checkpoint writer outlived its rank"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
+        except ProcessLookupError:
+            pass

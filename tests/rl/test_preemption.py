@@ -1,6 +1,7 @@
 """Stopping on request: SIGTERM to one rank of a 2-rank run makes every rank checkpoint
 after the same step and exit with the requeue code, and a resume continues from that
-checkpoint; the SLURM scripts' dry run and their requeue logic (faked SLURM commands)."""
+checkpoint; a request as the update starts abandons the step and restores what it
+changed; the SLURM scripts' dry run and their requeue logic (faked SLURM commands)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +69,91 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes(tiny_po
     assert f"resumed from {ckpt / f'step_{step:07d}'} at step {step}" in r.stdout
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] \
         == list(range(1, step + 2))
+
+
+def test_a_stop_request_mid_update_abandons_the_step_and_restores_what_it_changed(
+        tiny_policy, single_process_parallel, tmp_path):
+    """A request as the update starts: no micro-batch runs, no optimizer step; the
+    sampler's position and the RNG streams the step used are restored, the state of
+    the end of the last completed step (here: none, step 0) is checkpointed, Stopped;
+    a second stop with that checkpoint under `latest` does not write it again."""
+    import torch
+
+    from megatron_tlt import checkpoint
+    from megatron_tlt.config import load_config
+    from megatron_tlt.launch import setup
+    from megatron_tlt.rl.preemption import Stopped, StopRequest
+    from megatron_tlt.rl.trainer import Trainer
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config([], [f"model.hf_path={tiny_policy}", "grpo.prompts_per_step=2",
+                           "grpo.group_size=4", "grpo.max_new_tokens=8", "data.train_size=16",
+                           "rollout.cpu_kernels=false", "train.optimizer=torch",
+                           "reward.format_reward=1.0", "reward.format_pattern=k",
+                           f"checkpoint.save={ckpt}"])
+    trainer = Trainer(cfg, setup(cfg))
+    trainer.stop = stop = StopRequest("", deadline_s=0)
+    weights = [p.detach().clone() for p in trainer.policy.module.parameters()]
+    sampler, rng = trainer.state.sampler.state_dict(), torch.get_rng_state()
+    micro_batches = []
+    schedule, train_step = trainer.policy._schedule, trainer.policy.train_step
+
+    def requested(*a, **k):
+        torch.rand(3)  # the step draws from the global stream before the request
+        stop.request("test")
+        return train_step(*a, **k)
+
+    def counted(mbs, *a, **k):
+        out = schedule(mbs, *a, **k)
+        micro_batches.append(len(out))
+        return out
+
+    trainer.policy.train_step, trainer.policy._schedule = requested, counted
+    with pytest.raises(Stopped) as e:
+        trainer.train_step(0)
+    assert e.value.abandoned and e.value.step == 0 and e.value.exit_code == 75
+    assert micro_batches == [0]  # the loop stopped before the first micro-batch
+    assert not trainer.policy.optimizer.state  # AdamW never stepped
+    assert all(torch.equal(a, b) for a, b in
+               zip(weights, trainer.policy.module.parameters()))
+    assert trainer.state.step == 0
+    assert trainer.state.sampler.state_dict() == sampler
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert e.value.checkpoint == ckpt / "step_0000000"
+    assert checkpoint.verify(e.value.checkpoint)["step"] == 0
+    # still requested: the next try stops at the step barrier, and `latest` already
+    # holds the state, so nothing is written again
+    written = (ckpt / "step_0000000" / "run.json").stat().st_mtime_ns
+    with pytest.raises(Stopped) as e:
+        trainer.train_step(0)
+    assert e.value.abandoned and e.value.checkpoint == ckpt / "step_0000000"
+    assert (ckpt / "step_0000000" / "run.json").stat().st_mtime_ns == written
+    assert micro_batches == [0] and trainer.state.sampler.state_dict() == sampler
+
+
+def test_a_request_on_one_rank_reaches_the_others_through_the_store():
+    """Ranks share requests through the rendezvous store (here an in-memory one): a
+    request recorded on one is pending on the other within its poll, no collective."""
+    import torch.distributed as dist
+
+    from megatron_tlt.rl.preemption import StopRequest
+
+    store = dist.HashStore()
+    a, b = (StopRequest(poll_seconds=0.02, store=store) for _ in range(2))
+    for r in (a, b):  # the polls only (install() also sets signal handlers)
+        r._poller = threading.Thread(target=r._poll, daemon=True)
+        r._poller.start()
+    try:
+        time.sleep(0.2)
+        assert not a.pending() and not b.pending()
+        b.request("SIGTERM")
+        deadline = time.monotonic() + 30
+        while not a.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.pending() and a.reason == "a request on another rank"
+    finally:
+        a.uninstall()
+        b.uninstall()
 
 
 def _fake_slurm(tmp_path: Path, nodes: int, srun_body: str = "exit 0") -> dict:
