@@ -127,6 +127,8 @@ def main(argv=None) -> int:
                     help="drafter checkpoints (comma-separated) whose alpha on the same "
                          "held-out set is reported next to the variants (no training)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--save-dir", default=None,
+                    help="save each variant's trained drafter here as VARIANT.safetensors")
     ap.add_argument("--plot", default=None, help="α against training tokens (PNG)")
     args = ap.parse_args(argv)
     silence_expected_warnings()
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
                                                      token_mass)
     from megatron_tlt.drafter_training.warmup import (COVERAGE_SIZES, WarmupConfig, _generate,
                                                       recipe_prompts, _samples)
-    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
 
     variants = [parse_variant(v, args.vocab, args.lr) for v in args.variants.split(",") if v]
@@ -271,6 +273,12 @@ def main(argv=None) -> int:
                 measure(ep + 1)
         rows.append(dict(variant=v, loss=lc.__dict__, curve=curve, final=curve[-1],
                          train_seconds=time.perf_counter() - t1))
+        if args.save_dir:  # the trained drafter, for bench_spec / the engine
+            out = Path(args.save_dir) / f"{v['name']}.safetensors"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_drafter(d, out, extra=dict(variant=v["name"], recipe=args.config,
+                                            train_tokens=seen, final_alpha=curve[-1]["alpha"]))
+            print(f"  saved {out}", flush=True)
         if args.json:  # after every variant: a long comparison keeps what it finished
             write_json(args, cfg, train, held, cov, rows, n_tok)
         if args.plot:
