@@ -160,7 +160,8 @@ def main(args) -> None:
                               seed=args.seed)
     tail_params = [SamplingParams(temperature=0.0, max_new_tokens=r.target_len,
                                   ignore_eos=True) for r in tail]
-    cases.append(("long tail", pool[:32], tail_params, sum(r.target_len for r in tail)))
+    if not args.no_tail:
+        cases.append(("long tail", pool[:32], tail_params, sum(r.target_len for r in tail)))
     for name, prompts, params, n_tokens in cases:
         warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
         run_pp1(prompts, warm)

@@ -125,6 +125,8 @@ def main() -> None:
                     help="--pp: the PP = 1 engine's threads (default --threads x --pp)")
     ap.add_argument("--pp1-alt-threads", type=int, default=1,
                     help="--pp: also time the PP = 1 engine at this many threads (0: no)")
+    ap.add_argument("--no-tail", action="store_true",
+                    help="--pp: skip the long-tail batch (a loaded machine)")
     ap.add_argument("--modes", default="gathered,pipelined",
                     help="--pp: rollout.pipeline_mode values to time (the first is the "
                          "headline)")

@@ -30,3 +30,39 @@ def test_rollout_memory_per_stage_splits_the_kv_cache_and_counts_vocab_copies():
     assert "vocabulary copies" in two[1] and "vocabulary copies" in two[2]
     assert "vocabulary copies" not in one[1]
     assert "layers 0-1" in two[1] and "layers 2-3" in two[2]
+
+
+def test_gathered_mode_merges_the_pipeline_ranks_statistics():
+    """rollout.pipeline_mode=gathered: each pipeline rank decodes a share of the call;
+    its statistics are the shares' counts summed (speculation's included), per-step lists
+    concatenated, this rank's tuner gate and KV cache."""
+    from megatron_tlt.rollout.engine import GenerateStats
+    from megatron_tlt.rollout.gathered import merge_stats
+    from megatron_tlt.rollout.speculative.stats import SpecStats
+    from megatron_tlt.spec_strategy import Strategy
+
+    def share(steps, accepted, arm, gate):
+        spec = SpecStats(gate=gate)
+        for _ in range(steps):
+            spec.record(Strategy.parse(arm), "1-4", accepted, [a + 1 for a in accepted])
+        spec.record_tuned("1-4", declined=False, probe=True, rows=len(accepted),
+                          tokens=sum(accepted) + len(accepted), seconds=0.5)
+        spec.by_position["0-63"] = [len(accepted), sum(accepted)]
+        return GenerateStats(prompts=5, generated_tokens=10 * steps, decode_steps=steps,
+                             decode_seconds=0.1 * steps, batch_sizes=[2] * steps,
+                             kv_cache_bytes=100, spec=spec)
+
+    mine, other = share(2, [1, 3], "3_1_3", {"best": "mine"}), share(3, [0], "4_1_4", {})
+    out = merge_stats(mine, [mine, other])
+    assert (out.prompts, out.generated_tokens, out.decode_steps) == (5, 50, 5)
+    assert abs(out.decode_seconds - 0.5) < 1e-9 and out.batch_sizes == [2] * 5
+    assert out.kv_cache_bytes == 100
+    s = out.spec
+    assert (s.steps, s.rows, s.emitted) == (5, 7, 15)
+    assert s.arms == {"3_1_3": 2, "4_1_4": 3}
+    assert s.accept_hist == {1: 2, 3: 2, 0: 3}
+    assert (s.by_bucket["1-4"].rows, s.by_bucket["1-4"].emitted) == (7, 15)
+    assert s.tuned["1-4"].steps == 2 and s.tuned["1-4"].probes == 2
+    assert s.by_position["0-63"] == [3, 4]
+    assert s.gate == {"best": "mine"}
+    assert mine.spec.steps == 2  # the shares are left as they were
