@@ -12,8 +12,10 @@ greedy, EOS ignored, real reasoning-gym prompts. The two processes hold:
   every call, and decodes half the prompts; ``pipelined``: activations pass stage to
   stage; ``--threads`` torch threads per rank;
 - a PP = 1 engine (the whole model) on rank 0 with ``--pp1-threads`` threads (default
-  ``--threads`` x ``--pp``: the same cores); while it runs, rank 1 waits at a
-  barrier, so it has the machine to itself;
+  ``--threads`` x ``--pp``: the same cores), and in every pair also at
+  ``--pp1-alt-threads`` (``ratio_vs_pp1_N_threads``: on a loaded machine a
+  multi-threaded process loses far more than a single-threaded one, so the two bracket
+  the comparison); while it runs, rank 1 waits at a barrier;
 - ``rollout.reference.recompute_generate`` at PP = 2 (megatron-core's pipeline
   schedule, the whole sequence recomputed per token; the path the trainer took at
   PP > 1 before the pipelined engine), at batch 1 and short lengths only (quadratic).
