@@ -6,9 +6,16 @@
 (``tools/bench_rollout.py --pp 2`` hands over to this module.) SmolLM2-135M-Instruct,
 greedy, EOS ignored, real reasoning-gym prompts. The two processes hold:
 
-- the PP = 2 engine: stage 0 (layers 0..14) on rank 0, stage 1 (15..29) on rank 1;
-- a PP = 1 engine (the whole model) on rank 0; while it runs, rank 1 waits at a
-  barrier, so it has the machine to itself;
+- the PP = 2 engine in each ``--modes`` value of ``rollout.pipeline_mode`` (the first
+  one is the headline): stage 0 (layers 0..14) on rank 0, stage 1 (15..29) on rank 1;
+  ``gathered``: each rank also holds a copy of the other stage's layers, refreshed at
+  every call, and decodes half the prompts; ``pipelined``: activations pass stage to
+  stage; ``--threads`` torch threads per rank;
+- a PP = 1 engine (the whole model) on rank 0 with ``--pp1-threads`` threads (default
+  ``--threads`` x ``--pp``: the same cores), and in every pair also at
+  ``--pp1-alt-threads`` (``ratio_vs_pp1_N_threads``: on a loaded machine a
+  multi-threaded process loses far more than a single-threaded one, so the two bracket
+  the comparison); while it runs, rank 1 waits at a barrier;
 - ``rollout.reference.recompute_generate`` at PP = 2 (megatron-core's pipeline
   schedule, the whole sequence recomputed per token; the path the trainer took at
   PP > 1 before the pipelined engine), at batch 1 and short lengths only (quadratic).
@@ -19,6 +26,9 @@ long-tail batch (32 prompts, log-normal lengths, median 32, cap 256). An A/A con
 (PP=1 against itself, interleaved the same way) shows how much the shared machine
 moves a ratio. Length scaling: batch-1 per-token decode time at 64, 256 and 1,024
 new tokens, PP = 2 and PP = 1.
+
+Each case also reports the gathered mode's weight sync per call (``pack_seconds``:
+the broadcasts and the kernels' weight packing) and its copies' bytes per rank.
 
 JSON summary keys: ``pp2_vs_pp1_min`` (smallest PP=2 / PP=1 throughput ratio over
 batches 8 and 32), ``tokens_identical`` (fraction of PP=2 sequences equal to PP=1's,
@@ -32,6 +42,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -90,7 +101,9 @@ def main(args) -> None:
                          f"--nproc_per_node {args.pp}); got {plat.world_size}")
     apply_cpu_redirection()
     rank = dist.get_rank()
-    torch.set_num_threads(args.threads)
+    pp1_threads = args.pp1_threads or args.threads * args.pp
+    modes = args.modes.split(",")
+    alt = args.pp1_alt_threads if args.pp1_alt_threads != pp1_threads else 0
     src = require_smollm2() if args.model == "smollm2" else _mini_model(require_smollm2(),
                                                                         plat.rank)
     tok = load_tokenizer(src)
@@ -99,31 +112,38 @@ def main(args) -> None:
     # the stages of the PP = 2 one; each engine's runner keeps its own groups
     initialize_model_parallel(1, 1, seed=1234)
     model1, arch = load_model(src, device=plat.device, dtype=args.dtype)
+    torch.set_num_threads(pp1_threads)  # (the kernels' calibration is per thread count)
     pp1 = RolloutEngine(model1, tok, cfg, arch=arch) if rank == 0 else None
+    torch.set_num_threads(args.threads)
     if rank != 0:
         del model1
     ps.destroy_model_parallel()
     initialize_model_parallel(1, args.pp, seed=1234)
     model2, _ = load_model(src, device=plat.device, dtype=args.dtype)
-    pp2 = RolloutEngine(model2, tok, cfg, arch=arch)
+    engines = {m: RolloutEngine(model2, tok, replace(cfg, pipeline_mode=m), arch=arch)
+               for m in modes}
+    pp2 = engines[modes[0]]
     if rank == 0:
-        print(f"engines ready: PP=1 on rank 0, PP=2 stages of {len(pp2.runner.layers)} "
-              f"layers each", flush=True)
+        print(f"engines ready: PP=1 on rank 0 ({pp1_threads} threads), PP=2 "
+              f"{'/'.join(modes)} on both ranks ({args.threads} threads each), stages of "
+              f"{model2.decoder.layers.__len__()} layers", flush=True)
 
-    def run_pp1(prompts, params):
+    def run_pp1(prompts, params, threads=pp1_threads):
         """The PP = 1 engine on rank 0 (rank 1 idle at the barrier); (outputs, seconds)."""
         out, sec = None, 0.0
         if rank == 0:
+            torch.set_num_threads(threads)
             t0 = time.perf_counter()
             out = pp1.generate(prompts, params)
             sec = time.perf_counter() - t0
+            torch.set_num_threads(args.threads)
         dist.barrier()
         return out, sec
 
-    def run_pp2(prompts, params):
+    def run_pp2(prompts, params, mode=modes[0]):
         dist.barrier()
         t0 = time.perf_counter()
-        out = pp2.generate(prompts, params)
+        out = engines[mode].generate(prompts, params)
         sec = time.perf_counter() - t0
         return out, sec
 
@@ -142,16 +162,31 @@ def main(args) -> None:
                               seed=args.seed)
     tail_params = [SamplingParams(temperature=0.0, max_new_tokens=r.target_len,
                                   ignore_eos=True) for r in tail]
-    cases.append(("long tail", pool[:32], tail_params, sum(r.target_len for r in tail)))
+    if not args.no_tail:
+        cases.append(("long tail", pool[:32], tail_params, sum(r.target_len for r in tail)))
     for name, prompts, params, n_tokens in cases:
         warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
         run_pp1(prompts, warm)
-        run_pp2(prompts, warm)
+        for m in modes:
+            run_pp2(prompts, warm, m)
         ratios, aa, t1s, t2s, same_here = [], [], [], [], 0
+        other = {m: [] for m in modes[1:]}  # the other modes' ratios to PP = 1
+        packs, alt_ratios = [], []
         for _ in range(args.pairs):
             o1, s1 = run_pp1(prompts, params)
             o2, s2 = run_pp2(prompts, params)
+            packs.append(pp2.last_stats.pack_seconds)
             o1b, s1b = run_pp1(prompts, params)  # A/A: PP=1 against itself
+            if alt:  # PP = 1 at another thread count (a loaded machine punishes threads)
+                _, sa = run_pp1(prompts, params, alt)
+                alt_ratios.append(sa / s2)
+            for m in modes[1:]:
+                om, sm = run_pp2(prompts, params, m)
+                if rank == 0:
+                    other[m].append(s1b / sm)
+                    same = [a.token_ids == b.token_ids for a, b in zip(o1, om)]
+                    compared += len(same)
+                    identical += sum(same)
             if rank == 0:
                 same = [a.token_ids == b.token_ids for a, b in zip(o1, o2)]
                 compared += len(same)
@@ -167,12 +202,20 @@ def main(args) -> None:
                        ratio_min=min(ratios), ratio_max=max(ratios),
                        aa_ratio=statistics.median(aa), aa_min=min(aa), aa_max=max(aa),
                        identical=same_here / (len(prompts) * args.pairs),
-                       pp2_kv_cache_bytes_per_stage=pp2.last_stats.kv_cache_bytes)
+                       pp2_kv_cache_bytes_per_stage=pp2.last_stats.kv_cache_bytes,
+                       pp2_pack_seconds=statistics.median(packs),
+                       **{f"ratio_{m}": statistics.median(v) for m, v in other.items()},
+                       **({f"ratio_vs_pp1_{alt}_threads": statistics.median(alt_ratios)}
+                          if alt else {}))
             rows.append(row)
             log(f"{name:>9}: PP=1 {row['pp1_tok_s']:7.1f} tok/s  PP=2 {row['pp2_tok_s']:7.1f} "
                 f"tok/s  PP2/PP1 {row['ratio']:.2f} [{row['ratio_min']:.2f}, "
                 f"{row['ratio_max']:.2f}]  A/A {row['aa_ratio']:.2f} [{row['aa_min']:.2f}, "
-                f"{row['aa_max']:.2f}]  identical to PP=1 {row['identical']:.2f}")
+                f"{row['aa_max']:.2f}]  identical to PP=1 {row['identical']:.2f}  sync+pack "
+                f"{row['pp2_pack_seconds'] * 1e3:.0f} ms"
+                + "".join(f"  {m} / PP=1 {row['ratio_' + m]:.2f}" for m in modes[1:])
+                + (f"  PP2 / PP=1 at {alt} threads {row[f'ratio_vs_pp1_{alt}_threads']:.2f}"
+                   if alt else ""))
 
     # the recompute loop at PP = 2 (batch 1: it runs one sequence at a time anyway)
     recompute = {}
@@ -214,6 +257,9 @@ def main(args) -> None:
                         MINI_NOTE, dtype=args.dtype, pp=args.pp,
                         batch_sizes=sizes, new_tokens=args.new_tokens, pairs=args.pairs,
                         seed=args.seed, threads_per_rank=args.threads,
+                        pp1_threads=pp1_threads, pp1_alt_threads=alt or None, modes=modes,
+                        gathered_copy_bytes_per_rank=getattr(
+                            engines.get("gathered", pp2).runner, "copy_bytes", None),
                         torch=torch.__version__, megatron_core=megatron.core.__version__,
                         backend=dist.get_backend(),
                         note="shared machine: see aa_ratio (PP=1 against itself)",

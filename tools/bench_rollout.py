@@ -120,7 +120,16 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1,
                     help="> 1: benchmark the pipeline-parallel engine (under torchrun "
                          "with this many processes; tools/bench_pipeline.py)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per rank (--pp)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (--pp)")
+    ap.add_argument("--pp1-threads", type=int, default=0,
+                    help="--pp: the PP = 1 engine's threads (default --threads x --pp)")
+    ap.add_argument("--pp1-alt-threads", type=int, default=1,
+                    help="--pp: also time the PP = 1 engine at this many threads (0: no)")
+    ap.add_argument("--no-tail", action="store_true",
+                    help="--pp: skip the long-tail batch (a loaded machine)")
+    ap.add_argument("--modes", default="gathered,pipelined",
+                    help="--pp: rollout.pipeline_mode values to time (the first is the "
+                         "headline)")
     ap.add_argument("--recompute-tokens", type=lambda v: [int(x) for x in v.split(",")],
                     default=[16, 64], help="lengths the recompute loop runs at (--pp)")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "mini"),

@@ -200,6 +200,13 @@ class RolloutConfig:
         "near-ties); the drafter drafts with the same noise and verification accepts "
         "while its token equals the target's. Same distribution, reproducible rollouts; "
         "acceptance per token >= (1-TV)/(1+TV) instead of 1-TV.", "standard")
+    pipeline_mode: str = _help(
+        "How a replica decodes at pipeline parallelism > 1. gathered: at every "
+        "generate each pipeline rank receives the other stages' layers (a copy, "
+        "refreshed from the trained weights each call) and decodes its share of the "
+        "prompts as a PP=1 engine; outputs are all-gathered in prompt order. pipelined: "
+        "each stage runs only its own layers and KV cache, activations pass stage to "
+        "stage (no weight copies, the stages take turns).", "gathered")
     speculative: SpeculativeConfig = _help("Speculative decoding.",
                                            factory=SpeculativeConfig)
 
@@ -216,6 +223,7 @@ class RolloutConfig:
         _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
                 ("auto", "float32", "bfloat16", "float16"))
         _choice("rollout", "sampling_mode", self.sampling_mode, ("standard", "coupled"))
+        _choice("rollout", "pipeline_mode", self.pipeline_mode, ("gathered", "pipelined"))
 
 
 @dataclass

@@ -101,17 +101,22 @@ def dry_run(cfg: Config, world_size: int) -> str:
             "train.micro_batch_tokens or raise TP/PP)"),
     ]
     lines += rollout_memory_lines(arch, tp, pp, dtype_bytes, seqs, capacity,
-                                  drafter=bool(cfg.rollout.speculative.drafter))
+                                  drafter=bool(cfg.rollout.speculative.drafter),
+                                  mode=cfg.rollout.pipeline_mode)
     return "\n".join(lines)
 
 
 def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
-                         capacity: int, *, drafter: bool) -> list[str]:
+                         capacity: int, *, drafter: bool,
+                         mode: str = "pipelined") -> list[str]:
     """The rollout engine's memory on each pipeline stage (one TP rank): the weights it
     reads in place (not extra), the KV cache of the stage's own layers for ``seqs``
     sequences of ``capacity`` positions, the float32 logits every stage receives from
     the last one (one decode step), and with a drafter the copies of the embedding /
-    output layer the stages that do not own them receive."""
+    output layer the stages that do not own them receive. ``mode="gathered"``
+    (``rollout.pipeline_mode``, PP > 1): every rank holds copies of the other stages'
+    layers and of the vocabulary matrices it does not own, and the KV cache of all the
+    layers for its share of the sequences."""
     h, v = arch.hidden_size, arch.padded_vocab_size(tp) // tp
     q = arch.num_attention_heads * arch.kv_channels
     kvw = arch.num_query_groups * arch.kv_channels
@@ -120,17 +125,30 @@ def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
     kv = 2 * layers * seqs * max(arch.num_query_groups // tp, 1) * capacity \
         * arch.kv_channels * dtype_bytes
     logits = seqs * arch.vocab_size * 4
+    gathered = mode == "gathered" and pp > 1
+    if gathered:
+        share = -(-seqs // pp)
+        kv = kv * pp * share // seqs
+        logits = share * arch.vocab_size * 4
     out = [f"rollout memory per pipeline stage (one TP rank; {seqs} sequences x "
-           f"{capacity} positions; weights read in place, not extra):"]
+           f"{capacity} positions; weights read in place, not extra"
+           + (f"; gathered: all layers, {-(-seqs // pp)} sequences per rank" if gathered
+              else "") + "):"]
     for s in range(pp):
         first, last = s == 0, s == pp - 1
         vocab_mats = int(first) + int(last and (pp > 1 or not arch.tie_word_embeddings))
         weights = (layers * per_layer + vocab_mats * v * h) * dtype_bytes
         copies = (2 - vocab_mats) * v * h * dtype_bytes if drafter and pp > 1 else 0
+        if gathered:  # the other stages' layers, the vocabulary matrices not owned
+            mats = (0 if first or (last and pp == 2) else 1) if arch.tie_word_embeddings \
+                else int(not first) + int(not last)
+            copies = ((pp - 1) * layers * per_layer + mats * v * h) * dtype_bytes
         extra = kv + logits + copies
         out.append(f"  stage {s}: layers {s * layers}-{(s + 1) * layers - 1}, weights "
                    f"{weights / GIB:7.2f} GiB; KV cache {kv / GIB:7.2f} GiB + logits "
-                   f"{logits / GIB:5.2f} GiB" + (f" + vocabulary copies for the drafter "
-                                                 f"{copies / GIB:5.2f} GiB" if copies else "")
+                   f"{logits / GIB:5.2f} GiB" + (
+                       f" + copies of the other stages' weights {copies / GIB:5.2f} GiB"
+                       if gathered else f" + vocabulary copies for the drafter "
+                       f"{copies / GIB:5.2f} GiB" if copies else "")
                    + f" = {extra / GIB:7.2f} GiB for the rollout")
     return out

@@ -85,6 +85,7 @@ class GenerateStats:
     step_seconds: list[float] = field(default_factory=list)  # each decode step's time
     step_speculative: list[bool] = field(default_factory=list)  # ... whether it speculated
     kv_cache_bytes: int = 0
+    pack_seconds: float = 0.0  # weights made ready (kernel panels; PP > 1 gathered: sync)
     spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
 
     def record_step(self, seconds: float, speculative: bool) -> None:
@@ -134,7 +135,8 @@ class RolloutEngine:
             raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
         self.arch = arch
         self.tokenizer = tokenizer
-        self.runner = make_runner(model, arch)  # this pipeline stage's share at PP > 1
+        # at PP > 1: this stage's share, or a gathered copy (rollout.pipeline_mode)
+        self.runner = make_runner(model, arch, self.config.pipeline_mode)
         self.device = self.runner.device
         if eos_token_ids is None:
             eos_token_ids = _eos_ids(tokenizer)
@@ -158,10 +160,12 @@ class RolloutEngine:
         self._cache: Optional[KVCache] = None
         self._graphs = None
         if self.config.cuda_graphs:
-            if self.device.type != "cuda" or self.runner.pp_size > 1:
+            pp = 1 if self.runner.pp_size == 1 and not self.runner.shares_prompts else ">1"
+            if self.device.type != "cuda" or pp != 1:
                 raise ValueError("rollout.cuda_graphs=true needs CUDA and pipeline "
                                  "parallelism 1; this engine runs on "
-                                 f"{self.device.type} at PP={self.runner.pp_size}")
+                                 f"{self.device.type} at PP={pp}; set "
+                                 "rollout.cuda_graphs=false")
             from .cuda_graphs import GraphedDecoder
 
             self._graphs = GraphedDecoder(self.runner)
@@ -259,14 +263,29 @@ class RolloutEngine:
         if request_seeds is not None and len(request_seeds) != n:
             raise ValueError(f"got {len(request_seeds)} request seeds for {n} prompts")
         gens, keys = self._generators(plist, request_seeds)
+        t0 = time.perf_counter()
+        self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
+        stats.pack_seconds = time.perf_counter() - t0
+        if self.runner.shares_prompts:  # PP > 1, gathered: each stage decodes a share
+            from .gathered import generate_shares
+
+            return generate_shares(self, prompts, plist, gens, keys)
+        return self._run(prompts, plist, gens, keys, stats, self.config.max_batch_size)
+
+    def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], gens: list,
+             keys: list, stats: GenerateStats, max_batch: int) -> list[RolloutOutput]:
+        """The decode loop over these requests (their generators and noise keys made)
+        with at most ``max_batch`` rows running."""
+        n = len(prompts)
+        if n == 0:
+            return []
         capacity = max(min(len(p) + sp.max_new_tokens, self.context)
                        for p, sp in zip(prompts, plist))
-        max_batch = min(self.config.max_batch_size, n)
+        max_batch = min(max_batch, n)
         sc = self.config.speculative
         ctl = (SpeculationController(self.spec, self.tuner, threshold=sc.threshold,
                                      tuner_state=sc.tuner_state, tp_times=self._tp_times)
                if self.spec is not None else None)
-        self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
         cache = self._get_cache(max_batch, capacity + (ctl.slack if ctl is not None else 0))
         if ctl is not None:
             stats.spec = ctl.begin(max_batch, capacity)
@@ -481,9 +500,9 @@ class RolloutEngine:
         return gens, keys
 
     def _shared_seed(self) -> int:
-        """A fresh seed, the same on every TP rank."""
+        """A fresh seed, the same on every rank of the model-parallel group."""
         s = torch.randint(0, 2**62, (1,), dtype=torch.long).to(self.device)
-        return int(self._from_tp_rank0(s).item())
+        return int(self.runner.agree_all(s).item())
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         vocab = self.arch.vocab_size

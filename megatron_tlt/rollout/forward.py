@@ -111,6 +111,7 @@ class ModelRunner:
     # over one pipeline stage's layers sets this False)
     whole_stack = True
     pp_size = 1  # pipeline stages decoding together (rollout.pipeline)
+    shares_prompts = False  # the pipeline ranks split a call's prompts (rollout.gathered)
 
     def _finish_init(self) -> None:
         w = self.embed_w if self.embed_w is not None else self.layers[0].qkv_w
@@ -317,6 +318,11 @@ class ModelRunner:
             dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
                            group=self.tp_group)
         return tensor
+
+    def agree_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Like ``agree``, for a decision taken once per call, before any split of
+        the prompts (every rank of the model-parallel group)."""
+        return self.agree(tensor)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits [..., vocab_size] from final hidden states."""

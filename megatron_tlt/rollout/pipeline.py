@@ -1,4 +1,5 @@
-"""Rollout at pipeline parallelism > 1: one stage's share of the incremental forward.
+"""Rollout at pipeline parallelism > 1: one stage's share of the incremental forward
+(``rollout.pipeline_mode=pipelined``; the default, ``gathered``, is ``rollout.gathered``).
 
 Every pipeline stage runs a ``PipelinedRunner`` over its own decoder layers (the
 trained model's parameters, read in place as at PP = 1) and keeps the KV cache of
@@ -153,10 +154,16 @@ class PipelinedRunner(ModelRunner):
         return tensor
 
 
-def make_runner(model, arch: ModelArch) -> ModelRunner:
-    """The engine's runner: the whole model at PP = 1, this stage's share at PP > 1."""
+def make_runner(model, arch: ModelArch, pipeline_mode: str = "gathered") -> ModelRunner:
+    """The engine's runner: the whole model at PP = 1; at PP > 1 this stage's share
+    (``pipeline_mode="pipelined"``) or the whole model gathered from the stages
+    (``"gathered"``, ``rollout.gathered``)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() > 1:
+        if pipeline_mode == "gathered":
+            from .gathered import GatheredRunner
+
+            return GatheredRunner(model, arch)
         return PipelinedRunner(model, arch)
     return ModelRunner(model, arch)

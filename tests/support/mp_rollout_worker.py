@@ -6,7 +6,8 @@ engine at TP>1 or PP>1.
 
 For every tiny model under --models it runs the engine greedily and with sampling on
 the prompts of tests/rollout/test_rollout_tp.py and writes every rank's tokens, log-probs and
-hidden states (rank 0 writes the file).
+hidden states (rank 0 writes the file); at PP>1 in both rollout.pipeline_mode values,
+and a check that the gathered mode's weight copies follow an optimizer step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_tlt.config import RolloutConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.parallel import initialize_model_parallel, layout
 from megatron_tlt.rollout import RolloutEngine
@@ -39,37 +41,86 @@ def main() -> None:
     plat = init_distributed()
     initialize_model_parallel(args.tp, args.pp)
     apply_cpu_redirection()
-    results = {}
+    # at PP > 1 both rollout.pipeline_mode values; results are keyed "mode/model/case"
+    modes = ["gathered", "pipelined"] if args.pp > 1 else ["gathered"]
+    results, sync = {}, None
     for folder in sorted(Path(args.models).iterdir()):
         model, arch = load_model(folder, device=plat.device, dtype="float32")
-        engine = RolloutEngine(model, None, arch=arch, eos_token_ids=[])
-        for case, params in CASES.items():
-            outs = engine.generate(case_prompts(), params)
-            results[f"{folder.name}/{case}"] = [
-                dict(tokens=o.token_ids, logprobs=o.logprobs,
-                     hidden=o.hidden_states.tolist() if o.hidden_states is not None else None)
-                for o in outs]
-        if args.drafter and folder.name == SPEC_MODEL:
+        for mode in modes:
+            key = f"{mode}/{folder.name}"
+            engine = RolloutEngine(model, None, RolloutConfig(pipeline_mode=mode), arch=arch,
+                                   eos_token_ids=[])
+            for case, params in CASES.items():
+                outs = engine.generate(case_prompts(), params)
+                results[f"{key}/{case}"] = [
+                    dict(tokens=o.token_ids, logprobs=o.logprobs,
+                         hidden=o.hidden_states.tolist() if o.hidden_states is not None
+                         else None)
+                    for o in outs]
+            if not (args.drafter and folder.name == SPEC_MODEL):
+                continue
             from megatron_tlt.models.drafter import load_drafter
 
             drafter = load_drafter(args.drafter, arch)
             for case, (strategy, params) in SPEC_CASES.items():
-                spec = RolloutEngine(model, None, spec_config(strategy), arch=arch,
+                spec = RolloutEngine(model, None, spec_config(strategy, mode=mode), arch=arch,
                                      eos_token_ids=[], drafter=drafter)
                 outs = spec.generate(case_prompts(), params)
-                results[f"{folder.name}/{case}"] = [
+                results[f"{key}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
+                results[f"{key}/{case}/spec_steps"] = spec.last_stats.spec.steps
             for case, strategy in COUPLED_CASES.items():
-                eng = RolloutEngine(model, None, spec_config(strategy, "coupled"), arch=arch,
-                                    eos_token_ids=[], drafter=drafter if strategy else None)
+                eng = RolloutEngine(model, None, spec_config(strategy, "coupled", mode),
+                                    arch=arch, eos_token_ids=[],
+                                    drafter=drafter if strategy else None)
                 outs = eng.generate(case_prompts(), COUPLED_PARAMS)
-                results[f"{folder.name}/{case}"] = [
+                results[f"{key}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
+        if args.pp > 1 and folder.name == SPEC_MODEL:
+            sync = _copies_follow_updates(model, arch)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, pp_rank=layout().pp_rank, results=results))
+    dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, pp_rank=layout().pp_rank,
+                                          results=results, sync=sync))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+
+
+def _copies_follow_updates(model, arch) -> dict:
+    """rollout.pipeline_mode=gathered after an optimizer step on the trained model: the
+    runner's copies of every stage's layers equal their owners' updated parameters, and
+    its tokens equal the pipelined engine's (which reads the parameters in place)."""
+    import torch
+
+    gathered = RolloutEngine(model, None, RolloutConfig(pipeline_mode="gathered"),
+                             arch=arch, eos_token_ids=[])
+    pipelined = RolloutEngine(model, None, RolloutConfig(pipeline_mode="pipelined"),
+                              arch=arch, eos_token_ids=[])
+    params = CASES["greedy"]
+    before = gathered.generate(case_prompts(), params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for p in model.parameters():  # (a tied output layer gets its embedding's update)
+        g = torch.Generator().manual_seed(p.numel())
+        p.grad = torch.randn(p.shape, generator=g) * p.detach().abs().mean()
+    opt.step()
+    after = gathered.generate(case_prompts(), params)
+    ref = pipelined.generate(case_prompts(), params)
+    # every stage's own layers as its owner holds them, against this rank's copies
+    own = [[t.clone() for t in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w, lw.ln1, lw.ln2)]
+           for lw in pipelined.runner.layers]
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, own)
+    owners = [layer for stage in stages for layer in stage]
+    copies = [[lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w, lw.ln1, lw.ln2]
+              for lw in gathered.runner.layers]
+    return dict(layers=len(copies), owners=len(owners),
+                copies_equal=len(copies) == len(owners) and all(
+                    torch.equal(a, b) for ca, cb in zip(copies, owners)
+                    for a, b in zip(ca, cb)),
+                tokens_changed=[o.token_ids for o in before] != [o.token_ids for o in after],
+                tokens_equal_pipelined=[o.token_ids for o in after] == [o.token_ids
+                                                                        for o in ref],
+                copy_bytes=gathered.runner.copy_bytes)
 
 
 if __name__ == "__main__":

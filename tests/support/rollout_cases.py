@@ -28,6 +28,7 @@ SPEC_CASES = {
                                                    seed=3)),
     "spec_sampled_tree": ("3_2_5", SamplingParams(temperature=1.0, top_p=0.9,
                                                   max_new_tokens=12, seed=4)),
+    "spec_greedy_tuned": ("tuned", SamplingParams(temperature=0.0, max_new_tokens=12)),
 }
 
 
@@ -37,8 +38,10 @@ COUPLED_PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, 
 COUPLED_CASES = {"coupled_plain": None, "coupled_chain": "3_1_3", "coupled_tree": "3_2_5"}
 
 
-def spec_config(strategy: str, sampling_mode: str = "standard"):
+def spec_config(strategy: str, sampling_mode: str = "standard", mode: str = "gathered"):
+    """``strategy`` fixed ("tuned": the default tuner and break-even gate)."""
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 
-    sc = SpeculativeConfig(policy="fixed", strategy=strategy or "3_1_3", threshold=64)
-    return RolloutConfig(sampling_mode=sampling_mode, speculative=sc)
+    sc = (SpeculativeConfig(threshold=64) if strategy == "tuned" else
+          SpeculativeConfig(policy="fixed", strategy=strategy or "3_1_3", threshold=64))
+    return RolloutConfig(sampling_mode=sampling_mode, speculative=sc, pipeline_mode=mode)

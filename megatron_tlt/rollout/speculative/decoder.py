@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ...models.drafter import EagleDrafter
 from ...spec_strategy import Strategy
@@ -278,20 +277,18 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------- pieces
     def _agree(self, emissions: list[Emission], n: int) -> list[Emission]:
-        """Under TP, every rank takes TP rank 0's decisions (they agree already: same
-        logits, same generators; this makes it certain)."""
-        tp = self.target.tp_group
-        if tp is None:
+        """Every rank of the group that decodes together (TP and, at PP > 1, the
+        pipeline stages) takes the deciding rank's emissions (``ModelRunner.agree``;
+        they agree already: same logits, same generators; this makes it certain)."""
+        if self.target.tp_group is None and self.target.pp_size == 1:
             return emissions
-        from megatron.core import parallel_state as ps
-
         width = n + 1
         buf = torch.full((len(emissions), 2, width), -1, dtype=torch.long,
                          device=self.target.device)
         for i, e in enumerate(emissions):
             buf[i, 0, : len(e.tokens)] = torch.tensor(e.tokens)
             buf[i, 1, : len(e.nodes)] = torch.tensor(e.nodes)
-        dist.broadcast(buf, ps.get_tensor_model_parallel_src_rank(), group=tp)
+        self.target.agree(buf)
         out = []
         for i in range(len(emissions)):
             toks = [t for t in buf[i, 0].tolist() if t >= 0]

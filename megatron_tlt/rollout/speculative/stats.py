@@ -3,7 +3,7 @@ acceptance, times, chosen arms and, per batch-size bucket, the steps the tuner d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 from ...spec_strategy import Strategy
@@ -71,6 +71,23 @@ class SpecStats:
     probes: int = 0  # steps taken against the gate's decision to re-measure the other side
     tuned: dict[str, BucketSteps] = field(default_factory=dict)  # bucket label -> its steps
     gate: dict = field(default_factory=dict)  # StrategyTuner.gate_stats() after the call
+
+    def merged(self, other: "SpecStats") -> "SpecStats":
+        """Both calls' counts summed (the pipeline ranks' shares of one call in
+        ``rollout.pipeline_mode=gathered``); ``gate`` is this one's."""
+        out = SpecStats(gate=dict(self.gate))
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "gate":
+                continue
+            if isinstance(a, (int, float)):
+                setattr(out, f.name, a + b)
+                continue
+            merged = {}
+            for k in list(a) + [k for k in b if k not in a]:
+                merged[k] = _add(a.get(k), b.get(k))
+            setattr(out, f.name, merged)
+        return out
 
     @property
     def accept_len(self) -> float:
@@ -140,3 +157,16 @@ class SpecStats:
             "declined_fraction": self.declined / tuned_steps if tuned_steps else 0.0,
             "probes": self.probes, "buckets": buckets,
         }
+
+
+def _add(a, b):
+    """Sum of two counters of one kind (a number, a list of numbers, a Tally, a
+    BucketSteps), either of them possibly None."""
+    if a is None or b is None:
+        return a if b is None else b
+    if isinstance(a, list):
+        return [x + y for x, y in zip(a, b)]
+    if isinstance(a, (Tally, BucketSteps)):
+        return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name)
+                          for f in fields(a)})
+    return a + b

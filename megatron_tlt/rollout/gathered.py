@@ -1,0 +1,182 @@
+"""Rollout at pipeline parallelism > 1 on a gathered copy of the stages' weights.
+
+``rollout.pipeline_mode=gathered`` (the default). At the start of every ``generate``
+each pipeline rank receives the other stages' decoder layers (this TP rank's shards),
+the embedding, the final norm and the output layer from their owners by broadcasts
+over the pipeline group (``GatheredRunner.pack_weights``); its own stage's layers
+are read in place, as at PP = 1. Every pipeline rank then holds the whole model and
+decodes its own share of the call's prompts as a PP = 1 engine (with its TP group as
+at PP = 1), and the outputs (tokens, log-probs, hidden states) and statistics are
+all-gathered over the pipeline group back into prompt order, so every stage returns
+the same outputs (``generate_shares``).
+
+Why not the stage-to-stage forward (``rollout.pipeline``, ``pipelined``): decoding is
+bound by streaming the weights, so a stage that waits for its neighbour's activations
+idles, and micro-batches in flight across stages would stream each stage's weights
+once per micro-batch and leave the stages as unbalanced as their layers (the last one
+also runs the LM head). Here both ranks stream the whole model at half the batch,
+with no communication until the end of the call.
+
+Costs: per rank, a copy of the other stages' layers and of the vocabulary matrix it
+does not own (``copy_bytes``), and the broadcasts at every ``generate`` (its time is
+``GenerateStats.pack_seconds``). The copies are re-sent from the owners' parameters
+at every call, so rollouts always run the weights the trainer has just updated.
+
+Exactness: a request's random stream (standard sampling) or noise key (coupled
+sampling) is derived from its index in the call before the prompts are split, so the
+tokens equal the PP = 1 engine's for greedy, coupled and standard sampling (up to
+floating-point differences of a smaller batch's kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..models.gpt import ModelArch
+from .forward import ModelRunner, _Layer
+
+if TYPE_CHECKING:
+    from .engine import GenerateStats, RolloutEngine, RolloutOutput
+
+
+class GatheredRunner(ModelRunner):
+    """The whole model on every pipeline rank: this stage's layers by reference, the
+    other stages' as copies that ``pack_weights`` refreshes from their owners."""
+
+    pp_size = 1  # decodes with its TP group only; the stages split the prompts
+    shares_prompts = True
+
+    def __init__(self, model, arch: ModelArch):
+        from megatron.core import parallel_state as ps
+
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.stages = ps.get_pipeline_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.stage_ranks = dist.get_process_group_ranks(self.pp_group)  # global ranks
+        super().__init__(model, arch)
+
+    def refresh(self) -> None:
+        """Own tensors by reference, receive buffers for the others' (collective over
+        the pipeline group), then the first sync."""
+        m = self.model
+        is_first, is_last = self.pp_rank == 0, self.pp_rank == self.stages - 1
+        self.set_layers(m.decoder.layers)
+        own = self.layers
+        counts = [None] * self.stages
+        dist.all_gather_object(counts, len(own), group=self.pp_group)
+        vocab = self.arch.padded_vocab_size(self.tp_size) // self.tp_size
+        self.vocab_start = self.tp_rank * vocab
+        like = dict(dtype=own[0].qkv_w.dtype, device=own[0].qkv_w.device)
+
+        def empty_like_layer() -> _Layer:
+            return _Layer(*(None if t is None else torch.empty(t.shape, **like)
+                            for t in (getattr(own[0], f.name) for f in fields(_Layer))))
+
+        # (tensor, owner's global rank), in the same order on every rank
+        self._copies: list[tuple[torch.Tensor, int]] = []
+        self.copy_bytes = 0
+        layers = []
+        for stage, count in enumerate(counts):
+            mine = stage == self.pp_rank
+            stage_layers = own if mine else [empty_like_layer() for _ in range(count)]
+            for lw in stage_layers:
+                for f in fields(_Layer):
+                    t = getattr(lw, f.name)
+                    if t is not None:
+                        self._track(t, stage, mine)
+            layers.extend(stage_layers)
+        self.layers = layers
+        own_output = None
+        if is_last:
+            own_output = (m.shared_embedding_or_output_weight()
+                          if m.share_embeddings_and_output_weights else m.output_layer.weight)
+        shape = (vocab, self.arch.hidden_size)
+        last = self.stages - 1
+        own_embed = m.embedding.word_embeddings.weight if is_first else None
+        if m.share_embeddings_and_output_weights and self.stages == 2:
+            # tied: the first stage's embedding and the last stage's output layer are
+            # the same matrix (megatron-core keeps the two copies equal), so each
+            # stage uses its own for both (with middle stages, all receive the first's)
+            self.embed_w = self.output_w = own_embed if is_first else own_output
+        else:
+            self.embed_w = self._track(own_embed if is_first else torch.empty(shape, **like),
+                                       0, is_first)
+            self.output_w = (self.embed_w if m.share_embeddings_and_output_weights else
+                             self._track(own_output if is_last else
+                                         torch.empty(shape, **like), last, is_last))
+        self.final_norm = self._track(m.decoder.final_layernorm.weight if is_last
+                                      else torch.empty(own[0].ln1.shape, **like), last, is_last)
+        self._panels, self._packed_stack = {}, None
+        self.sync_weights()
+
+    def _track(self, t: torch.Tensor, stage: int, mine: bool) -> torch.Tensor:
+        self._copies.append((t, self.stage_ranks[stage]))
+        if not mine:
+            self.copy_bytes += t.numel() * t.element_size()
+        return t
+
+    def sync_weights(self) -> None:
+        """Every copy from its owner's current parameters (collective over the
+        pipeline group)."""
+        for t, src in self._copies:
+            dist.broadcast(t.data, src, group=self.pp_group)
+
+    def pack_weights(self) -> None:
+        self.sync_weights()
+        super().pack_weights()
+
+    def agree_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A call-level decision (before the prompts are split): TP rank 0's value,
+        then the first stage's, on every rank of the pipeline group too."""
+        self.agree(tensor)
+        dist.broadcast(tensor, self.stage_ranks[0], group=self.pp_group)
+        return tensor
+
+
+def generate_shares(engine: "RolloutEngine", prompts: list[list[int]], plist: Sequence,
+                    gens: list, keys: list) -> list["RolloutOutput"]:
+    """Decode this pipeline rank's share of the prompts (every ``stages``-th, from its
+    rank) as a PP = 1 engine, then all-gather everyone's outputs in prompt order."""
+    runner: GatheredRunner = engine.runner
+    n, stages = len(prompts), runner.stages
+    mine = list(range(runner.pp_rank, n, stages))
+    # the replica's running batch, split like its prompts
+    max_batch = max(1, math.ceil(engine.config.max_batch_size / stages))
+    stats = engine.last_stats
+    local = engine._run([prompts[i] for i in mine], [plist[i] for i in mine],
+                        [gens[i] for i in mine], [keys[i] for i in mine], stats, max_batch)
+    parts = [None] * stages
+    dist.all_gather_object(parts, (mine, local, stats), group=runner.pp_group)
+    outputs: list = [None] * n
+    for idx, outs, _ in parts:
+        for i, o in zip(idx, outs):
+            outputs[i] = replace(o, index=i)
+    engine.last_stats = merge_stats(stats, [p[2] for p in parts])
+    return outputs
+
+
+def merge_stats(base: "GenerateStats", parts: list["GenerateStats"]) -> "GenerateStats":
+    """The call's statistics over the pipeline ranks: counts and seconds summed (the
+    ranks decode at the same time, so seconds are busy time, not wall time), per-step
+    lists concatenated, speculation counts summed; this rank's KV cache size and the
+    whole call's prompts and weight sync time."""
+    out = replace(base, generated_tokens=0, prefill_tokens=0, decode_steps=0,
+                  prefill_seconds=0.0, decode_seconds=0.0, batch_sizes=[],
+                  step_seconds=[], step_speculative=[], spec=None)
+    for p in parts:
+        for name in ("generated_tokens", "prefill_tokens", "decode_steps",
+                     "prefill_seconds", "decode_seconds"):
+            setattr(out, name, getattr(out, name) + getattr(p, name))
+        out.batch_sizes += p.batch_sizes
+        out.step_seconds += p.step_seconds
+        out.step_speculative += p.step_speculative
+        if p.spec is not None:
+            out.spec = p.spec if out.spec is None else out.spec.merged(p.spec)
+    if out.spec is not None and base.spec is not None:
+        out.spec.gate = base.spec.gate  # this rank's tuner
+    return out
