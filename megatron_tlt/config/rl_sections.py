@@ -242,7 +242,7 @@ class DrafterGroupConfig:
     loss: str = _help(
         "Drafter loss preset (eagle, kl, tv, log_accept, kl+tv, kl+tv+hidden), computed at "
         "the rollout's sampling settings (grpo.temperature / top_p / top_k); the default is "
-        "the warm-up's.", "kl+tv+hidden")
+        "the warm-up's.", "kl+tv")
     lr: float = _help("Drafter AdamW peak learning rate (chosen by tools/sweep_drafter_lr.py: "
                       "docs/benchmarks.md).", 1e-3)
     lr_warmup_steps: int = _help("Linear warm-up, in drafter optimizer steps.", 4)

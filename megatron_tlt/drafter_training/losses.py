@@ -101,8 +101,8 @@ LOSS_PRESETS = {
     "tv": LossConfig(kl=0.0, tv=1.0),
     "log_accept": LossConfig(kl=0.0, log_accept=1.0),
     "kl+tv": LossConfig(kl=1.0, tv=1.0),
-    # the default (docs/benchmarks.md, α against training tokens): kl+tv plus the
-    # next-hidden-state regression, which holds α at draft depths 2-4
+    # kl+tv plus the next-hidden-state regression: the best α at 39k+ training tokens
+    # (docs/benchmarks.md, α against training tokens), worse on small warm-ups
     "kl+tv+hidden": LossConfig(kl=1.0, tv=1.0, hidden=1.0),
 }
 

@@ -36,7 +36,7 @@ from .losses import LOSS_PRESETS, LossConfig
 __all__ = ["WarmupConfig", "WarmupResult", "WarmupError", "run_warmup", "DEFAULT_LOSS"]
 
 # chosen by measurement (docs/benchmarks.md, "Drafter warm-up for sampled acceptance")
-DEFAULT_LOSS = "kl+tv+hidden"
+DEFAULT_LOSS = "kl+tv"
 COVERAGE_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 0)
 
 
