@@ -333,7 +333,7 @@ class DrafterGroup:
         if not keep:
             self._write_flat(flat)
         self._set_adam_step()
-        cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+        cs = _word_sum(flat)
         sums = [torch.empty_like(cs) for _ in range(self.dp_size)]
         dist.all_gather(sums, cs, group=self.dp_group)
         healed = False
@@ -342,12 +342,12 @@ class DrafterGroup:
             dist.broadcast(flat, src=self._dp_global(0),
                            group=self.dp_group)
             self._write_flat(flat)
-            cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+            cs = _word_sum(flat)
             healed = True
         if self.tp_size > 1:
             if self._agree_tp():
                 healed = True
-                cs = self._flat().view(torch.int32).sum(dtype=torch.int64).reshape(1)
+                cs = _word_sum(self._flat())
             dist.all_reduce(cs, group=self.tp_group)  # the whole replica's fingerprint
         out = {"checksum": int(cs[0]), "healed": healed, "finish": self.clock() - t0}
         if record and self.last:
@@ -367,7 +367,7 @@ class DrafterGroup:
         if not reps:
             return False
         flat = torch.cat([t.detach().float().reshape(-1) for t in reps])
-        cs = flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+        cs = _word_sum(flat)
         sums = [torch.empty_like(cs) for _ in range(self.tp_size)]
         dist.all_gather(sums, cs, group=self.tp_group)
         if all(torch.equal(x, sums[0]) for x in sums):
@@ -466,3 +466,9 @@ class DrafterGroup:
         self.trainer.opt.load_state_dict(state["optimizer"])
         self.trainer.step_count = int(state["step_count"])
         self.version = int(state["version"])
+
+
+def _word_sum(flat: torch.Tensor) -> torch.Tensor:
+    """[1] int64: a float32 vector's bytes summed as int32 words (a bit-exact
+    fingerprint, cheap to all-gather)."""
+    return flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)

@@ -160,12 +160,12 @@ class RolloutEngine:
         self._cache: Optional[KVCache] = None
         self._graphs = None
         if self.config.cuda_graphs:
-            pp = 1 if self.runner.pp_size == 1 and not self.runner.shares_prompts else ">1"
-            if self.device.type != "cuda" or pp != 1:
+            pp_one = self.runner.pp_size == 1 and not self.runner.shares_prompts
+            if self.device.type != "cuda" or not pp_one:
                 raise ValueError("rollout.cuda_graphs=true needs CUDA and pipeline "
                                  "parallelism 1; this engine runs on "
-                                 f"{self.device.type} at PP={pp}; set "
-                                 "rollout.cuda_graphs=false")
+                                 f"{self.device.type} at PP{'=1' if pp_one else '>1'}; "
+                                 "set rollout.cuda_graphs=false")
             from .cuda_graphs import GraphedDecoder
 
             self._graphs = GraphedDecoder(self.runner)
