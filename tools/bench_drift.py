@@ -52,7 +52,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
               f"grpo.max_new_tokens={a.max_new_tokens}",
               f"grpo.prompts_per_step={a.prompts}", f"grpo.group_size={a.group_size}",
               "train.eval_interval=0",  # held-out accuracy measures nothing here
-              "rollout.sampling_mode=coupled", *strategy_args(a.strategy), "tracking.wandb_project=\"\"",
+              "rollout.sampling_mode=coupled", *strategy_args(a.strategy), "tracking.wandb_project=",
               "tracking.plots=false", "tracking.progress=false",
               f"tracking.output_dir={a.out_dir}", f"tracking.run_name={arm}"]
     if arm == "frozen":
@@ -61,7 +61,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
     if arm == "online":
         return common + [f"rollout.speculative.drafter={drafter}",
                          "drafter_group.enable=true"]
-    return common + ["rollout.speculative.drafter=\"\"", "drafter_group.enable=true"]
+    return common + ["rollout.speculative.drafter=", "drafter_group.enable=true"]
 
 
 def strategy_args(strategy: str) -> list[str]:
