@@ -27,6 +27,12 @@ long-tail batch (32 prompts, log-normal lengths, median 32, cap 256). An A/A con
 moves a ratio. Length scaling: batch-1 per-token decode time at 64, 256 and 1,024
 new tokens, PP = 2 and PP = 1.
 
+With ``--spec-drafter`` (a drafter file, or ``demo``), speculation against pipeline
+depth: the PP = 1 engine and each PP = 2 mode, plain and speculative runs interleaved
+at batch 1 and on the long-tail batch, greedy and at T = 1 (``--spec-temperatures``;
+coupled sampling, so both emit the same tokens), with the fixed ``--spec-strategy``:
+the speed-up, the acceptance length and the identity per cell (JSON ``speculation``).
+
 Each case also reports the gathered mode's weight sync per call (``pack_seconds``:
 the broadcasts and the kernels' weight packing) and its copies' bytes per rank.
 
@@ -79,6 +85,95 @@ def _mini_model(smollm2: Path, rank: int) -> Path:
     return out
 
 
+def spec_by_depth(args, rank, pp1, engines, modes, pool, tail, arch, run_pp1, run_pp2,
+                  log) -> dict:
+    """Speculation against pipeline depth: for the PP = 1 engine and each PP = 2 mode,
+    plain and speculative runs interleaved (``--spec-pairs`` pairs) at batch 1 and on the
+    long-tail batch, at every ``--spec-temperatures`` value, with ``--spec-drafter`` and
+    the fixed ``--spec-strategy``. Per cell: tokens per second plain and speculative,
+    their ratio (the speed-up), the acceptance length and whether both emitted the same
+    tokens (exact speculation: they must)."""
+    from megatron_tlt.config import SpeculativeConfig
+    from megatron_tlt.models.drafter import load_drafter
+    from megatron_tlt.rollout import SamplingParams
+    from megatron_tlt.rollout.speculative.tuner import StrategyTuner
+
+    path = args.spec_drafter
+    if path == "demo":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from demo import demo_drafter
+
+        path = str(demo_drafter())
+    tuner_cfg = SpeculativeConfig(policy="fixed", strategy=args.spec_strategy)
+    depths = {"pp1": pp1 if rank == 0 else None, **{f"pp2_{m}": engines[m] for m in modes}}
+    temps = [float(t) for t in args.spec_temperatures.split(",")]
+    out = {"drafter": path, "strategy": args.spec_strategy, "cells": []}
+    for name, engine in depths.items():
+        for temp in temps:
+            for case in ("batch 1", "long tail"):
+                if case == "long tail" and args.no_tail:
+                    continue
+                if case == "batch 1":
+                    prompts = pool[:1]
+                    params = SamplingParams(temperature=temp, max_new_tokens=args.new_tokens,
+                                            ignore_eos=True, seed=args.seed)
+                else:
+                    prompts = pool[:32]
+                    params = [SamplingParams(temperature=temp, max_new_tokens=r.target_len,
+                                             ignore_eos=True, seed=args.seed + i)
+                              for i, r in enumerate(tail)]
+                n_tokens = (args.new_tokens if case == "batch 1"
+                            else sum(r.target_len for r in tail))
+
+                def run(spec_on):
+                    if engine is not None:
+                        if spec_on:
+                            engine.attach_drafter(
+                                load_drafter(path, arch, dtype=engine.runner.dtype,
+                                             device=engine.device),
+                                StrategyTuner.from_config(tuner_cfg))
+                        else:
+                            engine.detach_drafter()
+                    if name == "pp1":
+                        o, sec = run_pp1(prompts, params)
+                        st = pp1.last_stats if rank == 0 else None
+                    else:
+                        o, sec = run_pp2(prompts, params, name.split("_", 1)[1])
+                        st = engine.last_stats
+                    acc = st.spec.accept_len if st is not None and st.spec else None
+                    return o, sec, acc
+
+                run(False)  # warm-up of this cell's shapes
+                ratios, plain_rate, spec_rate, accs, same = [], [], [], [], True
+                for _ in range(args.spec_pairs):
+                    o0, s0, _ = run(False)
+                    o1, s1, acc = run(True)
+                    if rank == 0:
+                        ratios.append(s0 / s1)
+                        plain_rate.append(n_tokens / s0)
+                        spec_rate.append(n_tokens / s1)
+                        accs.append(acc)
+                        same &= all(a.token_ids == b.token_ids for a, b in zip(o0, o1))
+                if engine is not None:
+                    engine.detach_drafter()
+                if rank == 0:
+                    cell = dict(engine=name, temperature=temp, case=case,
+                                plain_tok_s=statistics.median(plain_rate),
+                                spec_tok_s=statistics.median(spec_rate),
+                                speedup=statistics.median(ratios), speedup_min=min(ratios),
+                                speedup_max=max(ratios), accept_len=statistics.median(accs),
+                                identical=same)
+                    out["cells"].append(cell)
+                    log(f"spec {name:>12} T={temp:g} {case:>9}: plain "
+                        f"{cell['plain_tok_s']:6.1f} tok/s, speculative "
+                        f"{cell['spec_tok_s']:6.1f} tok/s ({cell['speedup']:.2f}x "
+                        f"[{cell['speedup_min']:.2f}, {cell['speedup_max']:.2f}]), accept "
+                        f"{cell['accept_len']:.2f}, identical {same}")
+    return out
+
+
 def main(args) -> None:
     import megatron.core
     from megatron.core import parallel_state as ps
@@ -107,7 +202,9 @@ def main(args) -> None:
     src = require_smollm2() if args.model == "smollm2" else _mini_model(require_smollm2(),
                                                                         plat.rank)
     tok = load_tokenizer(src)
-    cfg = RolloutConfig(cpu_kernels=args.cpu_kernels)
+    # coupled sampling: a sampled run emits the same tokens whatever the engine's depth
+    # and whether it speculates (greedy runs are unaffected)
+    cfg = RolloutConfig(cpu_kernels=args.cpu_kernels, sampling_mode="coupled")
     # the PP = 1 model first (every rank builds one: the groups are collective), then
     # the stages of the PP = 2 one; each engine's runner keeps its own groups
     initialize_model_parallel(1, 1, seed=1234)
@@ -217,6 +314,9 @@ def main(args) -> None:
                 + (f"  PP2 / PP=1 at {alt} threads {row[f'ratio_vs_pp1_{alt}_threads']:.2f}"
                    if alt else ""))
 
+    spec = (spec_by_depth(args, rank, pp1, engines, modes, pool, tail, arch, run_pp1,
+                          run_pp2, log) if args.spec_drafter else None)
+
     # the recompute loop at PP = 2 (batch 1: it runs one sequence at a time anyway)
     recompute = {}
     for n in args.recompute_tokens:
@@ -267,6 +367,7 @@ def main(args) -> None:
             results=rows,
             recompute=recompute,
             length=scaling,
+            speculation=spec,
             pp2_vs_pp1_min=min(mid) if mid else None,
             tokens_identical=identical / compared if compared else None,
         )
@@ -278,8 +379,8 @@ def main(args) -> None:
             mid = str(args.lengths[1])
             result[f"length_scaling_{mid}"] = (scaling[mid]["pp2_ms_per_token"]
                                                / scaling[lo]["pp2_ms_per_token"])
-        log(f"pp2_vs_pp1_min {result['pp2_vs_pp1_min']:.3f}  tokens_identical "
-            f"{result['tokens_identical']:.3f}  length_scaling {result['length_scaling']:.2f}")
+        log("  ".join(f"{k} {result[k]:.3f}" if result[k] is not None else f"{k} -"
+                      for k in ("pp2_vs_pp1_min", "tokens_identical", "length_scaling")))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
     dist.barrier()

@@ -135,6 +135,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "mini"),
                     help="--pp: SmolLM2, or a random 8-layer 256-wide Llama with its "
                          "tokenizer (a loaded machine)")
+    ap.add_argument("--spec-drafter", default="",
+                    help="--pp: also time speculation at PP = 1 and PP = 2 with this "
+                         "drafter ('demo': the demo's warm-up drafter; empty: skip)")
+    ap.add_argument("--spec-strategy", default="4_1_4",
+                    help="--pp: the fixed drafting strategy of --spec-drafter's runs")
+    ap.add_argument("--spec-pairs", type=int, default=2,
+                    help="--pp: interleaved plain/speculative pairs per --spec-drafter cell")
+    ap.add_argument("--spec-temperatures", default="0,1",
+                    help="--pp: temperatures of --spec-drafter's runs (coupled sampling "
+                         "above 0, so plain and speculative runs emit the same tokens)")
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")],
                     default=[64, 256, 1024], help="batch-1 lengths of the per-token "
                                                   "time scaling (--pp)")
