@@ -9,7 +9,7 @@ from megatron_tlt.models.megatron_weights import load_megatron_shards, shard_for
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import (HFWeights, from_te_names, hf_to_megatron, megatron_to_hf,
                                     to_te_names)
-from cli import run_script
+from cli import run_main, run_script
 from tiny_models import TINY_CONFIGS, VOCAB
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -72,6 +72,13 @@ def _run_tool(*args):
     return run_script("tools/convert_hf_checkpoint.py", *args)
 
 
+def _tool_main(*args):
+    """The tool's main in this process (errors are turned into exit status 2 by main
+    itself, so the status and messages are the command line's; the command line runs in
+    test_cli_round_trip_and_transformers_loads_result)."""
+    return run_main("tools/convert_hf_checkpoint.py", *args)
+
+
 def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +89,7 @@ def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert (ckpt / "release/mp_rank_01_001/model_optim_rng.pt").is_file()
-    r = _run_tool("--out", str(back), f"model.hf_path={ckpt}")
+    r = _tool_main("--out", str(back), f"model.hf_path={ckpt}")
     assert r.returncode == 0, r.stderr
     orig, new = HFWeights(src), HFWeights(back)
     assert set(orig) == set(new)
@@ -97,8 +104,8 @@ def test_cli_round_trip_and_transformers_loads_result(tiny_hf_dirs, tmp_path):
 def test_checkpoint_reshards_on_load(tiny_hf_dirs, tmp_path):
     """A TP=2 checkpoint loaded at TP=1/PP=2 equals converting the HF folder directly."""
     src = tiny_hf_dirs["llama_untied"]
-    assert _run_tool("--out", str(tmp_path / "c"), f"model.hf_path={src}",
-                     "parallel.tensor_model_parallel_size=2").returncode == 0
+    assert _tool_main("--out", str(tmp_path / "c"), f"model.hf_path={src}",
+                      "parallel.tensor_model_parallel_size=2").returncode == 0
     _, arch, meta = load_megatron_shards(tmp_path / "c")
     assert meta["tensor_model_parallel_size"] == 2
     for pp_rank in range(2):
@@ -110,14 +117,14 @@ def test_checkpoint_reshards_on_load(tiny_hf_dirs, tmp_path):
 
 
 def test_cli_errors_are_clear(tiny_hf_dirs, tmp_path):
-    r = _run_tool("--out", str(tmp_path / "x"), f"model.hf_path={tiny_hf_dirs['qwen2']}",
-                  "parallel.tensor_model_parallel_size=3")
+    r = _tool_main("--out", str(tmp_path / "x"), f"model.hf_path={tiny_hf_dirs['qwen2']}",
+                   "parallel.tensor_model_parallel_size=3")
     assert r.returncode == 2
     assert "tensor_model_parallel_size=3 does not divide" in r.stderr
-    r = _run_tool("--out", str(tmp_path / "y"), f"model.hf_path={tmp_path / 'missing'}")
+    r = _tool_main("--out", str(tmp_path / "y"), f"model.hf_path={tmp_path / 'missing'}")
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = _run_tool("--out", str(tmp_path / "z"), "model.hf_path=smollm2",
-                  "parallel.tensor_model_parallel_sz=2")
+    r = _tool_main("--out", str(tmp_path / "z"), "model.hf_path=smollm2",
+                   "parallel.tensor_model_parallel_sz=2")
     assert r.returncode == 2 and "did you mean 'parallel.tensor_model_parallel_size'" in r.stderr
 
 

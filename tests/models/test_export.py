@@ -123,8 +123,10 @@ def tp2_run(smollm2_dir, tmp_path_factory, single_process_parallel):
 def test_tp2_run_checkpoint_to_transformers_gives_the_trained_logits(tp2_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = run_script("tools/convert_hf_checkpoint.py", "--out", tmp_path / "hf",
-                   f"model.hf_path={tp2_run['run'] / 'ckpt'}")
+    # the tool's main in this process (test_newest_step_by_default_or_a_named_one
+    # runs its command line on a run checkpoint)
+    r = run_main("tools/convert_hf_checkpoint.py", "--out", tmp_path / "hf",
+                 f"model.hf_path={tp2_run['run'] / 'ckpt'}")
     assert r.returncode == 0, r.stderr
     trained = tp2_run["trained"]
     ids = trained["ids"]

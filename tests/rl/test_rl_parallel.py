@@ -29,49 +29,63 @@ def policy(smollm2_dir, tmp_path_factory):
     return save_tiny_policy(tmp_path_factory.mktemp("rlpar") / "policy", smollm2_dir)
 
 
+LAYOUTS = {"dp2": "", "tp2": "parallel.tensor_model_parallel_size=2",
+           "pp2": "parallel.pipeline_model_parallel_size=2"}
+# Replica 1's groups all have equal rewards (prompts 2 and 3 go to replica 1: mini-batches
+# = 2, replica (p // 2) % 2), without the KL and entropy terms
+FLAT = "grpo.kl_beta=0.0,grpo.entropy_coef=0.0,flat_prompts=2/3"
+
+
+def _results(out) -> dict[str, list]:
+    """variant -> the ranks' results of one worker launch."""
+    by_variant: dict[str, list] = {}
+    for res in json.loads(out.read_text()):
+        by_variant.setdefault(res["variant"], []).append(res)
+    return by_variant
+
+
 @pytest.fixture(scope="module")
 def single(policy, tmp_path_factory):
+    """The single-process update of the common batch ("") and of the FLAT batch, one
+    launch."""
     out = tmp_path_factory.mktemp("single") / "r.json"
-    r = run_script("tests/support/mp_rl_worker.py", "--out", out, f"model.hf_path={policy}", *UPDATE)
+    r = run_script("tests/support/mp_rl_worker.py", "--out", out, "--variant", "",
+                   "--variant", FLAT, f"model.hf_path={policy}", *UPDATE)
     assert r.returncode == 0, r.stderr[-3000:]
-    (res,) = json.loads(out.read_text())
-    return res
+    res = _results(out)
+    assert sorted(res) == sorted(["", FLAT]) and all(len(v) == 1 for v in res.values())
+    return {k: v[0] for k, v in res.items()}
 
 
-def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(policy, tmp_path):
+@pytest.fixture(scope="module")
+def parallel(policy, tmp_path_factory):
+    """DP=2, TP=2 and PP=2 updates of the common batch and the DP=2 update of the FLAT
+    batch, one after the other in one torchrun launch (the worker sets each up afresh)."""
+    out = tmp_path_factory.mktemp("parallel") / "r.json"
+    variants = [arg for v in [*LAYOUTS.values(), FLAT] for arg in ("--variant", v)]
+    r = run_script("tests/support/mp_rl_worker.py", "--out", out, *variants,
+                   f"model.hf_path={policy}", *UPDATE, nproc=2, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _results(out)
+
+
+def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(single, parallel):
     """Replica 1's groups all have equal rewards, so it skips every forward/backward
     (exact: their loss is zero); the replicas must still agree on every reduction."""
-    update = [u for u in UPDATE if not u.startswith(("grpo.kl_beta", "grpo.entropy"))]
-    # prompts 2 and 3 go to replica 1 (mini-batches = 2: replica (p // 2) % 2)
-    args = ["--flat-prompts", "2,3", f"model.hf_path={policy}", *update]
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    r = run_script("tests/support/mp_rl_worker.py", "--out", one, *args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_script("tests/support/mp_rl_worker.py", "--out", two, *args, nproc=2, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (single_res,) = json.loads(one.read_text())
-    for res in json.loads(two.read_text()):
+    single_res = single[FLAT]
+    assert len(parallel[FLAT]) == 2
+    for res in parallel[FLAT]:
         np.testing.assert_allclose(res["probe_logprobs"], single_res["probe_logprobs"],
                                    atol=2e-4, rtol=0)
         assert res["sums"]["tokens"] == single_res["sums"]["tokens"]
 
 
-LAYOUTS = {"dp2": "", "tp2": "parallel.tensor_model_parallel_size=2",
-           "pp2": "parallel.pipeline_model_parallel_size=2"}
-
-
-def test_parallel_update_equals_single_process(policy, single, tmp_path):
-    """DP=2, TP=2 and PP=2, one after the other in one torchrun launch (the worker sets
-    each up afresh), each against the single-process update."""
-    out = tmp_path / "r.json"
-    variants = [arg for v in LAYOUTS.values() for arg in ("--variant", v)]
-    r = run_script("tests/support/mp_rl_worker.py", "--out", out, *variants,
-                   f"model.hf_path={policy}", *UPDATE, nproc=2, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    everything = json.loads(out.read_text())
+def test_parallel_update_equals_single_process(single, parallel):
+    """DP=2, TP=2 and PP=2, each against the single-process update."""
+    single = single[""]
     assert single["sums"]["clip_low_count"] + single["sums"]["clip_high_count"] > 0
     for layout, variant in LAYOUTS.items():
-        results = [res for res in everything if res["variant"] == variant]
+        results = parallel[variant]
         assert len(results) == (1 if layout == "pp2" else 2), layout  # PP: the last stage
         for res in results:
             np.testing.assert_allclose(res["probe_logprobs"], single["probe_logprobs"],

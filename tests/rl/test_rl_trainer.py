@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import REPO, run_script
+from cli import REPO, run_main, run_script
 from rl_fixtures import save_tiny_policy, tiny_run_args
 
 RECIPES = sorted((REPO / "examples" / "rl").glob("*.yaml"))
@@ -129,7 +129,9 @@ def test_resume_refuses_a_missing_checkpoint(tiny_policy, tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_dry_runs(recipe):
     world = {"smollm2_cpu": 2, "qwen2.5_7b_grpo": 8, "qwen2.5_32b_grpo": 64}.get(recipe.stem, 8)
-    r = run_script("pretrain_rl_tlt.py", "--config", recipe, "--dry-run", "--world-size", world)
+    # the entry point's main in this process (test_dry_run_rejects_a_bad_layout and the
+    # CLI runs above launch the script itself)
+    r = run_main("pretrain_rl_tlt.py", "--config", recipe, "--dry-run", "--world-size", world)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "recipe OK" in r.stdout and "memory per rank" in r.stdout
     if recipe.stem == "qwen2.5_32b_grpo":  # TP4 x PP2: the rollout memory of each stage

@@ -122,10 +122,14 @@ def _wrong_accept_chain(p, q, drafts, gen, greedy, kernels=None):
 @pytest.mark.parametrize("rule", ["exact", "wrong"])
 def test_chain_rule_reproduces_target_distribution(rule):
     """Unit test of the chain rule with position-independent p and q over 6 tokens:
-    the first two emitted tokens must be distributed as p0 x p1 (20,000 draws); the
-    lossy rule must be caught by the same test."""
+    the first two emitted tokens must be distributed as p0 x p1 (5,000 draws); the
+    lossy rule must be caught by the same test.
+
+    Power at 5,000 draws (scipy.stats.ncx2): the lossy rule gives chi-square 618 on 32
+    d.o.f. (non-centrality ~586); the critical value at 1e-8 is 99, so it is missed with
+    probability ~1e-52. The exact rule's false-positive rate is P_MIN, as before."""
     g = torch.Generator().manual_seed(0)
-    V, k, n = 6, 3, 20_000
+    V, k, n = 6, 3, 5_000
     p = torch.log_softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
     q = torch.log_softmax(torch.randn(k, V, generator=g) * 1.5, -1)
     fn = accept_chain if rule == "exact" else _wrong_accept_chain
@@ -149,9 +153,12 @@ def test_chain_rule_reproduces_target_distribution(rule):
 @pytest.mark.parametrize("rule", ["exact", "wrong"])
 def test_tree_rule_reproduces_target_distribution(rule):
     """Deterministic 3-way sibling tries at the root: the emitted token must follow
-    p_root; sampling the fallback from p instead of p' must be caught."""
+    p_root; sampling the fallback from p instead of p' must be caught.
+
+    Power at 5,000 draws: the lossy fallback gives chi-square 1,188 on 6 d.o.f.
+    (non-centrality ~1,180, critical value at 1e-8: 48; missed with probability ~0)."""
     g = torch.Generator().manual_seed(1)
-    V, n = 7, 20_000
+    V, n = 7, 5_000
     p = torch.log_softmax(torch.randn(4, V, generator=g) * 1.5, -1)
     tokens = [None, 2, 5, 0]
     children = [[1, 2, 3], [], [], []]
@@ -214,8 +221,8 @@ DIST_CASES = [
     ("tree", "bad", SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)),
     ("chain-stop", "good", SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3)),
 ]
-DIST_DRAWS = 10_000  # continuations per case (4 calls of 2,500 rows)
-WRONG_DRAWS = 5_000
+DIST_DRAWS = 2_500  # continuations per case (one call of 2,500 rows)
+WRONG_DRAWS = 2_500
 
 
 def _sample_continuations(eng, prompt, sp: SamplingParams, n: int) -> collections.Counter:
@@ -232,21 +239,25 @@ def _sample_continuations(eng, prompt, sp: SamplingParams, n: int) -> collection
                          ids=[f"{k}-{d}-t{s.temperature}-k{s.top_k}-p{s.top_p}"
                               for k, d, s in DIST_CASES])
 def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, drafter, sp):
-    """10,000 three-token continuations sampled through the engine follow the target's
+    """2,500 three-token continuations sampled through the engine follow the target's
     exact joint distribution (chi-square). The first token comes from the prefill; the
     next two from one speculative step (chain depth 3, or a tree 3 deep, 2 wide, 5
     verified), so acceptance, rejection-resampling and the bonus token all shape them.
     With a near-oracle drafter and with a confident random one.
 
-    Power: the lossy rule of test_wrong_rule_fails_the_end_to_end_test (chain, good
-    drafter, the case where it is least visible) gives a chi-square statistic of ~735 on
-    ~96 degrees of freedom at 5,000 draws, a non-centrality of ~640, i.e. ~1,280 at
-    10,000 draws; the critical value at P_MIN is ~174 (~110 d.o.f.), so that rule fails
-    with probability ~1, and a bias a tenth as large (non-centrality ~120) with
-    probability 0.99 (scipy.stats.ncx2). The same rule on the random drafter or the
-    tree is 2-3x more visible (the tree's fallback drawn from p instead of the residual:
-    measured the same way). Twice the draws, or every path at both sampling settings,
-    would buy no power that matters at two to four times the time."""
+    Power, measured at 2,500 draws with these seeds for each case under a lossy rule
+    (chains: _wrong_accept_chain, the rejection resampled from p instead of the
+    residual; trees: the fallback drawn from p instead of p with the rejected siblings
+    removed), and computed with scipy.stats.ncx2. Chi-square / d.o.f.:
+    chain-good 363 / 72, chain-bad 699 / 39, tree-good 1,093 / 39, tree-bad 685 / 72,
+    chain-stop 316 / 63, i.e. non-centralities of at least ~250 (chain-stop; ~290 for
+    chain-good, the rule of test_wrong_rule_fails_the_end_to_end_test). The critical
+    value at P_MIN is 125 on 72 d.o.f. (114 on 63), so each lossy rule is missed with
+    probability < 1e-13, and any bias with a non-centrality of 110 at this size (under
+    half of the least visible rule's) is caught with probability >= 0.99. The exact rule
+    passes every case (p 0.24-0.92 here); its false-positive rate is P_MIN per case,
+    as at 10,000 draws, which bought power only against biases under half that size,
+    at four times the time."""
     model, arch, good, bad = one_layer
     strategy = "3_2_5" if kind == "tree" else "3_1_3"
     eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
@@ -267,8 +278,9 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
 
 
 def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
-    """The same end-to-end test catches a lossy acceptance rule, already at half its
-    sample size (chi-square ~735 on ~96 d.o.f. at 5,000 draws: p ~ 1e-98)."""
+    """The same end-to-end test catches a lossy acceptance rule at its sample size
+    (chi-square 363 on 72 d.o.f. at 2,500 draws: p ~ 2e-40; the critical value at 1e-8
+    is 161, missed with probability ~6e-12 by ncx2)."""
     model, arch, good, _ = one_layer
     monkeypatch.setattr(decoder_mod, "accept_chain", _wrong_accept_chain)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)

@@ -6,7 +6,9 @@
 With ``--variant OVERRIDES`` (repeatable; comma-separated overrides added to the common
 ones) it runs one update per variant, one after the other in the same process group
 (set-up, groups and seeds made afresh for each), so one launch checks several layouts;
-each result names its variant.
+each result names its variant. A variant's item ``flat_prompts=I/J/...`` (not a config
+field) gives those prompts' groups equal rewards in that variant's batch, as
+``--flat-prompts I,J,...`` does for every variant.
 
 Every layout sees the same global batch: fixed responses for the step's prompts (random
 tokens from a fixed seed, varied lengths) with fixed rewards; each replica keeps its own
@@ -52,6 +54,9 @@ def fixed_samples(trainer, n_prompts: int, group: int, seed: int = 0,
     return out
 
 
+FLAT = "flat_prompts="  # a variant item naming its zero-advantage prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -62,10 +67,13 @@ def main() -> None:
                         help="comma-separated overrides of one update (repeatable)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    flat = frozenset(int(x) for x in args.flat_prompts.split(",") if x)
     everyone = []
     for variant in args.variant or [""]:
-        cfg = load_config([], [*args.overrides, *(x for x in variant.split(",") if x)])
+        items = [x for x in variant.split(",") if x]
+        flat = [x[len(FLAT):].replace("/", ",") for x in items if x.startswith(FLAT)]
+        flat = frozenset(int(x) for x in (flat[-1] if flat else args.flat_prompts).split(",")
+                         if x)
+        cfg = load_config([], [*args.overrides, *(x for x in items if not x.startswith(FLAT))])
         result = update_once(cfg, flat)
         if result is not None:
             result["variant"] = variant
