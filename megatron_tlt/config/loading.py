@@ -136,6 +136,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: st
 # checks against the model and the launch
 # -------------------------------------------------------------------------------------
 
+def check_drafter_group_layout(cfg: Config) -> None:
+    """The drafter group at PP > 1 trains on the gathered rollout's whole-model copies
+    and all-gathered responses; the stage-to-stage rollout has neither."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.drafter_group.enable and pp > 1 and cfg.rollout.pipeline_mode != "gathered":
+        raise ConfigError(
+            f"drafter_group.enable=true at parallel.pipeline_model_parallel_size={pp} "
+            f"needs rollout.pipeline_mode=gathered (every pipeline rank then holds the "
+            f"whole model and all of its replica's responses), got "
+            f"rollout.pipeline_mode={cfg.rollout.pipeline_mode}; set "
+            f"rollout.pipeline_mode=gathered (the default) or drafter_group.enable=false")
+
+
 def validate_for_run(cfg: Config, arch, world_size: int) -> None:
     """Checks that need the model's architecture and the world size; run before compute."""
     tp = cfg.parallel.tensor_model_parallel_size
@@ -150,12 +163,7 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"parallel.tensor_model_parallel_size={tp} does not divide the model's "
             f"{arch.num_query_groups} KV groups (num_key_value_heads); use a divisor of "
             f"{arch.num_query_groups}")
-    if cfg.drafter_group.enable and pp > 1:
-        raise ConfigError(
-            f"drafter_group.enable=true needs parallel.pipeline_model_parallel_size=1 "
-            f"(the drafter group trains on unsharded stages), got {pp}; set "
-            f"drafter_group.enable=false (rollout.speculative.drafter still speculates "
-            f"at PP > 1) or PP = 1")
+    check_drafter_group_layout(cfg)
     if arch.num_layers % pp:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "

@@ -233,7 +233,8 @@ class DrafterGroupConfig:
 
     enable: bool = _help(
         "Train the drafter in the rollout tail. Needs rollout.speculative or starts from "
-        "a random drafter when rollout.speculative.drafter is empty; PP = 1 only.", False)
+        "a random drafter when rollout.speculative.drafter is empty. At PP > 1 needs "
+        "rollout.pipeline_mode=gathered (the default).", False)
     min_idle_replicas: int = _help(
         "Replicas that must have finished before any of them trains (1 = each trains as "
         "soon as it finishes).", 1)

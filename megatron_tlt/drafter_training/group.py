@@ -8,8 +8,8 @@ the step barrier (``Trainer.idle_window_hooks``):
    ``DataBuffer`` (which also holds the previous step's).
 2. The replica announces it finished: one ``add`` on the torch.distributed store
    (the rendezvous store: no extra sockets, no address discovery, any backend, any
-   node). TP rank 0 announces and polls; its decision is broadcast over the TP group,
-   so all TP ranks of a replica act together.
+   node). The replica's first rank announces and polls; its decision is broadcast
+   over the replica's model-parallel group (its TP x PP ranks), so they act together.
 3. Local training: while some replica is still decoding (the store's count is below
    DP) and at least ``min_idle_replicas`` have finished, the replica takes one drafter
    optimizer step (a micro-step; the ``cfg.loss`` preset of ``losses.py`` at the
@@ -29,17 +29,41 @@ the step barrier (``Trainer.idle_window_hooks``):
    checksum all-gather confirms every replica holds bit-identical state (else DP rank
    0's is broadcast).
 
-Tensor parallelism: the TP ranks of a replica train together, on the same batches
-(chosen by DP rank) with the same decisions (step 2's broadcast, also at every stop
-check), each holding its shards of the drafter layer's linears (megatron-core's
-column- and row-parallel layers, their collectives inside the forward and backward).
-The loss reads the target's embedding and output layer whole, all-gathered over TP once
-per training window and released after it (``target_view.WholeVocabTarget``); gradient
-clipping uses the norm over all shards (``DrafterTrainer``). The averaging runs per TP
-rank over its own DP group (each TP rank averages its shards with the same weights); a
-failure on one TP rank counts for the replica, and ``finish_sync`` checks the
-replicated parameters and moments agree over TP (TP rank 0's broadcast otherwise) and
-sums the checksum over TP, so ``drafter/identical`` covers every shard.
+Model parallelism: all ranks of a replica's model-parallel group (``mp_group``: its
+TP x PP ranks) train together, on the same batches (chosen by DP rank) with the same
+decisions (step 2's broadcast, also at every stop check); a failure on any of them is
+the replica's (agreed over the group after every micro-step).
+
+- Tensor parallelism: each TP rank holds its shards of the drafter layer's linears
+  (megatron-core's column- and row-parallel layers, their collectives inside the
+  forward and backward). The loss reads the target's embedding and output layer
+  whole, all-gathered over TP once per training window and released after it
+  (``target_view.WholeVocabTarget``); gradient clipping uses the norm over all shards
+  (``DrafterTrainer``).
+- Pipeline parallelism (``rollout.pipeline_mode=gathered`` only): every pipeline rank
+  holds the whole model (the ``GatheredRunner``'s copies of the other stages' weights,
+  the embedding and output layer included, kept between rollouts and re-sent at every
+  generate) and all of the replica's responses and features (the rollout all-gathers
+  them), and the drafter is replicated over PP. The pipeline ranks of a replica train
+  redundantly: each runs every micro-step on the same batch. The window's compute is
+  idle anyway (the replica would wait at the barrier), so this costs nothing on the
+  critical path; splitting a batch over PP would shorten micro-steps (more of them per
+  window) but needs an all-reduce of the rank's whole drafter gradient over the
+  pipeline group, which often spans nodes, at every micro-step, and halves rows of
+  micro-steps that are already small. Redundant steps communicate nothing beyond the
+  decisions, and a micro-step (the preemption bound) costs what it costs at PP = 1, as
+  does the drafter's memory. The target's copies are current in the idle window (the
+  rollout's generate has just re-sent them); the canary, after the policy update,
+  re-sends the vocabulary copies first (``whole_vocab(refresh=True)``). The group adds
+  no memory for them.
+
+The averaging runs per (TP, PP) position over its own DP group (each position averages
+its shards with the same weights). ``finish_sync`` then makes the replica agree: the
+replicated (not TP-sharded) parameters and moments over the whole model-parallel
+group, the TP shards over the pipeline group (computed from the same inputs, they
+agree: a checksum confirms it, and the group's first rank's bytes are broadcast where
+they would not), and sums the checksum over the model-parallel group, so
+``drafter/identical`` covers every shard and every pipeline copy.
 
 A failure (non-finite loss or state, an exception) restores the replica's window-start drafter,
 gives it weight 0 and turns speculation off for the next rollout on every replica
@@ -105,10 +129,13 @@ class DrafterGroup:
     ``top_p``; None = temperature 1, no truncation) is the rollout's: the drafter loss
     (``cfg.loss``, a ``losses.LOSS_PRESETS`` name) and the canary's alpha use its
     processed distributions. ``loss_fn(batch) -> (loss, parts)`` replaces that loss
-    when given (``parts`` needs a float ``"loss"``).
+    when given (``parts`` needs a float ``"loss"``). ``dp_group``: this (TP, PP)
+    position's data-parallel group; ``mp_group``: the replica's model-parallel group
+    (TP x PP ranks) and ``pp_group`` its pipeline group, None at size 1.
     """
 
-    def __init__(self, drafter, runner, cfg, *, dp_group=None, tp_group=None, store=None,
+    def __init__(self, drafter, runner, cfg, *, dp_group=None, mp_group=None,
+                 pp_group=None, store=None,
                  total_steps: int = 1000, seed: int = 0, sampling=None,
                  loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter,
                  overlap_sync: bool = False):
@@ -129,11 +156,12 @@ class DrafterGroup:
         if loss_fn is not None:
             self.trainer.loss = loss_fn
         self.buffer = DataBuffer(cfg.buffer_tokens)
-        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_group, self.mp_group, self.pp_group = dp_group, mp_group, pp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
-        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+        self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
+        self.pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.signal = StopSignal(store if store is not None else default_store())
         self.seed = int(seed)
         self.clock = clock
@@ -154,28 +182,27 @@ class DrafterGroup:
     def announce(self) -> int:
         """Count this replica as finished for the coming window (``run_window`` does it
         when not done before); returns how many have finished."""
-        n = 0
-        if self.tp_rank == 0:
-            n = self.signal.announce(self.window)
-        if self.tp_size > 1:  # (the same answer on every TP rank of the replica)
-            t = torch.tensor([n], dtype=torch.int64, device=self.device)
-            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-            n = int(t)
+        n = self.signal.announce(self.window) if self.mp_rank == 0 else 0
         self._announced = self.window
-        return n
+        return self._replica_value(n)  # (the same answer on every rank of the replica)
 
     def _decide(self, steps: int) -> int:
-        """TRAIN, WAIT or STOP for the next micro-step, the same on every TP rank."""
+        """TRAIN, WAIT or STOP for the next micro-step, the same on every rank of the
+        replica."""
         code = STOP
-        if self.tp_rank == 0:
+        if self.mp_rank == 0:
             n = self.signal.finished(self.window)
             code = (STOP if n >= self.dp_size or steps >= self.cfg.max_steps_per_window
                     else WAIT if n < self.cfg.min_idle_replicas else TRAIN)
-        if self.tp_size > 1:
-            t = torch.tensor([code], dtype=torch.int64, device=self.device)
-            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-            code = int(t)
-        return code
+        return self._replica_value(code)
+
+    def _replica_value(self, value: int) -> int:
+        """The replica's first rank's ``value`` on all its model-parallel ranks."""
+        if self.mp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
+        return int(t)
 
     def run_window(self, step: int, responses: Sequence[BufferedResponse]) -> dict:
         """Buffer ``responses``, train until the last replica finishes, synchronise.
@@ -219,7 +246,7 @@ class DrafterGroup:
                 failure = f"{type(e).__name__}: {e}"
             finally:
                 t_end = self.clock()
-            if self.tp_size > 1:  # the replica's TP ranks leave the loop together
+            if self.mp_size > 1:  # the replica's ranks leave the loop together
                 failure = self._agree_failure(failure)
             if failure is not None:
                 break
@@ -231,7 +258,7 @@ class DrafterGroup:
         if failure is None and snapshot is not None and not all(
                 bool(torch.isfinite(t).all()) for t in self._tensors()):
             failure = "FloatingPointError: non-finite drafter weights or moments"
-        if self.tp_size > 1 and snapshot is not None:
+        if self.mp_size > 1 and snapshot is not None:
             failure = self._agree_failure(failure)
         t_sync = self.clock()
         sync = self._synchronise(base, failure, snapshot)
@@ -249,7 +276,7 @@ class DrafterGroup:
             "checksum": sync["checksum"], "healed": sync["healed"],
             "buffer_tokens": self.buffer.tokens, "buffer_steps": self.buffer.steps,
         }
-        if failure is not None and self.tp_rank == 0:
+        if failure is not None and self.mp_rank == 0:
             warnings.warn(f"drafter group: replica {self.dp_rank} failed to train the "
                           f"drafter ({failure}); its drafter is restored and speculation "
                           "is off for the next rollout", RuntimeWarning, stacklevel=2)
@@ -257,13 +284,14 @@ class DrafterGroup:
 
     # ------------------------------------------------------------------ synchronisation
     def _agree_failure(self, failure: Optional[str]) -> Optional[str]:
-        """A failure on any TP rank of the replica is the replica's (each rank checks
-        only its own shards): every TP rank restores and reports it alike."""
+        """A failure on any model-parallel rank of the replica is the replica's (each
+        rank checks only its own shards or copy): every rank restores and reports it
+        alike."""
         flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
                             device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
         if failure is None and int(flag[0]):
-            failure = "failed on another tensor-parallel rank of this replica"
+            failure = "failed on another model-parallel rank of this replica"
         return failure
 
     def _synchronise(self, base: int, failure: Optional[str], snapshot) -> dict:
@@ -344,40 +372,40 @@ class DrafterGroup:
             self._write_flat(flat)
             cs = _word_sum(flat)
             healed = True
-        if self.tp_size > 1:
-            if self._agree_tp():
+        if self.mp_size > 1:
+            if self._agree_replica():
                 healed = True
                 cs = _word_sum(self._flat())
-            dist.all_reduce(cs, group=self.tp_group)  # the whole replica's fingerprint
+            dist.all_reduce(cs, group=self.mp_group)  # the whole replica's fingerprint
         out = {"checksum": int(cs[0]), "healed": healed, "finish": self.clock() - t0}
         if record and self.last:
             self.last.update(checksum=out["checksum"], healed=healed,
                              sync_seconds=self.last["sync_seconds"] + out["finish"])
         return out
 
-    def _agree_tp(self) -> bool:
-        """Make the replicated (not TP-sharded) parameters and their moments TP rank
-        0's bytes on every TP rank of the replica. They get the same all-reduced
-        gradients and the same clipping factor, so they agree already; a checksum
-        all-gather confirms it and a broadcast repairs it otherwise. Returns whether it
-        had to."""
-        reps = [t for p in self.trainer.params if not getattr(p, "tensor_model_parallel", False)
-                for t in [p.data] + [self.trainer.opt.state[p][k] for k in
-                                     ("exp_avg", "exp_avg_sq") if k in self.trainer.opt.state[p]]]
-        if not reps:
-            return False
-        flat = torch.cat([t.detach().float().reshape(-1) for t in reps])
-        cs = _word_sum(flat)
-        sums = [torch.empty_like(cs) for _ in range(self.tp_size)]
-        dist.all_gather(sums, cs, group=self.tp_group)
-        if all(torch.equal(x, sums[0]) for x in sums):
-            return False
-        dist.broadcast(flat, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        i = 0
-        for t in reps:
-            t.copy_(flat[i:i + t.numel()].view_as(t))
-            i += t.numel()
-        return True
+    def _agree_replica(self) -> bool:
+        """Make the replica's ranks hold the same bytes where they hold the same tensors:
+        the replicated (not TP-sharded) parameters and their moments over the whole
+        model-parallel group, the TP shards and theirs over the pipeline group (the
+        group's first rank's bytes). They were computed from the same inputs, so they
+        agree already; a checksum all-gather confirms it and a broadcast repairs it
+        otherwise. Returns whether it had to."""
+        opt = self.trainer.opt
+
+        def with_moments(params):
+            return [t for p in params for t in [p.data] + [
+                opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in opt.state[p]]]
+
+        sharded = [getattr(p, "tensor_model_parallel", False) for p in self.trainer.params]
+        healed = False
+        for tensors, group, size in (
+                (with_moments(p for p, s in zip(self.trainer.params, sharded) if not s),
+                 self.mp_group, self.mp_size),
+                (with_moments(p for p, s in zip(self.trainer.params, sharded) if s),
+                 self.pp_group, self.pp_size)):
+            if tensors and size > 1 and _agree(tensors, group, size):
+                healed = True
+        return healed
 
     def _tensors(self, create: bool = False) -> list[torch.Tensor]:
         """Parameters and AdamW moments, in a fixed order (moments made zero if absent)."""
@@ -412,7 +440,7 @@ class DrafterGroup:
 
     def checksum(self) -> torch.Tensor:
         """An int64 fingerprint of the drafter's parameters and AdamW moments (their
-        bytes summed as int32 words; under TP summed over the replica's TP ranks, which
+        bytes summed as int32 words; summed over the replica's model-parallel ranks, which
         all call it)."""
         words = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
         s = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -421,8 +449,8 @@ class DrafterGroup:
             flat = t.detach().contiguous().reshape(-1)
             s += (flat.view(w) if w != torch.uint8 else flat.view(torch.uint8)).sum(
                 dtype=torch.int64)
-        if self.tp_size > 1:  # (a collective over the replica's TP ranks)
-            dist.all_reduce(s, group=self.tp_group)
+        if self.mp_size > 1:  # (a collective over the replica's TP x PP ranks)
+            dist.all_reduce(s, group=self.mp_group)
         return s
 
     # ------------------------------------------------------------------ speculation
@@ -453,7 +481,8 @@ class DrafterGroup:
         if not samples:
             return None
         t, k, p = self.sampling
-        with self.target.whole_vocab():
+        # after the policy update: copies of the vocabulary matrices (PP > 1) re-sent
+        with self.target.whole_vocab(refresh=True):
             return measure_alpha(self.drafter, self.target, samples, temperature=t,
                                  top_k=k, top_p=p, depth=1).alpha[0]
 
@@ -472,3 +501,19 @@ def _word_sum(flat: torch.Tensor) -> torch.Tensor:
     """[1] int64: a float32 vector's bytes summed as int32 words (a bit-exact
     fingerprint, cheap to all-gather)."""
     return flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+
+
+def _agree(tensors: list[torch.Tensor], group, size: int) -> bool:
+    """``tensors`` the group's first rank's bytes on every rank of ``group`` (a
+    collective); returns whether any rank held different ones."""
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+    sums = [torch.empty(1, dtype=torch.int64, device=flat.device) for _ in range(size)]
+    dist.all_gather(sums, _word_sum(flat), group=group)
+    if all(torch.equal(x, sums[0]) for x in sums):
+        return False
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+    i = 0
+    for t in tensors:
+        t.copy_(flat[i:i + t.numel()].view_as(t))
+        i += t.numel()
+    return True

@@ -10,6 +10,14 @@ of the replica enters together) and released on exit; everything else (RoPE, dev
 dtype, the TP group) is the runner's. At TP = 1 they are the runner's own tensors and
 nothing is copied.
 
+At pipeline parallelism > 1 (``rollout.pipeline_mode=gathered``) the runner is a
+``GatheredRunner``: every pipeline rank holds the embedding and the output layer, its
+own or a copy the rollout keeps (re-sent from the owning stage at every generate), so
+the view works on every stage as at PP = 1 and adds no memory of its own. Between a
+policy update and the next generate the copies are stale: ``whole_vocab(refresh=True)``
+re-sends them first (``ModelRunner.sync_vocab``, a broadcast over the pipeline group of
+the matrices a stage does not own; nothing when the runner reads them in place).
+
 Cost per entry at TP = t: one all-gather of the output layer (and of the embedding when
 the two are not tied), (t-1)/t of V x H each, held only while the context is open. The
 alternative, vocabulary-parallel logits (each rank its slice, all-reduced maxima and
@@ -52,9 +60,13 @@ class WholeVocabTarget:
         return getattr(self.runner, "tp_group", None) is not None
 
     @contextlib.contextmanager
-    def whole_vocab(self):
+    def whole_vocab(self, *, refresh: bool = False):
         """Unsharded ``embed_w`` / ``output_w`` for the block (re-entrant: an inner
-        entry reuses the outer one's copies)."""
+        entry reuses the outer one's copies). ``refresh``: first bring the runner's
+        copies of them up to date with their owners' parameters (after a policy update;
+        a collective over the pipeline group)."""
+        if refresh:
+            self.runner.sync_vocab()
         if not self.sharded or self._depth:
             self._depth += 1
             try:

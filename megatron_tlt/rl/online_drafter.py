@@ -21,6 +21,7 @@ import warnings
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..config.loading import check_drafter_group_layout
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
 from .rollout import sampling_params
@@ -34,10 +35,7 @@ class OnlineDrafter:
 
         cfg, dg = trainer.cfg, trainer.cfg.drafter_group
         eng = trainer.engine
-        if trainer.layout.pp_size > 1:
-            raise ConfigError("drafter_group.enable=true trains the drafter at "
-                              "parallel.pipeline_model_parallel_size=1; set PP = 1 or "
-                              "drafter_group.enable=false")
+        check_drafter_group_layout(cfg)  # PP > 1: the gathered rollout only
         if eng.spec is None:  # a cold start: a random drafter, the same on every rank
             eng.attach_drafter(EagleDrafter(DrafterConfig.for_target(trainer.arch),
                                             trainer.arch, dtype=eng.runner.dtype,
@@ -57,9 +55,11 @@ class OnlineDrafter:
         self.engine = eng
         self.cfg = dg
         self.dp_group = trainer.dp_group
-        self.first = trainer.layout.dp_rank == 0 and trainer.layout.tp_rank == 0
+        lay = trainer.layout
+        self.first = lay.dp_rank == 0 and lay.tp_rank == 0 and lay.pp_rank == 0
         self.group = DrafterGroup(drafter, eng.runner, dg, dp_group=trainer.dp_group,
-                                  tp_group=ps.get_tensor_model_parallel_group(),
+                                  mp_group=ps.get_model_parallel_group(),
+                                  pp_group=ps.get_pipeline_model_parallel_group(),
                                   total_steps=cfg.train.steps * dg.max_steps_per_window,
                                   seed=cfg.platform.seed,
                                   sampling=sampling_params(cfg.grpo, cfg.platform.seed),

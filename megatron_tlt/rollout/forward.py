@@ -309,6 +309,11 @@ class ModelRunner:
     def prepare_drafter(self, drafter) -> None:
         """Called before a drafter is attached (nothing to do for the whole model)."""
 
+    def sync_vocab(self) -> None:
+        """Bring copies of the embedding and output layer up to date with their owners'
+        parameters (a pipeline runner's between two generates; here they are read in
+        place: nothing to do)."""
+
     def agree(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as the deciding rank (TP rank 0) holds it, on every rank of the
         model-parallel group that decodes together (in place)."""

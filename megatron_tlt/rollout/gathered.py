@@ -126,6 +126,14 @@ class GatheredRunner(ModelRunner):
         for t, src in self._copies:
             dist.broadcast(t.data, src, group=self.pp_group)
 
+    def sync_vocab(self) -> None:
+        """The embedding and output-layer copies alone from their owners (collective
+        over the pipeline group; nothing with tied embeddings at PP = 2, where each
+        end stage reads its own)."""
+        for t, src in self._copies:
+            if t is self.embed_w or t is self.output_w:
+                dist.broadcast(t.data, src, group=self.pp_group)
+
     def pack_weights(self) -> None:
         self.sync_weights()
         super().pack_weights()

@@ -105,6 +105,10 @@ class PipelinedRunner(ModelRunner):
         dist.broadcast(embed.data, self.first_rank, group=self.pp_group)
         dist.broadcast(output.data, self.last_rank, group=self.pp_group)
 
+    def sync_vocab(self) -> None:
+        if self._shared is not None:
+            self._sync_shared()
+
     def kernel_weights(self) -> list[torch.Tensor]:
         return [w for w in super().kernel_weights() if w is not None]
 

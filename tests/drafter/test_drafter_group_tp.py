@@ -48,7 +48,7 @@ def test_a_failure_on_one_tp_rank_restores_the_whole_replica(results):
         if r["dp_rank"] == 0:
             assert f["failure"] is not None
             if r["tp_rank"] == 0:  # its own loss was finite: told by its TP peer
-                assert "another tensor-parallel rank" in f["failure"]
+                assert "another model-parallel rank" in f["failure"]
 
 
 def test_loss_and_clipped_gradient_at_tp2_equal_tp1(results):

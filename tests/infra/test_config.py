@@ -90,6 +90,15 @@ def test_world_size_must_be_multiple_of_tp_pp():
         validate_for_run(cfg, SMOLLM2_LIKE, 8)
 
 
+def test_drafter_group_at_pp2_needs_the_gathered_rollout():
+    pp2 = ("drafter_group.enable=true", "parallel.pipeline_model_parallel_size=2")
+    validate_for_run(_cfg(*pp2), SMOLLM2_LIKE, 4)  # rollout.pipeline_mode=gathered (default)
+    with pytest.raises(ConfigError, match="drafter_group.enable=true at parallel.pipeline_model"
+                       "_parallel_size=2 needs rollout.pipeline_mode=gathered .* got "
+                       "rollout.pipeline_mode=pipelined; set rollout.pipeline_mode=gathered"):
+        validate_for_run(_cfg(*pp2, "rollout.pipeline_mode=pipelined"), SMOLLM2_LIKE, 4)
+
+
 def test_pp_must_divide_layers():
     with pytest.raises(ConfigError, match="does not divide the model's 30 layers"):
         validate_for_run(_cfg("parallel.pipeline_model_parallel_size=4"), SMOLLM2_LIKE, 4)

@@ -32,43 +32,24 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from megatron_tlt.config import DrafterGroupConfig, RolloutConfig, SpeculativeConfig
-    from megatron_tlt.drafter_training.buffer import BufferedResponse
+    from megatron_tlt.config import DrafterGroupConfig
     from megatron_tlt.drafter_training.group import DrafterGroup, default_store
-    from megatron_tlt.drafter_training.losses import LossConfig
     from megatron_tlt.drafter_training.target_view import WholeVocabTarget
     from megatron_tlt.drafter_training.trainer import DrafterTrainer
     from megatron_tlt.models import load_model
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout import SamplingParams
     from megatron_tlt.rollout.forward import ModelRunner
-    from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
 
-    silence_expected_warnings()
-    init_distributed(device="cpu", backend="gloo")
-    lay = initialize_model_parallel(2, 1, seed=1234)
+    from drafter_group_setup import loss_and_grad, tiny_engine
+
+    env = tiny_engine(args.model, tp=2)
     from megatron.core import parallel_state as ps
 
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model, arch = load_model(args.model, device=torch.device("cpu"), dtype="float32",
-                             impl="local")
-    drafter = EagleDrafter(DrafterConfig.for_target(arch), arch)
-    # one unsharded drafter, the same on every rank (a copy: own_state returns the
-    # replicated tensors themselves)
-    full0 = {k: v.clone() for k, v in drafter.own_state().items()}
-    sc = SpeculativeConfig(policy="fixed", strategy="2_1_2", threshold=1 << 20)
-    engine = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
-                           eos_token_ids=[], drafter=drafter)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist()
-               for n in (3, 6, 4, 8)]
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3,
-                                                   return_hidden_states=True))
-
-    def responses(step):
-        return [BufferedResponse.from_output(o, step) for o in outs]
+    lay, model, arch, drafter, engine = env.layout, env.model, env.arch, env.drafter, env.engine
+    full0, responses = env.init_state, env.responses
 
     cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
                              batch_tokens=24)
@@ -76,7 +57,7 @@ def main() -> None:
     store = default_store()
     group = DrafterGroup(engine.spec.drafter, engine.runner, cfg,
                          dp_group=ps.get_data_parallel_group(),
-                         tp_group=ps.get_tensor_model_parallel_group(), store=store,
+                         mp_group=ps.get_model_parallel_group(), store=store,
                          total_steps=10_000, seed=1, sampling=recipe)
     policy_before = [p.detach().clone() for p in model.parameters()]
 
@@ -157,34 +138,9 @@ def main() -> None:
     batch = next(group.buffer.batches(cfg.batch_tokens, seed=5))
     vocab = torch.arange(0, arch.vocab_size, 3)  # a pruned draft vocabulary
 
-    def loss_and_grad(d, target):
-        out = {}
-        for name, ids in (("full", None), ("pruned", vocab)):
-            d.set_draft_vocabulary(None)
-            d.load_own_state(full0)
-            d.set_draft_vocabulary(ids)
-            tr = DrafterTrainer(d, target, grad_clip=0.05,
-                                loss=LossConfig.for_sampling(cfg.loss, 0.7, 20, 0.9))
-            with target.whole_vocab():
-                loss, parts = tr.loss(batch)
-            loss.backward()
-            tr._clip_grads()
-            # the clipped gradient, unsharded like the weights
-            keep = [(p, p.data.clone()) for p in tr.params]
-            for p in tr.params:
-                p.data.copy_(p.grad)
-            grad = torch.cat([v.reshape(-1).double() for k, v in d.own_state().items()
-                              if k != "d2t"])
-            for p, w in keep:
-                p.data.copy_(w)
-            out[name] = {"loss": parts["loss"], "alpha": parts["alpha"],
-                         "grad": grad.tolist()}
-        d.set_draft_vocabulary(None)
-        return out
-
     engine.spec.drafter.load_own_state(full0)
     res["tp2"] = loss_and_grad(EagleDrafter(DrafterConfig.for_target(arch), arch),
-                               WholeVocabTarget(engine.runner))
+                               WholeVocabTarget(engine.runner), batch, full0, cfg.loss, vocab)
     # the bare sharded runner is refused with a message, not read as a slice
     try:
         DrafterTrainer(engine.spec.drafter, engine.runner).loss(batch)
@@ -199,7 +155,7 @@ def main() -> None:
     d1 = EagleDrafter(DrafterConfig.for_target(arch), arch)
     # a fresh drafter is the same one at TP = 1 and (sharded) at TP = 2
     res["init_same"] = all(torch.equal(v, full0[k]) for k, v in d1.own_state().items())
-    res["tp1"] = loss_and_grad(d1, WholeVocabTarget(runner1))
+    res["tp1"] = loss_and_grad(d1, WholeVocabTarget(runner1), batch, full0, cfg.loss, vocab)
 
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()

@@ -44,37 +44,20 @@ def main() -> None:
     ap.add_argument("--schedules", type=int, default=50)
     args = ap.parse_args()
 
-    from megatron_tlt.config import DrafterGroupConfig, RolloutConfig, SpeculativeConfig
+    from megatron_tlt.config import DrafterGroupConfig
     from megatron_tlt.drafter_training.alpha import measure_alpha
-    from megatron_tlt.drafter_training.buffer import BufferedResponse
     from megatron_tlt.drafter_training.group import DrafterGroup, default_store
-    from megatron_tlt.models import load_model
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
-    from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout import SamplingParams
 
-    silence_expected_warnings()
-    init_distributed(device="cpu", backend="gloo")
-    initialize_model_parallel(1, 1, seed=1234)
+    from drafter_group_setup import tiny_engine
+
+    env = tiny_engine(args.model)
     from megatron.core import parallel_state as ps
 
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model, arch = load_model(args.model, device=torch.device("cpu"), dtype="float32",
-                             impl="local")
-    drafter = EagleDrafter(DrafterConfig.for_target(arch), arch)
-    sc = SpeculativeConfig(policy="fixed", strategy="2_1_2", threshold=1 << 20)
-    engine = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
-                           eos_token_ids=[], drafter=drafter)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist()
-               for n in (3, 6, 4, 8)]
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3,
-                                                   return_hidden_states=True))
-
-    def responses(step):
-        return [BufferedResponse.from_output(o, step) for o in outs]
+    model, arch, engine, prompts, responses = (env.model, env.arch, env.engine, env.prompts,
+                                               env.responses)
 
     cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
                              batch_tokens=24, canary_sequences=2)
