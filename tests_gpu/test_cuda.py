@@ -250,3 +250,52 @@ def test_fp8_drafter_trains_like_bf16(parallel, hf_dirs):
     for name, (before, after) in result.items():
         assert after < 0.85 * before, result
     assert result["fp8"][1] < 1.15 * result["bf16"][1], result
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_async_save_on_cuda_is_a_host_snapshot(parallel, hf_dirs, tmp_path):
+    """megatron-core's async save of a CUDA policy (its distributed optimizer): the save
+    returns once the shards are copied to host memory, so an optimizer step taken right
+    after it does not reach the checkpoint; the checkpoint is published by the finalize
+    step only, and loads to exactly what a synchronous save of the same state loads to."""
+    from rl_fixtures import saved_tensors
+
+    from megatron_tlt import checkpoint
+    from megatron_tlt.checkpoint.background import BackgroundSaves
+    from megatron_tlt.config import TrainConfig
+    from megatron_tlt.parallel import layout
+    from megatron_tlt.rl.policy import Policy
+    from megatron_tlt.rl.samples import Sample, collate
+
+    model, arch = load_model(hf_dirs["llama_tied"], device=CUDA, dtype="float32")
+    policy = Policy(model, arch, TrainConfig(lr=1e-2), total_optimizer_steps=8)
+    assert policy.kind == "megatron"
+    gen = torch.Generator().manual_seed(0)
+    samples = [Sample(prompt_index=0, prompt_ids=[1, 2, 3],
+                      response_ids=torch.randint(3, 60, (5,), generator=gen).tolist(),
+                      rollout_logprobs=[-1.0] * 5, finish_reason="stop") for _ in range(2)]
+    mb = collate(samples, range(2), pad_id=0, device=CUDA)
+
+    def optimizer_step():
+        result, _ = policy.train_step(
+            [mb], lambda m, logits: (logits.float().pow(2).mean(), {}))
+        assert result.updated
+
+    optimizer_step()  # optimizer state to save
+    state, lay = checkpoint.RunState(policy=policy, step=1), layout()
+    before = saved_tensors(policy)
+    sync = checkpoint.save(state, tmp_path / "sync", lay)
+    background = BackgroundSaves()
+    path = checkpoint.save(state, tmp_path / "async", lay, background=background)
+    optimizer_step()  # while the background process writes
+    moved = saved_tensors(policy)
+    assert any(not moved[k].equal(v) for k, v in before.items())
+    assert checkpoint.latest(tmp_path / "async") is None
+    assert background.finalize(blocking=True) == 1
+    assert checkpoint.latest(tmp_path / "async") == path
+    for saved in (sync, path):
+        optimizer_step()
+        checkpoint.load(state, saved, lay)
+        got = saved_tensors(policy)
+        assert got.keys() == before.keys()
+        assert all(got[k].equal(v) for k, v in before.items()), saved

@@ -12,6 +12,8 @@ PHASE is ``rollout`` (generating step STEP's responses), ``update`` (between
 backward and the optimizer step of STEP's first mini-batch), ``save`` (writing
 checkpoint STEP: the policy files are on disk, the per-rank files not) or
 ``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name).
+With ``checkpoint.async_save=true`` a save writes the per-rank files first (``save``:
+no policy file yet) and ``publish`` comes when the background writes are finalized.
 
 ``--term PHASE:STEP[:RANK]`` sends SIGTERM instead, to one rank only (default 1): a
 stop request, which abandons the step in progress. PHASE is ``rollout`` (just before

@@ -19,6 +19,17 @@ holds tensors and plain data only (``safe_files.check_dcp_metadata`` enforces it
 load).
 
 A save starts no process that outlives its rank (``writers_die_with_rank``).
+
+An asynchronous save (``save_policy(..., background=...)``) goes through megatron-core's
+own async path: ``dist_checkpointing.save(..., async_sharded_save=True)`` plans the save
+and returns an ``AsyncRequest``, which ``checkpoint.background.BackgroundSaves``
+schedules on megatron-core's ``AsyncCallsQueue``. The queue's caller forks one process
+that writes the shards (it forks the file writers in turn); the rank goes on at once.
+What the fork writes is a snapshot of the moment it was scheduled: on GPU the shards are
+first copied to host memory (megatron-core's preload), and on CPU, where that copy is
+no copy at all, the fork itself is the snapshot, the child's memory being a
+copy-on-write image of the rank's (a tensor in shared memory, which a fork does not
+copy, is cloned first). See ``background``.
 """
 
 from __future__ import annotations
@@ -26,8 +37,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import queue
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import torch
@@ -85,12 +99,33 @@ def policy_sharded_state_dict(policy, is_loading: bool = False) -> dict:
     return {"model": model_sd, "optimizer": optim}
 
 
-def save_policy(policy, folder: Path) -> None:
-    """Every rank calls it (a collective); ``folder`` must exist and be empty."""
+def save_policy(policy, folder: Path, *, background=None, then=None) -> None:
+    """Every rank calls it (a collective); ``folder`` must exist and be empty.
+
+    ``background`` (a ``background.BackgroundSaves``): write the shards in a background
+    process and return once they are snapshotted; ``then`` (no arguments) runs on every
+    rank when ``background`` finalizes the save, after every rank's writes finished and
+    megatron-core wrote its metadata. Without ``background`` the save is synchronous
+    and ``then`` runs before it returns."""
     from megatron.core import dist_checkpointing
 
-    with cuda_placements_on_cpu(), writers_die_with_rank():
-        dist_checkpointing.save(policy_sharded_state_dict(policy), str(folder))
+    if background is None:
+        with cuda_placements_on_cpu(), writers_die_with_rank():
+            dist_checkpointing.save(policy_sharded_state_dict(policy), str(folder))
+        if then is not None:
+            then()
+        return
+    results = ResultsFile()
+
+    def finalized():
+        results.remove()  # read by megatron-core's finalize step (absent: nothing written)
+        if then is not None:
+            then()
+
+    with cuda_placements_on_cpu(), writers_die_with_rank(results):
+        request = dist_checkpointing.save(policy_sharded_state_dict(policy), str(folder),
+                                          async_sharded_save=True)
+        background.schedule(request, finalized)
 
 
 def verify_policy(folder: Path) -> None:
@@ -132,13 +167,13 @@ _WRITER_PARENT = {"pid": None}  # set while a save runs: the rank its writers be
 
 
 def _writer_dies_with_rank() -> None:
-    """In a process forked during a save (megatron-core's file writers): have the kernel
-    SIGKILL it when the rank that forked it dies (``prctl(PR_SET_PDEATHSIG)``, Linux),
-    so a killed rank leaves no writer behind."""
+    """In a process forked during a save (megatron-core's writers): have the kernel
+    SIGKILL it when the process that forked it dies (``prctl(PR_SET_PDEATHSIG)``,
+    Linux), so a killed rank leaves no writer behind, however deep the forks go."""
     parent = _WRITER_PARENT["pid"]
     if parent is None:
         return
-    _WRITER_PARENT["pid"] = None  # the child's own forks are not the rank's writers
+    _WRITER_PARENT["pid"] = os.getpid()  # and this child's own forks die with it
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
@@ -151,25 +186,59 @@ def _writer_dies_with_rank() -> None:
 _HOOKED = []
 
 
+class ResultsFile:
+    """The results queue of an asynchronous save: what megatron-core's background
+    writer process reports (its write results, or the exception it hit) travels to the
+    rank through a file in a private temporary folder (mode 0700), read once by the
+    finalize step and removed. It replaces megatron-core's ``multiprocessing`` manager
+    queue (a process of its own that would outlive a killed rank) and a pipe (which
+    would block the writer's exit on a large result until the rank reads it)."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="megatron_tlt_save_"))
+        self.path = self.folder / "results"
+
+    def put(self, obj) -> None:  # in the background writer
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(obj))
+        os.replace(tmp, self.path)
+
+    def get_nowait(self):  # in the rank, once every rank's writer has finished
+        if not self.path.is_file():
+            raise queue.Empty
+        data = self.path.read_bytes()
+        self.remove()
+        return pickle.loads(data)  # noqa: S301 - written by this rank's own writer
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def writers_die_with_rank():
+def writers_die_with_rank(results=None):
     """Around ``dist_checkpointing.save``: its writer processes die with this rank.
 
     megatron-core's torch_dist strategy forks one writer per file bucket and keeps its
     results queue in a ``multiprocessing`` manager process it spawns once per rank; a
-    SIGKILLed rank would leave both running. The forked writers get the parent-death
-    signal (``_writer_dies_with_rank``); the results queue, which a synchronous save
-    fills and reads in this process only, becomes a plain in-process queue, so no
-    manager process is started at all."""
+    SIGKILLed rank would leave both running. Every process forked inside this context,
+    and every process those fork in turn (an asynchronous save's background writer and
+    its file writers), gets the parent-death signal (``_writer_dies_with_rank``); the
+    results queue becomes ``results`` (a ``ResultsFile``, for an asynchronous save), or
+    a plain in-process queue (a synchronous save fills and reads it in this process
+    only), so no manager process is started at all."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not _HOOKED:
         os.register_at_fork(after_in_child=_writer_dies_with_rank)
         _HOOKED.append(True)
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = queue.Queue()
+    swap = hasattr(filesystem_async, "_results_queue")
+    previous = getattr(filesystem_async, "_results_queue", None)
+    if swap:
+        filesystem_async._results_queue = results if results is not None else queue.Queue()
     _WRITER_PARENT["pid"] = os.getpid()
     try:
         yield
     finally:
         _WRITER_PARENT["pid"] = None
+        if swap:
+            filesystem_async._results_queue = previous

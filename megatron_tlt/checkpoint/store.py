@@ -18,7 +18,8 @@ checksum the files (CRC-32, each rank a share of them), rank 0 records every fil
 size and checksum in ``run.json``, renames the folder to ``step_N``
 (``fileio.publish_dir``) and then points ``latest`` at it, so a kill at any moment
 leaves the previous checkpoint loadable. Older checkpoints beyond ``keep_last`` are
-removed afterwards.
+removed afterwards. An asynchronous save (``background``) does the same, the publishing
+step running once every rank's background writes have finished.
 
 A load verifies the checkpoint first (``verify``: every file present, of its recorded
 size and checksum, readable by the safe readers; each rank reads its share of the
@@ -28,11 +29,13 @@ files and the ranks agree on the verdict) and names the file that fails; with
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import shutil
 import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -99,42 +102,72 @@ def _share(names: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ save
-def save(state: RunState, folder: str | Path, layout, *, keep_last: int = 0) -> Path:
+def save(state: RunState, folder: str | Path, layout, *, keep_last: int = 0,
+         published: Optional[Callable[[Path], None]] = None, background=None) -> Path:
     """Write ``state`` as ``folder/step_N`` and publish it through ``folder/latest``;
     every rank calls it. ``keep_last`` > 0 then removes all but the newest
-    ``keep_last`` checkpoints. Returns the path."""
+    ``keep_last`` checkpoints; ``published(path)`` runs on every rank once it is
+    published. Returns the path.
+
+    ``background`` (a ``background.BackgroundSaves``): the policy's shards are written
+    by a background process and the checkpoint is published when ``background``
+    finalizes the save (the path returned is the one it will then have); the small
+    files are written before this returns, and before the shards are scheduled, so the
+    finalize step publishes a complete folder."""
     root = Path(folder)
     final = root / step_name(state.step)
     tmp = root / f".{final.name}.partial"
-    rank = _rank()
-    if rank == 0:
+    if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / POLICY_DIR).mkdir(parents=True)
     _barrier()
+    # run.json's state is this moment's, whenever the checkpoint is published
+    run = copy.deepcopy({"format_version": FORMAT_VERSION, "layout": _layout_dict(layout),
+                         **state.global_state()})
+    publish = functools.partial(_publish, tmp, final, run, keep_last, published)
+    if background is not None and state.policy is not None:
+        _write_small_files(state, tmp, layout)
+        save_policy(state.policy, tmp / POLICY_DIR, background=background, then=publish)
+        return final
     if state.policy is not None:
         save_policy(state.policy, tmp / POLICY_DIR)
+    _write_small_files(state, tmp, layout)
+    publish()
+    return final
+
+
+def _write_small_files(state: RunState, tmp: Path, layout) -> None:
+    """The drafter's weights (rank 0) and this rank's state."""
     drafter = state.drafter.own_state() if state.drafter is not None else None  # TP collective
-    if rank == 0 and drafter is not None:
+    if _rank() == 0 and drafter is not None:
         from safetensors.torch import save_file
 
         save_file(drafter, str(tmp / DRAFTER_FILE))
     write_tree(tmp / rank_stem(layout.tp_rank, layout.pp_rank, layout.dp_rank),
                state.rank_state())
+
+
+def _publish(tmp: Path, final: Path, run: dict, keep_last: int,
+             published: Optional[Callable[[Path], None]]) -> None:
+    """Once every rank's files are written (every rank calls it): checksum them, record
+    them in ``run.json``, rename the folder to its final name, point ``latest`` at it,
+    prune."""
     _barrier()
     names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     sums = {k: v for part in _gather({n: crc32(tmp / n) for n in _share(names)})
             for k, v in part.items()}
-    if rank == 0:
+    if _rank() == 0:
         files = {n: (tmp / n).stat().st_size for n in names}
-        run = {"format_version": FORMAT_VERSION, "layout": _layout_dict(layout),
-               **state.global_state(), "files": files, "crc32": sums}
+        run = {**run, "files": files, "crc32": sums}
         (tmp / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
         publish_dir(tmp, final)
+        root = final.parent
         write_text_atomic(root / "latest", final.name + "\n")
         if keep_last > 0:
             prune(root, keep_last)
     _barrier()
-    return final
+    if published is not None:
+        published(final)
 
 
 def steps(folder: str | Path) -> list[Path]:

@@ -320,8 +320,15 @@ class CheckpointConfig:
     fallback_to_previous: bool = _help(
         "On resume, when the newest checkpoint is incomplete or corrupt, load the newest "
         "complete older one instead of stopping with the error.", False)
+    async_save: str = _help(
+        "Write the policy's shards in a background process (megatron-core's async save) "
+        "while training goes on; the checkpoint is published once every rank's writes "
+        "finished. auto = on when training on CUDA (it costs a host-memory copy of the "
+        "rank's shards while writing), off on CPU; true, false.", "auto")
 
     def __post_init__(self):
+        self.async_save = str(self.async_save).lower()  # YAML true / false arrive as bools
+        _choice("checkpoint", "async_save", self.async_save, ("auto", "true", "false"))
         if self.save_interval < 0:
             raise ConfigError("checkpoint.save_interval must be >= 0")
         if self.stop_deadline_s < 0:

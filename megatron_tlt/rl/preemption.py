@@ -36,7 +36,8 @@ with ``REQUEUE_EXIT_CODE`` (75).
 
 The time to exit is bounded: at most the rest of the phase that cannot be cut (the
 old/reference log-prob pass; at TP or PP > 1 the rollout; updates after the step's
-first optimizer step) plus one checkpoint save. If that takes longer than
+first optimizer step) plus one checkpoint save (and the rest of an asynchronous save
+still being written). If that takes longer than
 ``checkpoint.stop_deadline_s`` after the request, or a second signal arrives, the rank
 exits at once with ``FORCED_EXIT_CODE`` (76) without writing: the newest complete
 checkpoint under ``latest`` stays what a resume loads.

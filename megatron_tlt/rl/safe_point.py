@@ -14,11 +14,18 @@ may change before its first optimizer step and a checkpoint holds (RNG streams, 
 sampler's position, counters, the tuner, the drafter, its optimizer and data buffer);
 ``abandon_if_agreed`` restores that copy once every rank agrees, so the run state is
 the end of the last completed step again, checkpoints it and raises ``Stopped``.
+
+With asynchronous saves (``checkpoint.async_save``, ``checkpoint.background``) a save
+returns before it is published: ``step_boundary`` publishes a finished one between
+steps without waiting; the next save, the end of the last step and a stop request wait
+for it (a stop request's own checkpoint is published before ``Stopped``), and
+``on_error`` decides what a failing loop does with one still in flight.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -28,16 +35,48 @@ from .. import checkpoint as checkpointing
 from . import preflight
 
 
-def save(trainer) -> Path:
-    path = checkpointing.save(trainer.state, trainer.cfg.checkpoint.save, trainer.layout,
-                              keep_last=trainer.cfg.checkpoint.keep_last)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        preflight.record_model(path, trainer.state.meta)
+def save(trainer, wait: bool = False) -> Path:
+    """Checkpoint ``trainer.state`` (``wait``: and publish it before returning, also
+    when saves are asynchronous)."""
+    def published(path: Path) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            preflight.record_model(path, trainer.state.meta)
+
+    path = trainer.saver.save(trainer.state, trainer.cfg.checkpoint.save, trainer.layout,
+                              keep_last=trainer.cfg.checkpoint.keep_last, published=published)
+    if wait:
+        trainer.saver.finalize(blocking=True)
     return path
 
 
+def step_boundary(trainer) -> dict:
+    """Between steps (every rank): publish an asynchronous save whose writes have
+    finished, without waiting for one that has not; returns the ``checkpoint/*``
+    timings of the saves since the last call, for the step's metrics."""
+    trainer.saver.finalize()
+    return trainer.saver.take_metrics()
+
+
+def on_error(trainer, error: BaseException) -> None:
+    """The training loop leaves on ``error``: a save in flight is finished and
+    published when every rank leaves at this point (an error every rank raises at the
+    same point, or a one-rank run), else this rank's writers are stopped and it stays
+    unpublished (``checkpoint.background.Saver.close``)."""
+    from .nonfinite import NonFiniteError
+    from .preemption import Stopped
+
+    one_rank = not dist.is_initialized() or dist.get_world_size() == 1
+    try:
+        trainer.saver.close(agreed=one_rank or isinstance(error, (NonFiniteError, Stopped)))
+    except Exception as e:  # noqa: BLE001 - ``error`` is the one to report
+        print(f"[checkpoint] the save in flight was not published: {e}", file=sys.stderr,
+              flush=True)
+
+
 def _saved(trainer) -> Optional[Path]:
-    """The checkpoint of the current state when ``latest`` already names it."""
+    """The checkpoint of the current state when ``latest`` already names it (a save
+    still in flight is published first)."""
+    trainer.saver.finalize(blocking=True)
     folder = trainer.cfg.checkpoint.save
     done = Path(folder) / checkpointing.store.step_name(trainer.state.step)
     newest = checkpointing.latest(folder)
@@ -76,19 +115,23 @@ def abandon_if_agreed(trainer, snap: Optional[dict]) -> None:
     state.load_rank_state(snap)
     path = None
     if trainer.cfg.checkpoint.save:
-        path = _saved(trainer) or save(trainer)
+        path = _saved(trainer) or save(trainer, wait=True)
     raise stop.stop(state.step, path, abandoned=True)
 
 
 def end_of_step(trainer, step: int, due: bool) -> Optional[Path]:
-    """Save when ``due``; raise ``preemption.Stopped`` when every rank agrees to stop."""
+    """Save when ``due``; raise ``preemption.Stopped`` when every rank agrees to stop.
+    After the last step, wait until the checkpoint is published."""
     folder = trainer.cfg.checkpoint.save
-    path = save(trainer) if folder and due else None
-    stop = getattr(trainer, "stop", None)
     last = step >= trainer.cfg.train.steps  # the run ends here anyway: exit 0, no requeue
+    path = save(trainer) if folder and due else None
+    if last:
+        trainer.saver.finalize(blocking=True)
+    stop = getattr(trainer, "stop", None)
     if stop is not None and not last and stop.agreed():
         if folder and path is None:
             path = save(trainer)
+        trainer.saver.finalize(blocking=True)  # published before the requeue marker
         raise stop.stop(step, path)
     return path
 

@@ -109,6 +109,8 @@ class Trainer:
             drafter=self.engine.spec.drafter if self.engine.spec is not None else None,
             drafter_group=self.online.group if self.online is not None else None,
             meta=run_meta(self.arch, session.source))
+        self.saver = checkpointing.Saver(checkpointing.async_enabled(
+            cfg.checkpoint.async_save, session.platform.device))
         self.tracker = tracker
         self.stop = None  # rl.preemption.StopRequest, set by the entry point
         # Called on every rank between this replica's rollout finishing and the step
@@ -561,6 +563,7 @@ class Trainer:
                 if interval and (done % interval == 0 or done == cfg.train.steps):
                     metrics.update(self.evaluate())
                 nonfinite.after_step(done, metrics, self.state.extra, cfg.train.max_nonfinite_steps)
+                metrics.update(safe_point.step_boundary(self))  # checkpoint/* timings
                 if tracker is not None:
                     tracker.log(done, metrics)
                     tracker.step_done(f"reward {metrics['reward/mean']:.3f} "
@@ -570,6 +573,9 @@ class Trainer:
                 every = cfg.checkpoint.save_interval
                 safe_point.end_of_step(self, done, bool(every and done % every == 0)
                                        or done == cfg.train.steps)  # may raise Stopped
+        except BaseException as e:
+            safe_point.on_error(self, e)  # a save in flight: published or abandoned
+            raise
         finally:
             if tracker is not None:
                 tracker.close()

@@ -53,6 +53,20 @@ def test_bad_choice_lists_valid_values():
         _cfg("model.dtype=bf16")
 
 
+def test_checkpoint_async_save_is_auto_true_or_false(tmp_path):
+    from megatron_tlt.checkpoint import async_enabled
+
+    assert _cfg().checkpoint.async_save == "auto"
+    assert _cfg("checkpoint.async_save=false").checkpoint.async_save == "false"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("checkpoint:\n  async_save: true\n")  # a YAML bool
+    assert load_config([recipe]).checkpoint.async_save == "true"
+    with pytest.raises(ConfigError, match="checkpoint.async_save='yes'.*auto, true, false"):
+        _cfg("checkpoint.async_save=yes")
+    assert async_enabled("auto", "cuda") and not async_enabled("auto", "cpu")
+    assert async_enabled("true", "cpu") and not async_enabled("false", "cuda")
+
+
 def test_drafter_group_loss_is_a_loss_preset():
     assert _cfg("drafter_group.loss=tv").drafter_group.loss == "tv"
     with pytest.raises(ConfigError, match="drafter_group.loss='kl-tv'.*did you mean 'kl\\+tv'"):

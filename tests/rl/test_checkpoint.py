@@ -2,7 +2,11 @@
 partial checkpoints (a truncated file, a flipped byte) named in the error and skipped on
 request, a save killed before it is published leaves the previous one loadable,
 keep-last-N, exact state round trip, no checkpoint-writer process outlives a killed
-rank."""
+rank (synchronous or asynchronous save). Asynchronous saves: the same checkpoint as a
+synchronous save, a snapshot of the moment the save returned (weights and optimizer
+state changed right after it are saved as they were), published only by the finalize
+step, a save killed mid-write leaves the previous checkpoint, and a resume from one
+continues exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_fixtures import save_tiny_policy
+from rl_fixtures import save_tiny_policy, saved_tensors
 
 
 class _Marker:
@@ -204,9 +208,11 @@ def test_the_drafter_buffer_is_kept_not_dropped(tmp_path):
     assert all(a.features.equal(b.features) for a, b in zip(back, buf))
 
 
-def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(tmp_path):
-    """megatron-core's file writer is a forked process: SIGKILL the rank while it
-    writes, and the writer goes too; the rank starts no other helper process."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(mode, tmp_path):
+    """megatron-core's file writer is a forked process (an asynchronous save forks a
+    background process that forks the writer): SIGKILL the rank while it writes, and
+    they go too; the rank starts no other helper process."""
     import os
     import signal
     import subprocess
@@ -221,15 +227,17 @@ def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(tmp_path):
     (tmp_path / "ckpt").mkdir()
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "support" / "mp_checkpoint_writer_worker.py"),
-         str(tmp_path / "ckpt"), str(pidfile)], stdout=subprocess.DEVNULL,
+         str(tmp_path / "ckpt"), str(pidfile), mode], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not pidfile.is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pidfile.is_file(), proc.communicate(timeout=60)[1][-3000:]
-        writer, started = map(int, pidfile.read_text().split())
-        assert started == 1  # the writer only: no multiprocessing manager process
+        started = [int(x) for x in pidfile.read_text().split()]
+        # the writer (and the background process of an asynchronous save) only: no
+        # multiprocessing manager process
+        assert len(started) == (1 if mode == "sync" else 2), started
         proc.kill()
         proc.wait(timeout=60)
 
@@ -240,11 +248,177 @@ def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(tmp_path):
                 return False
 
         deadline = time.monotonic() + 30
-        while alive(writer) and time.monotonic() < deadline:
+        while any(map(alive, started)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(writer), "the checkpoint writer outlived its rank"
+        assert not any(map(alive, started)), "a checkpoint writer outlived its rank"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
         except ProcessLookupError:
             pass
+
+
+# ------------------------------------------------------------------ asynchronous saves
+def _late_writer(monkeypatch, seconds: float) -> None:
+    """megatron-core's file writers start writing ``seconds`` after they are forked."""
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def late(*a, **k):
+        time.sleep(seconds)
+        return write(*a, **k)
+
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(late))
+
+
+def test_an_async_save_is_the_checkpoint_a_synchronous_save_writes(trainer, tmp_path):
+    from megatron_tlt import checkpoint
+    from megatron_tlt.checkpoint.background import BackgroundSaves
+
+    expected = saved_tensors(trainer.policy)
+    sync = _save(trainer, tmp_path / "sync", 1)
+    background = BackgroundSaves()
+    path = checkpoint.save(trainer.state, tmp_path / "async", trainer.layout,
+                           background=background)
+    assert background.in_flight == 1
+    assert checkpoint.latest(tmp_path / "async") is None  # not published before finalize
+    assert background.finalize(blocking=True) == 1
+    assert checkpoint.latest(tmp_path / "async") == path
+    runs = [json.loads((p / "run.json").read_text()) for p in (sync, path)]
+    assert sorted(runs[0]["files"]) == sorted(runs[1]["files"])  # the same files
+    # the same bytes in the shards and per-rank files (.metadata names its folder)
+    shards = [n for n in runs[0]["crc32"] if n.endswith(".distcp") or n.startswith("rank_")]
+    assert shards and all(runs[0]["crc32"][n] == runs[1]["crc32"][n] for n in shards)
+    for p in (sync, path):
+        with torch.no_grad():
+            for w in trainer.policy.module.parameters():
+                w.add_(1.0)
+        checkpoint.load(trainer.state, p, trainer.layout)
+        got = saved_tensors(trainer.policy)
+        assert got.keys() == expected.keys()
+        assert all(got[k].equal(v) for k, v in expected.items())
+
+
+def test_an_async_save_holds_the_state_of_the_moment_it_returned(trainer, tmp_path,
+                                                                 monkeypatch):
+    """On CPU megatron-core's preload is no copy: the fork of the background writer is
+    the snapshot. Weights and optimizer moments changed right after the save returned,
+    before the writers wrote a byte, are saved as they were."""
+    from megatron_tlt import checkpoint
+    from megatron_tlt.checkpoint.background import BackgroundSaves
+
+    _late_writer(monkeypatch, 1.0)
+    trainer.state.step = 1
+    before = saved_tensors(trainer.policy)
+    background = BackgroundSaves()
+    checkpoint.save(trainer.state, tmp_path, trainer.layout, background=background)
+    with torch.no_grad():
+        for p in trainer.policy.module.parameters():
+            p.add_(1.0)
+        for st in trainer.policy.optimizer.state.values():
+            st["exp_avg"].add_(1.0)
+            st["exp_avg_sq"].add_(1.0)
+    trainer.state.step = 7
+    changed = saved_tensors(trainer.policy)
+    assert all(not changed[k].equal(v) for k, v in before.items())  # every tensor moved
+    background.finalize(blocking=True)
+    assert checkpoint.load(trainer.state, tmp_path, trainer.layout).name == "step_0000001"
+    assert trainer.state.step == 1
+    after = saved_tensors(trainer.policy)
+    assert all(after[k].equal(v) for k, v in before.items())
+
+
+def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint(trainer, tmp_path,
+                                                                       monkeypatch):
+    """The rank dies while its background writers write (here: they are killed as the
+    rank's death kills them): nothing is published, the previous checkpoint loads, the
+    writers' own forks die with them, and the next save clears the remains."""
+    import time
+
+    import psutil
+
+    from megatron_tlt import checkpoint
+    from megatron_tlt.checkpoint.background import BackgroundSaves
+
+    def started():
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    _save(trainer, tmp_path, 1)
+    _late_writer(monkeypatch, 600.0)
+    background = BackgroundSaves()
+    trainer.state.step = 2
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    checkpoint.save(trainer.state, tmp_path, trainer.layout, background=background)
+    deadline = time.monotonic() + 60
+    while len(started()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the background process, then the file writers it forks
+    time.sleep(1.0)  # (all of them)
+    helpers = started()
+    assert len(helpers) >= 2, helpers
+    background.abort()  # SIGKILL the background process
+
+    def running(proc):
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(map(running, helpers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, helpers)), "a file writer outlived the background writer"
+    monkeypatch.undo()
+    assert (tmp_path / ".step_0000002.partial").is_dir()
+    assert checkpoint.latest(tmp_path).name == "step_0000001"
+    assert checkpoint.load(trainer.state, tmp_path, trainer.layout).name == "step_0000001"
+    _save(trainer, tmp_path, 3, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000003"]
+
+
+def test_a_resume_from_an_async_save_continues_exactly(trainer, tmp_path):
+    """A step runs while the save before it is written; the step rerun from that
+    checkpoint gives the same metrics and weights. The save's timings are recorded."""
+    from megatron_tlt import checkpoint
+
+    saver = checkpoint.Saver(asynchronous=True)
+    trainer.state.step = 1
+    saver.save(trainer.state, tmp_path, trainer.layout)
+    first = trainer.train_step(1)
+    saver.finalize(blocking=True)
+    timings = saver.take_metrics()
+    assert 0 < timings["checkpoint/blocking_seconds"] <= timings["checkpoint/publish_seconds"]
+    weights = saved_tensors(trainer.policy)
+    assert checkpoint.load(trainer.state, tmp_path, trainer.layout).name == "step_0000001"
+    again = trainer.train_step(1)
+    for key in ("reward/mean", "response_length/mean", "loss/total", "grad_norm"):
+        assert again[key] == first[key], key
+    got = saved_tensors(trainer.policy)
+    assert all(got[k].equal(v) for k, v in weights.items())
+
+
+def test_a_failing_loop_publishes_the_save_in_flight_only_if_every_rank_fails_there(
+        trainer, tmp_path, monkeypatch):
+    """An error of one rank alone (its peers may be in another collective) leaves the
+    save in flight unpublished; an error every rank raises at the same point (a NaN
+    stop) finishes and publishes it."""
+    from types import SimpleNamespace
+
+    from megatron_tlt import checkpoint
+    from megatron_tlt.rl import safe_point
+    from megatron_tlt.rl.nonfinite import NonFiniteError
+
+    run = SimpleNamespace(saver=checkpoint.Saver(asynchronous=True))
+    monkeypatch.setattr(safe_point, "dist", SimpleNamespace(  # as one rank of two
+        is_initialized=lambda: True, get_world_size=lambda: 2))
+    trainer.state.step = 1
+    run.saver.save(trainer.state, tmp_path, trainer.layout)
+    safe_point.on_error(run, RuntimeError("this rank only"))
+    assert run.saver.in_flight == 0 and checkpoint.latest(tmp_path) is None
+    trainer.state.step = 2
+    run.saver.save(trainer.state, tmp_path, trainer.layout)
+    safe_point.on_error(run, NonFiniteError("every rank"))
+    assert run.saver.in_flight == 0 and checkpoint.latest(tmp_path).name == "step_0000002"

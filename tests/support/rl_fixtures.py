@@ -35,3 +35,17 @@ def tiny_run_args(policy: Path, out: Path, *extra: str) -> list[str]:
             "tracking.wandb_project=test", "tracking.wandb_mode=offline",
             # a random policy never answers right: reward the letter k so groups vary
             "reward.format_reward=1.0", "reward.format_pattern=k", *extra]
+
+
+def saved_tensors(policy) -> dict:
+    """Copies of every tensor a checkpoint of ``policy`` holds (weights and optimizer
+    state, as megatron-core's sharded state dict names them), keyed by (key, offset)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_tlt.checkpoint.sharded import policy_sharded_state_dict
+
+    sd = policy_sharded_state_dict(policy)
+    apply_factories(sd)
+    return {(v.key, v.global_offset): v.data.detach().to("cpu", copy=True)
+            for v in nested_values(sd) if isinstance(v, ShardedTensor)}
