@@ -99,10 +99,7 @@ def spec_by_depth(args, rank, pp1, engines, modes, pool, tail, arch, run_pp1, ru
     from megatron_tlt.rollout.speculative.tuner import StrategyTuner
 
     path = args.spec_drafter
-    if path == "demo":
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if path == "demo":  # tools/ is on the path: bench_rollout.py runs from there
         from demo import demo_drafter
 
         path = str(demo_drafter())
