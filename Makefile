@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test files run in this many worker processes (pytest-xdist; a file's tests stay in one
+# worker, so its module fixtures are built once); 0 = in this process
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: install assets demo test test-gpu test-fast docs clean-venv
@@ -31,7 +34,7 @@ demo: assets
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
 test: assets
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # CUDA paths (GPU machines only; not part of `make test`)
 test-gpu: $(STAMP)
