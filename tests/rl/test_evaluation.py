@@ -37,6 +37,7 @@ def _stub_trainer(steps: int, interval: int):
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = load_config([], [f"train.steps={steps}", f"train.eval_interval={interval}"])
     trainer.state = checkpointing.RunState()
+    trainer.saver = checkpointing.Saver(asynchronous=False)
     trainer.tracker = None
     trainer.evaluated_at = []
 
