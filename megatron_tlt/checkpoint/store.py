@@ -125,14 +125,11 @@ def save(state: RunState, folder: str | Path, layout, *, keep_last: int = 0,
     run = copy.deepcopy({"format_version": FORMAT_VERSION, "layout": _layout_dict(layout),
                          **state.global_state()})
     publish = functools.partial(_publish, tmp, final, run, keep_last, published)
-    if background is not None and state.policy is not None:
-        _write_small_files(state, tmp, layout)
-        save_policy(state.policy, tmp / POLICY_DIR, background=background, then=publish)
-        return final
-    if state.policy is not None:
-        save_policy(state.policy, tmp / POLICY_DIR)
     _write_small_files(state, tmp, layout)
-    publish()
+    if state.policy is not None:  # publishes now, or when ``background`` finalizes
+        save_policy(state.policy, tmp / POLICY_DIR, background=background, then=publish)
+    else:
+        publish()
     return final
 
 

@@ -396,13 +396,12 @@ class DrafterGroup:
             return [t for p in params for t in [p.data] + [
                 opt.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in opt.state[p]]]
 
-        sharded = [getattr(p, "tensor_model_parallel", False) for p in self.trainer.params]
+        params = self.trainer.params
+        shards = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+        replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
         healed = False
-        for tensors, group, size in (
-                (with_moments(p for p, s in zip(self.trainer.params, sharded) if not s),
-                 self.mp_group, self.mp_size),
-                (with_moments(p for p, s in zip(self.trainer.params, sharded) if s),
-                 self.pp_group, self.pp_size)):
+        for tensors, group, size in ((with_moments(replicated), self.mp_group, self.mp_size),
+                                     (with_moments(shards), self.pp_group, self.pp_size)):
             if tensors and size > 1 and _agree(tensors, group, size):
                 healed = True
         return healed

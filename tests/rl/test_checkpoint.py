@@ -219,8 +219,6 @@ def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(mode, tmp_path):
     import sys
     import time
 
-    import psutil
-
     from cli import REPO
 
     pidfile = tmp_path / "writer.pid"
@@ -241,16 +239,7 @@ def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(mode, tmp_path):
         proc.kill()
         proc.wait(timeout=60)
 
-        def alive(pid):
-            try:
-                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
-
-        deadline = time.monotonic() + 30
-        while any(map(alive, started)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(alive, started)), "a checkpoint writer outlived its rank"
+        assert _all_exited(started), "a checkpoint writer outlived its rank"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
@@ -259,6 +248,24 @@ def test_a_rank_killed_mid_save_leaves_no_writer_process_behind(mode, tmp_path):
 
 
 # ------------------------------------------------------------------ asynchronous saves
+def _all_exited(pids, seconds: float = 30.0) -> bool:
+    """Whether every process in ``pids`` has exited (zombies count) within ``seconds``."""
+    import time
+
+    import psutil
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + seconds
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
 def _late_writer(monkeypatch, seconds: float) -> None:
     """megatron-core's file writers start writing ``seconds`` after they are forked."""
     import time
@@ -361,16 +368,8 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint(trainer, 
     assert len(helpers) >= 2, helpers
     background.abort()  # SIGKILL the background process
 
-    def running(proc):
-        try:
-            return proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + 30
-    while any(map(running, helpers)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(map(running, helpers)), "a file writer outlived the background writer"
+    assert _all_exited([h.pid for h in helpers]), \
+        "a file writer outlived the background writer"
     monkeypatch.undo()
     assert (tmp_path / ".step_0000002.partial").is_dir()
     assert checkpoint.latest(tmp_path).name == "step_0000001"
