@@ -45,6 +45,8 @@ the PP = 1 engine's).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import statistics
 import time
@@ -107,67 +109,64 @@ def spec_by_depth(args, rank, pp1, engines, modes, pool, tail, arch, run_pp1, ru
     depths = {"pp1": pp1 if rank == 0 else None, **{f"pp2_{m}": engines[m] for m in modes}}
     temps = [float(t) for t in args.spec_temperatures.split(",")]
     out = {"drafter": path, "strategy": args.spec_strategy, "cells": []}
-    for name, engine in depths.items():
-        for temp in temps:
-            for case in ("batch 1", "long tail"):
-                if case == "long tail" and args.no_tail:
-                    continue
-                if case == "batch 1":
-                    prompts = pool[:1]
-                    params = SamplingParams(temperature=temp, max_new_tokens=args.new_tokens,
-                                            ignore_eos=True, seed=args.seed)
-                else:
-                    prompts = pool[:32]
-                    params = [SamplingParams(temperature=temp, max_new_tokens=r.target_len,
-                                             ignore_eos=True, seed=args.seed + i)
-                              for i, r in enumerate(tail)]
-                n_tokens = (args.new_tokens if case == "batch 1"
-                            else sum(r.target_len for r in tail))
 
-                def run(spec_on):
-                    if engine is not None:
-                        if spec_on:
-                            engine.attach_drafter(
-                                load_drafter(path, arch, dtype=engine.runner.dtype,
-                                             device=engine.device),
-                                StrategyTuner.from_config(tuner_cfg))
-                        else:
-                            engine.detach_drafter()
-                    if name == "pp1":
-                        o, sec = run_pp1(prompts, params)
-                        st = pp1.last_stats if rank == 0 else None
-                    else:
-                        o, sec = run_pp2(prompts, params, name.split("_", 1)[1])
-                        st = engine.last_stats
-                    acc = st.spec.accept_len if st is not None and st.spec else None
-                    return o, sec, acc
+    def workload(case: str, temp: float):
+        """A cell's prompts, sampling parameters and tokens to generate."""
+        if case == "batch 1":
+            return pool[:1], SamplingParams(temperature=temp, max_new_tokens=args.new_tokens,
+                                            ignore_eos=True, seed=args.seed), args.new_tokens
+        return pool[:32], [SamplingParams(temperature=temp, max_new_tokens=r.target_len,
+                                          ignore_eos=True, seed=args.seed + i)
+                           for i, r in enumerate(tail)], sum(r.target_len for r in tail)
 
-                run(False)  # warm-up of this cell's shapes
-                ratios, plain_rate, spec_rate, accs, same = [], [], [], [], True
-                for _ in range(args.spec_pairs):
-                    o0, s0, _ = run(False)
-                    o1, s1, acc = run(True)
-                    if rank == 0:
-                        ratios.append(s0 / s1)
-                        plain_rate.append(n_tokens / s0)
-                        spec_rate.append(n_tokens / s1)
-                        accs.append(acc)
-                        same &= all(a.token_ids == b.token_ids for a, b in zip(o0, o1))
-                if engine is not None:
-                    engine.detach_drafter()
-                if rank == 0:
-                    cell = dict(engine=name, temperature=temp, case=case,
-                                plain_tok_s=statistics.median(plain_rate),
-                                spec_tok_s=statistics.median(spec_rate),
-                                speedup=statistics.median(ratios), speedup_min=min(ratios),
-                                speedup_max=max(ratios), accept_len=statistics.median(accs),
-                                identical=same)
-                    out["cells"].append(cell)
-                    log(f"spec {name:>12} T={temp:g} {case:>9}: plain "
-                        f"{cell['plain_tok_s']:6.1f} tok/s, speculative "
-                        f"{cell['spec_tok_s']:6.1f} tok/s ({cell['speedup']:.2f}x "
-                        f"[{cell['speedup_min']:.2f}, {cell['speedup_max']:.2f}]), accept "
-                        f"{cell['accept_len']:.2f}, identical {same}")
+    def run(name, engine, prompts, params, spec_on):
+        """One timed generate of a cell, plain or speculative: outputs, seconds and the
+        acceptance length."""
+        if engine is not None:
+            if spec_on:
+                engine.attach_drafter(load_drafter(path, arch, dtype=engine.runner.dtype,
+                                                   device=engine.device),
+                                      StrategyTuner.from_config(tuner_cfg))
+            else:
+                engine.detach_drafter()
+        if name == "pp1":
+            o, sec = run_pp1(prompts, params)
+            st = pp1.last_stats if rank == 0 else None
+        else:
+            o, sec = run_pp2(prompts, params, name.split("_", 1)[1])
+            st = engine.last_stats
+        return o, sec, st.spec.accept_len if st is not None and st.spec else None
+
+    cases = ("batch 1",) if args.no_tail else ("batch 1", "long tail")
+    for (name, engine), temp, case in itertools.product(depths.items(), temps, cases):
+        prompts, params, n_tokens = workload(case, temp)
+        cell_run = functools.partial(run, name, engine, prompts, params)
+        cell_run(False)  # warm-up of this cell's shapes
+        ratios, plain_rate, spec_rate, accs, same = [], [], [], [], True
+        for _ in range(args.spec_pairs):
+            o0, s0, _ = cell_run(False)
+            o1, s1, acc = cell_run(True)
+            if rank == 0:
+                ratios.append(s0 / s1)
+                plain_rate.append(n_tokens / s0)
+                spec_rate.append(n_tokens / s1)
+                accs.append(acc)
+                same &= all(a.token_ids == b.token_ids for a, b in zip(o0, o1))
+        if engine is not None:
+            engine.detach_drafter()
+        if rank == 0:
+            cell = dict(engine=name, temperature=temp, case=case,
+                        plain_tok_s=statistics.median(plain_rate),
+                        spec_tok_s=statistics.median(spec_rate),
+                        speedup=statistics.median(ratios), speedup_min=min(ratios),
+                        speedup_max=max(ratios), accept_len=statistics.median(accs),
+                        identical=same)
+            out["cells"].append(cell)
+            log(f"spec {name:>12} T={temp:g} {case:>9}: plain "
+                f"{cell['plain_tok_s']:6.1f} tok/s, speculative "
+                f"{cell['spec_tok_s']:6.1f} tok/s ({cell['speedup']:.2f}x "
+                f"[{cell['speedup_min']:.2f}, {cell['speedup_max']:.2f}]), accept "
+                f"{cell['accept_len']:.2f}, identical {same}")
     return out
 
 

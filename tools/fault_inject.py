@@ -10,10 +10,9 @@ rank SIGKILLs itself when it reaches ``--kill PHASE:STEP`` (STEP counts from 1):
 
 PHASE is ``rollout`` (generating step STEP's responses), ``update`` (between
 backward and the optimizer step of STEP's first mini-batch), ``save`` (writing
-checkpoint STEP: the policy files are on disk, the per-rank files not) or
-``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name).
-With ``checkpoint.async_save=true`` a save writes the per-rank files first (``save``:
-no policy file yet) and ``publish`` comes when the background writes are finalized.
+checkpoint STEP: its folder made, the per-rank and policy files not yet written) or
+``publish`` (checkpoint STEP complete on disk, not yet renamed to its final name; with
+``checkpoint.async_save=true`` that comes when the background writes are finalized).
 
 ``--term PHASE:STEP[:RANK]`` sends SIGTERM instead, to one rank only (default 1): a
 stop request, which abandons the step in progress. PHASE is ``rollout`` (just before

@@ -328,7 +328,7 @@ class DrafterGroup:
             else:
                 n = sum(t.numel() for t in self._tensors(create=True))
                 flat = torch.empty(n, dtype=torch.float32, device=self.device)
-            work = dist.broadcast(flat, src=self._dp_global(src),
+            work = dist.broadcast(flat, src=_global_rank(self.dp_group, src),
                                   group=self.dp_group, async_op=True)
             keep = self.dp_rank == src  # the source's state is already the result
         else:
@@ -342,9 +342,6 @@ class DrafterGroup:
         if not self.overlap_sync:
             out.update(self.finish_sync(record=False))
         return out
-
-    def _dp_global(self, k: int) -> int:
-        return k if self.dp_group is None else dist.get_global_rank(self.dp_group, k)
 
     def finish_sync(self, *, record: bool = True) -> dict:
         """Complete the window's averaging: wait for the transfer, write the result into
@@ -361,17 +358,8 @@ class DrafterGroup:
         if not keep:
             self._write_flat(flat)
         self._set_adam_step()
-        cs = _word_sum(flat)
-        sums = [torch.empty_like(cs) for _ in range(self.dp_size)]
-        dist.all_gather(sums, cs, group=self.dp_group)
-        healed = False
-        if any(not torch.equal(x, sums[0]) for x in sums):  # never expected; made certain
-            flat = self._flat()
-            dist.broadcast(flat, src=self._dp_global(0),
-                           group=self.dp_group)
-            self._write_flat(flat)
-            cs = _word_sum(flat)
-            healed = True
+        # the replicas agree already (never expected otherwise; made certain)
+        healed, cs = _agree(self._tensors(), self.dp_group, self.dp_size, flat=flat)
         if self.mp_size > 1:
             if self._agree_replica():
                 healed = True
@@ -402,7 +390,7 @@ class DrafterGroup:
         healed = False
         for tensors, group, size in ((with_moments(replicated), self.mp_group, self.mp_size),
                                      (with_moments(shards), self.pp_group, self.pp_size)):
-            if tensors and size > 1 and _agree(tensors, group, size):
+            if tensors and size > 1 and _agree(tensors, group, size)[0]:
                 healed = True
         return healed
 
@@ -422,14 +410,10 @@ class DrafterGroup:
         return out
 
     def _flat(self, create: bool = False) -> torch.Tensor:
-        return torch.cat([t.detach().float().reshape(-1) for t in self._tensors(create)])
+        return _concat(self._tensors(create))
 
     def _write_flat(self, flat: torch.Tensor) -> None:
-        i = 0
-        for t in self._tensors(create=True):
-            n = t.numel()
-            t.copy_(flat[i:i + n].view_as(t))
-            i += n
+        _write_back(flat, self._tensors(create=True))
 
     def _set_adam_step(self) -> None:
         for p in self.trainer.params:
@@ -496,23 +480,45 @@ class DrafterGroup:
         self.version = int(state["version"])
 
 
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one float32 vector, in order."""
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+
+def _write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """``_concat``'s inverse: ``flat``'s values into ``tensors``, in place."""
+    i = 0
+    for t in tensors:
+        t.copy_(flat[i:i + t.numel()].view_as(t))
+        i += t.numel()
+
+
 def _word_sum(flat: torch.Tensor) -> torch.Tensor:
     """[1] int64: a float32 vector's bytes summed as int32 words (a bit-exact
     fingerprint, cheap to all-gather)."""
     return flat.view(torch.int32).sum(dtype=torch.int64).reshape(1)
 
 
-def _agree(tensors: list[torch.Tensor], group, size: int) -> bool:
+def _agree(tensors: list[torch.Tensor], group, size: int,
+           flat: Optional[torch.Tensor] = None) -> tuple[bool, torch.Tensor]:
     """``tensors`` the group's first rank's bytes on every rank of ``group`` (a
-    collective); returns whether any rank held different ones."""
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    sums = [torch.empty(1, dtype=torch.int64, device=flat.device) for _ in range(size)]
-    dist.all_gather(sums, _word_sum(flat), group=group)
+    collective; None: the default group). ``flat``: the float32 vector the caller has
+    just written into them, compared instead of concatenating them again. Returns
+    whether any rank held different ones, and the ``_word_sum`` of what the group now
+    agrees on."""
+    if flat is None:
+        flat = _concat(tensors)
+    cs = _word_sum(flat)
+    sums = [torch.empty_like(cs) for _ in range(size)]
+    dist.all_gather(sums, cs, group=group)
     if all(torch.equal(x, sums[0]) for x in sums):
-        return False
-    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
-    i = 0
-    for t in tensors:
-        t.copy_(flat[i:i + t.numel()].view_as(t))
-        i += t.numel()
-    return True
+        return False, cs
+    flat = _concat(tensors)
+    dist.broadcast(flat, src=_global_rank(group, 0), group=group)
+    _write_back(flat, tensors)
+    return True, _word_sum(flat)
+
+
+def _global_rank(group, k: int) -> int:
+    """The global rank of ``group``'s rank ``k`` (None: the default group)."""
+    return k if group is None else dist.get_global_rank(group, k)

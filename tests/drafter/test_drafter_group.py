@@ -8,18 +8,16 @@ import json
 
 import pytest
 
-from cli import run_script
+from cli import run_script, run_workers
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
 def results(tiny_hf_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dgroup")
-    r = run_script("tests/support/mp_drafter_group_worker.py", "--model", tiny_hf_dirs["llama_tied"],
-                   "--out", out, "--schedules", 50, nproc=2, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
+    return run_workers("tests/support/mp_drafter_group_worker.py",
+                       tmp_path_factory.mktemp("dgroup"), "--model", tiny_hf_dirs["llama_tied"],
+                       "--schedules", 50, nproc=2)
 
 
 def test_all_finishing_together_trains_nothing_and_averages_nothing(results):
@@ -102,6 +100,16 @@ def test_a_drafter_failure_restores_it_and_turns_speculation_off_once(results):
 def test_resume_restores_drafter_and_optimizer_state(results):
     for res in results:
         assert all(res["resume"].values()), res["resume"]
+
+
+def test_replicas_that_diverge_are_given_replica_0s_state(results):
+    for rank, res in enumerate(results):
+        d = res["diverged"]
+        assert d["differed"] and d["healed"] and d["identical"]
+        assert d["own_kept"] == (rank == 0)  # replica 0's bytes won
+        assert d["checksum"] == d["checksum_of_state"] == d["checksum_again"]
+        assert not d["healed_again"]
+    assert len({res["diverged"]["checksum"] for res in results}) == 1
 
 
 def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, tmp_path):

@@ -7,23 +7,19 @@ tests/support/mp_drafter_group_pp_worker.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from cli import run_script
+from cli import run_workers
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
 def results(tiny_hf_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dgroup_pp")
-    r = run_script("tests/support/mp_drafter_group_pp_worker.py",
-                   "--model", tiny_hf_dirs["llama_untied"], "--out", out, nproc=4, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(4)]
+    return run_workers("tests/support/mp_drafter_group_pp_worker.py",
+                       tmp_path_factory.mktemp("dgroup_pp"), "--model",
+                       tiny_hf_dirs["llama_untied"], nproc=4)
 
 
 def test_uneven_finish_at_pp2_early_replica_trains_and_all_ranks_agree(results):

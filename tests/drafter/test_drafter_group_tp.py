@@ -5,23 +5,19 @@ gradient equal TP = 1's (scenarios in tests/support/mp_drafter_group_tp_worker.p
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from cli import run_script
+from cli import run_workers
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
 def results(tiny_hf_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dgroup_tp")
-    r = run_script("tests/support/mp_drafter_group_tp_worker.py",
-                   "--model", tiny_hf_dirs["llama_tied"], "--out", out, nproc=4, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(4)]
+    return run_workers("tests/support/mp_drafter_group_tp_worker.py",
+                       tmp_path_factory.mktemp("dgroup_tp"), "--model",
+                       tiny_hf_dirs["llama_tied"], nproc=4)
 
 
 def test_uneven_finish_at_tp2_early_replica_trains_and_all_ranks_agree(results):

@@ -19,6 +19,17 @@ def run_script(script: str, *args: str, nproc: int = 1,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_workers(script: str, out: Path, *args: str, nproc: int,
+                timeout: int = 600) -> list[dict]:
+    """``run_script`` of a torchrun worker that writes ``out/rank{R}.json`` on every rank
+    (given ``--out out``); asserts it exited 0 and returns the ranks' results, by rank."""
+    import json
+
+    r = run_script(script, *args, "--out", out, nproc=nproc, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads((Path(out) / f"rank{k}.json").read_text()) for k in range(nproc)]
+
+
 def run_main(script: str, *args: str) -> subprocess.CompletedProcess:
     """``main(argv)`` of the entry point ``REPO/script`` in this process (no interpreter
     start-up, imports or model libraries to load again), its exit status, stdout and

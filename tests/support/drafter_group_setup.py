@@ -6,16 +6,26 @@
 ``tiny_engine`` starts torch.distributed (gloo, CPU) and megatron-core's groups, loads the
 tiny model (float32), makes a fresh EAGLE drafter (``env.init_state``: its unsharded
 state, a copy), attaches it to a rollout engine that always speculates (fixed 2_1_2
-strategy) and generates 4 prompts with hidden states. ``loss_and_grad`` is the group's
-loss and clipped gradient on one batch (full and pruned draft vocabulary), for comparing
-model-parallel layouts with TP = PP = 1.
+strategy) and generates 4 prompts with hidden states. ``make_group`` builds a
+``DrafterGroup`` on it over megatron-core's groups at the ``RECIPE`` sampling.
+``loss_and_grad`` is the group's loss and clipped gradient on one batch (full and pruned
+draft vocabulary), and ``runner_at_mp1`` the same model at TP = PP = 1, for comparing
+model-parallel layouts with it. ``everywhere`` / ``identical_everywhere`` gather a
+value from every rank; ``write_result`` ends a worker.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+
+# the recipe's rollout sampling: the group's loss and canary run at these settings (and
+# ``loss_and_grad`` at the same temperature, top-k and top-p)
+RECIPE_SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
 
 
 def tiny_engine(model_dir, *, tp: int = 1, pp: int = 1) -> SimpleNamespace:
@@ -82,3 +92,53 @@ def loss_and_grad(drafter, target, batch, init_state, loss_preset: str, vocab) -
         out[name] = {"loss": parts["loss"], "alpha": parts["alpha"], "grad": grad.tolist()}
     drafter.set_draft_vocabulary(None)
     return out
+
+
+def make_group(env, cfg, store, drafter=None, **kw):
+    """A ``DrafterGroup`` of ``drafter`` (default: the engine's) on ``env``'s runner over
+    megatron-core's data-, model- and pipeline-parallel groups, at the recipe's
+    sampling (``kw`` overrides any argument)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tlt.drafter_training.group import DrafterGroup
+    from megatron_tlt.rollout import SamplingParams
+
+    args = dict(dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
+                pp_group=ps.get_pipeline_model_parallel_group(), store=store,
+                total_steps=10_000, seed=1, sampling=SamplingParams(**RECIPE_SAMPLING))
+    return DrafterGroup(drafter if drafter is not None else env.engine.spec.drafter,
+                        env.engine.runner, cfg, **{**args, **kw})
+
+
+def runner_at_mp1(model_dir, arch):
+    """Model parallelism re-initialised at TP = PP = 1 and the same tiny model loaded
+    whole: (model, its ``ModelRunner``)."""
+    from megatron_tlt.models import load_model
+    from megatron_tlt.parallel import initialize_model_parallel
+    from megatron_tlt.rollout.forward import ModelRunner
+
+    initialize_model_parallel(1, 1, seed=1234)
+    model, _ = load_model(model_dir, device=torch.device("cpu"), dtype="float32",
+                          impl="local")
+    return model, ModelRunner(model, arch)
+
+
+def everywhere(obj) -> list:
+    """``obj`` of every rank, by rank (a collective)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def identical_everywhere(flat: torch.Tensor) -> bool:
+    """Whether every rank holds the same ``flat`` (a collective)."""
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return all(torch.equal(f, every[0]) for f in every)
+
+
+def write_result(out, res: dict) -> None:
+    """``res`` as ``out/rank{R}.json``; then the process group ends (every rank)."""
+    (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()

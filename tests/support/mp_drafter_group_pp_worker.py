@@ -29,7 +29,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def main() -> None:
@@ -42,45 +41,22 @@ def main() -> None:
     from megatron_tlt.checkpoint.state import RunState
     from megatron_tlt.config import DrafterGroupConfig
     from megatron_tlt.drafter_training.alpha import measure_alpha
-    from megatron_tlt.drafter_training.group import DrafterGroup, default_store
+    from megatron_tlt.drafter_training.group import default_store
     from megatron_tlt.drafter_training.target_view import WholeVocabTarget
-    from megatron_tlt.models import load_model
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
-    from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.rollout import SamplingParams
-    from megatron_tlt.rollout.forward import ModelRunner
 
-    from drafter_group_setup import loss_and_grad, tiny_engine
+    from drafter_group_setup import (everywhere, identical_everywhere, loss_and_grad,
+                                     make_group, runner_at_mp1, tiny_engine, write_result)
 
     env = tiny_engine(args.model, pp=2)
-    from megatron.core import parallel_state as ps
-
-    rank = dist.get_rank()
     lay, model, arch, engine = env.layout, env.model, env.arch, env.engine
     # (replica 0 trains 3 to 8 micro-steps: replica 1 finishes after its 3rd)
     cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=8,
                              batch_tokens=24, canary_sequences=2)
-    recipe = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
     store = default_store()
-
-    def make_group(drafter):
-        return DrafterGroup(drafter, engine.runner, cfg, dp_group=ps.get_data_parallel_group(),
-                            mp_group=ps.get_model_parallel_group(),
-                            pp_group=ps.get_pipeline_model_parallel_group(), store=store,
-                            total_steps=10_000, seed=1, sampling=recipe)
-
-    group = make_group(engine.spec.drafter)
+    group = make_group(env, cfg, store)
     policy_before = [p.detach().clone() for p in model.parameters()]
-
-    def everywhere(obj) -> list:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    def identical_everywhere(flat: torch.Tensor) -> bool:
-        every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, flat)
-        return all(torch.equal(f, every[0]) for f in every)
 
     res: dict = {"pp_rank": lay.pp_rank, "dp_rank": lay.dp_rank}
 
@@ -144,7 +120,7 @@ def main() -> None:
                           folder, lay)
     fresh = EagleDrafter(DrafterConfig.for_target(arch), arch)
     fresh.reset_parameters(seed=99)
-    g2 = make_group(fresh)
+    g2 = make_group(env, cfg, store, fresh)
     differed = not torch.equal(g2._flat(create=True), group._flat())
     step = checkpoint_store.latest(folder)  # (no policy in it: verification would refuse)
     checkpoint_store.load(RunState(drafter=fresh, drafter_group=g2), folder, lay,
@@ -183,10 +159,7 @@ def main() -> None:
     samples = [r.draft_sample() for r in group.buffer.sample(cfg.canary_sequences)]
 
     # ---- the same at PP = 1
-    initialize_model_parallel(1, 1, seed=1234)
-    model1, _ = load_model(args.model, device=torch.device("cpu"), dtype="float32",
-                           impl="local")
-    runner1 = ModelRunner(model1, arch)
+    model1, runner1 = runner_at_mp1(args.model, arch)
     d1 = EagleDrafter(DrafterConfig.for_target(arch), arch)
     res["pp1"] = loss_and_grad(d1, WholeVocabTarget(runner1), batch, env.init_state,
                                cfg.loss, vocab)
@@ -196,9 +169,7 @@ def main() -> None:
         d1, WholeVocabTarget(runner1), samples, temperature=0.7, top_k=20, top_p=0.9,
         depth=1).alpha[0]
 
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_result(args.out, res)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ Each rank writes DIR/rank{R}.json:
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import warnings
 
 import torch
-import torch.distributed as dist
 
 
 def main() -> None:
@@ -33,32 +31,22 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron_tlt.config import DrafterGroupConfig
-    from megatron_tlt.drafter_training.group import DrafterGroup, default_store
+    from megatron_tlt.drafter_training.group import default_store
     from megatron_tlt.drafter_training.target_view import WholeVocabTarget
     from megatron_tlt.drafter_training.trainer import DrafterTrainer
-    from megatron_tlt.models import load_model
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
-    from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.rollout import SamplingParams
-    from megatron_tlt.rollout.forward import ModelRunner
 
-    from drafter_group_setup import loss_and_grad, tiny_engine
+    from drafter_group_setup import (everywhere, identical_everywhere, loss_and_grad,
+                                     make_group, runner_at_mp1, tiny_engine, write_result)
 
     env = tiny_engine(args.model, tp=2)
-    from megatron.core import parallel_state as ps
-
-    rank = dist.get_rank()
     lay, model, arch, drafter, engine = env.layout, env.model, env.arch, env.drafter, env.engine
     full0, responses = env.init_state, env.responses
 
     cfg = DrafterGroupConfig(lr=1e-3, lr_warmup_steps=0, max_steps_per_window=64,
                              batch_tokens=24)
-    recipe = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
     store = default_store()
-    group = DrafterGroup(engine.spec.drafter, engine.runner, cfg,
-                         dp_group=ps.get_data_parallel_group(),
-                         mp_group=ps.get_model_parallel_group(), store=store,
-                         total_steps=10_000, seed=1, sampling=recipe)
+    group = make_group(env, cfg, store)
     policy_before = [p.detach().clone() for p in model.parameters()]
 
     def unsharded() -> torch.Tensor:
@@ -76,11 +64,6 @@ def main() -> None:
             p.data.copy_(w)
         return torch.cat(parts)
 
-    def identical_everywhere(flat: torch.Tensor) -> bool:
-        every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, flat)
-        return all(torch.equal(f, every[0]) for f in every)
-
     res: dict = {"tp_rank": lay.tp_rank, "dp_rank": lay.dp_rank}
 
     # ---- uneven: replica 1 finishes after replica 0's 3rd micro-step
@@ -96,8 +79,7 @@ def main() -> None:
     rec = group.run_window(1, responses(1))
     group.after_micro_step = None
     after = unsharded()
-    sums = [None] * dist.get_world_size()
-    dist.all_gather_object(sums, rec["checksum"])
+    sums = everywhere(rec["checksum"])
     res["uneven"] = {
         "steps": rec["steps"], "last_finisher": rec["last_finisher"],
         "failure": rec["failure"], "version": group.version, "healed": rec["healed"],
@@ -121,8 +103,6 @@ def main() -> None:
     before = unsharded()
     if lay.dp_rank == 1:
         store.wait(["tp_fail/r0_training"])
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rec = group.run_window(2, responses(2))
@@ -148,18 +128,13 @@ def main() -> None:
     except ValueError as e:
         res["bare_runner_error"] = str(e)
 
-    initialize_model_parallel(1, 1, seed=1234)
-    model1, _ = load_model(args.model, device=torch.device("cpu"), dtype="float32",
-                           impl="local")
-    runner1 = ModelRunner(model1, arch)
+    _, runner1 = runner_at_mp1(args.model, arch)
     d1 = EagleDrafter(DrafterConfig.for_target(arch), arch)
     # a fresh drafter is the same one at TP = 1 and (sharded) at TP = 2
     res["init_same"] = all(torch.equal(v, full0[k]) for k, v in d1.own_state().items())
     res["tp1"] = loss_and_grad(d1, WholeVocabTarget(runner1), batch, full0, cfg.loss, vocab)
 
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_result(args.out, res)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ DIR/rank{R}.json), the group's loss and canary at a recipe's sampling settings
   weighted average of weights and moments, the same bytes everywhere;
 - failure: replica 0's loss is NaN -> its drafter is restored, speculation is off for
   the next rollout on both replicas (the engine then takes no speculative step);
-- resume: the group's state saved and loaded into a fresh drafter + group.
+- resume: the group's state saved and loaded into a fresh drafter + group;
+- diverged: replica 1's state changed in one value -> the agreement step restores
+  replica 0's bytes on both (and a second pass finds them equal).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -46,11 +47,13 @@ def main() -> None:
 
     from megatron_tlt.config import DrafterGroupConfig
     from megatron_tlt.drafter_training.alpha import measure_alpha
-    from megatron_tlt.drafter_training.group import DrafterGroup, default_store
+    from megatron_tlt.drafter_training.group import default_store
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.rollout import SamplingParams
 
-    from drafter_group_setup import tiny_engine
+    from megatron_tlt.drafter_training.group import _agree, _word_sum
+
+    from drafter_group_setup import identical_everywhere, make_group, tiny_engine, write_result
 
     env = tiny_engine(args.model)
     from megatron.core import parallel_state as ps
@@ -64,15 +67,9 @@ def main() -> None:
     store = default_store()
     res: dict = {}
 
-    # the recipe's rollout sampling: the group's loss and canary run at these settings
-    recipe = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)
-
-    def make_group(loss_fn=None):
-        return DrafterGroup(engine.spec.drafter, engine.runner, cfg,
-                            dp_group=ps.get_data_parallel_group(), store=store,
-                            total_steps=10_000, seed=1, sampling=recipe, loss_fn=loss_fn)
-
-    group = make_group()
+    # at the recipe's rollout sampling (drafter_group_setup.RECIPE_SAMPLING): the
+    # group's loss and canary run at these settings
+    group = make_group(env, cfg, store)
     lc = group.trainer.loss_config
     res["loss"] = {"preset": cfg.loss, "temperature": lc.temperature, "top_k": lc.top_k,
                    "top_p": lc.top_p, "kl": lc.kl, "tv": lc.tv}
@@ -223,17 +220,31 @@ def main() -> None:
     fresh = EagleDrafter(DrafterConfig.for_target(arch), arch)
     fresh.reset_parameters(seed=99)
     fresh.load_own_state(loaded["drafter"])
-    g2 = DrafterGroup(fresh, engine.runner, cfg, dp_group=ps.get_data_parallel_group(),
-                      store=store, total_steps=10_000, seed=1)
+    g2 = make_group(env, cfg, store, fresh, sampling=None)
     g2.load_state_dict(loaded["group"])
     res["resume"] = {"same": bool(torch.equal(g2._flat(), group._flat())),
                      "step_count": g2.trainer.step_count == group.trainer.step_count,
                      "version": g2.version == group.version,
                      "checksum": int(g2.checksum()[0]) == int(group.checksum()[0])}
 
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
+    # ---- diverged: replica 1's state differs in one value -> the agreement step (the
+    # check after every averaging, and over a replica's model-parallel ranks) gives every
+    # replica replica 0's bytes and the same checksum; a second pass finds nothing to do
+    tensors = group._tensors()
+    if rank == 1:
+        with torch.no_grad():
+            tensors[0].view(-1)[0] += 1.0
+    before = group._flat()
+    healed, cs = _agree(tensors, ps.get_data_parallel_group(), 2, flat=before)
+    after = group._flat()
+    again, cs_again = _agree(tensors, ps.get_data_parallel_group(), 2)
+    res["diverged"] = {"differed": not identical_everywhere(before), "healed": healed,
+                       "identical": identical_everywhere(after),
+                       "own_kept": bool(torch.equal(before, after)),
+                       "checksum": int(cs[0]), "checksum_of_state": int(_word_sum(after)[0]),
+                       "healed_again": again, "checksum_again": int(cs_again[0])}
+
+    write_result(args.out, res)
 
 
 if __name__ == "__main__":
