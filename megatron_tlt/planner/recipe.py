@@ -1,0 +1,132 @@
+"""From a recipe (``Config``) and a world size to a ``Scenario`` and a prediction.
+
+On a GPU recipe every cost comes from the roofline of ``inputs.HARDWARE`` (modelled);
+on a CPU recipe from the 2-core machine's measured tables (``cpu_inputs``). What no
+recipe says (the response-length distribution, the drafter's acceptance) is an
+assumption with a default, listed in the prediction's ``assumptions`` and overridable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, TrainCost,
+                     alpha_curve, roofline)
+from .report import Prediction, predict
+from .sim import EngineSettings, Layout, Scenario
+
+# Defaults for what a recipe does not say (each printed with the prediction).
+DEFAULT_MEDIAN_FRACTION = 0.2  # median response = 20 % of max_new_tokens (reasoning RL)
+DEFAULT_TRUNCATED = 0.03  # 3 % of responses reach max_new_tokens
+DEFAULT_ALPHA_GPU = 0.7  # per-token acceptance of a warmed-up EAGLE drafter at T = 1
+DEFAULT_PROMPT_TOKENS = 256.0
+DEFAULT_TOKENS_SCALE = 10.0  # a 7B-32B drafter needs ~10x the tokens of the 135M one
+
+
+def scaled_curve(final_alpha: float, tokens_scale: float = 1.0, flat: bool = True
+                 ) -> Acceptance:
+    """The measured alpha-against-tokens curve (SmolLM2, ``drafter_alpha_curves_t1_cpu``)
+    rescaled so its last point's depth-1 alpha is ``final_alpha``, its token axis
+    multiplied by ``tokens_scale``; ``flat``: every depth takes the depth-1 value (a
+    large model's EAGLE drafter keeps its acceptance along the chain far better than
+    the 135M one measured here). The curve's shape stands in for a drafter of the
+    target model until its own curve (or a drift run) is measured."""
+    base = alpha_curve()
+    f = final_alpha / base.alphas[-1][0]
+    rows = tuple(tuple(min(0.95, (row[0] if flat else a) * f) for a in row)
+                 for row in base.alphas)
+    return Acceptance(tuple(t * tokens_scale for t in base.tokens), rows,
+                      source=f"{base.source}: shape rescaled to alpha {final_alpha:.2f}"
+                      f"{' at every depth' if flat else ''}, tokens x {tokens_scale:g}")
+
+
+def gpu_train_cost(cost, layout: Layout, *, logprob_passes: float) -> TrainCost:
+    """Per DP replica: forward + backward (3 passes) per token for the update and
+    ``logprob_passes`` forwards for the old / reference log-probs, over the replica's
+    TP x PP GPUs at the roofline's training efficiency."""
+    gpus = layout.tp * layout.pp
+    return TrainCost(logprob_per_token=cost.train_seconds_per_token(gpus, logprob_passes),
+                     update_per_token=cost.train_seconds_per_token(gpus, 3.0),
+                     source=f"roofline training: {cost.hw.mfu_train:.0%} of bf16 peak "
+                     "(modelled), pipeline bubble ignored")
+
+
+def drafter_throughput(cost, layout: Layout, max_steps: int, batch_tokens: int
+                       ) -> DrafterGroup:
+    """Drafter tokens a replica trains per second: 6 x drafter parameters FLOPs per
+    token on its TP x PP GPUs at the training efficiency (modelled), capped at
+    ``max_steps`` x ``batch_tokens`` per step (drafter_group.max_steps_per_window)."""
+    p_draft = cost.draft_fraction * cost.model.params
+    rate = layout.tp * layout.pp * cost.hw.bf16_flops * cost.hw.mfu_train / (6 * p_draft)
+    return DrafterGroup(True, rate, float(max_steps * batch_tokens),
+                        source=f"drafter training {rate:,.0f} tok/s per replica (modelled), "
+                        f"at most {max_steps} x {batch_tokens} tokens per step")
+
+
+def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
+                       lengths: Optional[LengthModel] = None,
+                       acceptance: Optional[Acceptance] = None, steps: int = 4,
+                       band: bool = True) -> Prediction:
+    """Predict the recipe's step time with and without TLT on ``world_size`` ranks.
+
+    hardware: "h100" / "h200" (roofline) or "cpu" (the 2-core machine's tables);
+    default from ``platform.device``. lengths / acceptance override the defaults."""
+    from ..rl.plan import _arch
+    from ..rl.trainer import mini_batch_count
+
+    arch, _ = _arch(cfg)
+    par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    layout = Layout(tp, pp, world_size // (tp * pp), ro.pipeline_mode == "gathered")
+    hardware = hardware or ("cpu" if cfg.platform.device == "cpu" else "h100")
+    m = mini_batch_count(cfg) * g.ppo_epochs
+    assumptions = []
+    if lengths is None:
+        cap = g.max_new_tokens
+        lengths = LengthModel(cap=cap, median=DEFAULT_MEDIAN_FRACTION * cap, sigma=0.8,
+                              cap_fraction=DEFAULT_TRUNCATED,
+                              source=f"log-normal, median {DEFAULT_MEDIAN_FRACTION:.0%} of "
+                              f"{cap}, sigma 0.8, {DEFAULT_TRUNCATED:.0%} at the cap "
+                              "(assumed; pass a run's metrics.jsonl to replace it)")
+    assumptions.append(f"response lengths: {lengths.source}")
+    engine = EngineSettings.from_config(ro)
+    drafter_on = bool(ro.speculative.drafter) or cfg.drafter_group.enable
+    if hardware == "cpu":
+        from .cpu_inputs import PROMPT_TOKENS, cpu_1t_corun_table, demo_drafter_alpha
+        cost = cpu_1t_corun_table()
+        prompt = PROMPT_TOKENS
+        train = TrainCost(update_per_token=_CPU_UPDATE_PER_TOKEN,
+                          source="CPU update cost per token (modelled, docs/planning.md)")
+        acc = acceptance or demo_drafter_alpha()
+        dg = DrafterGroup(cfg.drafter_group.enable, 0.0)
+    else:
+        shape = ModelShape.from_arch(arch, 2.0 if cfg.model.dtype != "float32" else 4.0)
+        cost = roofline(hardware, shape, tp)
+        prompt = min(float(cfg.data.max_prompt_tokens), DEFAULT_PROMPT_TOKENS)
+        fused = m == 1
+        train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)
+                               + (1.0 if g.kl_beta > 0 else 0.0))
+        acc = acceptance or scaled_curve(DEFAULT_ALPHA_GPU, tokens_scale=DEFAULT_TOKENS_SCALE)
+        dgc = cfg.drafter_group
+        dg = drafter_throughput(cost, layout, dgc.max_steps_per_window, dgc.batch_tokens)
+        dg.enable = True  # TLT = speculation + the drafter group
+        dg.tokens_trained0 = acc.tokens[len(acc.tokens) // 2]  # the warm-up's end
+        assumptions.append(f"the drafter starts at {dg.tokens_trained0:,.0f} tokens "
+                           f"trained (alpha {acc.at(dg.tokens_trained0)[0]:.2f}); the frozen "
+                           "arm keeps it there, the drafter group moves it along the curve")
+        assumptions += [cost.source + ": HBM at 80 %, decode/verify compute at 60 %, "
+                        "training at 35 % of peak, a 0.3 ms + 10 us/layer floor per step",
+                        train.source, dg.source]
+        if not drafter_on:
+            assumptions.append("the recipe names no drafter: TLT is predicted with a "
+                               "warmed-up one")
+    assumptions.append(f"acceptance: {acc.source}")
+    assumptions.append(f"prompt {prompt:.0f} tokens; gate: speculate where expected tokens "
+                       "per step / relative step cost >= 1.05, else plain plus at most "
+                       f"{engine.probe_budget:.0%} probing")
+    sc = Scenario(layout, g.prompts_per_step, g.group_size, prompt, lengths, cost, train,
+                  engine, acc, dg, steps=steps, seed=cfg.platform.seed, minibatches=m)
+    return predict(sc, assumptions, band=band)
+
+
+_CPU_UPDATE_PER_TOKEN = 0.03  # modelled: CPU update seconds per token (docs/planning.md)
