@@ -11,15 +11,19 @@ are marked ``modelled``.
 
 from __future__ import annotations
 
+from statistics import median
+
 import numpy as np
 
-from .inputs import (Acceptance, StepCost, _interp_log, cpu_of, load_json, spec_slopes)
+from .inputs import (Acceptance, StepCost, TrainCost, _interp_log, cpu_of, load_json,
+                     spec_slopes)
 
 DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
 DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
 CORUN = "bench_rollout_pp2_quiet_cpu.json"  # AVX2: 2 x 1-thread engines vs 1 x 2 threads
 SPEC_TABLE = "bench_spec_1k_drafter_cpu.json"  # AVX-512, 2 threads, fixed arms
 DEMO_ALPHA = "bench_spec_T1_demo_drafter_cpu.json"  # the demo drafter's alpha at T = 1
+E2E_FILES = ("bench_e2e_quick_cpu.json", "bench_e2e_g8_cpu.json")  # 2 x 1-thread replicas
 NOISY_STEP_OVER_FLOOR = 2.0  # a table row whose median step is > 2x its floor is noise
 PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
 # instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
@@ -89,28 +93,77 @@ def demo_drafter_alpha() -> Acceptance:
                                source=f"{DEMO_ALPHA}: the demo drafter's alpha at T=1")
 
 
-def summary_lengths(n: int, total: float, longest: float, at_cap: int, replicas: int
-                    ) -> list[np.ndarray]:
+def summary_lengths(n: int, total: float, longest: float, at_cap: int, replicas: int,
+                    deal_seed: int = -1) -> list[np.ndarray]:
     """Per-replica response lengths consistent with a step's recorded summary (count,
     total, longest, number truncated): ``at_cap`` responses at the longest (at least
     one), the rest log-normal quantiles (sigma 1) scaled to the remaining total and
-    kept below the longest; dealt longest first in snake order over the replicas.
-    Only the summary is recorded, so which replica holds what is modelled."""
+    kept below the longest. Only the summary is recorded, so which replica holds what
+    is modelled: dealt at random (a generator seeded by ``deal_seed``) in equal
+    shares, or, with ``deal_seed`` < 0, longest first in snake order."""
+    from statistics import NormalDist
+
     k = max(1, at_cap)
     rest_n = n - k
     rest_total = max(total - k * longest, rest_n)
     if rest_n > 0:
         q = (np.arange(rest_n) + 0.5) / rest_n
-        from statistics import NormalDist
-
-        z = np.array([NormalDist().inv_cdf(float(x)) for x in q])
-        shape = np.exp(z)
+        shape = np.exp(np.array([NormalDist().inv_cdf(float(x)) for x in q]))
         rest = np.minimum(shape / shape.sum() * rest_total, longest - 1)
     else:
         rest = np.zeros(0)
-    lens = np.sort(np.concatenate([np.full(k, float(longest)), rest]))[::-1]
+    lens = np.maximum(1.0, np.round(np.sort(np.concatenate(
+        [np.full(k, float(longest)), rest]))[::-1]))
+    if deal_seed >= 0:
+        perm = np.random.default_rng(deal_seed).permutation(len(lens))
+        return [lens[perm[r::replicas]] for r in range(replicas)]
     out: list[list[float]] = [[] for _ in range(replicas)]
     for i, x in enumerate(lens):
         rnd, pos = divmod(i, replicas)
-        out[pos if rnd % 2 == 0 else replicas - 1 - pos].append(float(max(1.0, round(x))))
+        out[pos if rnd % 2 == 0 else replicas - 1 - pos].append(float(x))
     return [np.asarray(o) for o in out]
+
+
+# ---------------------------------------------------------------------- the update phase
+def e2e_records(doc: dict) -> list[dict]:
+    """One record per (mode, step, arm) of a bench_e2e JSON: its workload and times."""
+    c = doc["config"]
+    out = []
+    for r in doc["results"]:
+        for arm, v in r["arms"].items():
+            n = c["prompts_per_step"] * c["group_size"]
+            out.append({
+                "mode": r["mode"], "step": r["step"], "arm": arm, "group_size": c["group_size"],
+                "prompts": c["prompts_per_step"], "dp": c["dp"], "responses": n,
+                "tokens": v["generated_tokens"], "longest": v["response_length_max"],
+                "at_cap": round(v["truncated_fraction"] * n),
+                "backward": v["groups_zero_std"] < c["prompts_per_step"],
+                "accept_len": v.get("accept_len"),
+                "measured": {"rollout": v["rollout"], "tail": v["tail"], "update": v["update"],
+                             "step": v["step"], "rollout_fraction": v["rollout"] / v["step"]},
+                "threshold": c["speculative"]["threshold"],
+            })
+    return out
+
+
+def fit_update(records: list[dict]) -> dict:
+    """The update phase as measured in ``records``: the median update of a step where
+    some replica ran a backward (a fixed cost here: it does not follow the token count
+    over these runs), and the median forward-only seconds per token otherwise."""
+    bwd = [r["measured"]["update"] for r in records if r["backward"]]
+    fwd = [r["measured"]["update"] / (r["tokens"] + r["responses"] * PROMPT_TOKENS)
+           for r in records if not r["backward"]]
+    return {"backward_step_s": median(bwd) if bwd else 0.0,
+            "forward_s_per_token": median(fwd) if fwd else 0.0,
+            "from_records": len(records)}
+
+
+
+
+def cpu_train_cost(files=E2E_FILES) -> TrainCost:
+    """The update phase of the 2-core machine from bench_e2e's measured updates: a
+    backward step's fixed cost per optimizer step, forward-only seconds per token."""
+    upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
+    return TrainCost(update_per_token=0.0, update_fixed=upd["backward_step_s"],
+                     source=f"update: {upd['backward_step_s']:.1f} s per optimizer step with "
+                     f"a backward (median of {', '.join(files)})")

@@ -330,8 +330,10 @@ def accept_length(alpha: Sequence[float], depth: int) -> float:
 @dataclass
 class Acceptance:
     """alpha_j against the tokens the drafter was trained on (``tokens``, ascending,
-    each with a per-depth ``alphas`` vector), interpolated in log(tokens); optional
-    per-step multipliers from a drift run (``drift``: step -> factor on every alpha)."""
+    each with a per-depth ``alphas`` vector), interpolated in log(tokens). With a
+    drift run's data (``drift_online`` / ``drift_frozen``: per step, the arm's
+    acceptance relative to its first step; ``drift_from_json``), each arm follows its
+    measured multipliers instead and the curve is not walked."""
 
     tokens: tuple
     alphas: tuple  # tuple of tuples

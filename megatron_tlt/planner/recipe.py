@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, TrainCost,
-                     alpha_curve, roofline)
+                     alpha_curve, roofline)  # noqa: F401 (TrainCost: gpu_train_cost)
 from .report import Prediction, predict
 from .sim import EngineSettings, Layout, Scenario
 
@@ -63,6 +63,32 @@ def drafter_throughput(cost, layout: Layout, max_steps: int, batch_tokens: int
                         f"at most {max_steps} x {batch_tokens} tokens per step")
 
 
+CPU_MODEL_PARAMS = 2e8  # the CPU tables are SmolLM2-135M's: only a model this small uses them
+
+
+def default_hardware(cfg, params: float) -> str:
+    """cpu for a CPU recipe of a SmolLM2-sized model (the only model our CPU tables
+    measure), else the H100 roofline."""
+    if cfg.platform.device == "cpu" or (cfg.platform.device == "auto"
+                                        and params < CPU_MODEL_PARAMS):
+        return "cpu"
+    return "h100"
+
+
+def default_acceptance(cfg, hardware: Optional[str] = None) -> Acceptance:
+    """The acceptance a prediction assumes when none is given: the demo drafter's
+    measured alpha on the CPU tables, the rescaled curve on a GPU."""
+    if hardware is None:
+        from ..rl.plan import _arch
+
+        hardware = default_hardware(cfg, _arch(cfg)[0].num_parameters)
+    if hardware == "cpu":
+        from .cpu_inputs import demo_drafter_alpha
+
+        return demo_drafter_alpha()
+    return scaled_curve(DEFAULT_ALPHA_GPU, tokens_scale=DEFAULT_TOKENS_SCALE)
+
+
 def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                        lengths: Optional[LengthModel] = None,
                        acceptance: Optional[Acceptance] = None, steps: int = 4,
@@ -78,7 +104,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     layout = Layout(tp, pp, world_size // (tp * pp), ro.pipeline_mode == "gathered")
-    hardware = hardware or ("cpu" if cfg.platform.device == "cpu" else "h100")
+    hardware = hardware or default_hardware(cfg, arch.num_parameters)
     m = mini_batch_count(cfg) * g.ppo_epochs
     assumptions = []
     if lengths is None:
@@ -92,13 +118,16 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     engine = EngineSettings.from_config(ro)
     drafter_on = bool(ro.speculative.drafter) or cfg.drafter_group.enable
     if hardware == "cpu":
-        from .cpu_inputs import PROMPT_TOKENS, cpu_1t_corun_table, demo_drafter_alpha
+        from .cpu_inputs import PROMPT_TOKENS, cpu_1t_corun_table, cpu_train_cost
         cost = cpu_1t_corun_table()
         prompt = PROMPT_TOKENS
-        train = TrainCost(update_per_token=_CPU_UPDATE_PER_TOKEN,
-                          source="CPU update cost per token (modelled, docs/planning.md)")
-        acc = acceptance or demo_drafter_alpha()
-        dg = DrafterGroup(cfg.drafter_group.enable, 0.0)
+        train = cpu_train_cost()
+        if arch.num_parameters >= CPU_MODEL_PARAMS:
+            assumptions.append("WARNING: the CPU tables were measured on SmolLM2-135M; "
+                               "this model's CPU step times are not modelled")
+        acc = acceptance or default_acceptance(cfg, hardware)
+        dg = DrafterGroup(cfg.drafter_group.enable, 0.0)  # no effect measured on 2 cores
+        assumptions += [cost.source, train.source]
     else:
         shape = ModelShape.from_arch(arch, 2.0 if cfg.model.dtype != "float32" else 4.0)
         cost = roofline(hardware, shape, tp)
@@ -106,14 +135,20 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         fused = m == 1
         train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)
                                + (1.0 if g.kl_beta > 0 else 0.0))
-        acc = acceptance or scaled_curve(DEFAULT_ALPHA_GPU, tokens_scale=DEFAULT_TOKENS_SCALE)
+        acc = acceptance or default_acceptance(cfg, hardware)
         dgc = cfg.drafter_group
         dg = drafter_throughput(cost, layout, dgc.max_steps_per_window, dgc.batch_tokens)
         dg.enable = True  # TLT = speculation + the drafter group
         dg.tokens_trained0 = acc.tokens[len(acc.tokens) // 2]  # the warm-up's end
-        assumptions.append(f"the drafter starts at {dg.tokens_trained0:,.0f} tokens "
-                           f"trained (alpha {acc.at(dg.tokens_trained0)[0]:.2f}); the frozen "
-                           "arm keeps it there, the drafter group moves it along the curve")
+        if acc.drift_online:
+            assumptions.append("per-step acceptance of the online and frozen drafters from "
+                               "the drift run (the curve is not walked)")
+        else:
+            assumptions.append(
+                f"the drafter starts at {dg.tokens_trained0:,.0f} tokens trained (alpha "
+                f"{acc.at(dg.tokens_trained0)[0]:.2f}); the frozen arm stays there (no drift "
+                "data: a frozen drafter is assumed not to decay), the drafter group moves "
+                "along the curve")
         assumptions += [cost.source + ": HBM at 80 %, decode/verify compute at 60 %, "
                         "training at 35 % of peak, a 0.3 ms + 10 us/layer floor per step",
                         train.source, dg.source]
@@ -128,5 +163,3 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                   engine, acc, dg, steps=steps, seed=cfg.platform.seed, minibatches=m)
     return predict(sc, assumptions, band=band)
 
-
-_CPU_UPDATE_PER_TOKEN = 0.03  # modelled: CPU update seconds per token (docs/planning.md)

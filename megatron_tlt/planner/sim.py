@@ -301,8 +301,8 @@ def simulate_arm(sc: Scenario, arm: str) -> ArmResult:
             alpha = sc.acceptance.at(trained, step, frozen=(arm == "frozen"))
         key = None if alpha is None else tuple(round(a, 4) for a in alpha)
         res = simulate_step(sc, step, alpha, lengths, caches.setdefault(key, {}))
-        if arm == "tlt":
-            trained += res.drafter_tokens
+        if arm == "tlt" and not (sc.acceptance and sc.acceptance.drift_online):
+            trained += res.drafter_tokens  # (measured drift data replaces the curve)
         out.append(res)
     return ArmResult(out)
 
