@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -430,12 +430,3 @@ class DrafterGroup:
     max_tokens_per_window: float = 32 * 512
     tokens_trained0: float = 0.0
     source: str = ""
-
-
-@dataclass
-class Provenance:
-    items: list = field(default_factory=list)
-
-    def add(self, what: str) -> None:
-        if what and what not in self.items:
-            self.items.append(what)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, TrainCost,
-                     alpha_curve, roofline)  # noqa: F401 (TrainCost: gpu_train_cost)
+                     alpha_curve, roofline)
 from .report import Prediction, predict
 from .sim import EngineSettings, Layout, Scenario
 
