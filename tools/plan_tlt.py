@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="metrics.jsonl of a run, or tools/workload_lengths.py --json output")
     p.add_argument("--drift", type=Path, default=None,
                    help="tools/bench_drift.py --json output (per-step acceptance, two arms)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="a tools/bench_rollout.py --json file measured on the target "
+                   "hardware: its decode steps replace the roofline's")
+    p.add_argument("--spec-table", type=Path, default=None,
+                   help="with --table: a tools/bench_spec.py --json file of the same hardware "
+                   "(speculative step costs)")
     p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
     p.add_argument("--validate", action="store_true",
                    help="run the validation (CPU runs and published points)")
@@ -59,7 +65,8 @@ def main(argv=None) -> int:
         from megatron_tlt.config import load_config
         from megatron_tlt.planner import predict_for_config
         from megatron_tlt.planner.inputs import (drift_from_json, lengths_from_metrics,
-                                                 lengths_from_workload)
+                                                 lengths_from_workload, load_json,
+                                                 table_from_bench_rollout)
         from megatron_tlt.planner.recipe import default_acceptance
 
         if not args.config:
@@ -77,8 +84,14 @@ def main(argv=None) -> int:
                           drift_frozen=frozen,
                           source=f"drift run {args.drift.name} (per-step acceptance of "
                           "both arms)")
+        cost = None
+        if args.table is not None:
+            cost = table_from_bench_rollout(
+                load_json(args.table),
+                spec_doc=load_json(args.spec_table) if args.spec_table else None)
         pred = predict_for_config(cfg, args.world_size, hardware=args.hardware,
-                                  lengths=lengths, acceptance=acc, steps=args.steps)
+                                  lengths=lengths, acceptance=acc, steps=args.steps,
+                                  cost=cost)
         print("\n".join(pred.lines()))
         out = pred.to_dict()
     out["planner_seconds"] = time.perf_counter() - t0

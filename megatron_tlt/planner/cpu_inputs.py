@@ -15,8 +15,8 @@ from statistics import median
 
 import numpy as np
 
-from .inputs import (Acceptance, StepCost, TrainCost, _interp_log, cpu_of, load_json,
-                     spec_slopes)
+from .inputs import (NOISY_STEP_OVER_FLOOR, Acceptance, StepCost, TrainCost, _interp_log,
+                     cpu_of, load_json, spec_slopes)
 
 DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
 DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
@@ -24,7 +24,6 @@ CORUN = "bench_rollout_pp2_quiet_cpu.json"  # AVX2: 2 x 1-thread engines vs 1 x 
 SPEC_TABLE = "bench_spec_1k_drafter_cpu.json"  # AVX-512, 2 threads, fixed arms
 DEMO_ALPHA = "bench_spec_T1_demo_drafter_cpu.json"  # the demo drafter's alpha at T = 1
 E2E_FILES = ("bench_e2e_quick_cpu.json", "bench_e2e_g8_cpu.json")  # 2 x 1-thread replicas
-NOISY_STEP_OVER_FLOOR = 2.0  # a table row whose median step is > 2x its floor is noise
 PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
 # instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
 # do not record prompt lengths)

@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+NOISY_STEP_OVER_FLOOR = 2.0  # a bench_rollout row whose median step is > 2x its floor
+# (the step's own lower bound, measured beside it) was taken on a busy machine: dropped
 
 
 def _interp_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -222,7 +224,9 @@ def table_from_bench_rollout(doc: dict, *, thread_factor: Sequence[float] = (1.0
     ``engine_step_ms``, each row ``config.new_tokens`` long) and, optionally, the
     speculative step costs of a ``tools/bench_spec.py`` JSON. ``thread_factor`` (one
     value, or one per batch) converts the table's thread count to the engine's."""
-    rows = sorted(doc["results"], key=lambda r: r["batch"])
+    rows = sorted((r for r in doc["results"]
+                   if r.get("step_over_floor", 1.0) <= NOISY_STEP_OVER_FLOOR),
+                  key=lambda r: r["batch"])
     factors = list(thread_factor) * (len(rows) if len(thread_factor) == 1 else 1)
     secs = tuple(r["engine_step_ms"] / 1000 * f for r, f in zip(rows, factors))
     sb, ss = spec_slopes(spec_doc) if spec_doc else ((1,), (0.3,))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, TrainCost,
-                     alpha_curve, roofline)
+from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, StepCost,
+                     TrainCost, alpha_curve, roofline)
 from .report import Prediction, predict
 from .sim import EngineSettings, Layout, Scenario
 
@@ -92,15 +92,17 @@ def default_acceptance(cfg, hardware: Optional[str] = None) -> Acceptance:
 def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                        lengths: Optional[LengthModel] = None,
                        acceptance: Optional[Acceptance] = None, steps: int = 4,
-                       band: bool = True) -> Prediction:
+                       band: bool = True, cost: Optional[StepCost] = None) -> Prediction:
     """Predict the recipe's step time with and without TLT on ``world_size`` ranks.
 
     hardware: "h100" / "h200" (roofline) or "cpu" (the 2-core machine's tables);
-    default from ``platform.device``. lengths / acceptance override the defaults."""
+    default from ``platform.device`` and the model's size. lengths / acceptance
+    override the defaults; ``cost`` replaces the decode-step costs (a measured table:
+    ``inputs.table_from_bench_rollout``), training keeping the hardware's."""
     from ..rl.plan import _arch
     from ..rl.trainer import mini_batch_count
 
-    arch, _ = _arch(cfg)
+    table, arch = cost, _arch(cfg)[0]
     par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     layout = Layout(tp, pp, world_size // (tp * pp), ro.pipeline_mode == "gathered")
@@ -159,7 +161,11 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     assumptions.append(f"prompt {prompt:.0f} tokens; gate: speculate where expected tokens "
                        "per step / relative step cost >= 1.05, else plain plus at most "
                        f"{engine.probe_budget:.0%} probing")
+    if table is not None:
+        assumptions.insert(1, f"decode steps from a measured table (replacing the default costs): {table.source}")
     sc = Scenario(layout, g.prompts_per_step, g.group_size, prompt, lengths, cost, train,
                   engine, acc, dg, steps=steps, seed=cfg.platform.seed, minibatches=m)
+    if table is not None:
+        sc.cost = table
     return predict(sc, assumptions, band=band)
 
