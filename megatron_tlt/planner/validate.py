@@ -270,11 +270,28 @@ def validate_published() -> dict:
 
 
 def validate_all() -> dict:
+    """The whole validation, JSON-able (``tools/plan_tlt.py --validate --json``)."""
+    from .cpu_inputs import CORUN, DECODE_TABLE, DECODE_TABLE_AVX2, DEMO_ALPHA, SPEC_TABLE
     from .recipe import DEFAULT_ALPHA_GPU
 
-    return {"benchmark": "planner_validation", "cpu": validate_cpu(),
-            "published": validate_published(),
-            "defaults": {"gpu_alpha": DEFAULT_ALPHA_GPU}}
+    cpu, pub = validate_cpu(), validate_published()
+    scaling = pub["tlt_qwen25_7b_scaling"]["points"]
+    nemo = pub["nemo_rl_qwen3_8b_generation"]["points"]
+    return {
+        "benchmark": "planner_validation",
+        "config": {"measured_inputs": [DECODE_TABLE, DECODE_TABLE_AVX2, CORUN, SPEC_TABLE,
+                                       DEMO_ALPHA, *E2E_FILES, DEMO_RUN,
+                                       "drafter_alpha_curves_t1_cpu.json"],
+                   "modelled": "H100/H200 roofline (planner/inputs.py HARDWARE), CPU "
+                               "prefill, GPU lengths and acceptance (docs/planning.md)",
+                   "gpu_alpha": DEFAULT_ALPHA_GPU, "deals_per_step": DEALS},
+        "cpu_validation_error": cpu["cpu_validation_error"],
+        "published_error": {
+            **{f"tlt_7b_{n}_nodes": r["error"] for n, r in scaling.items()},
+            **{f"nemo_rl_qwen3_8b_{k.split()[0]}": r["error"] for k, r in nemo.items()},
+            "tlt_32b_tp4_batch_gains": None},
+        "cpu": cpu, "published": pub,
+    }
 
 
 def summary_lines(v: dict) -> list[str]:
