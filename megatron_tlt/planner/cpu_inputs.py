@@ -27,8 +27,10 @@ E2E_FILES = ("bench_e2e_quick_cpu.json", "bench_e2e_g8_cpu.json")  # 2 x 1-threa
 PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
 # instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
 # do not record prompt lengths)
-PREFILL_PER_ROW = 0.5  # modelled: a prompt token costs half a decode row of the largest
-# measured batch (no LM head, larger GEMMs); no JSON times the prefill alone
+PREFILL_2T = 2.5 / 2176  # seconds per prompt token, one 2-thread engine: 32 prompts
+# (2,176 tokens) in 2.5 s, docs/benchmarks.md ("Rollout engine vs transformers"); no
+# JSON times the prefill alone. A 1-thread replica beside another pays the largest
+# batch's co-run factor on it (a prefill is compute-bound like a large decode batch).
 
 
 def _steps_ms(doc: dict) -> dict[int, float]:
@@ -73,8 +75,7 @@ def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
     # resident-context cost: batch-1 per-token time at 64 and 1024 tokens, 2 threads
     kv = (co["1024"]["pp1_ms_per_token"] - co["64"]["pp1_ms_per_token"]) / 1000 / 960 * ff[0]
     sb, ss = spec_slopes(load_json(SPEC_TABLE))
-    big = max(grid)
-    prefill = PREFILL_PER_ROW * secs[-1] / big
+    prefill = PREFILL_2T * ff[-1]
     dropped = sorted(set(int(r["batch"]) for r in doc["results"]) - set(two))
     return StepCost(tuple(grid), tuple(secs), ref_ctx=96.0, kv_seconds_per_token=kv,
                     spec_batches=sb, spec_slope=ss, prefill_seconds_per_token=prefill,
@@ -82,8 +83,8 @@ def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
                             f"({cpu_of(doc)}, 2 threads"
                             + (f"; batch {dropped} dropped as noisy" if dropped else "")
                             + f") x {fsrc} (AVX2); speculative step costs from "
-                            f"{SPEC_TABLE}; prefill per token = {PREFILL_PER_ROW} x the "
-                            "largest batch's decode cost per row (modelled)"))
+                            f"{SPEC_TABLE}; prefill {PREFILL_2T * 1e3:.2f} ms per prompt token at "
+                            f"2 threads (docs/benchmarks.md) x {ff[-1]:.2f}"))
 
 
 def demo_drafter_alpha() -> Acceptance:

@@ -282,8 +282,9 @@ def validate_all() -> dict:
         "config": {"measured_inputs": [DECODE_TABLE, DECODE_TABLE_AVX2, CORUN, SPEC_TABLE,
                                        DEMO_ALPHA, *E2E_FILES, DEMO_RUN,
                                        "drafter_alpha_curves_t1_cpu.json"],
-                   "modelled": "H100/H200 roofline (planner/inputs.py HARDWARE), CPU "
-                               "prefill, GPU lengths and acceptance (docs/planning.md)",
+                   "measured_in_docs": "CPU prefill: docs/benchmarks.md (no JSON)",
+                   "modelled": "H100/H200 roofline (planner/inputs.py HARDWARE), GPU "
+                               "lengths and acceptance (docs/planning.md)",
                    "gpu_alpha": DEFAULT_ALPHA_GPU, "deals_per_step": DEALS},
         "cpu_validation_error": cpu["cpu_validation_error"],
         "published_error": {
