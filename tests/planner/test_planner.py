@@ -159,3 +159,32 @@ def test_cpu_validation_from_the_shipped_measurements():
     # the TLT arm (the demo drafter declined by the gate) is predicted as no faster
     for f in v["bench_e2e"]["files"].values():
         assert f["step_speedup"]["predicted"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_cli_writes_a_prediction(tmp_path):
+    from cli import REPO, run_main
+
+    out = tmp_path / "plan.json"
+    results = REPO / "docs" / "results"
+    r = run_main("tools/plan_tlt.py", "--config", REPO / "examples/rl/qwen2.5_7b_grpo.yaml",
+                 "--world-size", "16", "--lengths",
+                 results / "rl_smollm2_chain_sum_30steps_cpu.jsonl",
+                 "--drift", results / "bench_drift_quick_cpu.json", "--json", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "expected speedup" in r.stdout and "drift run" in r.stdout
+    d = json.loads(out.read_text())
+    assert d["layout"]["dp"] == 8 and d["with_tlt"]["step_s"] > 0
+    assert "rl_smollm2_chain_sum_30steps_cpu.jsonl" in d["workload"]["lengths"]
+
+
+def test_the_shipped_validation_is_current():
+    """docs/results/planner_validation.json is what the planner computes now (rerun
+    `python tools/plan_tlt.py --validate --json docs/results/planner_validation.json`)."""
+    from megatron_tlt.planner.inputs import RESULTS
+    from megatron_tlt.planner.validate import validate_all
+
+    shipped = json.loads((RESULTS / "planner_validation.json").read_text())
+    now = json.loads(json.dumps(validate_all(), default=float))
+    for key in ("cpu_validation_error", "published_error"):
+        numbers = {k: v for k, v in now[key].items() if isinstance(v, float)}
+        assert numbers == pytest.approx({k: shipped[key][k] for k in numbers}, rel=1e-9), key
