@@ -120,22 +120,22 @@ class EngineRun:
 
 def _decide(cost: StepCost, eng: EngineSettings, alpha: Optional[list], b: int,
             ctx: float) -> tuple[int, float, float]:
-    """(depth, tokens per row per step, seconds per step) the gate settles on at batch
-    ``b``; depth 0 = plain. Seconds include the probe allowance where speculation does
-    not pay (the gate's bound on what probing may lose)."""
-    plain = cost.plain(b, ctx)
+    """(depth, tokens per row per step, step time relative to a plain step) the gate
+    settles on at batch ``b``; depth 0 = plain. Where speculation does not pay the
+    relative time includes the probe allowance (the gate's bound on what probing may
+    lose)."""
     if alpha is None or b > eng.threshold:
-        return 0, 1.0, plain
-    best = (0, 1.0, plain, 0.0)
+        return 0, 1.0, 1.0
+    plain = cost.plain(b, ctx)
+    best = (0, 1.0, 1.0, 0.0)
     for k in eng.depths(b):
         tok = accept_length(alpha, k)
-        sec = cost.spec(b, k, ctx)
-        speed = tok * plain / sec
-        if speed > best[3]:
-            best = (k, tok, sec, speed)
+        rel = cost.spec(b, k, ctx) / plain
+        if tok / rel > best[3]:
+            best = (k, tok, rel, tok / rel)
     if best[0] and best[3] >= PAYS_FROM:
         return best[0], best[1], best[2]
-    return 0, 1.0, plain * (1.0 + eng.probe_budget)
+    return 0, 1.0, 1.0 + eng.probe_budget
 
 
 def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
@@ -168,9 +168,9 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
             dec = decisions.get(key)
             if dec is None:
                 dec = decisions[key] = _decide(cost, eng, alpha, b, ctx_mid)
-            k, tok, sec = dec
+            k, tok, rel = dec
             steps = delta / tok
-            dt = steps * sec
+            dt = steps * rel * cost.plain(b, ctx_mid)
             t += dt
             out.decode += dt
             out.steps += steps
