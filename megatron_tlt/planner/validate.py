@@ -16,6 +16,7 @@ roofline (modelled), and how far off each prediction is.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from statistics import median
 from typing import Optional
 
@@ -204,7 +205,8 @@ def tlt_scaling() -> dict:
         rows[str(nodes)] = {"published": pub, "predicted": pred, "error": pred / pub - 1,
                             "rollout_fraction_without_tlt": off.rollout_fraction,
                             "accept_len": tlt.mean("accept_len"),
-                            "speculation_share": tlt.spec_share}
+                            "speculation_share": tlt.spec_share,
+                            "alpha_to_match": _alpha_to_match(sc, off.step, pub)}
     return {"what": "end-to-end RL step speedup, TLT vs no TLT, Qwen2.5-7B, H100",
             "inputs_quoted": "the four speedups (issue 46); 8 H100 per node",
             "inputs_assumed": ["TP 2, DP = GPUs / 2 (the 7B recipe's layout)",
@@ -214,6 +216,23 @@ def tlt_scaling() -> dict:
                                f"acceptance: {acc.source}; drafter starts mid-curve",
                                "roofline costs (modelled)"],
             "points": rows}
+
+
+def _alpha_to_match(sc: Scenario, off_step: float, speedup: float) -> Optional[float]:
+    """The constant per-token alpha (every depth, no drafter training) at which the
+    scenario's predicted speedup equals ``speedup`` (None: not reachable below 0.95)."""
+    def gain(a: float) -> float:
+        s2 = replace(sc, acceptance=Acceptance.constant([a]),
+                     drafter=DrafterGroup(False))
+        return off_step / simulate_arm(s2, "tlt").step
+
+    lo, hi = 0.05, 0.95
+    if gain(hi) < speedup:
+        return None
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gain(mid) < speedup else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 def tlt_32b_batch_gains() -> dict:
@@ -316,7 +335,8 @@ def summary_lines(v: dict) -> list[str]:
     out.append("published points (predicted vs published):")
     for n, r in p["tlt_qwen25_7b_scaling"]["points"].items():
         out.append(f"  TLT Qwen2.5-7B, {n} node(s): {r['predicted']:.2f}x vs "
-                   f"{r['published']:.2f}x ({r['error']:+.0%})")
+                   f"{r['published']:.2f}x ({r['error']:+.0%}); alpha to match: "
+                   f"{r['alpha_to_match']}")
     for n, r in p["nemo_rl_qwen3_8b_generation"]["points"].items():
         out.append(f"  NeMo-RL Qwen3-8B generation, {n}: {r['predicted']:.2f}x vs "
                    f"{p['nemo_rl_qwen3_8b_generation']['published']:.2f}x ({r['error']:+.0%})")
