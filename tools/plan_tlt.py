@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-table", type=Path, default=None,
                    help="with --table: a tools/bench_spec.py --json file of the same hardware "
                    "(speculative step costs)")
+    p.add_argument("--accept-by-bucket", type=Path, default=None,
+                   help="a tools/bench_spec.py --json file: acceptance by batch size, as "
+                   "factors on the assumed acceptance")
     p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
     p.add_argument("--validate", action="store_true",
                    help="run the validation (CPU runs and published points)")
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
     else:
         from megatron_tlt.config import load_config
         from megatron_tlt.planner import predict_for_config
-        from megatron_tlt.planner.inputs import (drift_from_json, lengths_from_metrics,
+        from megatron_tlt.planner.inputs import (bucket_factors_from_bench_spec,
+                                                 drift_from_json, lengths_from_metrics,
                                                  lengths_from_workload, load_json,
                                                  table_from_bench_rollout)
         from megatron_tlt.planner.recipe import default_acceptance
@@ -84,6 +88,12 @@ def main(argv=None) -> int:
                           drift_frozen=frozen,
                           source=f"drift run {args.drift.name} (per-step acceptance of "
                           "both arms)")
+        if args.accept_by_bucket is not None:
+            acc = acc or default_acceptance(cfg, args.hardware)
+            factors = bucket_factors_from_bench_spec(load_json(args.accept_by_bucket))
+            acc = replace(acc, bucket_factors=factors, source=acc.source + "; by batch x "
+                          + ", ".join(f"{f:.2f} (<= {b})" for b, f in factors)
+                          + f" from {args.accept_by_bucket.name}")
         cost = None
         if args.table is not None:
             cost = table_from_bench_rollout(

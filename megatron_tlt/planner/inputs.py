@@ -31,11 +31,10 @@ NOISY_STEP_OVER_FLOOR = 2.0  # a bench_rollout row whose median step is > 2x its
 
 
 def _interp_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Piecewise-linear in log(x) through (xs, ys), linear in x past the last point."""
+    """Piecewise-linear in log(x) through (xs, ys), linear in x past the last point
+    (one point: constant)."""
     xs, ys = list(xs), list(ys)
-    if len(xs) == 1:
-        return ys[0] * max(x, 1.0) / xs[0] if x > xs[0] else ys[0]
-    if x <= xs[0]:
+    if len(xs) == 1 or x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:  # beyond the table: extend the last segment's slope in x
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
@@ -344,7 +343,15 @@ class Acceptance:
     scale: float = 1.0  # sensitivity: +-20 %
     drift_online: tuple = ()
     drift_frozen: tuple = ()
+    bucket_factors: tuple = ()  # ((upper batch bound, factor on every alpha), ...)
     source: str = ""
+
+    def for_batch(self, alpha: list, b: int) -> list:
+        """``alpha`` at running batch ``b``: times the factor of b's bucket (none: 1)."""
+        for bound, f in self.bucket_factors:
+            if b <= bound:
+                return [min(0.99, a * f) for a in alpha]
+        return alpha
 
     def at(self, trained: float, step: int = 0, frozen: bool = False) -> list[float]:
         if len(self.tokens) == 1 or trained <= self.tokens[0]:
@@ -396,6 +403,21 @@ def alpha_curve(doc_or_path="drafter_alpha_curves_t1_cpu.json", variant: str = "
                               source=f"alpha curve '{variant}' ({doc.get('temperature', '?')}"
                               f" temperature, {doc.get('train_tokens', '?')} tokens)")
     raise ValueError(f"no variant {variant!r} in the alpha curves")
+
+
+def bucket_factors_from_bench_spec(doc: dict) -> tuple:
+    """Acceptance by batch size from a ``tools/bench_spec.py`` JSON: each fixed-strategy
+    row's accept length at its depth gives a per-token alpha; the factors are relative
+    to the smallest batch's (the rows measure the same drafter on the same prompts)."""
+    got = {}
+    for r in doc["results"]:
+        k = int(str(r["strategy"]).split("_")[0])
+        if k > 0 and r.get("accept_len"):
+            got[int(r["batch"])] = Acceptance.from_accept_length(r["accept_len"], k).alphas[0][0]
+    if not got:
+        return ()
+    bs = sorted(got)
+    return tuple((b, got[b] / got[bs[0]]) for b in bs)
 
 
 def drift_from_json(doc: dict) -> tuple[tuple, tuple]:

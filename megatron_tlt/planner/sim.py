@@ -119,13 +119,15 @@ class EngineRun:
 
 
 def _decide(cost: StepCost, eng: EngineSettings, alpha: Optional[list], b: int,
-            ctx: float) -> tuple[int, float, float]:
+            ctx: float, acc: Optional[Acceptance] = None) -> tuple[int, float, float]:
     """(depth, tokens per row per step, step time relative to a plain step) the gate
     settles on at batch ``b``; depth 0 = plain. Where speculation does not pay the
     relative time includes the probe allowance (the gate's bound on what probing may
     lose)."""
     if alpha is None or b > eng.threshold:
         return 0, 1.0, 1.0
+    if acc is not None:
+        alpha = acc.for_batch(alpha, b)  # acceptance by bucket
     plain = cost.plain(b, ctx)
     best = (0, 1.0, 1.0, 0.0)
     for k in eng.depths(b):
@@ -140,9 +142,11 @@ def _decide(cost: StepCost, eng: EngineSettings, alpha: Optional[list], b: int,
 
 def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
                eng: EngineSettings, alpha: Optional[list],
-               decisions: Optional[dict] = None) -> EngineRun:
+               decisions: Optional[dict] = None,
+               acc: Optional[Acceptance] = None) -> EngineRun:
     """Continuous batching of ``lengths`` (in queue order) on one engine;
-    ``decisions`` caches the gate's choices for this cost and alpha."""
+    ``decisions`` caches the gate's choices for this cost and alpha; ``acc`` adds its
+    acceptance-by-bucket factors."""
     out = EngineRun()
     queue = list(lengths)
     qi, progress, t = 0, 0.0, 0.0
@@ -167,7 +171,7 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
             key = (b, int(ctx_mid / b) // 256)  # decisions move slowly with context
             dec = decisions.get(key)
             if dec is None:
-                dec = decisions[key] = _decide(cost, eng, alpha, b, ctx_mid)
+                dec = decisions[key] = _decide(cost, eng, alpha, b, ctx_mid, acc)
             k, tok, rel = dec
             steps = delta / tok
             dt = steps * rel * cost.plain(b, ctx_mid)
@@ -227,7 +231,8 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
         for ep in eng_prompts:
             lens = np.concatenate([lengths[p * g:(p + 1) * g] for p in ep]) if ep else \
                 np.zeros(0)
-            r = run_engine(lens, sc.prompt_tokens, sc.cost, sc.engine, alpha, decisions)
+            r = run_engine(lens, sc.prompt_tokens, sc.cost, sc.engine, alpha, decisions,
+                           sc.acceptance)
             r.finish += sc.train.reward_per_sample * len(lens)
             runs.append(r)
             fin = max(fin, r.finish)

@@ -71,6 +71,18 @@ def test_gate_speculates_only_where_it_pays():
     assert above.spec_steps == 0 and above.finish == pytest.approx(39.0)
 
 
+def test_acceptance_by_bucket():
+    lens = np.array([40.0, 40.0, 40.0, 40.0])
+    eng = EngineSettings(max_batch_size=4, threshold=4, arms=((10 ** 9, (2,)),))
+    acc = Acceptance.constant([0.95])
+    cost = constant_cost(slope=0.5)
+    same = run_engine(lens, 0.0, cost, eng, [0.95], acc=acc)
+    assert same.spec_tokens == pytest.approx(same.tokens - 4)  # all but prefill tokens
+    # the drafter accepts less at 4 rows than at 1: speculation stops paying there
+    low = replace(acc, bucket_factors=((2, 1.0), (4, 0.3)))
+    assert run_engine(lens, 0.0, cost, eng, [0.95], acc=low).spec_steps == 0
+
+
 def test_more_acceptance_is_not_slower():
     steps = [simulate_arm(gpu_scenario(alpha=a), "tlt").step for a in (0.2, 0.5, 0.7, 0.9)]
     assert all(x >= y - 1e-9 for x, y in zip(steps, steps[1:]))
