@@ -17,7 +17,8 @@ __all__ = ["Acceptance", "DrafterGroup", "EngineSettings", "Layout", "LengthMode
 
 
 def predict_for_config(cfg, world_size: int, **kw) -> Prediction:
-    """The prediction for a recipe and world size (see ``recipe.predict_for_config``)."""
+    """The prediction for a recipe and world size (``recipe.predict_for_config``: the
+    hardware, lengths, acceptance, a measured table and the model's arch may be given)."""
     from .recipe import predict_for_config as _p
 
     return _p(cfg, world_size, **kw)

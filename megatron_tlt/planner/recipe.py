@@ -92,17 +92,22 @@ def default_acceptance(cfg, hardware: Optional[str] = None) -> Acceptance:
 def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                        lengths: Optional[LengthModel] = None,
                        acceptance: Optional[Acceptance] = None, steps: int = 4,
-                       band: bool = True, cost: Optional[StepCost] = None) -> Prediction:
+                       band: bool = True, cost: Optional[StepCost] = None,
+                       arch=None) -> Prediction:
     """Predict the recipe's step time with and without TLT on ``world_size`` ranks.
 
     hardware: "h100" / "h200" (roofline) or "cpu" (the 2-core machine's tables);
     default from ``platform.device`` and the model's size. lengths / acceptance
     override the defaults; ``cost`` replaces the decode-step costs (a measured table:
-    ``inputs.table_from_bench_rollout``), training keeping the hardware's."""
-    from ..rl.plan import _arch
+    ``inputs.table_from_bench_rollout``), training keeping the hardware's. ``arch``:
+    the model's ``ModelArch`` (the dry run passes the one it resolved)."""
     from ..rl.trainer import mini_batch_count
 
-    table, arch = cost, _arch(cfg)[0]
+    table = cost
+    if arch is None:
+        from ..rl.plan import _arch
+
+        arch = _arch(cfg)[0]
     par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     layout = Layout(tp, pp, world_size // (tp * pp), ro.pipeline_mode == "gathered")
