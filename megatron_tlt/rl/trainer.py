@@ -3,7 +3,8 @@
 ``Trainer.train_step`` is one synchronous, on-policy step, top to bottom:
 
     prompts -> rollout (each DP replica its share, on the trained weights)
-            -> rewards -> [idle window until the last replica finishes]
+            -> rewards -> [idle window until the last replica finishes: a finished
+               replica waits on the rendezvous store, not in a collective (arrival.py)]
             -> advantages (per group) -> old / reference log-probs
             -> update (ppo_epochs x mini-batches x micro-batches) -> metrics
 
