@@ -449,7 +449,9 @@ class TrainCost:
 @dataclass
 class DrafterGroup:
     """The drafter group: idle DP replicas train the drafter (``tokens_per_second``
-    per replica, at most ``max_tokens_per_window`` each per step)."""
+    per replica, at most ``max_tokens_per_window`` each per step). The alpha curve's
+    axis is distinct tokens trained on, so a replica's step adds at most the tokens of
+    its own new responses (more passes over the same buffer are not counted)."""
 
     enable: bool = True
     tokens_per_second: float = 0.0

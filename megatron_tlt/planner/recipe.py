@@ -51,16 +51,31 @@ def gpu_train_cost(cost, layout: Layout, *, logprob_passes: float) -> TrainCost:
                      "(modelled), pipeline bubble ignored")
 
 
-def drafter_throughput(cost, layout: Layout, max_steps: int, batch_tokens: int
-                       ) -> DrafterGroup:
-    """Drafter tokens a replica trains per second: 6 x drafter parameters FLOPs per
-    token on its TP x PP GPUs at the training efficiency (modelled), capped at
-    ``max_steps`` x ``batch_tokens`` per step (drafter_group.max_steps_per_window)."""
-    p_draft = cost.draft_fraction * cost.model.params
-    rate = layout.tp * layout.pp * cost.hw.bf16_flops * cost.hw.mfu_train / (6 * p_draft)
-    return DrafterGroup(True, rate, float(max_steps * batch_tokens),
-                        source=f"drafter training {rate:,.0f} tok/s per replica (modelled), "
-                        f"at most {max_steps} x {batch_tokens} tokens per step")
+def drafter_throughput(cost, layout: Layout, dgc) -> DrafterGroup:
+    """Drafter tokens a replica trains per second, and at most per step, as the drafter
+    group sizes them (``drafter_training/sizing.py``: 6 x (drafter layer + the target's
+    output layer) FLOPs per token at its achieved fraction of the dense bf16 peak, a
+    0 ("auto") size derived for the device) on the replica's TP x PP GPUs."""
+    from ..drafter_training.sizing import DeviceInfo, DrafterCost, derive
+
+    m, hw = cost.model, cost.hw
+    layer = m.params / max(m.layers, 1) + 2 * m.hidden ** 2  # one layer + fc (2H -> H)
+    dcost = DrafterCost(hidden=m.hidden, vocab=m.vocab, layer_params=int(layer))
+    device = DeviceInfo("cuda", int(hw.memory_gib * 2 ** 30), (9, 0))
+    sizes = derive(device, dcost, dgc.stop_checks)
+    steps = dgc.max_steps_per_window or sizes["max_steps_per_window"]
+    tokens = dgc.batch_tokens or sizes["batch_tokens"]
+    rate = layout.tp * layout.pp * hw.bf16_flops * _achieved() / dcost.flops_per_token
+    return DrafterGroup(True, rate, float(steps * tokens),
+                        source=f"drafter training {rate:,.0f} tok/s per replica (modelled: "
+                        f"drafter_training/sizing.py's throughput), at most {steps} x "
+                        f"{tokens} tokens per step")
+
+
+def _achieved() -> float:
+    from ..drafter_training.sizing import ACHIEVED_FRACTION
+
+    return ACHIEVED_FRACTION
 
 
 CPU_MODEL_PARAMS = 2e8  # the CPU tables are SmolLM2-135M's: only a model this small uses them
@@ -144,7 +159,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                                + (1.0 if g.kl_beta > 0 else 0.0))
         acc = acceptance or default_acceptance(cfg, hardware)
         dgc = cfg.drafter_group
-        dg = drafter_throughput(cost, layout, dgc.max_steps_per_window, dgc.batch_tokens)
+        dg = drafter_throughput(cost, layout, dgc)
         dg.enable = True  # TLT = speculation + the drafter group
         dg.tokens_trained0 = acc.tokens[len(acc.tokens) // 2]  # the warm-up's end
         if acc.drift_online:

@@ -223,7 +223,7 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
     for p in range(p_total):
         per_replica[(p // sc.minibatches) % lay.dp].append(p)
     decisions = {} if decisions is None else decisions
-    finishes, runs, tokens_rep = [], [], []
+    finishes, runs, tokens_rep, generated = [], [], [], []
     for prompts in per_replica:
         eng_prompts = [prompts[i::lay.engines_per_replica]
                        for i in range(lay.engines_per_replica)]
@@ -239,6 +239,7 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
             toks += float(lens.sum()) + len(lens) * sc.prompt_tokens
         finishes.append(fin)
         tokens_rep.append(toks)
+        generated.append(float(sum(lengths[p * g:(p + 1) * g].sum() for p in prompts)))
     rollout = max(finishes)
     idle = [rollout - f for f in finishes]
     tr = sc.train
@@ -247,8 +248,9 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
         + (tr.first_step_extra if step == 0 else 0.0)
     trained = 0.0
     if alpha is not None and sc.drafter.enable and lay.dp > 1:
-        trained = sum(min(i * sc.drafter.tokens_per_second, sc.drafter.max_tokens_per_window)
-                      for i in idle)
+        # the curve counts distinct tokens: a replica adds at most its own new responses
+        trained = sum(min(i * sc.drafter.tokens_per_second, sc.drafter.max_tokens_per_window,
+                          new) for i, new in zip(idle, generated))
     spec_tok = sum(r.spec_tokens for r in runs)
     spec_steps = sum(r.spec_steps for r in runs)
     return StepResult(

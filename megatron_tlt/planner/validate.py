@@ -169,6 +169,7 @@ def gpu_scenario(model: ModelShape, layout: Layout, *, prompts: int, group: int,
                  median_fraction: float = 0.2, steps: int = 4,
                  minibatches: int = 4) -> Scenario:
     """A GPU scenario with every cost from the roofline (modelled)."""
+    from ..config import DrafterGroupConfig
     from .recipe import drafter_throughput, gpu_train_cost
 
     cost = roofline(hw, model, layout.tp)
@@ -176,7 +177,8 @@ def gpu_scenario(model: ModelShape, layout: Layout, *, prompts: int, group: int,
                           cap_fraction=0.03, source=f"log-normal, median "
                           f"{median_fraction:.0%} of {cap}, sigma 0.8, 3 % at the cap (assumed)")
     eng = EngineSettings(max_batch, threshold, arms=arms or EngineSettings().arms)
-    dg = drafter_throughput(cost, layout, 32, 512) if drafter else DrafterGroup(False)
+    dg = drafter_throughput(cost, layout, DrafterGroupConfig()) if drafter \
+        else DrafterGroup(False)
     dg.tokens_trained0 = drafter_tokens0
     return Scenario(layout, prompts, group, 256.0, lengths, cost,
                     gpu_train_cost(cost, layout, logprob_passes=1.0), eng, acceptance, dg,
