@@ -48,7 +48,7 @@ test-gpu: $(STAMP)
 # the GPU steps stubbed.
 GPU_CHECK_ARGS ?=
 gpu-wheels: assets
-	$(PY) tools/gpu_check.py --make-wheels --wheels gpu_wheels
+	$(PY) tools/wheel_folder.py --dest gpu_wheels
 
 ifeq ($(GPU_CHECK_DRY),)
 gpu-check:

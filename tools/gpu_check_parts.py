@@ -147,8 +147,9 @@ def grpo(args, rest: list[str]) -> dict:
     if path.is_file():
         metrics = [json.loads(line) for line in path.read_text().splitlines() if line]
     steps = [m for m in metrics if "grad_norm" in m]
-    keys = ("step", "loss/total", "grad_norm", "reward/mean", "spec/accept_len",
-            "spec/fraction", "timing/step", "timing/rollout", "timing/update")
+    keys = ("step", "loss/total", "loss/policy", "loss/entropy", "grad_norm", "reward/mean",
+            "reward/std", "groups_zero_std", "response_length/mean", "spec", "timing",
+            "rollout_tokens_per_second", "drafter/steps", "drafter/identical", "loss_scale")
     predicted = _dry_run_numbers(report)
     measured = max(phases.values()) if phases else None
     total = predicted.get("total")
