@@ -205,6 +205,22 @@ class TrainConfig:
                                0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
+    recompute_granularity: str = _help(
+        "megatron-core activation recomputation of the trained model: none; selective "
+        "(core attention recomputed in the backward: drops the attention scores, the "
+        "5·a·s/h term per layer); full (whole layers recomputed: each layer keeps only its "
+        "input, 2·s·b·h bytes in 16-bit, at about one extra forward of compute).", "none")
+    recompute_method: str = _help(
+        "With recompute_granularity=full: uniform (the stage's layers in chunks of "
+        "recompute_num_layers, every chunk recomputed) or block (only the first "
+        "recompute_num_layers layers of each pipeline stage recomputed).", "uniform")
+    recompute_num_layers: int = _help(
+        "With recompute_granularity=full: layers per recomputed chunk (uniform) or "
+        "layers recomputed per pipeline stage (block); at most the layers of a stage.", 1)
+    loss_chunk_tokens: int = _help(
+        "Tokens per chunk of the log-prob / loss / entropy computation over the "
+        "vocabulary: at most this many rows of fp32 [tokens, vocabulary / TP] "
+        "temporaries exist at once (0 = the whole micro-batch at once).", 1024)
     max_nonfinite_steps: int = _help(
         "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
@@ -222,6 +238,12 @@ class TrainConfig:
                               "be >= 0")
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train.max_nonfinite_steps must be >= 0")
+        _choice("train", "recompute_granularity", self.recompute_granularity,
+                ("none", "selective", "full"))
+        _choice("train", "recompute_method", self.recompute_method, ("uniform", "block"))
+        _positive("train", "recompute_num_layers", self.recompute_num_layers)
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError("train.loss_chunk_tokens must be >= 0 (0 = no chunking)")
 
 
 @dataclass
