@@ -184,8 +184,9 @@ class TrainConfig:
     micro_batch_size: int = _help("Samples per forward/backward at most.", 4)
     micro_batch_tokens: int = _help(
         "Padded tokens per micro-batch at most (samples are sorted by length to minimise "
-        "padding); bounds the logits' memory (tokens x vocabulary / TP x 4 bytes, a few "
-        "copies); 0 = no token budget.", 4096)
+        "padding); bounds a micro-batch's activations and its logits (tokens x "
+        "vocabulary / TP in the model dtype; the loss's fp32 work is bounded by "
+        "loss_chunk_tokens); 0 = no token budget.", 4096)
     optimizer: str = _help(
         "auto (megatron-core's optimizer; its distributed optimizer on CUDA), megatron, "
         "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers; no fp32 main "

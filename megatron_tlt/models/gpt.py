@@ -291,6 +291,38 @@ def layer_spec(impl: str):
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+class SequenceParallelTorchRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, the norm megatron-core's local spec builds without apex
+    (``WrappedTorchNorm``), made usable under sequence parallelism, which
+    ``WrappedTorchNorm`` refuses.
+
+    Under SP a rank normalises only its shard of the sequence, so its weight gradient is
+    a partial sum; tagged ``sequence_parallel`` (as apex's FusedLayerNorm and Transformer
+    Engine tag theirs), megatron-core's ``finalize_model_grads`` sums it over the TP
+    group. Same parameter name and values as the plain norm.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def _block_spec(impl: str, config):
+    """The stage's transformer block spec: ``layer_spec(impl)``, with norms that support
+    sequence parallelism where megatron-core's torch fallback does not (local spec)."""
+    spec = layer_spec(impl)
+    if impl == "transformer_engine" or not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    sub = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelTorchRMSNorm,
+                              pre_mlp_layernorm=SequenceParallelTorchRMSNorm)
+    spec = dataclasses.replace(spec, submodules=sub)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchRMSNorm)
+
+
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
                     impl: str = "local", tp: int = 1, pp: int = 1,
                     pre_process: bool = True, post_process: bool = True,
@@ -312,7 +344,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     with cuda_placements_on_cpu():  # tied embeddings under PP sync via .cuda() tensors
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(impl),
+            transformer_layer_spec=_block_spec(impl, config),
             vocab_size=arch.padded_vocab_size(tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,

@@ -163,3 +163,109 @@ def test_gpu_recipes_turn_the_controls_on():
         assert cfg.train.recompute_granularity in ("selective", "full"), name
         assert cfg.parallel.tensor_model_parallel_size > 1, name
         assert cfg.parallel.sequence_parallel in ("auto", "on"), name
+
+
+# ------------------------------------------------------------------ PP > 1 padding
+
+def test_pipeline_micro_batches_carry_no_padding_beyond_their_longest_sample(
+        tiny_policy, single_process_parallel, monkeypatch):
+    """At PP = 2 the trainer's micro-batches go through megatron-core's pipeline schedule
+    with variable_seq_lengths: each is sent at its own rows and its own longest sample.
+    The schedule is replaced by one that records what it is handed and runs the same
+    forward steps on this one-stage model, so the log-probs are also checked against
+    the PP = 1 path."""
+    import dataclasses
+
+    import megatron.core.pipeline_parallel as mpp
+
+    trainer = _trainer(tiny_policy, "train.micro_batch_size=3")
+    lengths = [3, 5, 4, 40, 6, 7, 2, 33]  # a long tail: two long responses of eight
+    samples = _samples(trainer, lengths, [0.5] * 8)
+    pp1 = [lp.clone() for lp in trainer.policy.logprobs(
+        trainer._micro_batches(samples, range(8), None, for_loss=False))]
+
+    sent, calls = [], []
+
+    def schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                 micro_batch_size, forward_only, collect_non_loss_data):
+        calls.append(dict(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                          variable=model[0].config.variable_seq_lengths))
+        out = []
+        for _ in range(num_microbatches):
+            mb = next(data_iterator)
+            sent.append(mb)
+            logits, finish = forward_step_func(iter([mb]), model[0])
+            out.append(finish(logits))
+        return out
+
+    monkeypatch.setattr(mpp, "get_forward_backward_func", lambda: schedule)
+    monkeypatch.setattr(trainer, "layout", dataclasses.replace(trainer.layout, pp_size=2))
+    monkeypatch.setattr(trainer.policy, "pp_size", 2)
+    trainer.policy.module.config.variable_seq_lengths = True  # as Policy sets it at PP 2
+    handed = trainer._micro_batches(samples, range(8), None, for_loss=False)
+    outs = trainer.policy.logprobs(handed)
+
+    assert calls and all(c["variable"] for c in calls)
+    assert len(sent) == len(handed) == 3
+    computed = padding = 0
+    for mb in sent:
+        rows, width = mb.input_ids.shape
+        own = [samples[i].length for i in mb.samples]
+        assert rows == len(mb.samples)  # no filler rows
+        assert width == max(own)        # no columns beyond its own longest sample
+        computed += rows * width
+        padding += rows * width - rows * max(own)
+    assert padding == 0
+    # against one fixed [micro_batch_size, longest of all] shape for every micro-batch
+    # (what the stages exchanged without variable_seq_lengths)
+    fixed = len(sent) * 3 * max(s.length for s in samples)
+    assert computed < 0.7 * fixed, (computed, fixed)
+    # the same log-probs as the PP = 1 path, at every response position
+    by_sample = {}
+    for mb, lp in zip(sent, outs):
+        for r, i in enumerate(mb.samples):
+            s = samples[i]
+            p = len(s.prompt_ids)
+            by_sample[i] = lp[r, p - 1:p - 1 + len(s.response_ids)]
+    plans = trainer._micro_batches(samples, range(8), None, for_loss=False)
+    for mb, lp in zip(plans, pp1):
+        for r, i in enumerate(mb.samples):
+            s = samples[i]
+            p = len(s.prompt_ids)
+            torch.testing.assert_close(by_sample[i], lp[r, p - 1:p - 1 + len(s.response_ids)],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_parallel_widths_are_a_multiple_of_tp():
+    from megatron_tlt.rl.samples import Sample, collate
+
+    samples = [Sample(prompt_index=0, prompt_ids=[1, 2, 3], response_ids=[4] * n,
+                      rollout_logprobs=[0.0] * n, finish_reason="stop") for n in (2, 4)]
+    mb = collate(samples, [0, 1, 0], pad_id=9, width=12)
+    mb.samples = [0, 1]  # the third row a filler, as the PP > 1 trainer pads rows
+    fit = mb.fitted(4)
+    assert fit.input_ids.shape == (2, 8) and fit.mask.shape == (2, 8)
+    assert torch.equal(fit.mask[:, :7], mb.mask[:2, :7]) and fit.mask[:, 7:].sum() == 0
+    assert fit.lengths == [5, 7]
+    assert mb.fitted(1).input_ids.shape == (2, 7)
+
+
+# ------------------------------------------------------------------ sequence parallelism
+
+@pytest.mark.multiproc
+def test_sequence_parallel_at_tp2_on_gloo_equals_plain_tp2(tiny_hf_dirs, tmp_path):
+    """gloo runs sequence parallelism's reduce-scatter / all-gather: at TP=2 the loss and
+    the gradient norm with SP (and with recomputation on top) equal those without, for
+    an odd sequence length (padded to a multiple of TP by the forward)."""
+    from cli import run_workers
+
+    results = run_workers("tests/support/mp_sequence_parallel_worker.py", tmp_path,
+                          "--model", tiny_hf_dirs["llama_tied"], nproc=2)
+    for res in results:
+        plain = res["plain"]
+        assert not plain["sequence_parallel"] and plain["grad_norm"] > 0
+        for name in ("sp", "sp_full", "sp_selective"):
+            assert res[name]["sequence_parallel"], name
+            assert res[name]["loss"] == pytest.approx(plain["loss"], rel=1e-5), name
+            assert res[name]["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), name
+        assert res["sp_full"]["recompute"] == "full"
