@@ -88,13 +88,18 @@ def assets(args) -> dict:
 
 # ----------------------------------------------------------------------------- grpo
 def _dry_run_numbers(text: str) -> dict:
-    """Every 'label  X GiB' figure of the dry run's report, by label (the last word(s)
-    before the number), plus the report itself."""
+    """Every 'label X GiB' figure of the dry run's report by label (the last three words
+    before the number, parentheses dropped; the first of a label wins), so a rewritten
+    report still yields its "total"."""
     out = {}
     for line in text.splitlines():
-        for label, value in re.findall(r"([A-Za-z][A-Za-z0-9 ()/-]*?)\s+(-?[\d.]+) GiB", line):
-            key = re.sub(r"\W+", "_", label.strip().lower()).strip("_")
-            out.setdefault(key, float(value))
+        start = 0
+        for m in re.finditer(r"(-?\d+(?:\.\d+)?) GiB", line):
+            prefix = re.sub(r"\([^)]*\)", " ", line[start:m.start()])
+            words = re.findall(r"[A-Za-z][A-Za-z0-9-]*", prefix)[-3:]
+            if words:
+                out.setdefault("_".join(words).lower(), float(m.group(1)))
+            start = m.end()
     return out
 
 

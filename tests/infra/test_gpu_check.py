@@ -115,6 +115,21 @@ def test_junit_and_first_step_summaries(gpu_check, tmp_path):
     assert m["within_15pct"] is False
 
 
+def test_dry_run_report_figures_by_label():
+    spec = importlib.util.spec_from_file_location("gpu_check_parts",
+                                                  REPO / "tools" / "gpu_check_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    report = ("memory per rank (estimate, 2-byte params):\n"
+              "  weights     0.27 GiB   grads (fp32)     0.50 GiB   optimizer  1.5 GiB\n"
+              "  reference   0.00 GiB   rollout KV cache     2.25 GiB (32 sequences x 1072 "
+              "positions)   activations     0.38 GiB\n  total       4.90 GiB\n"
+              "  stage 0: layers 0-29, weights    0.25 GiB; KV cache    2.25 GiB")
+    got = parts._dry_run_numbers(report)
+    assert got["total"] == 4.90 and got["grads"] == 0.50 and got["activations"] == 0.38
+    assert got["rollout_kv_cache"] == 2.25 and got["weights"] == 0.27  # the first wins
+
+
 @pytest.mark.slow
 def test_smoke_run_of_the_check_writes_its_summary(tmp_path, smollm2_dir):
     """The check's first four parts on CPU (`--smoke`): install from a wheel folder,
