@@ -123,7 +123,8 @@ class Check:
         self.parts: dict[str, dict] = {}
         self.env = dict(os.environ)
         # SmolLM2's shape files when the wheel folder has none: this machine's asset
-        source_cache = self.env.get("MEGATRON_TLT_CACHE") or Path.home() / ".cache" / "megatron_tlt"
+        source_cache = (self.env.get("MEGATRON_TLT_CACHE")
+                        or Path.home() / ".cache" / "megatron_tlt")
         self.shape_src = Path(source_cache).expanduser() / "SmolLM2-135M-Instruct"
         self.env.update(PYTHONUNBUFFERED="1", MEGATRON_TLT_CACHE=str(self.work / "cache"),
                         PYTHONPATH=os.pathsep.join(
@@ -135,13 +136,15 @@ class Check:
         self._fields: set[str] | None = None  # the config's section.field names
 
     # a command under the part's remaining time: killed with its process group
-    def run(self, name: str, cmd: list[str], deadline: float, env=None) -> dict:
+    def run(self, name: str, cmd: list[str], deadline: float, env=None,
+            output: Path | None = None) -> dict:
+        """``cmd`` until ``deadline``; its output goes to the log (or ``output``)."""
         left = deadline - time.monotonic()
         rec = {"cmd": " ".join(map(str, cmd))}
         if left <= 0:
             return {**rec, "rc": None, "timed_out": True}
         log(f"{name}: {rec['cmd']}")
-        with open(self.log_path, "a") as f:
+        with open(output or self.log_path, "a") as f:
             f.write(f"\n===== {name}: {rec['cmd']}\n")
             f.flush()
             p = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env or self.env,
@@ -150,16 +153,17 @@ class Check:
                 rec["rc"] = p.wait(timeout=left)
                 rec["timed_out"] = False
             except subprocess.TimeoutExpired:
-                for sig in (signal.SIGTERM, signal.SIGKILL):
+                # the whole process group (torchrun's workers, pytest's children): a
+                # TERM, 5 s to exit, then a KILL for whatever is left of the group
+                for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
                     try:
                         os.killpg(p.pid, sig)
                     except ProcessLookupError:
-                        break
+                        pass
                     try:
-                        p.wait(timeout=5)
-                        break
+                        p.wait(timeout=grace)
                     except subprocess.TimeoutExpired:
-                        continue
+                        pass
                 rec.update(rc=p.returncode, timed_out=True)
                 f.write(f"\n===== {name}: killed after its limit\n")
         return rec
@@ -216,11 +220,11 @@ class Check:
                      " got[m] = 'missing: ' + type(e).__name__\n"
                      "got['torch'] = torch.__version__; got['cuda'] = torch.cuda.is_available()"
                      "\nprint('IMPORTS ' + json.dumps(got))")
-            r = subprocess.run([self.py, "-c", probe], env=self.env, cwd=REPO,
-                               capture_output=True, text=True,
-                               timeout=max(1, deadline - time.monotonic()))
-            line = next((x for x in r.stdout.splitlines() if x.startswith("IMPORTS ")), "")
-            res["imports"] = json.loads(line[8:]) if line else {"error": r.stderr[-2000:]}
+            out = self.work / "imports.txt"
+            cmds.append(self.run("install", [self.py, "-c", probe], deadline, output=out))
+            lines = out.read_text().splitlines()
+            line = next((x for x in lines if x.startswith("IMPORTS ")), "")
+            res["imports"] = json.loads(line[8:]) if line else {"error": lines[-30:]}
         res["manifest_unmet"] = manifest(self.wheels)["unmet_requirements"]
         ok = all(c["rc"] == 0 for c in cmds) and not res["manifest_unmet"] and all(
             not str(v).startswith("missing") for k, v in res.get("imports", {}).items()
@@ -247,18 +251,16 @@ class Check:
         if self.dry:
             env = {**self.env, "GPU_CHECK_COLLECT_ONLY": "1"}
             out = self.work / "collect.txt"
-            with open(out, "w") as f:
-                r = subprocess.run([self.py, "-m", "pytest", "tests_gpu", "--collect-only",
-                                    "-q", "-p", "no:cacheprovider"], cwd=REPO, env=env,
-                                   stdout=f, stderr=subprocess.STDOUT,
-                                   timeout=max(1, deadline - time.monotonic()))
-            ids = [x for x in out.read_text().splitlines() if "::" in x]
+            c = self.run("tests_gpu", [self.py, "-m", "pytest", "tests_gpu", "--collect-only",
+                                       "-q", "-p", "no:cacheprovider"], deadline, env, out)
+            text = out.read_text()
+            with open(self.log_path, "a") as f:
+                f.write(text)
+            ids = [x for x in text.splitlines() if "::" in x and not x.startswith("=====")]
             names = {x.split("::")[-1].split("[")[0] for x in ids}
             missing = [t for t in REQUIRED_GPU_TESTS if t not in names]
             res = {"collected": len(ids), "missing_required": missing}
-            cmd = {"cmd": "pytest tests_gpu --collect-only -q", "rc": r.returncode,
-                   "timed_out": False}
-            return ("passed" if r.returncode == 0 and not missing else "failed"), res, [cmd]
+            return ("passed" if c["rc"] == 0 and not missing else "failed"), res, [c]
         xml = self.work / "tests_gpu.xml"
         per_test = max(30, int(self.budget["tests_gpu"] // 2))
         c = self.run("tests_gpu", [self.py, "-m", "pytest", "tests_gpu", "-rs", "-q",
@@ -397,7 +399,8 @@ def config_fields(env: dict, py: str) -> set[str]:
             "c = Config()\nout = []\nfor f in d.fields(c):\n  s = getattr(c, f.name)\n"
             "  if d.is_dataclass(s):\n    out += [f.name + '.' + g.name for g in d.fields(s)]\n"
             "print(json.dumps(out))")
-    r = subprocess.run([py, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run([py, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
     try:
         return set(json.loads(r.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
