@@ -157,7 +157,7 @@ def grpo(args, rest: list[str]) -> dict:
             "rollout_tokens_per_second", "drafter/steps", "drafter/identical", "loss_scale")
     predicted = _dry_run_numbers(report)
     measured = max(phases.values()) if phases else None
-    total = predicted.get("total")
+    total = predicted.get("peak") or predicted.get("total")  # (a report by phase: peak)
     return {
         "ok": rc == 0 and len(steps) == cfg.train.steps, "rc": rc, "seconds": seconds,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
