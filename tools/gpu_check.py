@@ -225,7 +225,10 @@ class Check:
             lines = out.read_text().splitlines()
             line = next((x for x in lines if x.startswith("IMPORTS ")), "")
             res["imports"] = json.loads(line[8:]) if line else {"error": lines[-30:]}
-        res["manifest_unmet"] = manifest(self.wheels)["unmet_requirements"]
+        try:
+            res["manifest_unmet"] = manifest(self.wheels)["unmet_requirements"]
+        except Exception as e:  # noqa: BLE001 - recorded with the commands that ran
+            res["manifest_unmet"] = {"error": f"{type(e).__name__}: {e}"}
         ok = all(c["rc"] == 0 for c in cmds) and not res["manifest_unmet"] and all(
             not str(v).startswith("missing") for k, v in res.get("imports", {}).items()
             if k != "transformer_engine.pytorch")

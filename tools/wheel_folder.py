@@ -111,7 +111,10 @@ def _requires(path: Path) -> list[str]:
     extras left out)."""
     import zipfile
 
-    from packaging.requirements import Requirement
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare Python: pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
 
     target = {"python_version": "3.12", "python_full_version": "3.12.3",
               "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
