@@ -309,6 +309,10 @@ class ModelRunner:
     def prepare_drafter(self, drafter) -> None:
         """Called before a drafter is attached (nothing to do for the whole model)."""
 
+    def release_memory(self) -> None:
+        """Free what the runner holds for rollouts only, between them (nothing here: it
+        reads the model's parameters; a gathered runner frees its layer copies)."""
+
     def sync_vocab(self) -> None:
         """Bring copies of the embedding and output layer up to date with their owners'
         parameters (a pipeline runner's between two generates; here they are read in

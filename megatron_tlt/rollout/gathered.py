@@ -77,9 +77,9 @@ class GatheredRunner(ModelRunner):
             return _Layer(*(None if t is None else torch.empty(t.shape, **like)
                             for t in (getattr(own[0], f.name) for f in fields(_Layer))))
 
-        # (tensor, owner's stage: its rank in the pipeline group), in the same order on
-        # every rank
-        self._copies: list[tuple[torch.Tensor, int]] = []
+        # (tensor, owner's stage: its rank in the pipeline group, whether this rank owns
+        # it, its shape), in the same order on every rank
+        self._copies: list[tuple[torch.Tensor, int, bool, tuple]] = []
         self.copy_bytes = 0
         layers = []
         for stage, count in enumerate(counts):
@@ -116,7 +116,7 @@ class GatheredRunner(ModelRunner):
         self.sync_weights()
 
     def _track(self, t: torch.Tensor, stage: int, mine: bool) -> torch.Tensor:
-        self._copies.append((t, stage))
+        self._copies.append((t, stage, mine, tuple(t.shape)))
         if not mine:
             self.copy_bytes += t.numel() * t.element_size()
         return t
@@ -124,16 +124,34 @@ class GatheredRunner(ModelRunner):
     def sync_weights(self) -> None:
         """Every copy from its owner's current parameters (collective over the
         pipeline group)."""
-        for t, src in self._copies:
+        for t, src, mine, shape in self._copies:
+            if not mine and tuple(t.shape) != shape:  # released: made again
+                t.resize_(shape)
             collectives.broadcast(t.data, src, self.pp_group)
 
     def sync_vocab(self) -> None:
         """The embedding and output-layer copies alone from their owners (collective
         over the pipeline group; nothing with tied embeddings at PP = 2, where each
         end stage reads its own)."""
-        for t, src in self._copies:
+        for t, src, _, _ in self._copies:
             if t is self.embed_w or t is self.output_w:
                 collectives.broadcast(t.data, src, self.pp_group)
+
+    def release_memory(self) -> None:
+        """Free the copies of the other stages' layers and final norm between rollouts
+        (``rollout.memory``); the next ``sync_weights`` makes and fills them again. The
+        vocabulary copies stay: the drafter group's canary reads them after the update
+        (``sync_vocab``)."""
+        with torch.no_grad():
+            for t, _, mine, _ in self._copies:
+                if not mine and t is not self.embed_w and t is not self.output_w:
+                    t.set_()  # the same tensor object (the layers refer to it), no storage
+
+    @property
+    def held_copy_bytes(self) -> int:
+        """Bytes the copies of other stages' tensors hold now."""
+        return sum(t.numel() * t.element_size() for t, _, mine, _ in self._copies
+                   if not mine)
 
     def pack_weights(self) -> None:
         self.sync_weights()

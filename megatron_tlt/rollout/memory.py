@@ -8,6 +8,8 @@ What a rollout holds on its device beyond the model's weights:
   hidden state at every cache row and position, ``SpeculativeDecoder.features``);
 - with ``rollout.cuda_graphs``: the decode graphs captured on the cache and their
   memory pool;
+- at PP > 1 in the gathered mode, the copies of the other stages' layers
+  (``GatheredRunner``, re-sent from their owners at every ``generate``);
 - the hidden states a call returns (``SamplingParams.return_hidden_states``: the drafter
   group's training data). There is one copy of them: when the drafter's features are
   the target's final hidden states (a drafter without EAGLE-3 feature layers) they are
@@ -30,8 +32,9 @@ old one, and graphs captured on it, freed first).
 Lifecycle. ``release()`` frees all of the above: the trainer calls it between the
 rollout and the policy update (``rollout.release_memory``), so the update runs beside
 the weights and only what the next rollout must keep: the cache objects without their
-tensors, the rotary tables, the CPU kernels' weight panels (CPU float32 only) and the
-tuner's state. The next ``generate`` makes them again, zeroed, with the same shapes;
+tensors, the rotary tables, the CPU kernels' weight panels (CPU float32 only), the
+tuner's state and, in the gathered mode, the copies of the vocabulary matrices (the
+drafter group's canary reads them after the update). The next ``generate`` makes them again, zeroed, with the same shapes;
 CUDA graphs are re-captured, one per batch-size bucket, at the bucket's first step.
 Under PyTorch's caching allocator the freed blocks go back to its pool, where the
 update's activations and gradients reuse them.
@@ -174,6 +177,7 @@ class RolloutMemory:
         self._release_target()
         if self.engine.spec is not None:
             self.engine.spec.release()
+        self.engine.runner.release_memory()  # PP > 1, gathered: the layer copies
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held now by each part (graphs: their count; their pool is opaque)."""

@@ -285,3 +285,39 @@ def test_the_gathered_exchange_sends_tensors_and_round_trips(tiny, monkeypatch):
                 g.hidden_states.numel() * g.hidden_states.element_size()
     with pytest.raises(TypeError, match="holds a tensor"):
         collectives.all_gather_object({"h": outs[0].hidden_states})
+
+
+# ----------------------------------------------------------------------------- graphs
+def test_cuda_graphs_follow_the_cache_lifecycle(tiny, monkeypatch):
+    """The graphs hold the cache's addresses: the same allocation replays them, a
+    re-made one (after a release) re-captures, and the engine's release drops them.
+    (The capture itself is stubbed on CPU; tests_gpu replays real graphs.)"""
+    from megatron_tlt.rollout.cuda_graphs import GraphedDecoder
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    runner = types.SimpleNamespace(device=torch.device("cuda"), rope_tables=lambda n: None)
+    graphs = GraphedDecoder(runner)
+    captured = []
+
+    def capture(bucket):
+        captured.append(bucket)
+        return (types.SimpleNamespace(replay=lambda: None),
+                torch.zeros(bucket, 1, dtype=torch.long), torch.zeros(bucket, dtype=torch.long),
+                torch.zeros(bucket, 1, 4))
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    cache = KVCache(num_layers=1, max_batch=4, kv_heads=1, capacity=8, head_dim=4,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    step = (torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    graphs.run(cache, *step)
+    graphs.run(cache, *step)
+    assert captured == [4] and graphs.captured == 1  # replayed
+    cache.release()
+    cache.allocate()  # new addresses
+    graphs.run(cache, *step)
+    assert captured == [4, 4]
+    eng = _engine(tiny)
+    eng._graphs = graphs
+    eng.release_memory()
+    assert graphs.captured == 0 and graphs.cache is None and graphs.pool is None
