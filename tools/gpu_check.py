@@ -83,6 +83,7 @@ REQUIRED_GPU_TESTS = [
     "test_value_helpers_at_world_size_1_on_nccl", "test_tensor_helpers_at_world_size_1_on_nccl",
     "test_tensor_helpers_refuse_cpu_tensors_on_nccl",
     "test_rollout_memory_released_and_recreated_on_cuda",
+    "test_rollout_memory_is_released_and_graphs_recaptured",
     "test_recomputation_on_cuda_lowers_peak_memory",
     "test_chunked_loss_peak_is_a_fraction_of_unchunked",
 ]
