@@ -40,13 +40,14 @@ def scaled_curve(final_alpha: float, tokens_scale: float = 1.0, flat: bool = Tru
                       f"{' at every depth' if flat else ''}, tokens x {tokens_scale:g}")
 
 
-def gpu_train_cost(cost, layout: Layout, *, logprob_passes: float) -> TrainCost:
-    """Per DP replica: forward + backward (3 passes) per token for the update and
-    ``logprob_passes`` forwards for the old / reference log-probs, over the replica's
-    TP x PP GPUs at the roofline's training efficiency."""
+def gpu_train_cost(cost, layout: Layout, *, logprob_passes: float,
+                   update_passes: float = 3.0) -> TrainCost:
+    """Per DP replica: forward + backward (3 passes; 4 with full recomputation) per
+    token for the update and ``logprob_passes`` forwards for the old / reference
+    log-probs, over the replica's TP x PP GPUs at the roofline's training efficiency."""
     gpus = layout.tp * layout.pp
     return TrainCost(logprob_per_token=cost.train_seconds_per_token(gpus, logprob_passes),
-                     update_per_token=cost.train_seconds_per_token(gpus, 3.0),
+                     update_per_token=cost.train_seconds_per_token(gpus, update_passes),
                      source=f"roofline training: {cost.hw.mfu_train:.0%} of bf16 peak "
                      "(modelled), pipeline bubble ignored")
 
@@ -156,7 +157,10 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         prompt = min(float(cfg.data.max_prompt_tokens), DEFAULT_PROMPT_TOKENS)
         fused = m == 1
         train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)
-                               + (1.0 if g.kl_beta > 0 else 0.0))
+                               + (1.0 if g.kl_beta > 0 else 0.0),
+                               update_passes=4.0 if getattr(
+                                   cfg.train, "recompute_granularity", "none") == "full"
+                               else 3.0)
         acc = acceptance or default_acceptance(cfg, hardware)
         dgc = cfg.drafter_group
         dg = drafter_throughput(cost, layout, dgc)
