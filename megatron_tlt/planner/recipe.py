@@ -158,8 +158,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         fused = m == 1
         train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)
                                + (1.0 if g.kl_beta > 0 else 0.0),
-                               update_passes=4.0 if getattr(
-                                   cfg.train, "recompute_granularity", "none") == "full"
+                               update_passes=4.0 if cfg.train.recompute_granularity == "full"
                                else 3.0)
         acc = acceptance or default_acceptance(cfg, hardware)
         dgc = cfg.drafter_group
