@@ -317,22 +317,9 @@ class Trainer:
         plans = plan_micro_batches(samples, indices, micro_batch_size=t.micro_batch_size,
                                    micro_batch_tokens=t.micro_batch_tokens)
         device = self.policy.device
-        if self.layout.pp_size == 1:
-            return [collate(samples, p, pad_id=self.pad_id, device=device,
-                            loss_mask=loss_mask if for_loss else None) for p in plans]
-        # pipeline stages exchange fixed-shape activations: one [mbs, S] shape for all
-        width = max(samples[i].length for i in indices)
-        rows = max(len(p) for p in plans)
-        out = []
-        for p in plans:
-            mask = list(loss_mask) if for_loss else [True] * len(samples)
-            padded = p + [p[0]] * (rows - len(p))
-            mb = collate(samples, padded, pad_id=self.pad_id, width=width, device=device,
-                         loss_mask=mask)
-            mb.mask[len(p):] = 0.0  # filler rows carry no loss
-            mb.samples = p
-            out.append(mb)
-        return out
+        # each micro-batch at its own shape, at any PP (variable_seq_lengths)
+        return [collate(samples, p, pad_id=self.pad_id, device=device,
+                        loss_mask=loss_mask if for_loss else None) for p in plans]
 
     @torch.no_grad()
     def _fill_logprobs(self, samples: Sequence[Sample], model, attr: str) -> None:
@@ -376,10 +363,8 @@ class Trainer:
 
     def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
                 tick: Optional[Callable] = None, snap: Optional[dict] = None) -> dict:
-        from ..models.inference import token_logprobs
-
         g = self.cfg.grpo
-        arch, T = self.arch, self.cfg.grpo.temperature
+        arch = self.arch
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         norms, lrs, skipped, loss_scale = [], [], 0, 1.0
@@ -403,32 +388,11 @@ class Trainer:
                 mbs = self._micro_batches(samples, idx, loss_mask, for_loss=True)
 
                 def loss_fn(mb, local_logits, denoms=denoms):
-                    # only response positions carry loss: the vocabulary-wide work
-                    # (log-softmax, entropy) runs on those rows alone, at the sampling
-                    # temperature (softmax(logits / T), no top-k/top-p)
-                    sel = mb.mask > 0
-                    rows = local_logits[sel].unsqueeze(0)                   # [1, n, V/tp]
-                    lp = token_logprobs(rows, mb.targets[sel].unsqueeze(0), arch, T)[0]
-                    logp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device)
-                    logp = logp.masked_scatter(sel, lp)
-                    ent_needed = g.entropy_coef > 0
-                    with torch.set_grad_enabled(ent_needed and torch.is_grad_enabled()):
-                        x = rows if ent_needed else rows.detach()
-                        e = grpo.vocab_parallel_entropy(x.float() / T if T != 1.0 else x,
-                                                        vocab_size=arch.vocab_size)[0]
-                        ent = torch.zeros(sel.shape, dtype=e.dtype, device=e.device)
-                        ent = ent.masked_scatter(sel, e)
-                    old = mb.old_logprobs if not fused_old else logp.detach()
-                    loss, met = grpo.policy_loss(
-                        logp, old, mb.advantages, mb.mask, g, denoms,
-                        ref_logp=mb.ref_logprobs, rollout_logp=mb.rollout_logprobs,
-                        entropy=ent)
-                    with torch.no_grad():  # train/rollout mismatch: |exp(diff) - 1|
-                        diff = (old - mb.rollout_logprobs) * mb.mask
-                        met = dict(met)
-                        met["mismatch_ratio_err_sum"] = ((diff.exp() - 1).abs() * mb.mask).sum()
-                        met["loss"] = loss.detach()
-                    return loss, met
+                    # only response positions carry loss: log-probs and entropies there
+                    # alone, in chunks of train.loss_chunk_tokens positions
+                    return grpo.micro_batch_loss(
+                        mb, local_logits, g, denoms, vocab_size=arch.vocab_size,
+                        chunk_tokens=self.cfg.train.loss_chunk_tokens, fused_old=fused_old)
 
                 per_mb = self.policy.loss_metrics(
                     self._micro_batches(samples, idle, loss_mask, for_loss=True), loss_fn
