@@ -184,8 +184,9 @@ class TrainConfig:
     micro_batch_size: int = _help("Samples per forward/backward at most.", 4)
     micro_batch_tokens: int = _help(
         "Padded tokens per micro-batch at most (samples are sorted by length to minimise "
-        "padding); bounds the logits' memory (tokens x vocabulary / TP x 4 bytes, a few "
-        "copies); 0 = no token budget.", 4096)
+        "padding); bounds a micro-batch's activations and its logits (tokens x "
+        "vocabulary / TP in the model dtype; the loss's fp32 work is bounded by "
+        "loss_chunk_tokens); 0 = no token budget.", 4096)
     optimizer: str = _help(
         "auto (megatron-core's optimizer; its distributed optimizer on CUDA), megatron, "
         "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers; no fp32 main "
@@ -205,6 +206,22 @@ class TrainConfig:
                                0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
+    recompute_granularity: str = _help(
+        "megatron-core activation recomputation of the trained model: none; selective "
+        "(core attention recomputed in the backward: drops the attention scores, the "
+        "5·a·s/h term per layer); full (whole layers recomputed: each layer keeps only its "
+        "input, 2·s·b·h bytes in 16-bit, at about one extra forward of compute).", "none")
+    recompute_method: str = _help(
+        "With recompute_granularity=full: uniform (the stage's layers in chunks of "
+        "recompute_num_layers, every chunk recomputed) or block (only the first "
+        "recompute_num_layers layers of each pipeline stage recomputed).", "uniform")
+    recompute_num_layers: int = _help(
+        "With recompute_granularity=full: layers per recomputed chunk (uniform) or "
+        "layers recomputed per pipeline stage (block); at most the layers of a stage.", 1)
+    loss_chunk_tokens: int = _help(
+        "Tokens per chunk of the log-prob / loss / entropy computation over the "
+        "vocabulary: at most this many rows of fp32 [tokens, vocabulary / TP] "
+        "temporaries exist at once (0 = the whole micro-batch at once).", 1024)
     max_nonfinite_steps: int = _help(
         "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
@@ -222,6 +239,12 @@ class TrainConfig:
                               "be >= 0")
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train.max_nonfinite_steps must be >= 0")
+        _choice("train", "recompute_granularity", self.recompute_granularity,
+                ("none", "selective", "full"))
+        _choice("train", "recompute_method", self.recompute_method, ("uniform", "block"))
+        _positive("train", "recompute_num_layers", self.recompute_num_layers)
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError("train.loss_chunk_tokens must be >= 0 (0 = no chunking)")
 
 
 @dataclass
