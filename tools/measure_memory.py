@@ -152,6 +152,24 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
+def _count_calls(module: str, name: str):
+    """Count calls of ``module.name`` (looked up at call time by its callers)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return lambda: 0
+    fn, calls = getattr(mod, name), [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return fn(*a, **k)
+
+    setattr(mod, name, counted)
+    return lambda: calls[0]
+
+
 def run_cell(argv: list[str]) -> dict:
     """One cell in this (fresh) process: returns the measured bytes per phase."""
     import megatron.core.distributed  # noqa: F401  (imports before the baseline)
@@ -195,29 +213,32 @@ def run_cell(argv: list[str]) -> dict:
     metrics = trainer.train_step(0)
     first = _hwm() - baseline
     trainer.idle_window_hooks.append(end_of_rollout)
+    chunked = _count_calls("megatron_tlt.rl.token_stats", "token_stats")
     _reset_hwm()
     resident = _rss() - baseline  # weights, gradient buffers, optimizer state, KV cache
     metrics = trainer.train_step(1)
     phases["update"] = _hwm() - baseline
     released = trainer.engine._cache is None
+    inline_loss = chunked() == 0  # the trainer's loss predates rl/token_stats.py
     out = {"baseline": baseline, "build": build, "rollout": phases["rollout"],
            "update": phases["update"], "first_step": first, "resident": resident,
            "peak": max(build, first, phases["rollout"], phases["update"]),
-           "kv_released": released, "lengths": phases["lengths"],
+           "kv_released": released, "inline_loss": inline_loss, "lengths": phases["lengths"],
            "grad_norm": metrics["grad_norm"]}
     shutdown()
     return out
 
 
 # ------------------------------------------------------------------------ the table
-def predict(argv: list[str], kv_released: bool) -> dict:
+def predict(argv: list[str], kv_released: bool, inline_loss: bool) -> dict:
     from megatron_tlt.config import load_config
     from megatron_tlt.rl.memory_model import estimate
     from megatron_tlt.rl.plan import architecture
 
     cfg = load_config(overrides=argv)
     arch, _ = architecture(cfg)
-    est = estimate(cfg, arch, world_size=1, kv_released=kv_released)
+    est = estimate(cfg, arch, world_size=1, kv_released=kv_released,
+                   inline_loss=inline_loss)
     return {"rollout": est.rollout_total, "update": est.update_total, "peak": est.peak,
             "terms": {k: int(v) for k, v in est.as_dict().items()}}
 
@@ -235,7 +256,7 @@ def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "fal
     if r.returncode != 0:
         raise RuntimeError(f"cell {shape_name}/{recompute} failed:\n{r.stderr[-4000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    pred = predict(argv, got["kv_released"])
+    pred = predict(argv, got["kv_released"], got["inline_loss"])
     cell = {"shape": shape_name, **shape, "recompute": recompute, "cpu_kernels": cpu_kernels,
             "prompt_tokens": tokens, "measured": got,
             "predicted": pred}

@@ -37,6 +37,14 @@ from typing import Optional
 GIB = 1024 ** 3
 GPU_BYTES = 80 * 10 ** 9          # an "80 GB" H100 / A100
 GPU_USABLE = 0.95                 # the CUDA context, NCCL buffers, fragmentation
+# CPU only, measured (tools/measure_memory.py, docs/memory.md): the RSS a run holds
+# beyond its tensors once set up (tokenizer, prompt set, Python objects: 53-70 MB on
+# the CPU cells), and the share of the update's layer activations that glibc keeps
+# resident as freed heap blocks (its dynamic mmap threshold serves tensors under
+# 32 MiB from the heap; the forward's freed temporaries of every layer stay mapped:
+# 0.77-1.0 of the activations on the cells, nothing with MALLOC_MMAP_THRESHOLD_ fixed)
+CPU_PROCESS_BYTES = 64 * 1024 ** 2
+CPU_HEAP_RETENTION = 0.85
 PHASES = ("resident", "rollout", "update")
 
 
@@ -69,7 +77,7 @@ class Settings:
     recompute: str                # none | selective | full
     recompute_method: str         # uniform | block
     recompute_layers: int
-    loss_chunk: Optional[int]     # None: the whole micro-batch at once (unchunked path)
+    loss_chunk: Optional[int]     # rows per token_stats chunk; None: the inline loss
     distributed_optimizer: bool
     reference: bool
     drafter: bool
@@ -79,7 +87,11 @@ class Settings:
     kv_released: bool             # the KV cache is freed before the update
 
 
-def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None) -> Settings:
+def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
+             inline_loss: bool = False) -> Settings:
+    """``inline_loss``: the loss of a trainer that predates ``rl/token_stats.py`` (full
+    [n, V/t] fp32 copies); the config's ``train.loss_chunk_tokens`` otherwise (0: one
+    chunk of the whole micro-batch)."""
     g, t, r, par = cfg.grpo, cfg.train, cfg.rollout, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = max(world_size // (tp * pp), 1)
@@ -94,7 +106,7 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None) -> Set
     gbs = t.global_batch_size or g.prompts_per_step * g.group_size
     mini = max(per_replica * dp // gbs, 1)
     sp_mode = str(getattr(par, "sequence_parallel", "off"))
-    chunk = getattr(t, "loss_chunk_tokens", None)
+    chunk = int(getattr(t, "loss_chunk_tokens", 0) or 0) or rows * g.max_new_tokens
     return Settings(
         tp=tp, pp=pp, dp=dp, on_gpu=on_gpu, dtype_bytes=dtype_bytes, micro_batch=rows,
         seq=capacity, loss_tokens=rows * g.max_new_tokens,
@@ -105,7 +117,7 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None) -> Set
         recompute=str(getattr(t, "recompute_granularity", "none")),
         recompute_method=str(getattr(t, "recompute_method", "uniform")),
         recompute_layers=int(getattr(t, "recompute_num_layers", 1)),
-        loss_chunk=None if chunk is None or int(chunk) <= 0 else int(chunk),
+        loss_chunk=None if inline_loss else chunk,
         distributed_optimizer=on_gpu and t.optimizer in ("auto", "megatron"),
         reference=g.kl_beta > 0, drafter=bool(r.speculative.drafter)
         or bool(cfg.drafter_group.enable),
@@ -235,8 +247,11 @@ def loss_vocab_bytes(arch, s: Settings) -> tuple[float, str]:
     logits' gradient is materialised twice ([b, S, V/t] from the row selection and a
     contiguous copy for the output layer) next to the kept softmax.
 
-    Chunked (``train.loss_chunk_tokens`` = c): the logits and their gradient stay, plus
-    four float32 [c, V/t] temporaries."""
+    Chunked (``train.loss_chunk_tokens`` = c, rl/token_stats.py): the logits stay
+    alive; the forward makes per chunk an fp32 copy of its rows and their exp (2 x
+    [c, V/t] fp32, plus the row gather in the model dtype when it is not fp32); the
+    backward writes the logits' gradient [b, S, V/t] chunk by chunk (same per-chunk
+    temporaries), and the output layer's backward makes a contiguous copy of it."""
     v = arch.padded_vocab_size(s.tp) // s.tp
     db, n, T = s.dtype_bytes, s.loss_tokens, s.micro_batch * s.seq
     if s.loss_chunk is None:
@@ -244,9 +259,10 @@ def loss_vocab_bytes(arch, s: Settings) -> tuple[float, str]:
         bwd = 3 * T * v * db + n * v * (4 + (0 if db == 4 else db))
         return max(fwd, bwd), f"whole micro-batch: {n} loss rows, {T} positions"
     c = min(s.loss_chunk, n)
-    fwd = T * v * db + 4 * c * v * 4
-    bwd = 3 * T * v * db + 2 * c * v * 4
-    return max(fwd, bwd), f"chunks of {c} rows"
+    per_chunk = c * v * (8 + (0 if db == 4 else db))
+    fwd = T * v * db + per_chunk
+    bwd = max(2 * T * v * db + per_chunk, 3 * T * v * db)
+    return max(fwd, bwd), f"logits {T} x V/TP, loss in chunks of {c} rows"
 
 
 # ----------------------------------------------------------------------- the estimate
@@ -282,9 +298,11 @@ class Estimate:
         return {x.name: x.nbytes for x in self.terms}
 
 
-def estimate(cfg, arch, world_size: int, *, kv_released: Optional[bool] = None) -> Estimate:
+def estimate(cfg, arch, world_size: int, *, kv_released: Optional[bool] = None,
+             inline_loss: bool = False) -> Estimate:
     """The worst rank's memory per phase for ``cfg`` on ``world_size`` ranks."""
-    return estimate_settings(arch, settings(cfg, world_size, kv_released=kv_released))
+    return estimate_settings(arch, settings(cfg, world_size, kv_released=kv_released,
+                                            inline_loss=inline_loss))
 
 
 def estimate_settings(arch, s: Settings) -> Estimate:
@@ -308,6 +326,10 @@ def estimate_settings(arch, s: Settings) -> Estimate:
             + (arch.padded_vocab_size(tp) // tp) * arch.hidden_size
         add(Term("cpu kernel copies", mats * 4, "resident", "exact",
                  "packed weight panels (rollout.cpu_kernels)"))
+
+    if not s.on_gpu:
+        add(Term("process (CPU)", CPU_PROCESS_BYTES, "resident", "cpu-validated",
+                 "tokenizer, prompts, Python objects"))
 
     # rollout
     stages = rollout_stages(arch, tp, pp, db, s.rollout_rows, s.capacity,
@@ -354,6 +376,11 @@ def estimate_settings(arch, s: Settings) -> Estimate:
                  f"{s.micro_batch} x {s.seq} positions, recompute {s.recompute}"
                  + (", sequence parallel" if s.sequence_parallel else "")))
         add(Term("loss vocabulary", vocab, "update", "cpu-validated", how))
+    if not s.on_gpu:
+        acts = next(x.nbytes for x in est.terms if x.name == "activations")
+        add(Term("heap retention (CPU)", CPU_HEAP_RETENTION * acts, "update",
+                 "cpu-validated", f"glibc keeps freed layer temporaries: "
+                 f"{CPU_HEAP_RETENTION} x activations"))
     return est
 
 
