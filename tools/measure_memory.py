@@ -54,7 +54,7 @@ SHAPES = {
     "large": dict(hidden=768, ffn=2048, layers=6, heads=12, kv_heads=4, responses=4,
                   new_tokens=512, micro_batch_size=1),
 }
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 PROMPT_WORDS = 40  # the prompt text's words (about 60 tokens with the chat template)
 
 
@@ -258,7 +258,7 @@ def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "fal
     got = json.loads(r.stdout.strip().splitlines()[-1])
     pred = predict(argv, got["kv_released"], got["inline_loss"])
     cell = {"shape": shape_name, **shape, "recompute": recompute, "cpu_kernels": cpu_kernels,
-            "prompt_tokens": tokens, "measured": got,
+            "prompt_tokens": tokens, "config": argv[1:], "measured": got,
             "predicted": pred}
     cell["error_pct"] = {k: 100.0 * (pred[k] - got[k]) / got[k]
                          for k in ("rollout", "update", "peak")}

@@ -45,6 +45,7 @@ GPU_USABLE = 0.95                 # the CUDA context, NCCL buffers, fragmentatio
 # 0.77-1.0 of the activations on the cells, nothing with MALLOC_MMAP_THRESHOLD_ fixed)
 CPU_PROCESS_BYTES = 64 * 1024 ** 2
 CPU_HEAP_RETENTION = 0.85
+GLIBC_MMAP_MAX = 32 * 1024 ** 2   # glibc's largest dynamic mmap threshold (64-bit)
 PHASES = ("resident", "rollout", "update")
 
 
@@ -85,6 +86,7 @@ class Settings:
     gathered: bool                # rollout.pipeline_mode=gathered at PP > 1
     cpu_kernels: bool             # CPU float32 packed weight copies
     kv_released: bool             # the KV cache is freed before the update
+    device: str = "cuda"          # platform.device as configured
 
 
 def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
@@ -124,7 +126,8 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         hidden_states=bool(cfg.drafter_group.enable),
         gathered=pp > 1 and r.pipeline_mode == "gathered",
         cpu_kernels=not on_gpu and dtype_bytes == 4 and r.cpu_kernels != "false",
-        kv_released=True if kv_released is None else kv_released)
+        kv_released=True if kv_released is None else kv_released,
+        device=str(cfg.platform.device))
 
 
 # ----------------------------------------------------------------------- weights
@@ -203,20 +206,33 @@ def layer_activation_bytes(arch, s: Settings, *, tokens: int) -> float:
     attention keeps Q, the GQA-expanded K and V, its output (4q) and the softmax
     probabilities in float32 (a·s per token), SwiGLU keeps fc1's output (2f), the
     gate's copy (f), SiLU's output (f) and fc2's input (f)."""
+    if not s.on_gpu:
+        return sum(cpu_layer_tensors(arch, s, tokens=tokens))
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q = arch.num_attention_heads * arch.kv_channels
     kvw = arch.num_query_groups * arch.kv_channels
     a, t, seq, db = arch.num_attention_heads, s.tp, s.seq, s.dtype_bytes
-    selective = s.recompute == "selective"
-    if s.on_gpu:
-        replicated = 10 * h / (t if s.sequence_parallel else 1)
-        per_token = db / 2 * (replicated + (4 * q + 4 * kvw + 6 * f) / t)
-        scores = 0 if selective else 5 * a * seq / t * db / 2
-    else:
-        attn = (2 * q + 2 * kvw) if selective else 4 * q
-        per_token = db * (6 * h + (attn + 5 * f) / t)
-        scores = 0 if selective else 4 * a * seq / t
+    replicated = 10 * h / (t if s.sequence_parallel else 1)
+    per_token = db / 2 * (replicated + (4 * q + 4 * kvw + 6 * f) / t)
+    scores = 0 if s.recompute == "selective" else 5 * a * seq / t * db / 2
     return tokens * (per_token + scores)
+
+
+def cpu_layer_tensors(arch, s: Settings, *, tokens: int) -> list[float]:
+    """The tensors (bytes) one eager local-spec layer keeps for ``tokens`` positions:
+    3 per RMSNorm of h, attention's Q, expanded K and V and output of q (selective
+    recomputation: Q, K, V before the expansion and the output), SwiGLU's 2f, f, f, f,
+    and the float32 softmax [b, a/t, s, s] unless recomputed."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.kv_channels
+    kvw = arch.num_query_groups * arch.kv_channels
+    t, db = s.tp, s.dtype_bytes
+    attn = [q, kvw, kvw, q] if s.recompute == "selective" else [q] * 4
+    widths = [h] * 6 + [w / t for w in attn] + [2 * f / t] + [f / t] * 3
+    out = [tokens * w * db for w in widths]
+    if s.recompute != "selective":
+        out.append(tokens * arch.num_attention_heads / t * s.seq * 4)
+    return out
 
 
 def activation_bytes(arch, s: Settings, *, layers: int, in_flight: int = 1) -> float:
@@ -376,19 +392,24 @@ def estimate_settings(arch, s: Settings) -> Estimate:
                  f"{s.micro_batch} x {s.seq} positions, recompute {s.recompute}"
                  + (", sequence parallel" if s.sequence_parallel else "")))
         add(Term("loss vocabulary", vocab, "update", "cpu-validated", how))
-    if not s.on_gpu:
+    if not s.on_gpu:  # glibc's heap serves the layers' tensors under its 32 MiB limit
         acts = next(x.nbytes for x in est.terms if x.name == "activations")
-        add(Term("heap retention (CPU)", CPU_HEAP_RETENTION * acts, "update",
+        sizes = cpu_layer_tensors(arch, s, tokens=s.micro_batch * s.seq)
+        heap = sum(x for x in sizes if x < GLIBC_MMAP_MAX) / sum(sizes)
+        add(Term("heap retention (CPU)", CPU_HEAP_RETENTION * heap * acts, "update",
                  "cpu-validated", f"glibc keeps freed layer temporaries: "
-                 f"{CPU_HEAP_RETENTION} x activations"))
+                 f"{CPU_HEAP_RETENTION} x the activations under 32 MiB per tensor"))
     return est
 
 
 # ----------------------------------------------------------------------- the report
 def report_lines(est: Estimate) -> list[str]:
     s = est.settings
+    where = "GPU" if s.on_gpu else "CPU"
+    if s.device == "auto":
+        where += " (platform.device=auto; platform.device=cpu for the CPU model)"
     out = [f"memory per rank by phase (dry-run model; {s.dtype_bytes}-byte params, "
-           f"{'GPU' if s.on_gpu else 'CPU'}):"]
+           f"{where}):"]
     for phase, total in (("resident", est.resident), ("rollout", est.total("rollout")),
                          ("update", est.total("update"))):
         out.append(f"  {phase:8s} {total / GIB:8.2f} GiB"
