@@ -347,8 +347,8 @@ def make_config(args, mode: str):
 
 def run_mode(args, mode: str, session, first_model, log) -> dict:
     import torch
-    import torch.distributed as dist
 
+    from megatron_tlt import collectives
     from megatron_tlt.models import load_model
     from megatron_tlt.runtime_env import seed_everything
 
@@ -389,15 +389,11 @@ def run_mode(args, mode: str, session, first_model, log) -> dict:
         # what crosses ranks: step times (max), weight difference and motion (max),
         # the responses (gathered over the replicas)
         moved = {n: float((arms[n].probe() - probes[n]).abs().max()) for n in ARMS}
-        red = torch.tensor([metrics["tlt"]["timing"]["step"], metrics["off"]["timing"]["step"],
-                            max_param_delta(arms["tlt"].model, arms["off"].model),
-                            moved["tlt"], moved["off"]], dtype=torch.float64)
-        dist.all_reduce(red, op=dist.ReduceOp.MAX)
-        seen = {}
-        for n in ARMS:
-            parts = [None] * dist.get_world_size(dp_group)
-            dist.all_gather_object(parts, arms[n].seen, group=dp_group)
-            seen[n] = parts
+        red = collectives.max_values([metrics["tlt"]["timing"]["step"],
+                                      metrics["off"]["timing"]["step"],
+                                      max_param_delta(arms["tlt"].model, arms["off"].model),
+                                      moved["tlt"], moved["off"]])
+        seen = {n: collectives.all_gather_object(arms[n].seen, dp_group) for n in ARMS}
         agree = compare_responses(seen["tlt"], seen["off"], step)
         agree["max_param_delta"] = float(red[2])
         numbers = {"tlt": arm_numbers(metrics["tlt"], float(red[0]), seen["tlt"]),
@@ -407,13 +403,12 @@ def run_mode(args, mode: str, session, first_model, log) -> dict:
     from megatron_tlt.bench.common import cpu_description
 
     cpu = cpu_description(arms["tlt"].trainer.engine)
-    mem = torch.tensor([rss_built, _rss_gb(), _peak_rss_gb()], dtype=torch.float64)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    mem = collectives.max_values([rss_built, _rss_gb(), _peak_rss_gb()])
     del arms
     gc.collect()
     out = summarize(rows)
     out["memory_gb"] = dict(zip(("rss_after_build", "rss_at_end", "peak_rss"),
-                                mem.tolist()), per="rank (the largest over ranks)")
+                                mem), per="rank (the largest over ranks)")
     out["cpu"] = cpu
     return out
 

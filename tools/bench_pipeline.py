@@ -57,6 +57,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_tlt import collectives
+
 
 MINI = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8,
             num_attention_heads=8, num_key_value_heads=4)
@@ -83,7 +85,7 @@ def _mini_model(smollm2: Path, rank: int) -> Path:
         for f in Path(smollm2).iterdir():
             if f.name.startswith(("tokenizer", "chat_template")):
                 shutil.copy(f, out / f.name)
-    dist.barrier()
+    collectives.barrier()
     return out
 
 
@@ -230,11 +232,11 @@ def main(args) -> None:
             out = pp1.generate(prompts, params)
             sec = time.perf_counter() - t0
             torch.set_num_threads(args.threads)
-        dist.barrier()
+        collectives.barrier()
         return out, sec
 
     def run_pp2(prompts, params, mode=modes[0]):
-        dist.barrier()
+        collectives.barrier()
         t0 = time.perf_counter()
         out = engines[mode].generate(prompts, params)
         sec = time.perf_counter() - t0
@@ -317,7 +319,7 @@ def main(args) -> None:
     recompute = {}
     for n in args.recompute_tokens:
         sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        dist.barrier()
+        collectives.barrier()
         t0 = time.perf_counter()
         ref = recompute_generate(model2, arch, (), arch.max_position_embeddings, pool[:1], sp)
         sec = time.perf_counter() - t0
@@ -379,5 +381,5 @@ def main(args) -> None:
                       for k in ("pp2_vs_pp1_min", "tokens_identical", "length_scaling")))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()

@@ -37,8 +37,7 @@ import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch.distributed as dist
-
+from .. import collectives
 from ..fileio import publish_dir, write_text_atomic
 from .safe_files import CheckpointError, read_json, read_tree, write_tree
 from .sharded import load_policy, save_policy, verify_policy
@@ -64,24 +63,19 @@ def _layout_dict(layout) -> dict:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return collectives.rank()
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return collectives.size()
 
 
 def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
+    collectives.barrier()
 
 
 def _gather(obj) -> list:
-    if _world() == 1:
-        return [obj]
-    out = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 CHUNK = 16 << 20

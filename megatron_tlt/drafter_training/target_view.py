@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
+
+from .. import collectives
 
 __all__ = ["WholeVocabTarget", "gather_vocab_rows"]
 
@@ -41,9 +42,7 @@ __all__ = ["WholeVocabTarget", "gather_vocab_rows"]
 @torch.no_grad()
 def gather_vocab_rows(local: torch.Tensor, group) -> torch.Tensor:
     """The whole [V_padded, H] matrix from each TP rank's vocabulary slice (dim 0)."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    return torch.cat(collectives.all_gather(local.detach(), group), dim=0)
 
 
 class WholeVocabTarget:

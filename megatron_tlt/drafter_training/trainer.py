@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..models.drafter import EagleDrafter
 from ..rollout.forward import ModelRunner
 from ..rollout.kv_cache import KVCache
@@ -159,7 +159,7 @@ class DrafterTrainer:
         sq = torch.zeros(1, dtype=torch.float32, device=self.params[0].device)
         if grads:
             sq += torch.nn.utils.get_total_norm(grads, 2.0).float() ** 2
-        dist.all_reduce(sq, group=group)
+        collectives.all_reduce(sq, group=group)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, sq.sqrt()[0])
 
     def _chunked_backward(self, batch, n: int, stop) -> dict:

@@ -368,14 +368,13 @@ def _shard_layer(state, tp: int, rank: int) -> dict:
 
 def _unshard_layer(state, tp: int) -> dict:
     from megatron.core import parallel_state as ps
-    import torch.distributed as dist
+
+    from .. import collectives
 
     group = ps.get_tensor_model_parallel_group()
 
     def gather(t: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(t) for _ in range(tp)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return parts
+        return collectives.all_gather(t, group)
 
     out = dict(state)
     for k in _COLUMN:

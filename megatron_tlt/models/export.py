@@ -28,6 +28,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from .. import collectives
 from .gpt import DTYPES, ModelArch
 from .hf import copy_tokenizer_files, from_te_names, megatron_to_hf, save_hf_folder
 
@@ -200,10 +201,8 @@ def export_trained(policy_module, drafter, layout, arch: ModelArch, source: str 
     """Write the trained policy (and ``drafter``, or None) as an HF folder at ``out``,
     replacing an earlier export there. Every rank calls it: each DP-rank-0 rank puts its
     shard in a scratch folder next to ``out``, rank 0 converts and writes."""
-    import torch.distributed as dist
-
     out = Path(out)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = collectives.rank()
     drafter_state = drafter.own_state() if drafter is not None else None  # TP collective
     parts = out.parent / f".{out.name}.parts"
     if rank == 0:
@@ -230,10 +229,7 @@ def export_trained(policy_module, drafter, layout, arch: ModelArch, source: str 
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    collectives.barrier()
 
 
 # -------------------------------------------------------------------------------------
