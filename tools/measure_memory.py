@@ -25,8 +25,10 @@ phase's start (``/proc/self/clear_refs`` 5) and read at its end, minus the basel
 - update: the rest of the step (old / reference log-probs, the optimizer step).
 
 The prediction is ``megatron_tlt.rl.memory_model.estimate`` for the same config, with
-the rollout's KV cache counted as released before the update when the engine dropped
-it (``engine.release_memory``) and resident otherwise.
+the rollout's KV cache counted as released before the update when the engine had
+dropped it after the step (``rollout.release_memory``) and resident otherwise, and the
+loss path the trainer ran (``rl/token_stats.py`` in chunks, or an inline loss with
+full-size copies in a trainer that predates it).
 """
 
 from __future__ import annotations
@@ -218,7 +220,9 @@ def run_cell(argv: list[str]) -> dict:
     resident = _rss() - baseline  # weights, gradient buffers, optimizer state, KV cache
     metrics = trainer.train_step(1)
     phases["update"] = _hwm() - baseline
-    released = trainer.engine._cache is None
+    mem = getattr(trainer.engine, "memory", None)  # the rollout's memory lifecycle
+    released = (mem.cache is None or not mem.cache.allocated) if mem is not None \
+        else trainer.engine._cache is None
     inline_loss = chunked() == 0  # the trainer's loss predates rl/token_stats.py
     out = {"baseline": baseline, "build": build, "rollout": phases["rollout"],
            "update": phases["update"], "first_step": first, "resident": resident,

@@ -82,7 +82,6 @@ class Settings:
     distributed_optimizer: bool
     reference: bool
     drafter: bool
-    hidden_states: bool           # the drafter group keeps each response's features
     gathered: bool                # rollout.pipeline_mode=gathered at PP > 1
     cpu_kernels: bool             # CPU float32 packed weight copies
     kv_released: bool             # the KV cache is freed before the update
@@ -123,10 +122,10 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         distributed_optimizer=on_gpu and t.optimizer in ("auto", "megatron"),
         reference=g.kl_beta > 0, drafter=bool(r.speculative.drafter)
         or bool(cfg.drafter_group.enable),
-        hidden_states=bool(cfg.drafter_group.enable),
         gathered=pp > 1 and r.pipeline_mode == "gathered",
         cpu_kernels=not on_gpu and dtype_bytes == 4 and r.cpu_kernels != "false",
-        kv_released=True if kv_released is None else kv_released,
+        kv_released=bool(getattr(r, "release_memory", True)) if kv_released is None
+        else kv_released,
         device=str(cfg.platform.device))
 
 
@@ -368,13 +367,11 @@ def estimate_settings(arch, s: Settings) -> Estimate:
                  else "the drafter's embedding / output layer"))
     if s.drafter:
         rows = s.rollout_rows
-        add(Term("drafter", (layer_params(arch, tp) + 2 * h * h / tp) * db
-                 + kv_bytes(arch, tp, 1, rows, s.capacity, db)
-                 + rows * s.capacity * h * db, "rollout", "exact",
-                 "one layer + fc, its KV cache, the feature store"))
-    if s.hidden_states:
-        add(Term("response hidden states", s.rollout_rows * s.capacity * h * db, "rollout",
-                 "exact", "the drafter group's features"))
+        add(Term("drafter", (layer_params(arch, tp) + 2 * h * h / tp) * db, "resident",
+                 "exact", "one layer + fc"))
+        add(Term("drafter KV + features", kv_bytes(arch, tp, 1, rows, s.capacity, db)
+                 + rows * s.capacity * h * db, "rollout" if s.kv_released else "resident",
+                 "exact", "its KV cache, the feature store (the responses' hidden states)"))
 
     # update
     layers = arch.num_layers // pp
@@ -449,6 +446,6 @@ def advice(est: Estimate) -> str:
     else:
         tips.append("a smaller rollout.max_batch_size")
     if not s.kv_released and d.get("KV cache"):
-        tips.append("release the KV cache before the update")
+        tips.append("rollout.release_memory=true (the KV cache freed before the update)")
     tips.append("a larger TP or PP")
     return "; ".join(tips)

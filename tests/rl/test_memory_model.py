@@ -104,9 +104,11 @@ def test_loss_chunks_bound_the_vocabulary_temporaries():
     assert b < a
 
 
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "drafter"])
 @pytest.mark.parametrize("recipe,world", [("qwen2.5_7b_grpo", 8), ("qwen2.5_32b_grpo", 64)])
-def test_gpu_recipes_fit_an_80gb_gpu(recipe, world):
-    cfg = load_config([REPO / "examples/rl" / f"{recipe}.yaml"])
+def test_gpu_recipes_fit_an_80gb_gpu(recipe, world, drafter):
+    cfg = load_config([REPO / "examples/rl" / f"{recipe}.yaml"],
+                      ["rollout.speculative.drafter=/drafter"] if drafter else [])
     arch = ModelArch.from_hf_config(KNOWN_ARCHITECTURES[Path(cfg.model.hf_path).name])
     est = mm.estimate(cfg, arch, world)
     assert est.peak <= mm.GPU_BYTES * mm.GPU_USABLE, "\n".join(mm.report_lines(est))
