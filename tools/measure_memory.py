@@ -100,7 +100,8 @@ def prompt_file(root: Path) -> Path:
 
 
 def overrides(shape: dict, recompute: str, folder: Path, prompts: Path,
-              prompt_tokens: int, cpu_kernels: str = "false") -> list[str]:
+              prompt_tokens: int, cpu_kernels: str = "false",
+              loss_chunk: int = 0) -> list[str]:
     """The cell's config: one step of ``responses`` samples (one group per 4)."""
     group = 4
     out = [f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
@@ -113,6 +114,8 @@ def overrides(shape: dict, recompute: str, folder: Path, prompts: Path,
            "tracking.progress=false"]
     if recompute != "none":
         out.append(f"train.recompute_granularity={recompute}")
+    if loss_chunk:
+        out.append(f"train.loss_chunk_tokens={loss_chunk}")
     return out
 
 
@@ -172,8 +175,34 @@ def _count_calls(module: str, name: str):
     return lambda: calls[0]
 
 
-def run_cell(argv: list[str]) -> dict:
-    """One cell in this (fresh) process: returns the measured bytes per phase."""
+def _chunked_loss(trainer) -> None:
+    """Train with ``grpo.micro_batch_loss`` (``rl/token_stats.py``, the loss in chunks of
+    ``train.loss_chunk_tokens``) where the trainer's own loss predates it: its loss
+    function's global denominators (its default argument) passed on, the rest as the
+    trainer computes it (one PPO epoch and mini-batch: the old log-probs are fused)."""
+    from megatron_tlt.rl import grpo
+
+    cfg, policy = trainer.cfg, trainer.policy
+    step = policy.train_step
+    fused = (not cfg.grpo.use_rollout_logprobs and cfg.grpo.ppo_epochs == 1
+             and trainer.mini_batches == 1)
+
+    def train_step(micro_batches, loss_fn, **kw):
+        denoms = loss_fn.__defaults__[0]
+
+        def chunked(mb, logits):
+            return grpo.micro_batch_loss(mb, logits, cfg.grpo, denoms,
+                                         vocab_size=trainer.arch.vocab_size,
+                                         chunk_tokens=cfg.train.loss_chunk_tokens,
+                                         fused_old=fused)
+        return step(micro_batches, chunked, **kw)
+
+    policy.train_step = train_step
+
+
+def run_cell(argv, loss: str = "trainer") -> dict:
+    """One cell in this (fresh) process: returns the measured bytes per phase.
+    ``loss``: "trainer" (its own), or "chunked" (``_chunked_loss``)."""
     import megatron.core.distributed  # noqa: F401  (imports before the baseline)
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
@@ -215,6 +244,8 @@ def run_cell(argv: list[str]) -> dict:
     metrics = trainer.train_step(0)
     first = _hwm() - baseline
     trainer.idle_window_hooks.append(end_of_rollout)
+    if loss == "chunked":
+        _chunked_loss(trainer)
     chunked = _count_calls("megatron_tlt.rl.token_stats", "token_stats")
     _reset_hwm()
     resident = _rss() - baseline  # weights, gradient buffers, optimizer state, KV cache
@@ -248,20 +279,25 @@ def predict(argv: list[str], kv_released: bool, inline_loss: bool) -> dict:
 
 
 def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "false",
-            timeout: int = 900) -> dict:
+            timeout: int = 900, loss: str = "trainer") -> dict:
     shape = SHAPES[shape_name]
     folder = model_folder(shape, root)
     prompts = prompt_file(root)
     tokens = prompt_tokens(folder, prompts)
-    argv = overrides(shape, recompute, folder, prompts, tokens, cpu_kernels)
+    # the chunked loss in chunks of 256 rows: 2-4 chunks per micro-batch on these shapes
+    argv = overrides(shape, recompute, folder, prompts, tokens, cpu_kernels,
+                     loss_chunk=256 if loss == "chunked" else 0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, __file__, "--cell", json.dumps(argv)], env=env,
+    r = subprocess.run([sys.executable, __file__, "--cell",
+                        json.dumps({"argv": argv, "loss": loss})], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if r.returncode != 0:
         raise RuntimeError(f"cell {shape_name}/{recompute} failed:\n{r.stderr[-4000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
     pred = predict(argv, got["kv_released"], got["inline_loss"])
     cell = {"shape": shape_name, **shape, "recompute": recompute, "cpu_kernels": cpu_kernels,
+            "loss": "inline" if got["inline_loss"] else "chunked"
+            + (" (micro_batch_loss wired in by the tool)" if loss == "chunked" else ""),
             "prompt_tokens": tokens, "config": argv[1:], "measured": got,
             "predicted": pred}
     cell["error_pct"] = {k: 100.0 * (pred[k] - got[k]) / got[k]
@@ -269,16 +305,22 @@ def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "fal
     return cell
 
 
+def _loss(cell: dict) -> str:
+    return (cell.get("loss") or ("inline" if cell["measured"].get("inline_loss")
+                                 else "chunked")).split(" ")[0]
+
+
 def markdown(cells: list[dict]) -> str:
-    rows = ["| shape | recompute | predicted rollout | predicted update | predicted peak | "
+    rows = ["| shape | recompute | loss | predicted rollout | predicted update | predicted peak | "
             "measured rollout | measured update | measured peak | peak error |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         p, m = c["predicted"], c["measured"]
         rows.append(
             f"| {c['shape']}: h {c['hidden']}, {c['layers']} layers, {c['responses']} x "
             f"{c['prompt_tokens']}+{c['new_tokens']} tokens, micro-batch "
-            f"{c['micro_batch_size']} | {c['recompute']} | {p['rollout'] / MIB:.0f} MiB | "
+            f"{c['micro_batch_size']} | {c['recompute']} | {_loss(c)} | "
+            f"{p['rollout'] / MIB:.0f} MiB | "
             f"{p['update'] / MIB:.0f} MiB | {p['peak'] / MIB:.0f} MiB | "
             f"{m['rollout'] / MIB:.0f} MiB | {m['update'] / MIB:.0f} MiB | "
             f"{m['peak'] / MIB:.0f} MiB | {c['error_pct']['peak']:+.1f} % |")
@@ -291,24 +333,29 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default=",".join(SHAPES), help="shapes, comma-separated")
     ap.add_argument("--recompute", default=",".join(RECOMPUTE))
     ap.add_argument("--cpu-kernels", default="false")
+    ap.add_argument("--loss", default="trainer", choices=("trainer", "chunked"),
+                    help="the trainer's own loss, or grpo.micro_batch_loss wired in")
+    ap.add_argument("--append", action="store_true", help="add to the cells in --json")
     ap.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "megatron_tlt_mem"),
                     help="folder for the random models (kept between runs)")
     ap.add_argument("--json", default=str(REPO / "docs/results/memory_model_cpu.json"))
     args = ap.parse_args(argv)
     if args.cell:
-        print(json.dumps(run_cell(json.loads(args.cell))))
+        cell = json.loads(args.cell)
+        cell = cell if isinstance(cell, dict) else {"argv": cell}
+        print(json.dumps(run_cell(cell["argv"], cell.get("loss", "trainer"))))
         return 0
     root = Path(args.models)
     root.mkdir(parents=True, exist_ok=True)
-    cells = []
+    out = Path(args.json)
+    cells = json.loads(out.read_text())["cells"] if args.append and out.exists() else []
     for shape in args.cells.split(","):
         for rc in args.recompute.split(","):
-            cell = measure(shape, rc, root, args.cpu_kernels)
+            cell = measure(shape, rc, root, args.cpu_kernels, loss=args.loss)
             print(f"{shape:7s} {rc:9s} predicted {cell['predicted']['peak'] / MIB:7.0f} MiB "
                   f"measured {cell['measured']['peak'] / MIB:7.0f} MiB "
                   f"({cell['error_pct']['peak']:+.1f} %)", flush=True)
             cells.append(cell)
-    out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
     print(markdown(cells))

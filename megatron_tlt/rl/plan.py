@@ -1,5 +1,6 @@
 """``pretrain_rl_tlt.py --dry-run``: check a recipe against a world size and print the
-parallel layout and a per-rank memory estimate, without loading any weights.
+parallel layout and each rank's memory by phase (``memory_model``: resident, rollout,
+update, the peak against an 80 GB GPU), without loading any weights.
 
 The architecture comes from the model folder's config.json when it exists here, else
 from ``KNOWN_ARCHITECTURES`` (the public configs of the models the recipes name), so
@@ -27,7 +28,6 @@ KNOWN_ARCHITECTURES = {
         num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
-
 
 
 def architecture(cfg: Config):
