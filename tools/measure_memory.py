@@ -310,6 +310,17 @@ def _loss(cell: dict) -> str:
                                  else "chunked")).split(" ")[0]
 
 
+def repredict(cell: dict, root: Path) -> dict:
+    """``cell`` with its prediction and errors recomputed from its recorded config."""
+    folder = model_folder(SHAPES[cell["shape"]], root)
+    got = cell["measured"]
+    cell["predicted"] = predict([f"model.hf_path={folder}", *cell["config"]],
+                                got["kv_released"], got["inline_loss"])
+    cell["error_pct"] = {k: 100.0 * (cell["predicted"][k] - got[k]) / got[k]
+                         for k in ("rollout", "update", "peak")}
+    return cell
+
+
 def markdown(cells: list[dict]) -> str:
     rows = ["| shape | recompute | loss | predicted rollout | predicted update | predicted peak | "
             "measured rollout | measured update | measured peak | peak error |",
@@ -336,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loss", default="trainer", choices=("trainer", "chunked"),
                     help="the trainer's own loss, or grpo.micro_batch_loss wired in")
     ap.add_argument("--append", action="store_true", help="add to the cells in --json")
+    ap.add_argument("--repredict", action="store_true",
+                    help="recompute the predictions of the cells in --json (the model "
+                         "changed; the measurements stay)")
     ap.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "megatron_tlt_mem"),
                     help="folder for the random models (kept between runs)")
     ap.add_argument("--json", default=str(REPO / "docs/results/memory_model_cpu.json"))
@@ -348,6 +362,11 @@ def main(argv=None) -> int:
     root = Path(args.models)
     root.mkdir(parents=True, exist_ok=True)
     out = Path(args.json)
+    if args.repredict:
+        cells = [repredict(c, root) for c in json.loads(out.read_text())["cells"]]
+        out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+        print(markdown(cells))
+        return 0
     cells = json.loads(out.read_text())["cells"] if args.append and out.exists() else []
     for shape in args.cells.split(","):
         for rc in args.recompute.split(","):

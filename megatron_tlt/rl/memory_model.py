@@ -263,10 +263,11 @@ def loss_vocab_bytes(arch, s: Settings) -> tuple[float, str]:
     contiguous copy for the output layer) next to the kept softmax.
 
     Chunked (``train.loss_chunk_tokens`` = c, rl/token_stats.py): the logits stay
-    alive; the forward makes per chunk an fp32 copy of its rows and their exp (2 x
-    [c, V/t] fp32, plus the row gather in the model dtype when it is not fp32); the
-    backward writes the logits' gradient [b, S, V/t] chunk by chunk (same per-chunk
-    temporaries), and the output layer's backward makes a contiguous copy of it."""
+    alive; the forward makes per chunk an fp32 copy of its rows, their exp and the
+    product inside ``linalg.vecdot`` (3 x [c, V/t] fp32); the backward writes the
+    logits' gradient [b, S, V/t] chunk by chunk (per chunk the rows and their softmax in
+    fp32, and the gradient rows in the model dtype when it is not fp32), and the output
+    layer's backward makes a contiguous copy of it."""
     v = arch.padded_vocab_size(s.tp) // s.tp
     db, n, T = s.dtype_bytes, s.loss_tokens, s.micro_batch * s.seq
     if s.loss_chunk is None:
@@ -274,9 +275,8 @@ def loss_vocab_bytes(arch, s: Settings) -> tuple[float, str]:
         bwd = 3 * T * v * db + n * v * (4 + (0 if db == 4 else db))
         return max(fwd, bwd), f"whole micro-batch: {n} loss rows, {T} positions"
     c = min(s.loss_chunk, n)
-    per_chunk = c * v * (8 + (0 if db == 4 else db))
-    fwd = T * v * db + per_chunk
-    bwd = max(2 * T * v * db + per_chunk, 3 * T * v * db)
+    fwd = T * v * db + 3 * c * v * 4
+    bwd = max(2 * T * v * db + c * v * (8 + (0 if db == 4 else db)), 3 * T * v * db)
     return max(fwd, bwd), f"logits {T} x V/TP, loss in chunks of {c} rows"
 
 
