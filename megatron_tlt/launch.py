@@ -50,7 +50,8 @@ def setup(cfg: Config) -> Session:
     seed_everything(cfg.platform.seed)
     layout = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                        cfg.parallel.pipeline_model_parallel_size,
-                                       seed=cfg.platform.seed)
+                                       seed=cfg.platform.seed,
+                                       timeout_s=cfg.parallel.collective_timeout_s)
     model, arch = load_model(source, device=plat.device, dtype=cfg.model.dtype,
                              impl=cfg.model.transformer_impl,
                              memory=memory_controls(cfg.train, cfg.parallel))

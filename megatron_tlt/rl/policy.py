@@ -212,7 +212,9 @@ class Policy:
         self.ddp.eval()
         out = self._schedule(micro_batches, forward_only=True, loss_fn=None,
                              temperature=temperature)
-        return list(out) if self.is_last_stage else None
+        if not self.is_last_stage:
+            return None
+        return [_as_shape(lp, mb.input_ids.shape) for lp, mb in zip(out, micro_batches)]
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable, *,
                    interrupt: Optional[Callable[[], bool]] = None,
@@ -290,6 +292,17 @@ class Policy:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _as_shape(x: torch.Tensor, shape) -> torch.Tensor:
+    """``x`` computed on a fitted micro-batch (``MicroBatch.fitted``) at the caller's
+    [b, S]: positions it did not compute (filler rows, padding) are 0."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    out = x.new_zeros(shape)
+    rows, cols = min(shape[0], x.shape[0]), min(shape[1], x.shape[1])
+    out[:rows, :cols] = x[:rows, :cols]
+    return out
 
 
 def _model_parallel_grad_norm(params) -> float:

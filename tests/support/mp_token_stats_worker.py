@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -27,7 +24,7 @@ if __name__ == "__main__":
     from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.rl.token_stats import token_stats
     from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
-    from test_token_stats import VOCAB, case
+    from token_stats_cases import VOCAB, case
 
     init_distributed()
     apply_cpu_redirection()
