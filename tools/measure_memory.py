@@ -175,34 +175,8 @@ def _count_calls(module: str, name: str):
     return lambda: calls[0]
 
 
-def _chunked_loss(trainer) -> None:
-    """Train with ``grpo.micro_batch_loss`` (``rl/token_stats.py``, the loss in chunks of
-    ``train.loss_chunk_tokens``) where the trainer's own loss predates it: its loss
-    function's global denominators (its default argument) passed on, the rest as the
-    trainer computes it (one PPO epoch and mini-batch: the old log-probs are fused)."""
-    from megatron_tlt.rl import grpo
-
-    cfg, policy = trainer.cfg, trainer.policy
-    step = policy.train_step
-    fused = (not cfg.grpo.use_rollout_logprobs and cfg.grpo.ppo_epochs == 1
-             and trainer.mini_batches == 1)
-
-    def train_step(micro_batches, loss_fn, **kw):
-        denoms = loss_fn.__defaults__[0]
-
-        def chunked(mb, logits):
-            return grpo.micro_batch_loss(mb, logits, cfg.grpo, denoms,
-                                         vocab_size=trainer.arch.vocab_size,
-                                         chunk_tokens=cfg.train.loss_chunk_tokens,
-                                         fused_old=fused)
-        return step(micro_batches, chunked, **kw)
-
-    policy.train_step = train_step
-
-
-def run_cell(argv, loss: str = "trainer") -> dict:
-    """One cell in this (fresh) process: returns the measured bytes per phase.
-    ``loss``: "trainer" (its own), or "chunked" (``_chunked_loss``)."""
+def run_cell(argv: list[str]) -> dict:
+    """One cell in this (fresh) process: returns the measured bytes per phase."""
     import megatron.core.distributed  # noqa: F401  (imports before the baseline)
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
@@ -244,8 +218,6 @@ def run_cell(argv, loss: str = "trainer") -> dict:
     metrics = trainer.train_step(0)
     first = _hwm() - baseline
     trainer.idle_window_hooks.append(end_of_rollout)
-    if loss == "chunked":
-        _chunked_loss(trainer)
     chunked = _count_calls("megatron_tlt.rl.token_stats", "token_stats")
     _reset_hwm()
     resident = _rss() - baseline  # weights, gradient buffers, optimizer state, KV cache
@@ -279,25 +251,21 @@ def predict(argv: list[str], kv_released: bool, inline_loss: bool) -> dict:
 
 
 def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "false",
-            timeout: int = 900, loss: str = "trainer") -> dict:
+            timeout: int = 900, loss_chunk: int = 0) -> dict:
     shape = SHAPES[shape_name]
     folder = model_folder(shape, root)
     prompts = prompt_file(root)
     tokens = prompt_tokens(folder, prompts)
-    # the chunked loss in chunks of 256 rows: 2-4 chunks per micro-batch on these shapes
-    argv = overrides(shape, recompute, folder, prompts, tokens, cpu_kernels,
-                     loss_chunk=256 if loss == "chunked" else 0)
+    argv = overrides(shape, recompute, folder, prompts, tokens, cpu_kernels, loss_chunk)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, __file__, "--cell",
-                        json.dumps({"argv": argv, "loss": loss})], env=env,
+                        json.dumps({"argv": argv})], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if r.returncode != 0:
         raise RuntimeError(f"cell {shape_name}/{recompute} failed:\n{r.stderr[-4000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
     pred = predict(argv, got["kv_released"], got["inline_loss"])
     cell = {"shape": shape_name, **shape, "recompute": recompute, "cpu_kernels": cpu_kernels,
-            "loss": "inline" if got["inline_loss"] else "chunked"
-            + (" (micro_batch_loss wired in by the tool)" if loss == "chunked" else ""),
             "prompt_tokens": tokens, "config": argv[1:], "measured": got,
             "predicted": pred}
     cell["error_pct"] = {k: 100.0 * (pred[k] - got[k]) / got[k]
@@ -306,8 +274,12 @@ def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "fal
 
 
 def _loss(cell: dict) -> str:
-    return (cell.get("loss") or ("inline" if cell["measured"].get("inline_loss")
-                                 else "chunked")).split(" ")[0]
+    """inline (a trainer before grpo.micro_batch_loss), or chunked N (its chunk rows)."""
+    if cell["measured"].get("inline_loss"):
+        return "inline"
+    key = "train.loss_chunk_tokens="
+    chunk = [c[len(key):] for c in cell["config"] if c.startswith(key)]
+    return f"chunked {chunk[0] if chunk else 1024}"
 
 
 def repredict(cell: dict, root: Path) -> dict:
@@ -322,8 +294,9 @@ def repredict(cell: dict, root: Path) -> dict:
 
 
 def markdown(cells: list[dict]) -> str:
-    rows = ["| shape | recompute | loss | predicted rollout | predicted update | predicted peak | "
-            "measured rollout | measured update | measured peak | peak error |",
+    rows = ["| shape | recompute | loss | predicted rollout | predicted update | "
+            "predicted peak | measured rollout | measured update | measured peak | "
+            "peak error |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         p, m = c["predicted"], c["measured"]
@@ -344,8 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default=",".join(SHAPES), help="shapes, comma-separated")
     ap.add_argument("--recompute", default=",".join(RECOMPUTE))
     ap.add_argument("--cpu-kernels", default="false")
-    ap.add_argument("--loss", default="trainer", choices=("trainer", "chunked"),
-                    help="the trainer's own loss, or grpo.micro_batch_loss wired in")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="train.loss_chunk_tokens of the cells (0: the config's default)")
     ap.add_argument("--append", action="store_true", help="add to the cells in --json")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the predictions of the cells in --json (the model "
@@ -357,7 +330,7 @@ def main(argv=None) -> int:
     if args.cell:
         cell = json.loads(args.cell)
         cell = cell if isinstance(cell, dict) else {"argv": cell}
-        print(json.dumps(run_cell(cell["argv"], cell.get("loss", "trainer"))))
+        print(json.dumps(run_cell(cell["argv"])))
         return 0
     root = Path(args.models)
     root.mkdir(parents=True, exist_ok=True)
@@ -370,7 +343,7 @@ def main(argv=None) -> int:
     cells = json.loads(out.read_text())["cells"] if args.append and out.exists() else []
     for shape in args.cells.split(","):
         for rc in args.recompute.split(","):
-            cell = measure(shape, rc, root, args.cpu_kernels, loss=args.loss)
+            cell = measure(shape, rc, root, args.cpu_kernels, loss_chunk=args.loss_chunk)
             print(f"{shape:7s} {rc:9s} predicted {cell['predicted']['peak'] / MIB:7.0f} MiB "
                   f"measured {cell['measured']['peak'] / MIB:7.0f} MiB "
                   f"({cell['error_pct']['peak']:+.1f} %)", flush=True)
