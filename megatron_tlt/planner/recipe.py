@@ -95,9 +95,9 @@ def default_acceptance(cfg, hardware: Optional[str] = None) -> Acceptance:
     """The acceptance a prediction assumes when none is given: the demo drafter's
     measured alpha on the CPU tables, the rescaled curve on a GPU."""
     if hardware is None:
-        from ..rl.plan import _arch
+        from ..rl.plan import architecture
 
-        hardware = default_hardware(cfg, _arch(cfg)[0].num_parameters)
+        hardware = default_hardware(cfg, architecture(cfg)[0].num_parameters)
     if hardware == "cpu":
         from .cpu_inputs import demo_drafter_alpha
 
@@ -121,9 +121,9 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
 
     table = cost
     if arch is None:
-        from ..rl.plan import _arch
+        from ..rl.plan import architecture
 
-        arch = _arch(cfg)[0]
+        arch = architecture(cfg)[0]
     par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     layout = Layout(tp, pp, world_size // (tp * pp), ro.pipeline_mode == "gathered")
