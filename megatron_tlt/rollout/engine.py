@@ -32,16 +32,12 @@ import torch
 from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
-from .memory import RolloutMemory
+from .memory import PromptError, RolloutMemory
 from .pipeline import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
 from .speculative.controller import SpeculationController
 from .speculative.stats import SpecStats
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot run (empty, out-of-vocabulary ids, too long)."""
 
 
 class GenerationInterrupted(Exception):

@@ -53,6 +53,11 @@ if TYPE_CHECKING:
     from .engine import RolloutEngine
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot run (empty, out-of-vocabulary ids, too long, or
+    longer than the cache this run was sized for)."""
+
+
 class RolloutMemory:
     """The caches, feature store and graphs of one engine, sized and released here."""
 
@@ -79,8 +84,6 @@ class RolloutMemory:
         """Refuse requests beyond the configured size (nothing without one)."""
         if not self.fixed:
             return
-        from .engine import PromptError
-
         for i, p in enumerate(prompts):
             if len(p) > self.max_prompt_tokens:
                 raise PromptError(
