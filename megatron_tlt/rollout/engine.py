@@ -185,7 +185,8 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ speculation
     def attach_drafter(self, drafter, tuner=None) -> None:
-        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model) while the
+        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model, or a
+        ``SelfDrafter``: the policy's int8 copy) while the
         running batch is at most ``config.speculative.threshold``; ``tuner`` (a
         ``StrategyTuner``) defaults to one built from ``config.speculative``."""
         from .speculative.decoder import SpeculativeDecoder
@@ -195,8 +196,11 @@ class RolloutEngine:
         if drafter.config.feature_layers and self._graphs is not None:
             raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
                              "graphs do not support; use rollout.cuda_graphs=false")
-        self.runner.prepare_drafter(drafter)
-        self.spec = SpeculativeDecoder(drafter, self.runner)
+        make = getattr(drafter, "make_decoder", None)  # the self-drafter (its own decoder)
+        if make is None:
+            self.runner.prepare_drafter(drafter)
+        self.spec = make(self.runner) if make is not None else SpeculativeDecoder(drafter,
+                                                                                  self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = (tuner if tuner is not None
                       else StrategyTuner.from_config(self.config.speculative))
