@@ -134,7 +134,9 @@ def test_self_speculation_reproduces_target_distribution(peaked, source, strateg
     summ = eng.last_stats.spec.summary()
     assert summ["steps"] > 0
     rate = summ["accept_rate_at_position"]["1"]
-    assert (rate > 0.8) if source == "self" else (rate < 0.6), summ
+    # the copy's drafts are mostly accepted (tree children are the top-k, not samples
+    # from q, so fewer of them are), another model's mostly not
+    assert (rate > 0.6) if source == "self" else (rate < 0.4), summ
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), DIST_DRAWS)
     assert pval > P_MIN, (strategy, source, sp, pval)
 
