@@ -175,7 +175,11 @@ class RolloutEngine:
         # ``GenerationInterrupted`` (the RL trainer's stop request; rank-local, no
         # collective: the caller sets it only where the replica decodes alone, TP=PP=1)
         self.interrupt: Optional[Callable[[], bool]] = None
-        if drafter is None and self.config.speculative.drafter:
+        if drafter is None and self.config.speculative.drafter == "self":
+            from .speculative.self_drafter import SelfDrafter
+
+            drafter = SelfDrafter(group=self.config.speculative.self_group)
+        elif drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
 
             drafter = load_drafter(self.config.speculative.drafter, self.arch,

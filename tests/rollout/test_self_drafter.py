@@ -102,6 +102,8 @@ def test_greedy_self_speculation_equals_plain_decoding(tiny, name, strategy, ker
     plain = RolloutEngine(model, None, RolloutConfig(max_batch_size=4, cpu_kernels=kernels),
                           arch=arch, eos_token_ids=[]).generate(prompts, sp)
     eng = _engine(model, arch, strategy, max_batch_size=4, cpu_kernels=kernels)
+    # with the kernels the copy runs their int8 GEMMs (else the dequantizing reference)
+    assert eng.spec.draft._int8_kernels() == (kernels == "true")
     outs = eng.generate(prompts, sp)
     for o, r in zip(outs, plain):
         assert o.token_ids == r.token_ids
@@ -199,3 +201,21 @@ def test_draft_vocabulary_head_and_grouped_scales_stay_exact(tiny):
     assert eng.spec.draft.output_w.shape[0] == ids.numel()
     assert eng.spec.draft.output_w.group == 32
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [r.token_ids for r in plain]
+
+
+def test_config_selects_the_self_drafter(tiny):
+    """rollout.speculative.drafter=self attaches the int8 copy (self_group its scales'
+    group size); a negative group is a config error."""
+    from megatron_tlt.config import ConfigError
+    from megatron_tlt.rollout.speculative.self_decoder import SelfDraftDecoder
+
+    model, arch = tiny["llama_tied"]
+    sc = SpeculativeConfig(drafter="self", self_group=16, policy="fixed", strategy="2_1_2")
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[])
+    assert isinstance(eng.spec, SelfDraftDecoder)
+    assert eng.spec.draft.layers[0].qkv_w.group == 16
+    eng.generate(_prompts()[:2], SamplingParams(temperature=0.0, max_new_tokens=5))
+    assert eng.last_stats.spec.summary()["steps"] > 0
+    with pytest.raises(ConfigError, match="self_group"):
+        SpeculativeConfig(self_group=-1)

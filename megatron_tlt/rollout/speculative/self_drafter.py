@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
-from ..forward import ModelRunner, _Layer
+from ..forward import _NO_TENSOR, ModelRunner, _Layer
 from ..quantize import QuantWeight, int8_linear, quantize_int8
 
 
@@ -124,6 +124,7 @@ class SelfDraftRunner(ModelRunner):
             self.output_w = quantize_int8(head, g)
         self.embed_w, self.vocab_start = self.target.embed_w, self.target.vocab_start
         self._pack()
+        self._packed_stack = None
         self.refreshes += 1
         self.refresh_seconds = time.perf_counter() - t0
 
@@ -173,12 +174,14 @@ class SelfDraftRunner(ModelRunner):
     def _int8_kernels(self) -> bool:
         k = self.kernels
         return (k is not None and hasattr(k, "linear_int8") and self.device.type == "cpu"
-                and self.dtype == torch.float32)
+                and self.dtype == torch.float32 and self.output_w is not None
+                and self.output_w.panel is not None)
 
     def _pack(self) -> None:
         """The kernels' int8 panel copies of every matrix (none without the kernels)."""
         mats = self.quant_weights()
-        if not self._int8_kernels():
+        k = self.kernels
+        if k is None or not hasattr(k, "linear_int8") or self.dtype != torch.float32:
             for w in mats:
                 w.panel = w.panel_scale = None
             return
@@ -187,6 +190,21 @@ class SelfDraftRunner(ModelRunner):
 
     def kernel_weights(self) -> list[torch.Tensor]:
         return []  # no float panel copies: the int8 ones are made by refresh()
+
+    def _fused_stack(self) -> tuple:
+        """Per-layer lists in the order of ``cpu_kernels.decode_layers_int8``'s
+        arguments, up to the group size."""
+        if self._packed_stack is None:
+            L = self.layers
+            self._packed_stack = (
+                [lw.ln1 for lw in L], [lw.qkv_w.panel for lw in L],
+                [lw.qkv_w.panel_scale for lw in L],
+                [lw.qkv_b if lw.qkv_b is not None else _NO_TENSOR for lw in L],
+                [lw.proj_w.panel for lw in L], [lw.proj_w.panel_scale for lw in L],
+                [lw.ln2 for lw in L], [lw.fc1_w.panel for lw in L],
+                [lw.fc1_w.panel_scale for lw in L], [lw.fc2_w.panel for lw in L],
+                [lw.fc2_w.panel_scale for lw in L], self.config.group or 1 << 40)
+        return self._packed_stack
 
     def rope_tables(self, need: int):
         return self.target.rope_tables(need)
@@ -244,6 +262,10 @@ class SelfDraftRunner(ModelRunner):
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
+        if self.tp_group is None and capture is None and self._int8_kernels():
+            return kern.decode_layers_int8(x.contiguous(), *self._fused_stack(),
+                                           self.final_norm, cache.k, cache.v, cos, sin, pos,
+                                           g, hpg, d, self.scale, self.eps, row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = self._lin(h, lw.qkv_w, lw.qkv_b)
