@@ -219,3 +219,30 @@ def test_config_selects_the_self_drafter(tiny):
     assert eng.last_stats.spec.summary()["steps"] > 0
     with pytest.raises(ConfigError, match="self_group"):
         SpeculativeConfig(self_group=-1)
+
+
+def test_exact_alpha_of_the_copy(peaked):
+    """drafter_training.alpha.measure_self_alpha on held-out samples: the copy of the
+    policy is accepted almost always, another model's copy rarely; a draft vocabulary
+    caps α at its p̃ mass."""
+    from megatron_tlt.drafter_training.alpha import held_out_samples, measure_self_alpha
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDraftRunner
+
+    (model, arch), (other, _) = peaked
+    eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    held = held_out_samples(eng, _prompts()[:3], SamplingParams(temperature=1.0,
+                                                                 max_new_tokens=20, seed=2))
+    alphas = {}
+    for name, drafter in (("self", SelfDrafter()),
+                          ("other", SelfDrafter(source=ModelRunner(other, arch))),
+                          ("vocab", SelfDrafter(draft_vocab=torch.arange(0, arch.vocab_size, 2)))):
+        copy = SelfDraftRunner(eng.runner, drafter)
+        copy.kernels = eng.runner.kernels
+        copy.pack_weights()
+        rep = measure_self_alpha(copy, eng.runner, held, temperature=1.0, depth=3)
+        assert rep.tokens == 60 and len(rep.alpha) == 3 and len(set(rep.alpha)) == 1
+        alphas[name] = rep
+    assert alphas["self"].alpha[0] > 0.9 and alphas["self"].vocab_mass == pytest.approx(1.0)
+    assert alphas["other"].alpha[0] < 0.5
+    assert alphas["vocab"].vocab_mass < 0.9
+    assert alphas["vocab"].alpha[0] <= alphas["vocab"].vocab_mass + 1e-6

@@ -50,6 +50,9 @@ class SelfDrafterConfig:
     def check_target(self, arch) -> None:
         """Any target: the copy is made from it."""
 
+    def to_dict(self) -> dict:
+        return {"kind": "self", "group": self.group}
+
 
 class SelfDrafter:
     """What ``RolloutEngine.attach_drafter`` takes for self-speculation: the copy's
