@@ -170,9 +170,11 @@ class RolloutConfig:
 
     max_batch_size: int = _help(
         "Sequences decoded at once; more prompts queue and enter as rows free up. "
-        "KV-cache memory is 2 x layers x max_batch_size x kv_heads/TP x capacity x "
-        "head_dim x dtype bytes, capacity = longest prompt + max_new_tokens of a call "
-        "(at most max_seq_len).", 64)
+        "KV-cache memory is 2 x layers x rows x kv_heads/TP x capacity x head_dim x "
+        "dtype bytes; in training it is allocated once, rows = min(max_batch_size, a "
+        "replica's responses per step), capacity = data.max_prompt_tokens + "
+        "grpo.max_new_tokens (at most max_seq_len); elsewhere capacity follows the "
+        "longest prompt + max_new_tokens of the calls.", 64)
     max_seq_len: int = _help(
         "Longest prompt + response, in tokens; 0 means the model's "
         "max_position_embeddings. A prompt this long or longer is an error.", 0)
@@ -195,6 +197,11 @@ class RolloutConfig:
     cuda_graphs: bool = _help(
         "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
         "bucket).", False)
+    release_memory: bool = _help(
+        "Free the rollout's KV caches, the drafter's feature store and the CUDA graphs "
+        "between the rollout and the policy update, so the update has that memory; the "
+        "next rollout makes them again (zeroed; graphs re-captured, one per batch-size "
+        "bucket at its first step). false keeps them across steps.", True)
     hidden_states_dtype: str = _help(
         "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
         "bfloat16, float16.", "auto")

@@ -92,8 +92,10 @@ class Trainer:
         from ..rollout import RolloutEngine
 
         # this replica's stages decode together at PP > 1 (each its own layers' KV cache)
-        self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.rollout,
-                                    arch=self.arch)
+        self.engine = RolloutEngine(  # its memory sized once for the run (rollout.memory)
+            self.policy.module, self.tokenizer, cfg.rollout, arch=self.arch,
+            max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=cfg.grpo.max_new_tokens,
+            max_rows=len(self.replica_prompts(cfg.grpo.prompts_per_step)) * cfg.grpo.group_size)
         # the drafter group trains the engine's drafter in the rollout tail (it attaches
         # a random one for a cold start), so it is set up before the run state
         self.online = None
@@ -226,6 +228,8 @@ class Trainer:
         window = time.perf_counter() - t_idle
         timing["barrier_wait"] = window
         safe_point.abandon_if_agreed(self, snap)  # a stop request: raises Stopped
+        if cfg.rollout.release_memory:  # the update runs without the rollout's caches
+            self.engine.release_memory()
 
         # 4. advantages per group (groups are local to the replica)
         samples = roll.samples

@@ -12,7 +12,10 @@ captures ``ModelRunner.extend`` for one new token per row, once per batch-size b
   scratch before it runs);
 - attention reads a fixed span (the cache's whole capacity) with a length mask, so no
   step depends on host-side values;
-- the graphs are tied to one cache: a new cache (a longer call) re-captures.
+- the graphs are tied to one allocation of the cache (its addresses): they are
+  released with it (``release``, by ``rollout.memory.RolloutMemory.release`` before the
+  policy update, which frees their memory pool too), and a re-made or new cache
+  re-captures each bucket at its first use.
 
 Sampling stays outside the graph (it is per-row and cheap).
 """
@@ -40,12 +43,23 @@ class GraphedDecoder:
             raise ValueError("CUDA graphs need the model on CUDA")
         self.runner = runner
         self.cache: Optional[KVCache] = None
+        self.generation = 0  # the cache allocation the graphs were captured on
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 
-    def _reset(self, cache: KVCache) -> None:
+    @property
+    def captured(self) -> int:
+        """Graphs held (one per batch-size bucket used since the last release)."""
+        return len(self.graphs)
+
+    def release(self) -> None:
+        """Drop the graphs, their static buffers and memory pool (re-captured on use)."""
         self.graphs.clear()
-        self.cache = cache
+        self.cache, self.pool, self.generation = None, None, 0
+
+    def _reset(self, cache: KVCache) -> None:
+        self.release()
+        self.cache, self.generation = cache, cache.generation
         self.pool = torch.cuda.graph_pool_handle()
         self.runner.rope_tables(cache.capacity)  # grown now: never during capture
 
@@ -71,7 +85,7 @@ class GraphedDecoder:
 
     def run(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Final hidden states [b, 1, hidden] for ``tokens`` [b, 1] at ``start`` [b]."""
-        if cache is not self.cache:
+        if cache is not self.cache or cache.generation != self.generation:
             self._reset(cache)
         b = tokens.shape[0]
         bucket = bucket_for(b, cache.max_batch)

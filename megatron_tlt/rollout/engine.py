@@ -6,9 +6,11 @@
                                           seed=0))
     outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason
 
-Or, inside a trainer, ``RolloutEngine(model, tokenizer, RolloutConfig(...))`` on the
-model instance the trainer updates (parameters are read in place; the fused CPU
-kernels re-copy them into their panel layout at the start of every ``generate``).
+Or, inside a trainer, ``RolloutEngine(model, tokenizer, RolloutConfig(...),
+max_prompt_tokens=P, max_new_tokens=N)`` on the model instance the trainer updates
+(parameters are read in place; the fused CPU kernels re-copy them into their panel
+layout at the start of every ``generate``). With P and N the KV cache is sized once for
+them (``rollout.memory``); ``release_memory()`` frees it between rollouts.
 
 How a call runs: prompts queue; up to ``max_batch_size`` enter the running batch,
 are prefilled (in chunks of ``prefill_tokens``) and then decode one token per step.
@@ -30,6 +32,7 @@ import torch
 from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
+from .memory import RolloutMemory
 from .pipeline import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
@@ -129,7 +132,11 @@ ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 class RolloutEngine:
     def __init__(self, model, tokenizer=None, config: Optional[RolloutConfig] = None, *,
                  arch: Optional[ModelArch] = None, eos_token_ids: Optional[Sequence[int]] = None,
-                 drafter=None):
+                 drafter=None, max_prompt_tokens: Optional[int] = None,
+                 max_new_tokens: Optional[int] = None, max_rows: Optional[int] = None):
+        """``max_prompt_tokens``, ``max_new_tokens``, ``max_rows``: the size the
+        caches are allocated at once (``rollout.memory``; without the first two they
+        follow the calls)."""
         self.config = config or RolloutConfig()
         if arch is None:
             raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
@@ -157,7 +164,6 @@ class RolloutEngine:
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
-        self._cache: Optional[KVCache] = None
         self._graphs = None
         if self.config.cuda_graphs:
             pp_one = self.runner.pp_size == 1 and not self.runner.shares_prompts
@@ -169,6 +175,8 @@ class RolloutEngine:
             from .cuda_graphs import GraphedDecoder
 
             self._graphs = GraphedDecoder(self.runner)
+        self.memory = RolloutMemory(self, max_prompt_tokens=max_prompt_tokens,
+                                    max_new_tokens=max_new_tokens, max_rows=max_rows)
         self.spec = None  # SpeculativeDecoder when a drafter is attached
         self.tuner = None
         # polled before every decode step: when it returns True, ``generate`` raises
@@ -266,6 +274,7 @@ class RolloutEngine:
         if len(plist) != n:
             raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
         self._check_prompts(prompts)
+        self.memory.check(prompts, plist)
         stats = GenerateStats(prompts=n)
         self.last_stats = stats
         if request_seeds is not None and len(request_seeds) != n:
@@ -281,28 +290,29 @@ class RolloutEngine:
         return self._run(prompts, plist, gens, keys, stats, self.config.max_batch_size)
 
     def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], gens: list,
-             keys: list, stats: GenerateStats, max_batch: int) -> list[RolloutOutput]:
+             keys: list, stats: GenerateStats, max_batch: int,
+             hidden_on_device: bool = False) -> list[RolloutOutput]:
         """The decode loop over these requests (their generators and noise keys made)
-        with at most ``max_batch`` rows running."""
+        with at most ``max_batch`` rows running; returned hidden states stay on the
+        device with ``hidden_on_device`` (the gathered mode exchanges them there)."""
         n = len(prompts)
         if n == 0:
             return []
         capacity = max(min(len(p) + sp.max_new_tokens, self.context)
                        for p, sp in zip(prompts, plist))
-        max_batch = min(max_batch, n)
+        max_batch = self.memory.batch_rows(min(max_batch, n))
         sc = self.config.speculative
         ctl = (SpeculationController(self.spec, self.tuner, threshold=sc.threshold,
                                      tuner_state=sc.tuner_state, tp_times=self._tp_times)
                if self.spec is not None else None)
-        cache = self._get_cache(max_batch, capacity + (ctl.slack if ctl is not None else 0))
+        cache = self.memory.kv_cache(max_batch, capacity, ctl.slack if ctl is not None else 0)
         if ctl is not None:
-            stats.spec = ctl.begin(max_batch, capacity)
+            stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity))
         stats.kv_cache_bytes = cache.nbytes
-        want_hidden = any(sp.return_hidden_states for sp in plist)
-        max_new = max(sp.max_new_tokens for sp in plist)
-        hidden_buf = (torch.zeros(max_batch, max_new, self.arch.hidden_size,
-                                  dtype=self.hidden_dtype, device=self.device)
-                      if want_hidden else None)
+        # None where the drafter's feature store holds the hidden states (one copy)
+        hidden_buf = self.memory.hidden_buffer(plist, max_batch)
+        retire = lambda: self._retire(cache, rows, outputs, hidden_buf, ctl,  # noqa: E731
+                                      hidden_on_device)
 
         outputs: list[Optional[RolloutOutput]] = [None] * n
         queue = deque(range(n))
@@ -321,7 +331,7 @@ class RolloutEngine:
                 self._prefill(cache, rows, admitted, hidden_buf, stats, ctl)
                 stats.prefill_seconds += time.perf_counter() - t0
                 rows.extend(admitted)
-                self._retire(cache, rows, outputs, hidden_buf, ctl)
+                retire()
                 continue
             t0 = time.perf_counter()
             stats.batch_sizes.append(len(rows))
@@ -333,7 +343,7 @@ class RolloutEngine:
                     cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
                     lambda *verified: self._commit(rows, hidden_buf, *verified),
                     stats.record_step)
-            self._retire(cache, rows, outputs, hidden_buf, ctl)
+            retire()
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
         if ctl is not None:
             ctl.finish()
@@ -443,8 +453,11 @@ class RolloutEngine:
 
     def _retire(self, cache: KVCache, rows: list[_Row], outputs: list,
                 hidden_buf: Optional[torch.Tensor],
-                ctl: Optional[SpeculationController] = None) -> None:
-        """Move finished sequences to ``outputs``; keep running rows contiguous."""
+                ctl: Optional[SpeculationController] = None,
+                hidden_on_device: bool = False) -> None:
+        """Move finished sequences to ``outputs`` (their hidden states copied out of
+        the buffer or feature store, to the host unless ``hidden_on_device``); keep
+        running rows contiguous."""
         i = 0
         while i < len(rows):
             r = rows[i]
@@ -452,9 +465,7 @@ class RolloutEngine:
             if reason is None:
                 i += 1
                 continue
-            hs = None
-            if r.params.return_hidden_states and hidden_buf is not None:
-                hs = hidden_buf[i, : len(r.tokens)].to("cpu", copy=True)
+            hs = self.memory.response_hidden(hidden_buf, i, r, hidden_on_device)
             outputs[r.request] = RolloutOutput(r.request, r.prompt, r.tokens, r.logprobs,
                                                reason, hs)
             last = len(rows) - 1
@@ -528,29 +539,10 @@ class RolloutEngine:
                     f"{self.arch.max_position_embeddings}, rollout.max_seq_len="
                     f"{self.config.max_seq_len}); shorten the prompt or raise the limit")
 
-    def _get_cache(self, max_batch: int, capacity: int) -> KVCache:
-        c = self._cache
-        if c is not None and c.max_batch >= max_batch and c.capacity >= capacity:
-            return c
-        if c is not None:
-            max_batch, capacity = max(max_batch, c.max_batch), max(capacity, c.capacity)
-        if self._graphs is not None:  # room for the padded rows of the largest bucket
-            from .cuda_graphs import bucket_for
-
-            max_batch = bucket_for(max_batch, 1 << 30)
-        self._cache = None  # free the old one first
-        self._cache = KVCache(
-            num_layers=len(self.runner.layers), max_batch=max_batch,
-            kv_heads=self.runner.groups, capacity=capacity, head_dim=self.arch.kv_channels,
-            dtype=self.runner.dtype, device=self.device,
-            layout="bsgd" if self.attention == "flash" else "bgsd")
-        return self._cache
-
     def release_memory(self) -> None:
-        """Drop the KV caches (they are re-made on the next call)."""
-        self._cache = None
-        if self.spec is not None:
-            self.spec.release()
+        """Free the rollout's caches, feature store and CUDA graphs before the policy
+        update (``rollout.memory``); the next ``generate`` makes them again."""
+        self.memory.release()
 
 
 def _eos_ids(tokenizer) -> tuple[int, ...]:

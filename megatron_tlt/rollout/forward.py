@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import collectives
 from ..models.gpt import ModelArch
 from .cpu_kernels import MAX_FUSED_ROWS
 from .kv_cache import KVCache
@@ -260,8 +260,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ pieces
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is not None:
-            dist.all_reduce(x, group=self.tp_group)
+        if self.tp_group is not None:  # (skipped without TP: the decode hot path)
+            collectives.all_reduce(x, group=self.tp_group)
         return x
 
     def _residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -309,6 +309,10 @@ class ModelRunner:
     def prepare_drafter(self, drafter) -> None:
         """Called before a drafter is attached (nothing to do for the whole model)."""
 
+    def release_memory(self) -> None:
+        """Free what the runner holds for rollouts only, between them (nothing here: it
+        reads the model's parameters; a gathered runner frees its layer copies)."""
+
     def sync_vocab(self) -> None:
         """Bring copies of the embedding and output layer up to date with their owners'
         parameters (a pipeline runner's between two generates; here they are read in
@@ -318,10 +322,7 @@ class ModelRunner:
         """``tensor`` as the deciding rank (TP rank 0) holds it, on every rank of the
         model-parallel group that decodes together (in place)."""
         if self.tp_group is not None:
-            from megatron.core import parallel_state as ps
-
-            dist.broadcast(tensor, ps.get_tensor_model_parallel_src_rank(),
-                           group=self.tp_group)
+            collectives.broadcast(tensor, 0, self.tp_group)  # TP rank 0
         return tensor
 
     def agree_all(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -339,9 +340,7 @@ class ModelRunner:
         else:
             local = _linear(hidden, self.output_w).float()
         if self.tp_group is not None:
-            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
-            local = torch.cat(parts, dim=-1)
+            local = torch.cat(collectives.all_gather(local, self.tp_group), dim=-1)
         return local[..., : self.arch.vocab_size]
 
     # ------------------------------------------------------------------ the kernel

@@ -6,9 +6,11 @@ the embedding, the final norm and the output layer from their owners by broadcas
 over the pipeline group (``GatheredRunner.pack_weights``); its own stage's layers
 are read in place, as at PP = 1. Every pipeline rank then holds the whole model and
 decodes its own share of the call's prompts as a PP = 1 engine (with its TP group as
-at PP = 1), and the outputs (tokens, log-probs, hidden states) and statistics are
-all-gathered over the pipeline group back into prompt order, so every stage returns
-the same outputs (``generate_shares``).
+at PP = 1), and the outputs are exchanged over the pipeline group back into prompt
+order, so every stage returns the same outputs (``generate_shares``): small metadata
+(lengths, finish reasons, statistics) as objects, token ids, log-probs and hidden
+states as tensors on the group's device, broadcast stage by stage (a pickled multi-GB
+object over NCCL would pass through the host twice).
 
 Why not the stage-to-stage forward (``rollout.pipeline``, ``pipelined``): decoding is
 bound by streaming the weights, so a stage that waits for its neighbour's activations
@@ -35,8 +37,8 @@ from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..models.gpt import ModelArch
 from .forward import ModelRunner, _Layer
 
@@ -57,7 +59,6 @@ class GatheredRunner(ModelRunner):
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.stages = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.stage_ranks = dist.get_process_group_ranks(self.pp_group)  # global ranks
         super().__init__(model, arch)
 
     def refresh(self) -> None:
@@ -67,8 +68,7 @@ class GatheredRunner(ModelRunner):
         is_first, is_last = self.pp_rank == 0, self.pp_rank == self.stages - 1
         self.set_layers(m.decoder.layers)
         own = self.layers
-        counts = [None] * self.stages
-        dist.all_gather_object(counts, len(own), group=self.pp_group)
+        counts = collectives.all_gather_object(len(own), self.pp_group)
         vocab = self.arch.padded_vocab_size(self.tp_size) // self.tp_size
         self.vocab_start = self.tp_rank * vocab
         like = dict(dtype=own[0].qkv_w.dtype, device=own[0].qkv_w.device)
@@ -77,8 +77,9 @@ class GatheredRunner(ModelRunner):
             return _Layer(*(None if t is None else torch.empty(t.shape, **like)
                             for t in (getattr(own[0], f.name) for f in fields(_Layer))))
 
-        # (tensor, owner's global rank), in the same order on every rank
-        self._copies: list[tuple[torch.Tensor, int]] = []
+        # (tensor, owner's stage: its rank in the pipeline group, whether this rank owns
+        # it, its shape), in the same order on every rank
+        self._copies: list[tuple[torch.Tensor, int, bool, tuple]] = []
         self.copy_bytes = 0
         layers = []
         for stage, count in enumerate(counts):
@@ -115,7 +116,7 @@ class GatheredRunner(ModelRunner):
         self.sync_weights()
 
     def _track(self, t: torch.Tensor, stage: int, mine: bool) -> torch.Tensor:
-        self._copies.append((t, self.stage_ranks[stage]))
+        self._copies.append((t, stage, mine, tuple(t.shape)))
         if not mine:
             self.copy_bytes += t.numel() * t.element_size()
         return t
@@ -123,16 +124,34 @@ class GatheredRunner(ModelRunner):
     def sync_weights(self) -> None:
         """Every copy from its owner's current parameters (collective over the
         pipeline group)."""
-        for t, src in self._copies:
-            dist.broadcast(t.data, src, group=self.pp_group)
+        for t, src, mine, shape in self._copies:
+            if not mine and tuple(t.shape) != shape:  # released: made again
+                t.resize_(shape)
+            collectives.broadcast(t.data, src, self.pp_group)
 
     def sync_vocab(self) -> None:
         """The embedding and output-layer copies alone from their owners (collective
         over the pipeline group; nothing with tied embeddings at PP = 2, where each
         end stage reads its own)."""
-        for t, src in self._copies:
+        for t, src, _, _ in self._copies:
             if t is self.embed_w or t is self.output_w:
-                dist.broadcast(t.data, src, group=self.pp_group)
+                collectives.broadcast(t.data, src, self.pp_group)
+
+    def release_memory(self) -> None:
+        """Free the copies of the other stages' layers and final norm between rollouts
+        (``rollout.memory``); the next ``sync_weights`` makes and fills them again. The
+        vocabulary copies stay: the drafter group's canary reads them after the update
+        (``sync_vocab``)."""
+        with torch.no_grad():
+            for t, _, mine, _ in self._copies:
+                if not mine and t is not self.embed_w and t is not self.output_w:
+                    t.set_()  # the same tensor object (the layers refer to it), no storage
+
+    @property
+    def held_copy_bytes(self) -> int:
+        """Bytes the copies of other stages' tensors hold now."""
+        return sum(t.numel() * t.element_size() for t, _, mine, _ in self._copies
+                   if not mine)
 
     def pack_weights(self) -> None:
         self.sync_weights()
@@ -142,14 +161,15 @@ class GatheredRunner(ModelRunner):
         """A call-level decision (before the prompts are split): TP rank 0's value,
         then the first stage's, on every rank of the pipeline group too."""
         self.agree(tensor)
-        dist.broadcast(tensor, self.stage_ranks[0], group=self.pp_group)
+        collectives.broadcast(tensor, 0, self.pp_group)
         return tensor
 
 
 def generate_shares(engine: "RolloutEngine", prompts: list[list[int]], plist: Sequence,
                     gens: list, keys: list) -> list["RolloutOutput"]:
     """Decode this pipeline rank's share of the prompts (every ``stages``-th, from its
-    rank) as a PP = 1 engine, then all-gather everyone's outputs in prompt order."""
+    rank) as a PP = 1 engine, then exchange everyone's outputs (``exchange_outputs``)
+    in prompt order."""
     runner: GatheredRunner = engine.runner
     n, stages = len(prompts), runner.stages
     mine = list(range(runner.pp_rank, n, stages))
@@ -157,15 +177,63 @@ def generate_shares(engine: "RolloutEngine", prompts: list[list[int]], plist: Se
     max_batch = max(1, math.ceil(engine.config.max_batch_size / stages))
     stats = engine.last_stats
     local = engine._run([prompts[i] for i in mine], [plist[i] for i in mine],
-                        [gens[i] for i in mine], [keys[i] for i in mine], stats, max_batch)
-    parts = [None] * stages
-    dist.all_gather_object(parts, (mine, local, stats), group=runner.pp_group)
-    outputs: list = [None] * n
-    for idx, outs, _ in parts:
-        for i, o in zip(idx, outs):
-            outputs[i] = replace(o, index=i)
-    engine.last_stats = merge_stats(stats, [p[2] for p in parts])
+                        [gens[i] for i in mine], [keys[i] for i in mine], stats, max_batch,
+                        hidden_on_device=True)
+    outputs, parts = exchange_outputs(runner.pp_group, runner.pp_rank, prompts, mine, local,
+                                      stats, (engine.arch.hidden_size, engine.hidden_dtype))
+    engine.last_stats = merge_stats(stats, parts)
     return outputs
+
+
+def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int],
+                     local: list["RolloutOutput"], stats: "GenerateStats",
+                     hidden: tuple[int, torch.dtype]) -> tuple[list, list]:
+    """Every stage's outputs on every stage, in prompt order, and every stage's stats.
+
+    The metadata (indices, lengths, finish reasons, which outputs carry hidden states,
+    the stats) goes as a small object; the token ids and log-probs (one float64
+    [2, tokens] tensor per stage, exact for both) and the hidden states (one [rows,
+    hidden] tensor per stage, kept on the device by the local ``_run``) are broadcast
+    stage by stage as tensors on the group's device, each stage's hidden states then
+    copied to the host once. No tensor is pickled."""
+    from .engine import RolloutOutput
+
+    meta = dict(indices=mine, lengths=[len(o.token_ids) for o in local],
+                reasons=[o.finish_reason for o in local],
+                hidden=[o.hidden_states is not None for o in local], stats=stats)
+    parts = collectives.all_gather_object(meta, group)
+    dev = collectives.device_of(group)
+    width, dtype = hidden
+    outputs: list = [None] * len(prompts)
+    for stage, part in enumerate(parts):
+        lengths, has = part["lengths"], part["hidden"]
+        total = sum(lengths)
+        rows = sum(k for k, h in zip(lengths, has) if h)
+        if stage == rank:
+            values = torch.tensor([[t for o in local for t in o.token_ids],
+                                   [x for o in local for x in o.logprobs]],
+                                  dtype=torch.float64, device=dev) if total else None
+            hs = torch.cat([o.hidden_states for o in local if o.hidden_states is not None]
+                           ).to(dev) if rows else None
+        else:
+            values = torch.empty(2, total, dtype=torch.float64, device=dev) if total else None
+            hs = torch.empty(rows, width, dtype=dtype, device=dev) if rows else None
+        if values is not None:
+            collectives.broadcast(values, stage, group)
+            tokens, logprobs = values[0].long().tolist(), values[1].tolist()
+        if hs is not None:
+            collectives.broadcast(hs, stage, group)
+            hs = hs.to("cpu")  # the stage's hidden states, one host copy
+        off = row = 0
+        for i, k, h, reason in zip(part["indices"], lengths, has, part["reasons"]):
+            hidden_i = None
+            if h:
+                hidden_i = hs[row: row + k].clone()  # its own storage (the buffer frees it)
+                row += k
+            outputs[i] = RolloutOutput(i, prompts[i], tokens[off: off + k],
+                                       logprobs[off: off + k], reason, hidden_i)
+            off += k
+    return outputs, [p["stats"] for p in parts]
 
 
 def merge_stats(base: "GenerateStats", parts: list["GenerateStats"]) -> "GenerateStats":

@@ -9,6 +9,12 @@ hold the n running sequences; when a sequence finishes, the last running row is 
 into its place (``move_row``), so the running batch is always a contiguous slice and
 attention reads a view of the cache, never a gathered copy.
 
+Lifecycle: the cache object outlives its memory. ``release()`` frees the K and V
+tensors (the rollout engine does so before the policy update, ``rollout.memory``) and
+``allocate()`` makes them again, zeroed, with the same shape; ``generation`` counts the
+allocations, so whatever holds addresses inside the cache (CUDA graphs) can tell a
+re-made cache from the one it captured.
+
 Layouts: "bgsd" (batch, kv heads, positions, head dim) for torch scaled_dot_product
 attention; "bsgd" (batch, positions, kv heads, head dim) for flash-attn's KV-cache
 kernel.
@@ -32,11 +38,31 @@ class KVCache:
         self.layout = layout
         self.max_batch, self.capacity = max_batch, capacity
         if layout == "bgsd":
-            shape = (num_layers, max_batch, kv_heads, capacity, head_dim)
+            self.shape = (num_layers, max_batch, kv_heads, capacity, head_dim)
         else:
-            shape = (num_layers, max_batch, capacity, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.shape = (num_layers, max_batch, capacity, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.generation = 0  # allocations so far
+        self.allocate()
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def allocated(self) -> bool:
+        return self.k is not None
+
+    def allocate(self) -> "KVCache":
+        """Make the K and V tensors (zeroed) if released; nothing if they exist."""
+        if self.k is None:
+            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.generation += 1
+        return self
+
+    def release(self) -> None:
+        """Free the K and V tensors; ``allocate`` makes them again."""
+        self.k = self.v = None
 
     @staticmethod
     def bytes_needed(*, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
@@ -46,8 +72,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes held now (0 when released)."""
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
+    def fits(self, max_batch: int, capacity: int) -> bool:
+        return self.max_batch >= max_batch and self.capacity >= capacity
 
     def write(self, layer: int, rows: slice, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, span: Optional[int] = None,

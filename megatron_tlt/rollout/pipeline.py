@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..models.gpt import ModelArch
 from .forward import ModelRunner
 
@@ -51,8 +51,7 @@ class PipelinedRunner(ModelRunner):
         self.is_last = self.pp_rank == self.pp_size - 1
         self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()  # global ranks
         self.next_rank = ps.get_pipeline_model_parallel_next_rank()
-        self.first_rank = ps.get_pipeline_model_parallel_first_rank()
-        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.last_stage = self.pp_size - 1  # its rank in the pipeline group
         self._shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         super().__init__(model, arch)
         self.local_vocab = arch.padded_vocab_size(self.tp_size) // self.tp_size
@@ -102,8 +101,8 @@ class PipelinedRunner(ModelRunner):
 
     def _sync_shared(self) -> None:
         embed, output = self._shared
-        dist.broadcast(embed.data, self.first_rank, group=self.pp_group)
-        dist.broadcast(output.data, self.last_rank, group=self.pp_group)
+        collectives.broadcast(embed.data, 0, self.pp_group)
+        collectives.broadcast(output.data, self.last_stage, self.pp_group)
 
     def sync_vocab(self) -> None:
         if self._shared is not None:
@@ -128,16 +127,15 @@ class PipelinedRunner(ModelRunner):
         if self.is_first:
             return make()
         x = torch.empty(*shape, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-        dist.recv(x, self.prev_rank, group=self.pp_group)
-        return x
+        return collectives.recv(x, self.prev_rank, self.pp_group)
 
     def stage_output(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_last:
             hidden = self.final_hidden(x).contiguous()
         else:
-            dist.send(x.contiguous(), self.next_rank, group=self.pp_group)
+            collectives.send(x, self.next_rank, self.pp_group)
             hidden = torch.empty_like(x)
-        dist.broadcast(hidden, self.last_rank, group=self.pp_group)
+        collectives.broadcast(hidden, self.last_stage, self.pp_group)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,7 +144,7 @@ class PipelinedRunner(ModelRunner):
         else:
             out = torch.empty(*hidden.shape[:-1], self.arch.vocab_size,
                               dtype=torch.float32, device=self.device)
-        dist.broadcast(out, self.last_rank, group=self.pp_group)
+        collectives.broadcast(out, self.last_stage, self.pp_group)
         return out
 
     def agree(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -154,7 +152,7 @@ class PipelinedRunner(ModelRunner):
         (the tuner's decisions follow its step times, and all stages must take the
         same ones)."""
         super().agree(tensor)
-        dist.broadcast(tensor, self.last_rank, group=self.pp_group)
+        collectives.broadcast(tensor, self.last_stage, self.pp_group)
         return tensor
 
 

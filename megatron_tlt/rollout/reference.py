@@ -31,14 +31,15 @@ def recompute_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     engine seeds them) and broadcasts each token along the pipeline. Log-probs as
     ``params.logprobs`` asks, as the engine's. ``request_seeds`` and ``sampling_mode``
     as ``RolloutEngine.generate`` and ``rollout.sampling_mode``."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
+    from .. import collectives
 
     from ..models.inference import forward_local_logits, gather_logits
 
     device = next(model.parameters()).device
     pp_group = ps.get_pipeline_model_parallel_group()
-    last = ps.get_pipeline_model_parallel_last_rank()
+    last = ps.get_pipeline_model_parallel_world_size() - 1  # its rank in pp_group
     eos = set(int(t) for t in eos_token_ids)
     seed = params.seed
     if seed is None and request_seeds is None and not params.greedy:
@@ -60,7 +61,7 @@ def recompute_generate(model, arch, eos_token_ids: Sequence[int], context: int,
                                                coupled=[(rs, len(tokens))] if coupled else None)
                 lp = requested_logprobs(logits, tok, [params], raw, proc)
                 msg[0], msg[1] = float(tok[0]), float(lp[0])
-            dist.broadcast(msg, src=last, group=pp_group)
+            collectives.broadcast(msg, last, pp_group)
             tok = int(msg[0])
             tokens.append(tok)
             logprobs.append(float(msg[1]))

@@ -198,7 +198,7 @@ def test_queued_prompts_fill_freed_rows_and_results_do_not_change(tiny):
     assert [o.token_ids for o in queued] == [o.token_ids for o in full]
     assert [o.index for o in queued] == list(range(6))
     assert max(small.last_stats.batch_sizes) == 2
-    assert small._cache.max_batch == 2  # memory bounded by max_batch_size
+    assert small.memory.cache.max_batch == 2  # memory bounded by max_batch_size
 
 
 def test_prefill_chunks_give_the_same_result(tiny):

@@ -57,6 +57,10 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
             assert sync["layers"] == sync["owners"] > 0
             assert sync["copies_equal"] and sync["tokens_equal_pipelined"], sync
             assert sync["tokens_changed"] and sync["copy_bytes"] > 0, sync
+            # released before the update: only the vocabulary copies stay; the next
+            # generate makes the layer copies again (and they equal their owners')
+            assert sync["held_after_release"] == sync["vocab_copy_bytes"] < \
+                sync["copy_bytes"] == sync["held_after_generate"], sync
 
 
 def _check_equals_single_process(tp2, names, tiny_hf_dirs, drafter_path):

@@ -98,6 +98,11 @@ def _copies_follow_updates(model, arch) -> dict:
                               arch=arch, eos_token_ids=[])
     params = CASES["greedy"]
     before = gathered.generate(case_prompts(), params)
+    gathered.release_memory()  # as the trainer does before the update: the layer copies go
+    held_after_release = gathered.runner.held_copy_bytes
+    vocab = {id(gathered.runner.embed_w), id(gathered.runner.output_w)}
+    vocab_copy_bytes = sum(t.numel() * t.element_size() for t, _, mine, _ in
+                           gathered.runner._copies if not mine and id(t) in vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for p in model.parameters():  # (a tied output layer gets its embedding's update)
         g = torch.Generator().manual_seed(p.numel())
@@ -120,7 +125,9 @@ def _copies_follow_updates(model, arch) -> dict:
                 tokens_changed=[o.token_ids for o in before] != [o.token_ids for o in after],
                 tokens_equal_pipelined=[o.token_ids for o in after] == [o.token_ids
                                                                         for o in ref],
-                copy_bytes=gathered.runner.copy_bytes)
+                copy_bytes=gathered.runner.copy_bytes,
+                held_after_release=held_after_release, vocab_copy_bytes=vocab_copy_bytes,
+                held_after_generate=gathered.runner.held_copy_bytes)
 
 
 if __name__ == "__main__":

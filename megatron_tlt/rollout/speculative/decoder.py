@@ -80,7 +80,11 @@ class SpeculativeDecoder:
         extra = slack if self.draft.kernels is not None else capacity + slack
         need = capacity + extra
         c = self.cache
-        if c is None or c.max_batch < max_batch or c.capacity < need:
+        if c is not None and c.fits(max_batch, need):
+            c.allocate()  # (again, after a release)
+        else:
+            if c is not None:
+                c.release()  # free the old one first
             self.cache = None
             self.cache = KVCache(num_layers=1, max_batch=max_batch,
                                  kv_heads=self.draft.groups, capacity=need,
@@ -95,7 +99,10 @@ class SpeculativeDecoder:
         self.draft_len = [0] * max_batch
 
     def release(self) -> None:
-        self.cache = self.drafting.cache = None
+        """Free the drafter's cache and the feature store (``rollout.memory``); the
+        next ``begin`` makes them again."""
+        if self.cache is not None:
+            self.cache.release()
         self.features = None
 
     def capture_hook(self):

@@ -5,8 +5,8 @@ draft-vocabulary rows)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ... import collectives
 from ...models.drafter import EagleDrafter
 from ..forward import _NO_TENSOR, ModelRunner
 from ..kv_cache import KVCache
@@ -84,7 +84,7 @@ class DraftRunner(ModelRunner):
             local = ids - self.target.vocab_start
             inside = (local >= 0) & (local < per)
             rows = local_w[local.clamp(0, per - 1)] * inside[:, None].to(local_w.dtype)
-            dist.all_reduce(rows, group=self.target.tp_group)
+            collectives.all_reduce(rows, group=self.target.tp_group)
             return rows.contiguous()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
