@@ -186,6 +186,12 @@ def test_refresh_follows_weight_updates(tiny_hf_dirs, single_process_parallel):
         assert torch.equal(mine.ln1, lw.ln1) and torch.equal(mine.ln2, lw.ln2)
     assert torch.equal(draft.output_w.q, quantize_int8(target.output_w).q)
     assert draft.nbytes < 0.3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    # released before an update: the copy's cache goes, the copy stays and is reused
+    cache = eng.spec.cache
+    eng.release_memory()
+    assert cache.nbytes == 0 and draft.output_w.panel is not None
+    eng.generate(_prompts()[:2], sp)
+    assert eng.spec.cache is cache and cache.nbytes > 0 and draft.refreshes == n + 1
 
 
 def test_draft_vocabulary_head_and_grouped_scales_stay_exact(tiny):

@@ -37,6 +37,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
     cache row, how many positions of it are valid (``draft_len``)."""
 
     kind = "self"
+    keeps_hidden = False  # no feature store: returned hidden states need their buffer
 
     def __init__(self, drafter: SelfDrafter, target: ModelRunner):
         if target.pp_size > 1 or target.shares_prompts:
@@ -63,7 +64,11 @@ class SelfDraftDecoder(SpeculativeDecoder):
         extra = slack + 1 if self.draft.kernels is not None else capacity + slack + 1
         need = capacity + extra
         c = self.cache
-        if c is None or c.max_batch < max_batch or c.capacity < need:
+        if c is not None and c.fits(max_batch, need):
+            c.allocate()  # (again, after a release)
+        else:
+            if c is not None:
+                c.release()  # free the old one first
             self.cache = None
             self.cache = KVCache(num_layers=len(self.draft.layers), max_batch=max_batch,
                                  kv_heads=self.draft.groups, capacity=need,
@@ -73,7 +78,11 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.draft_len = [0] * max_batch
 
     def release(self) -> None:
-        self.cache = self.drafting.cache = None
+        """Free the copy's KV cache (``rollout.memory``; the next ``begin`` makes it
+        again). The int8 copy itself stays: the next rollout drafts with it, re-quantized
+        only if the policy changed."""
+        if self.cache is not None:
+            self.cache.release()
 
     def capture_hook(self):
         return None, None
