@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from megatron_tlt.runtime_env import silence_expected_warnings
 
 
-def stream_floor(mats, forms, reps: int = 7) -> float:
+def stream_floor(mats, forms, reps: int = 7, clock=time.perf_counter) -> float:
     """Fastest median time over ``forms`` to push one row through every matrix."""
     xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
     best = float("inf")
@@ -48,10 +48,10 @@ def stream_floor(mats, forms, reps: int = 7) -> float:
                 form(xs[m.shape[1]], m)
             times = []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for m in mats:
                     form(xs[m.shape[1]], m)
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
             best = min(best, statistics.median(times))
     return best
 
@@ -62,9 +62,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--alpha", type=int, default=0, help="prompts for the acceptance run")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by this process's CPU time instead of wall time (with "
+                         "--threads 1 on a machine shared with other work: the cost of the "
+                         "code, free of waiting for a core)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     silence_expected_warnings()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     from megatron_tlt.bench.common import cpu_description
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
@@ -101,9 +109,9 @@ def main() -> None:
         times = []
         with torch.no_grad():
             for _ in range(args.calls):
-                t0 = time.perf_counter()
+                t0 = clock()
                 r.logits(r.extend(caches[name], slice(0, 1), tok, start)[:, 0])
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
         return statistics.median(times)
 
     for _ in range(2):  # warm-up
@@ -122,7 +130,7 @@ def main() -> None:
     forms = [lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t())]
     if target.kernels is not None:
         forms.append(lambda x, m: target.kernels.linear(x, target._panel(m), m.shape[0]))
-    fp32_floor = stream_floor(mats, forms)
+    fp32_floor = stream_floor(mats, forms, clock=clock)
     fp32_bytes = sum(m.numel() * m.element_size() for m in mats)
     bandwidth = fp32_bytes / fp32_floor
     qmats = copy.quant_weights()
@@ -134,14 +142,15 @@ def main() -> None:
         k = copy.kernels
         times = []
         for _ in range(9):
-            t0 = time.perf_counter()
+            t0 = clock()
             for w in qmats:
                 k.linear_int8(xs[w.shape[1]], w.panel, w.panel_scale, w.shape[0], w.group)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         int8_gemms = statistics.median(times[2:])
 
     out = dict(
-        group=args.group, policy_step_ms=statistics.median(pol) * 1e3,
+        group=args.group, threads=torch.get_num_threads(),
+        clock="cpu" if args.cpu_time else "wall", policy_step_ms=statistics.median(pol) * 1e3,
         copy_step_ms=statistics.median(cop) * 1e3, step_ratio=statistics.median(ratios),
         step_ratio_min=min(ratios), step_ratio_max=max(ratios),
         fp32_floor_ms=fp32_floor * 1e3, bandwidth_gbs=bandwidth / 1e9,
