@@ -252,3 +252,38 @@ def test_exact_alpha_of_the_copy(peaked):
     assert alphas["other"].alpha[0] < 0.5
     assert alphas["vocab"].vocab_mass < 0.9
     assert alphas["vocab"].alpha[0] <= alphas["vocab"].vocab_mass + 1e-6
+
+
+@pytest.mark.parametrize("copy", ["self", "degraded"])
+def test_break_even_gate_keeps_the_copy_and_declines_a_degraded_one(peaked, copy,
+                                                                     monkeypatch):
+    """The default tuner (egreedy + break-even gate) with simulated step times (a
+    speculative step costs 1.5-1.7 plain steps): the policy's copy is accepted so often
+    that speculation stays on in every bucket; a deliberately degraded copy (another
+    model's weights quantized) still decodes exactly but is declined apart from
+    probes."""
+    import json
+
+    from test_speculative import _simulated_clock
+
+    (model, arch), (other, _) = peaked
+    sp = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 160, 90, 20)]
+    prompts = _prompts(lengths=(3, 9, 5, 12), seed=6)
+    ref = [o.token_ids for o in RolloutEngine(model, None, RolloutConfig(), arch=arch,
+                                              eos_token_ids=[]).generate(prompts, sp)]
+    sc = SpeculativeConfig(threshold=64, buckets="1,2,4", arms="*:3_1_3,5_1_5")
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[])
+    eng.attach_drafter(SelfDrafter(source=None if copy == "self" else ModelRunner(other, arch)))
+    _simulated_clock(eng, monkeypatch, lambda s: 1.2 + 0.1 * s.depth)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+    s = eng.last_stats.summary()["spec"]
+    b1 = s["buckets"]["1"]
+    if copy == "degraded":
+        assert s["declined_fraction"] > 0.85, json.dumps(s, indent=1)
+        assert 0 < s["probes"] == s["steps"]
+        assert not any(b["tuner"]["speculating"] for b in s["buckets"].values())
+    else:
+        assert s["declined"] <= 3 * len(s["buckets"]) + 2
+        assert all(b["tuner"]["speculating"] for b in s["buckets"].values())
+        assert b1["tuner"]["arm_speedup"] > 1.5 and s["accept_len"] > 2.5
