@@ -163,7 +163,8 @@ class SelfDraftRunner(ModelRunner):
     def pack_weights(self) -> None:
         """Re-quantize when the source's weights changed since the last quantization
         (a content fingerprint per tensor through the CPU kernels; without them, every
-        call: a GPU quantizes the copy in milliseconds). The controller calls this at
+        call: a GPU quantizes the copy in milliseconds, and version counters would miss
+        writes through ``.data``, which optimizers use). The controller calls this at
         the start of every ``generate``, so each policy update is picked up."""
         k = self.kernels
         if k is None or self.source.device.type != "cpu":
