@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
-.PHONY: install assets demo test test-gpu test-fast docs clean-venv
+.PHONY: install assets demo test test-gpu test-fast docs clean-venv gpu-wheels gpu-check
 
 # torch first, pinned to the local CPU build: an unpinned torch would pull several GB
 # of CUDA wheels. On GPU clusters install your CUDA torch, then `pip install -e .[gpu]`.
@@ -39,6 +39,24 @@ test: assets
 # CUDA paths (GPU machines only; not part of `make test`)
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests_gpu -rs $(PYTEST_ARGS)
+
+# The one-GPU machine (no network; docs/running_at_scale.md "The GPU check"):
+# `make gpu-wheels` here fills gpu_wheels/ (ignored, ~16 MiB) with every wheel that
+# machine lacks; carried there, `make gpu-check` installs them into the machine's own
+# python (its CUDA torch) and runs tests_gpu, 3 GRPO steps, the drafter micro-step and
+# the bench passes within 8 minutes. GPU_CHECK_DRY=1: the same parts on this CPU, with
+# the GPU steps stubbed.
+GPU_CHECK_ARGS ?=
+gpu-wheels: assets
+	$(PY) tools/wheel_folder.py --dest gpu_wheels
+
+ifeq ($(GPU_CHECK_DRY),)
+gpu-check:
+	python3 tools/gpu_check.py $(GPU_CHECK_ARGS)
+else
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py --dry $(GPU_CHECK_ARGS)
+endif
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not multiproc" $(PYTEST_ARGS)

@@ -13,6 +13,10 @@ that cannot be reached for that long, makes this rank print which rank (and host
 stopped and exit with ``PEER_LOST_EXIT_CODE``; torchrun / srun then stop the rest of
 the job. A rank that finishes normally marks itself done, so it is never reported.
 The thread needs the GIL only for a moment per beat: long torch kernels release it.
+
+``lost_peer()`` tells waits off the collectives (``arrival.py``: a replica waiting on
+the store for the tail) what the running heartbeat found, so such a wait stops with
+the same message when ``on_lost`` does not end the process.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ def rendezvous_store(prefix: str, timeout: float):
     return dist.PrefixStore(prefix, store)
 
 
+_running: Optional["Heartbeat"] = None  # the one started in this process
+
+
+def lost_peer() -> Optional[str]:
+    """The running heartbeat's message about a dead or frozen peer (or an unreachable
+    store); None while every peer beats, or without a running heartbeat."""
+    return _running.lost if _running is not None else None
+
+
 def _exit(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(PEER_LOST_EXIT_CODE)
@@ -57,6 +70,7 @@ class Heartbeat:
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.interval = interval if interval is not None else min(5.0, self.timeout / 10)
         self.on_lost = on_lost
+        self.lost: Optional[str] = None  # set when a peer (or the store) is lost
         self._store = store
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one store connection, used by two threads
@@ -75,17 +89,22 @@ class Heartbeat:
         return rendezvous_store(PREFIX, self.timeout)
 
     def start(self) -> "Heartbeat":
+        global _running
         if self._store is None:
             self._store = self._connect()
         self._store.set(f"host/{self.rank}", socket.gethostname())
         self._store.add(str(self.rank), 1)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
+        _running = self
         return self
 
     def stop(self) -> None:
         """This rank is done: peers no longer expect its beats."""
+        global _running
         self._stop.set()  # the daemon thread ends at its next wake-up; no join needed
+        if _running is self:
+            _running = None
         try:
             with self._lock:
                 self._store.add(f"done/{self.rank}", 1)
@@ -97,6 +116,10 @@ class Heartbeat:
             return self._store.get(f"host/{rank}").decode()
         except Exception:  # noqa: BLE001 - the name is only for the message
             return "?"
+
+    def _lose(self, message: str) -> None:
+        self.lost = message
+        self.on_lost(message)
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
@@ -114,7 +137,7 @@ class Heartbeat:
                 store_ok = now
             except Exception as e:  # noqa: BLE001 - the store's host may be the dead one
                 if now - store_ok > self.timeout:
-                    self.on_lost(
+                    self._lose(
                         f"error: rank {self.rank}: the rendezvous store at "
                         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                         f"has not answered for {now - store_ok:.0f} s ({e}); the node of "
@@ -129,7 +152,7 @@ class Heartbeat:
                 if counts[r] != last:
                     seen[r] = (counts[r], now)
                 elif now - since > self.timeout:
-                    self.on_lost(
+                    self._lose(
                         f"error: rank {self.rank}: rank {r} (host {self._host(r)}) sent no "
                         f"heartbeat for {now - since:.0f} s: it died or hangs. Stopping "
                         f"this rank so the job fails instead of waiting in a collective "

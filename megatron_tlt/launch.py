@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, resolve_source
 from .models.megatron_weights import tokenizer_folder
-from .models.gpt import ModelArch
+from .models.gpt import ModelArch, memory_controls
 from .parallel import ParallelLayout, initialize_model_parallel
 from .runtime_env import Platform, init_distributed, seed_everything
 from .rl.preflight import check_vocabulary
@@ -50,9 +50,11 @@ def setup(cfg: Config) -> Session:
     seed_everything(cfg.platform.seed)
     layout = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                        cfg.parallel.pipeline_model_parallel_size,
-                                       seed=cfg.platform.seed)
+                                       seed=cfg.platform.seed,
+                                       timeout_s=cfg.parallel.collective_timeout_s)
     model, arch = load_model(source, device=plat.device, dtype=cfg.model.dtype,
-                             impl=cfg.model.transformer_impl)
+                             impl=cfg.model.transformer_impl,
+                             memory=memory_controls(cfg.train, cfg.parallel))
     return Session(plat, layout, model, arch, tokenizer, source)
 
 

@@ -31,10 +31,13 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelLayout:
+def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
+                              timeout_s: float = 1800.0) -> ParallelLayout:
     """Create megatron-core's TP/PP/DP groups and seed its model-parallel RNG streams.
 
     torch.distributed must already be initialised (``runtime_env.init_distributed``).
+    ``timeout_s``: the groups' collective timeout (``parallel.collective_timeout_s``, as
+    the default group's; megatron-core's own default is 30 minutes).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -47,7 +50,8 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Par
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60,  # (a float is fine: a timedelta)
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return layout()

@@ -96,6 +96,8 @@ EXPECTED_WARNINGS = (
     r".*Apex is not installed.*",
     r".*Transformer Engine and Apex are not installed.*",
     r"full scope is deprecated.*",
+    # megatron-core says this for every selective recomputation of core attention
+    r"If you are using transformer_engine as the transformer implementation.*",
 )
 
 
@@ -236,7 +238,10 @@ def apply_cpu_redirection() -> bool:
     redirects (measured against megatron-core 0.16):
       1. ``torch.cuda.current_device()`` (RoPE buffers, global memory buffer, p2p
          buffers) returns the CPU device;
-      2. the model-parallel RNG tracker keeps CPU generator states;
+      2. the model-parallel RNG tracker keeps CPU generator states, and the "CUDA"
+         generator state that activation recomputation saves and restores around a
+         checkpointed region is empty (the CPU generator, which that code saves as
+         well, is the only one);
       3. ``get_default_causal_mask`` / sliding-window masks build on CPU;
       4. ``torch.cuda.synchronize`` (dist_checkpointing, timers) is a no-op.
     Explicit ``device="cuda"`` / ``.cuda()`` placements (pipeline schedules, DDP) are
@@ -257,6 +262,8 @@ def apply_cpu_redirection() -> bool:
 
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     mutils.get_default_causal_mask = _cpu_causal_mask
     mutils.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
     try:

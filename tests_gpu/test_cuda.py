@@ -1,9 +1,10 @@
 """The CUDA paths, on a machine with a GPU: ``python -m pytest tests_gpu``.
 
 `make test` (CPU) does not collect this folder. Here every test needs CUDA; a machine
-without it fails at collection rather than skipping, so a GPU run cannot pass vacuously.
-Tests that need an optional package (Transformer Engine, flash-attn) skip with the reason
-when it is absent, and `tools/gpu_check.sh` prints which ones ran.
+without it fails at collection rather than skipping (conftest.py), so a GPU run cannot
+pass vacuously. Tests that need an optional package (Transformer Engine, flash-attn)
+skip with the reason when it is absent, and `make gpu-check` (tools/gpu_check.py)
+records which ones ran.
 
 Covered: the rollout engine on CUDA against the CPU engine (fp32), CUDA graphs against
 eager decoding, bf16 decoding, greedy speculation equal to plain decoding (chain and
@@ -19,19 +20,17 @@ import collections
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    raise RuntimeError("tests_gpu/ needs a CUDA device (torch reports none)")
+from megatron_tlt.models import load_model
+from megatron_tlt.models.gpt import te_available
+from megatron_tlt.rollout import SamplingParams
 
-from megatron_tlt.models import load_model  # noqa: E402
-from megatron_tlt.models.gpt import te_available  # noqa: E402
-from megatron_tlt.rollout import SamplingParams  # noqa: E402
-
-# the CPU suite's helpers: tests/ is on the import path (pytest's pythonpath, pyproject)
-from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,  # noqa: E402
+# the CPU suite's helpers: tests/support/ is on the import path (pyproject), and
+# tests/rollout/test_speculative.py is loaded by conftest.py
+from test_speculative import (P_MIN, _chi2_pvalue, _exact_joint, _prompts,
                               _spec_engine, build_one_layer, self_distilled_samples,
                               train_and_measure)
-from test_speculative import _random_drafter as _random_drafter_on  # noqa: E402
-from tiny_models import TINY_CONFIGS, save_tiny_hf  # noqa: E402
+from test_speculative import _random_drafter as _random_drafter_on
+from tiny_models import TINY_CONFIGS, save_tiny_hf
 
 CUDA = torch.device("cuda", 0)
 needs_te = pytest.mark.skipif(not te_available(), reason="Transformer Engine not installed")
@@ -43,23 +42,6 @@ def _has_flash() -> bool:
         return True
     except ImportError:
         return False
-
-
-@pytest.fixture(scope="session")
-def parallel():
-    from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.runtime_env import init_distributed
-
-    plat = init_distributed()
-    assert plat.device.type == "cuda" and plat.backend == "nccl"
-    initialize_model_parallel(1, 1, seed=1234)
-    return plat
-
-
-@pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_hf")
-    return {name: save_tiny_hf(name, root / name) for name in TINY_CONFIGS}
 
 
 _engine = _spec_engine  # speculation fixed at a strategy, on whenever a drafter is given

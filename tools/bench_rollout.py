@@ -60,7 +60,9 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
     """
     mats = [lw_w for lw in runner.layers for lw_w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)]
     mats.append(runner.output_w)
-    xs = {m.shape[1]: torch.randn(batch, m.shape[1], dtype=m.dtype) for m in mats}
+    xs = {m.shape[1]: torch.randn(batch, m.shape[1], dtype=m.dtype, device=m.device)
+          for m in mats}
+    sync = torch.cuda.synchronize if mats[0].is_cuda else (lambda: None)
     forms = [lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t())]
     if runner.kernels is not None and mats[0].dtype == torch.float32:
         runner.pack_weights()
@@ -73,9 +75,11 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
                     form(xs[m.shape[1]], m)
             times = []
             for _ in range(reps):
+                sync()
                 t0 = time.perf_counter()
                 for m in mats:
                     form(xs[m.shape[1]], m)
+                sync()
                 times.append(time.perf_counter() - t0)
             best = min(best, statistics.median(times))
     return best
@@ -83,10 +87,10 @@ def weight_floor(runner, batch: int, reps: int = 9) -> float:
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):
     width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=hf.device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, device=hf.device)
         mask[i, width - len(p):] = 1
     # no EOS at all (not min_new_tokens, which would forbid EOS and change the argmax):
     # like the engine's ignore_eos, EOS may be generated and generation goes on
@@ -100,7 +104,8 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int):
 def compare(hf, prompts, ours, theirs, tie_margin: float) -> dict:
     """Identical sequences, and sequences that part only at near-ties."""
     return check_ties(prompts, ours, theirs,
-                      lambda ids: hf(torch.tensor([ids])).logits[0, -1], tie_margin,
+                      lambda ids: hf(torch.tensor([ids], device=hf.device)).logits[0, -1],
+                      tie_margin,
                       ("engine", "transformers"))
 
 
@@ -114,6 +119,9 @@ def main() -> None:
     ap.add_argument("--tie-margin", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="rollout.cuda_graphs=true (CUDA: plain decode steps replayed "
+                         "from graphs)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "true", "false"),
                     help="rollout.cpu_kernels for the engine (default auto: where this "
                          "machine's calibration measured them faster)")
@@ -169,9 +177,12 @@ def main() -> None:
     from megatron_tlt.tasks import reasoning_gym_prompts
 
     src = require_smollm2()
-    engine = RolloutEngine.from_pretrained(src, RolloutConfig(cpu_kernels=args.cpu_kernels),
-                                           dtype=args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
+    engine = RolloutEngine.from_pretrained(
+        src, RolloutConfig(cpu_kernels=args.cpu_kernels, cuda_graphs=args.cuda_graphs),
+        dtype=args.dtype)
+    # transformers on the engine's device (the same GPU on a CUDA machine)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)) \
+        .to(engine.device).eval()
     tok = engine.tokenizer
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     pool = [p.token_ids for p in reasoning_gym_prompts(tok, n=max(sizes), seed=args.seed)]
@@ -236,6 +247,9 @@ def main() -> None:
                     prompts="reasoning_gym basic_arithmetic (workload default)",
                     torch=torch.__version__, megatron_core=megatron.core.__version__,
                     transformers=transformers.__version__, device=str(engine.device),
+                    cuda_graphs=args.cuda_graphs,
+                    gpu=(torch.cuda.get_device_name() if engine.device.type == "cuda"
+                         else None),
                     threads=torch.get_num_threads(), **cpu_description(engine)),
         floor_ms={str(b): t * 1e3 for b, t in floors.items()},
         results=rows,

@@ -299,6 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None,
                     help="RL recipe (YAML): prompts of its task in its prompt format, drawn "
                          "with a seed its warm-up does not use (default: basic_arithmetic)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="rollout.cuda_graphs=true (CUDA: plain decode steps replayed from "
+                         "graphs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -317,7 +320,8 @@ def main(argv=None) -> int:
 
     src = require_smollm2()
     engine = RolloutEngine.from_pretrained(
-        src, RolloutConfig(max_batch_size=64, sampling_mode=args.sampling_mode))
+        src, RolloutConfig(max_batch_size=64, sampling_mode=args.sampling_mode,
+                           cuda_graphs=args.cuda_graphs))
     drafter, dname = resolve_drafter(args.drafter, args.quick, engine, args.seed)
     print(f"drafter: {dname}", flush=True)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -515,7 +519,8 @@ def main(argv=None) -> int:
                        threshold=cfg.threshold, arms=cfg.arms, seed=args.seed,
                        break_even=cfg.break_even, probe_budget=cfg.probe_budget,
                        temperature=temp, sampling_mode=args.sampling_mode, recipe=args.config,
-                       tie_margin=args.tie_margin, **cpu_description(engine),
+                       tie_margin=args.tie_margin, cuda_graphs=args.cuda_graphs,
+                       **cpu_description(engine),
                        kernels_on=engine.runner.kernels is not None,
                        torch=torch.__version__, megatron_core=megatron.core.__version__,
                        device=(torch.cuda.get_device_name() if engine.device.type == "cuda"

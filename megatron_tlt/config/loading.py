@@ -168,6 +168,13 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "
             f"{arch.num_layers} layers; use a divisor of {arch.num_layers}")
+    t = cfg.train
+    if t.recompute_granularity == "full" and t.recompute_num_layers > arch.num_layers // pp:
+        raise ConfigError(
+            f"train.recompute_num_layers={t.recompute_num_layers} exceeds the "
+            f"{arch.num_layers // pp} layers of a pipeline stage "
+            f"({arch.num_layers} layers / parallel.pipeline_model_parallel_size={pp}); use "
+            f"1..{arch.num_layers // pp}")
     if world_size % (tp * pp):
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "

@@ -184,8 +184,9 @@ class TrainConfig:
     micro_batch_size: int = _help("Samples per forward/backward at most.", 4)
     micro_batch_tokens: int = _help(
         "Padded tokens per micro-batch at most (samples are sorted by length to minimise "
-        "padding); bounds the logits' memory (tokens x vocabulary / TP x 4 bytes, a few "
-        "copies); 0 = no token budget.", 4096)
+        "padding); bounds a micro-batch's activations and its logits (tokens x "
+        "vocabulary / TP in the model dtype; the loss's fp32 work is bounded by "
+        "loss_chunk_tokens); 0 = no token budget.", 4096)
     optimizer: str = _help(
         "auto (megatron-core's optimizer; its distributed optimizer on CUDA), megatron, "
         "torch (torch.optim.AdamW over megatron-core DDP's gradient buffers; no fp32 main "
@@ -205,6 +206,22 @@ class TrainConfig:
                                0)
     eval_temperature: float = _help("Sampling temperature for evaluation (0 = greedy).",
                                     0.0)
+    recompute_granularity: str = _help(
+        "megatron-core activation recomputation of the trained model: none; selective "
+        "(core attention recomputed in the backward: drops the attention scores, the "
+        "5·a·s/h term per layer); full (whole layers recomputed: each layer keeps only its "
+        "input, 2·s·b·h bytes in 16-bit, at about one extra forward of compute).", "none")
+    recompute_method: str = _help(
+        "With recompute_granularity=full: uniform (the stage's layers in chunks of "
+        "recompute_num_layers, every chunk recomputed) or block (only the first "
+        "recompute_num_layers layers of each pipeline stage recomputed).", "uniform")
+    recompute_num_layers: int = _help(
+        "With recompute_granularity=full: layers per recomputed chunk (uniform) or "
+        "layers recomputed per pipeline stage (block); at most the layers of a stage.", 1)
+    loss_chunk_tokens: int = _help(
+        "Tokens per chunk of the log-prob / loss / entropy computation over the "
+        "vocabulary: at most this many rows of fp32 [tokens, vocabulary / TP] "
+        "temporaries exist at once (0 = the whole micro-batch at once).", 1024)
     max_nonfinite_steps: int = _help(
         "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
@@ -222,6 +239,12 @@ class TrainConfig:
                               "be >= 0")
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train.max_nonfinite_steps must be >= 0")
+        _choice("train", "recompute_granularity", self.recompute_granularity,
+                ("none", "selective", "full"))
+        _choice("train", "recompute_method", self.recompute_method, ("uniform", "block"))
+        _positive("train", "recompute_num_layers", self.recompute_num_layers)
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError("train.loss_chunk_tokens must be >= 0 (0 = no chunking)")
 
 
 @dataclass
@@ -238,8 +261,10 @@ class DrafterGroupConfig:
     min_idle_replicas: int = _help(
         "Replicas that must have finished before any of them trains (1 = each trains as "
         "soon as it finishes).", 1)
-    max_steps_per_window: int = _help("Drafter optimizer steps per replica per RL step at "
-                                      "most.", 32)
+    max_steps_per_window: int = _help(
+        "Drafter optimizer steps per replica per RL step at most (0 = auto: 32 on CPU; on "
+        "CUDA the micro-steps that fill a 5-minute idle window, "
+        "drafter_training/sizing.py).", 0)
     loss: str = _help(
         "Drafter loss preset (eagle, kl, tv, log_accept, kl+tv, kl+tv+hidden), computed at "
         "the rollout's sampling settings (grpo.temperature / top_p / top_k); the default is "
@@ -255,15 +280,18 @@ class DrafterGroupConfig:
     grad_clip: float = _help("Drafter gradient clipping by global norm (0 = off).", 1.0)
     batch_tokens: int = _help(
         "Padded tokens per drafter micro-step (one response per row). A micro-step is the "
-        "preemption bound: the last replica waits for at most one.", 512)
+        "preemption bound: the last replica waits for at most one of its stop_checks "
+        "chunks (0 = auto: 512 on CPU; on CUDA about 0.25 s of the device's throughput "
+        "for the drafter's size, capped by memory, within 2,048-16,384).", 0)
     stop_checks: int = _help(
         "Stop-flag reads per micro-step: its rows run in this many chunks whose gradients "
         "accumulate, the flag read before each; a stop mid-step applies the chunks done. "
         "The last replica then waits for one chunk, not one micro-step (1 = per step).", 4)
     buffer_tokens: int = _help(
         "Responses' feature rows held per replica for training (CPU memory: rows x "
-        "hidden x 4 bytes); the current and the previous step's responses, oldest "
-        "dropped first.", 65536)
+        "hidden x the feature dtype's bytes); the current and the previous step's "
+        "responses, oldest dropped first (0 = auto: 65,536 on CPU; on CUDA 8 GiB of "
+        "host memory).", 0)
     canary_sequences: int = _help("Buffered responses the after-update canary measures "
                                   "alpha on (0 = no canary).", 4)
     canary_min_alpha: float = _help(
@@ -278,10 +306,11 @@ class DrafterGroupConfig:
 
     def __post_init__(self):
         _positive("drafter_group", "min_idle_replicas", self.min_idle_replicas)
-        _positive("drafter_group", "max_steps_per_window", self.max_steps_per_window)
-        _positive("drafter_group", "batch_tokens", self.batch_tokens)
         _positive("drafter_group", "stop_checks", self.stop_checks)
-        _positive("drafter_group", "buffer_tokens", self.buffer_tokens)
+        for name in ("max_steps_per_window", "batch_tokens", "buffer_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"drafter_group.{name} must be >= 0 (0 = auto: derived "
+                                  f"from the device), got {getattr(self, name)}")
         _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
         from ..drafter_training.losses import LOSS_PRESETS
 

@@ -41,6 +41,11 @@ class ParallelConfig:
         "Tensor-parallel size: must divide the attention heads and the KV groups.", 1)
     pipeline_model_parallel_size: int = _help(
         "Pipeline-parallel size: must divide the number of layers.", 1)
+    sequence_parallel: str = _help(
+        "megatron-core sequence parallelism of the trained model at TP > 1 (the "
+        "activations outside attention and MLP sharded along the sequence over the TP "
+        "group: activation memory / TP for those parts; micro-batches are padded to a "
+        "multiple of TP): auto (on at TP > 1), on, off. Ignored at TP = 1.", "auto")
     collective_timeout_s: float = _help(
         "torch.distributed timeout of every collective (the process group's): a rank "
         "that waits longer for its peers fails instead of hanging.", 1800.0)
@@ -52,6 +57,10 @@ class ParallelConfig:
     def __post_init__(self):
         _positive("parallel", "tensor_model_parallel_size", self.tensor_model_parallel_size)
         _positive("parallel", "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        # YAML reads a bare on/off as a boolean: take true/false as on/off
+        self.sequence_parallel = {"true": "on", "false": "off"}.get(
+            str(self.sequence_parallel).lower(), str(self.sequence_parallel))
+        _choice("parallel", "sequence_parallel", self.sequence_parallel, ("auto", "on", "off"))
         if self.collective_timeout_s <= 0 or self.heartbeat_timeout_s < 0:
             raise ConfigError("parallel.collective_timeout_s must be > 0 and "
                               "parallel.heartbeat_timeout_s >= 0 (0 = off)")

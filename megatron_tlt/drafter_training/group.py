@@ -18,8 +18,11 @@ the step barrier (``Trainer.idle_window_hooks``):
    mid-step applies the chunks done), so it stops within one chunk of the last
    replica finishing. The last replica to
    finish sees the count complete and trains nothing.
-4. Synchronisation, a collective every replica calls (it ends at the latest replica's
-   arrival, which the barrier would wait for anyway): the replicas' step counts are
+4. Synchronisation, a collective every replica calls once every replica has finished:
+   a replica that stopped training before the last one finished (``max_steps_per_window``
+   reached, its buffer exhausted, a failure) waits for the count to reach DP on the
+   store (``arrival.py``), not inside the collective, so a tail longer than the process
+   group's timeout never aborts the job. The replicas' step counts are then
    gathered; if nobody trained, nothing else happens. If one replica trained, its
    drafter parameters and AdamW moments are broadcast (a byte copy); otherwise they are
    averaged over DP weighted by the local step counts (a replica with 0 steps, or a
@@ -84,8 +87,9 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
+from ..arrival import DEFAULT_BOUND_S, Arrivals, default_store
 from .alpha import measure_alpha
 from .buffer import BufferedResponse, DataBuffer
 from .losses import LossConfig
@@ -98,28 +102,28 @@ TRAIN, WAIT, STOP = 0, 1, 2
 
 
 class StopSignal:
-    """Which replicas have finished this window: a counter per window on the store."""
+    """Which replicas have finished this window: a counter per window on the store
+    (``arrival.Arrivals``, in a namespace of this group's own)."""
 
-    def __init__(self, store, prefix: str = "megatron_tlt/drafter_group/"):
-        self.store = dist.PrefixStore(prefix, store)
+    def __init__(self, store, prefix: str = "megatron_tlt/drafter_group",
+                 bound_s: float = DEFAULT_BOUND_S):
+        self.arrivals = Arrivals(store, prefix, bound_s=bound_s)
 
-    def announce(self, window: int) -> int:
+    def announce(self, window: int, replica: Optional[int] = None) -> int:
         """Count this replica as finished; returns how many have finished now."""
-        return int(self.store.add(f"{window}/finished", 1))
+        return self.arrivals.arrive(f"{window}/finished", replica)
 
     def finished(self, window: int) -> int:
-        return int(self.store.add(f"{window}/finished", 0))
+        return self.arrivals.count(f"{window}/finished")
 
-    def forget(self, window: int) -> None:
-        with contextlib.suppress(Exception):  # stores without delete keep a few bytes
-            self.store.delete_key(f"{window}/finished")
+    def wait_all(self, window: int, replicas: int) -> float:
+        """Wait on the store until all ``replicas`` have finished ``window`` (bounded:
+        ``arrival.Arrivals.wait``); returns the seconds waited."""
+        return self.arrivals.wait(f"{window}/finished", replicas, who=range(replicas),
+                                  what=f"the drafter group's window {window}")
 
-
-def default_store():
-    """The store torch.distributed rendezvoused through (shared by every rank)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    def forget(self, window: int, replica: Optional[int] = None) -> None:
+        self.arrivals.forget(f"{window}/finished", replica)
 
 
 class DrafterGroup:
@@ -132,13 +136,19 @@ class DrafterGroup:
     when given (``parts`` needs a float ``"loss"``). ``dp_group``: this (TP, PP)
     position's data-parallel group; ``mp_group``: the replica's model-parallel group
     (TP x PP ranks) and ``pp_group`` its pipeline group, None at size 1.
+    ``wait_bound_s``: how long a finished replica waits on the store for the others at
+    most (``arrival.py``). ``cfg``'s sizes that are 0 ("auto") are derived from the
+    drafter's device and size (``sizing.resolve``).
     """
 
     def __init__(self, drafter, runner, cfg, *, dp_group=None, mp_group=None,
                  pp_group=None, store=None,
                  total_steps: int = 1000, seed: int = 0, sampling=None,
                  loss_fn: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter,
-                 overlap_sync: bool = False):
+                 overlap_sync: bool = False, wait_bound_s: float = DEFAULT_BOUND_S):
+        from .sizing import resolve
+
+        cfg = resolve(cfg, drafter)
         self.cfg = cfg
         self.drafter = drafter
         self.sampling = ((1.0, 0, 1.0) if sampling is None else
@@ -157,12 +167,21 @@ class DrafterGroup:
             self.trainer.loss = loss_fn
         self.buffer = DataBuffer(cfg.buffer_tokens)
         self.dp_group, self.mp_group, self.pp_group = dp_group, mp_group, pp_group
-        self.dp_size = dist.get_world_size(dp_group)
-        self.dp_rank = dist.get_rank(dp_group)
-        self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
-        self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
-        self.pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
-        self.signal = StopSignal(store if store is not None else default_store())
+        self.dp_size = collectives.size(dp_group)
+        self.dp_rank = collectives.rank(dp_group)
+        self.mp_size = collectives.size(mp_group) if mp_group is not None else 1
+        self.mp_rank = collectives.rank(mp_group) if mp_group is not None else 0
+        self.pp_size = collectives.size(pp_group) if pp_group is not None else 1
+        # the flat vectors and moments travel where they live: on the groups' device
+        used = [dp_group] + [g for g in (mp_group, pp_group) if g is not None]
+        wrong = {collectives.device_of(g).type for g in used} - {self.device.type}
+        if wrong:
+            raise ValueError(
+                f"drafter group: the drafter lives on {self.device.type} but the process "
+                f"groups' collectives take {sorted(wrong)} tensors; run the drafter on the "
+                f"backend's device (nccl: cuda, gloo: cpu)")
+        self.signal = StopSignal(store if store is not None else default_store(),
+                                 bound_s=wait_bound_s)
         self.seed = int(seed)
         self.clock = clock
         self.window = 0          # windows run in this process (store keys)
@@ -182,7 +201,7 @@ class DrafterGroup:
     def announce(self) -> int:
         """Count this replica as finished for the coming window (``run_window`` does it
         when not done before); returns how many have finished."""
-        n = self.signal.announce(self.window) if self.mp_rank == 0 else 0
+        n = self.signal.announce(self.window, self.dp_rank) if self.mp_rank == 0 else 0
         self._announced = self.window
         return self._replica_value(n)  # (the same answer on every rank of the replica)
 
@@ -200,9 +219,7 @@ class DrafterGroup:
         """The replica's first rank's ``value`` on all its model-parallel ranks."""
         if self.mp_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
-        return int(t)
+        return collectives.broadcast_values([value], src=0, group=self.mp_group)[0]
 
     def run_window(self, step: int, responses: Sequence[BufferedResponse]) -> dict:
         """Buffer ``responses``, train until the last replica finishes, synchronise.
@@ -261,9 +278,14 @@ class DrafterGroup:
         if self.mp_size > 1 and snapshot is not None:
             failure = self._agree_failure(failure)
         t_sync = self.clock()
+        # a replica that stopped early (the step limit, an exhausted buffer, a failure)
+        # waits for the last one on the store, not inside the collective below
+        self.signal.wait_all(self.window, self.dp_size)
+        t_arrived = self.clock()
         sync = self._synchronise(base, failure, snapshot)
+        sync["wait"] += t_arrived - t_sync
         t_done = self.clock()
-        self.signal.forget(self.window - 1)
+        self.signal.forget(self.window - 1, self.dp_rank if self.mp_rank == 0 else None)
         self.window += 1
         self._announced = None
         self.last = {
@@ -288,8 +310,8 @@ class DrafterGroup:
         rank checks only its own shards or copy): every rank restores and reports it
         alike."""
         flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
-                            device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
+                            device=collectives.device_of(self.mp_group))
+        collectives.all_reduce(flag, "max", group=self.mp_group)
         if failure is None and int(flag[0]):
             failure = "failed on another model-parallel rank of this replica"
         return failure
@@ -302,10 +324,9 @@ class DrafterGroup:
         t0 = self.clock()
         steps = self.trainer.step_count - base
         mine = torch.tensor([0.0 if failure else float(steps), 1.0 if failure else 0.0],
-                            dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(parts, mine, group=self.dp_group)
-        wait = self.clock() - t0  # ends when the latest replica arrives
+                            dtype=torch.float64, device=collectives.device_of(self.dp_group))
+        parts = collectives.all_gather(mine, group=self.dp_group)
+        wait = self.clock() - t0  # ends when the latest replica's first chunk ends
         good = [float(p[0]) for p in parts]
         failed = any(float(p[1]) > 0 for p in parts)
         self.speculation_off = failed
@@ -328,15 +349,14 @@ class DrafterGroup:
             else:
                 n = sum(t.numel() for t in self._tensors(create=True))
                 flat = torch.empty(n, dtype=torch.float32, device=self.device)
-            work = dist.broadcast(flat, src=_global_rank(self.dp_group, src),
-                                  group=self.dp_group, async_op=True)
+            work = collectives.broadcast(flat, src=src, group=self.dp_group, async_op=True)
             keep = self.dp_rank == src  # the source's state is already the result
         else:
             # every contribution was checked finite (a replica whose state was not
             # counts as failed, weight 0), so the average is finite
             flat = self._flat(create=True)
             flat.mul_(good[self.dp_rank] / total)
-            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            work = collectives.all_reduce(flat, group=self.dp_group, async_op=True)
             keep = False
         self._pending = (work, flat, keep)
         if not self.overlap_sync:
@@ -364,7 +384,7 @@ class DrafterGroup:
             if self._agree_replica():
                 healed = True
                 cs = _word_sum(self._flat())
-            dist.all_reduce(cs, group=self.mp_group)  # the whole replica's fingerprint
+            collectives.all_reduce(cs, group=self.mp_group)  # the whole replica's fingerprint
         out = {"checksum": int(cs[0]), "healed": healed, "finish": self.clock() - t0}
         if record and self.last:
             self.last.update(checksum=out["checksum"], healed=healed,
@@ -433,7 +453,7 @@ class DrafterGroup:
             s += (flat.view(w) if w != torch.uint8 else flat.view(torch.uint8)).sum(
                 dtype=torch.int64)
         if self.mp_size > 1:  # (a collective over the replica's TP x PP ranks)
-            dist.all_reduce(s, group=self.mp_group)
+            collectives.all_reduce(s, group=self.mp_group)
         return s
 
     # ------------------------------------------------------------------ speculation
@@ -509,16 +529,10 @@ def _agree(tensors: list[torch.Tensor], group, size: int,
     if flat is None:
         flat = _concat(tensors)
     cs = _word_sum(flat)
-    sums = [torch.empty_like(cs) for _ in range(size)]
-    dist.all_gather(sums, cs, group=group)
+    sums = collectives.all_gather(cs, group=group)
     if all(torch.equal(x, sums[0]) for x in sums):
         return False, cs
     flat = _concat(tensors)
-    dist.broadcast(flat, src=_global_rank(group, 0), group=group)
+    collectives.broadcast(flat, src=0, group=group)
     _write_back(flat, tensors)
     return True, _word_sum(flat)
-
-
-def _global_rank(group, k: int) -> int:
-    """The global rank of ``group``'s rank ``k`` (None: the default group)."""
-    return k if group is None else dist.get_global_rank(group, k)

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from .megatron_weights import is_megatron_checkpoint, load_into_model, read_meta, shard_for_rank
-from .gpt import ModelArch, build_gpt_model, resolve_dtype, resolve_impl
+from .gpt import (NO_MEMORY_CONTROLS, MemoryControls, ModelArch, build_gpt_model, resolve_dtype,
+                  resolve_impl)
 
-__all__ = ["ModelArch", "build_gpt_model", "load_model", "arch_from_source", "resolve_source"]
+__all__ = ["MemoryControls", "ModelArch", "build_gpt_model", "load_model", "arch_from_source", "resolve_source"]
 
 # Names that stand for a prepared real-model asset instead of a path.
 ASSET_ALIASES = ("smollm2",)
@@ -52,8 +53,11 @@ def arch_from_source(source: str | Path) -> ModelArch:
 
 
 def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",
-               impl: str = "auto"):
+               impl: str = "auto", memory: MemoryControls = NO_MEMORY_CONTROLS):
     """Build this rank's GPTModel stage and load its weights from ``source``.
+
+    ``memory``: megatron-core's recomputation / sequence parallelism for a model that
+    is trained (the policy); forward-only models keep the default (none).
 
     ``source`` is a Hugging Face folder or a checkpoint from
     ``tools/convert_hf_checkpoint.py`` (any TP/PP; resharded on load). Model parallel
@@ -66,7 +70,7 @@ def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",
     model = build_gpt_model(
         arch, dtype=resolve_dtype(dtype, device), device=device, impl=resolve_impl(impl),
         tp=lay.tp_size, pp=lay.pp_size,
-        pre_process=lay.is_first_stage, post_process=lay.is_last_stage,
+        pre_process=lay.is_first_stage, post_process=lay.is_last_stage, memory=memory,
     )
     state = shard_for_rank(source, arch, tp_size=lay.tp_size, tp_rank=lay.tp_rank,
                            pp_size=lay.pp_size, pp_rank=lay.pp_rank)

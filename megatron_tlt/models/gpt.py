@@ -9,6 +9,7 @@ the local layer spec on CPU and the Transformer Engine spec when TE and CUDA exi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -187,13 +188,55 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class MemoryControls:
+    """megatron-core's activation-memory controls for the trained model.
+
+    recompute_granularity: "none", "selective" (core attention recomputed in backward:
+        drops the s^2 attention terms) or "full" (whole layers recomputed: only each
+        checkpointed chunk's input is kept);
+    recompute_method / recompute_num_layers: for "full", which layers (megatron-core's
+        "uniform": chunks of ``recompute_num_layers`` layers, every chunk checkpointed;
+        "block": the first ``recompute_num_layers`` layers of each stage);
+    sequence_parallel: shard the activations outside attention/MLP along the sequence
+        over the TP group (TP > 1 only). Sequences must then be a multiple of TP long.
+    """
+
+    recompute_granularity: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    sequence_parallel: bool = False
+
+    def transformer_kwargs(self) -> dict:
+        if self.recompute_granularity == "none":
+            out: dict[str, Any] = {}
+        elif self.recompute_granularity == "selective":
+            out = dict(recompute_granularity="selective")
+        elif self.recompute_granularity == "full":
+            out = dict(recompute_granularity="full", recompute_method=self.recompute_method,
+                       recompute_num_layers=self.recompute_num_layers)
+        else:
+            raise ValueError(f"recompute_granularity must be none/selective/full, got "
+                             f"{self.recompute_granularity!r}")
+        out["sequence_parallel"] = self.sequence_parallel
+        return out
+
+
+NO_MEMORY_CONTROLS = MemoryControls()
+
+
 def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
-                       tp: int = 1, pp: int = 1, impl: str = "local"):
+                       tp: int = 1, pp: int = 1, impl: str = "local",
+                       memory: MemoryControls = NO_MEMORY_CONTROLS):
     """megatron-core TransformerConfig for ``arch``.
 
     On CPU every fused kernel is switched off (they are CUDA-only) and weights are
-    created on CPU; on CUDA megatron-core's defaults apply.
+    created on CPU; on CUDA megatron-core's defaults apply. ``memory`` sets
+    megatron-core's recomputation and sequence parallelism (they change activations
+    only, never the parameters' shapes or values).
     """
+    if memory.sequence_parallel and tp == 1:
+        memory = dataclasses.replace(memory, sequence_parallel=False)
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -223,6 +266,7 @@ def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.dev
         apply_query_key_layer_scaling=False,
         use_cpu_initialization=on_cpu,
         perform_initialization=False,  # weights always come from a checkpoint or caller
+        **memory.transformer_kwargs(),
     )
     if on_cpu or impl == "local":
         kwargs.update(
@@ -247,9 +291,42 @@ def layer_spec(impl: str):
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+class SequenceParallelTorchRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, the norm megatron-core's local spec builds without apex
+    (``WrappedTorchNorm``), made usable under sequence parallelism, which
+    ``WrappedTorchNorm`` refuses.
+
+    Under SP a rank normalises only its shard of the sequence, so its weight gradient is
+    a partial sum; tagged ``sequence_parallel`` (as apex's FusedLayerNorm and Transformer
+    Engine tag theirs), megatron-core's ``finalize_model_grads`` sums it over the TP
+    group. Same parameter name and values as the plain norm.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def _block_spec(impl: str, config):
+    """The stage's transformer block spec: ``layer_spec(impl)``, with norms that support
+    sequence parallelism where megatron-core's torch fallback does not (local spec)."""
+    spec = layer_spec(impl)
+    if impl == "transformer_engine" or not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    sub = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelTorchRMSNorm,
+                              pre_mlp_layernorm=SequenceParallelTorchRMSNorm)
+    spec = dataclasses.replace(spec, submodules=sub)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchRMSNorm)
+
+
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
                     impl: str = "local", tp: int = 1, pp: int = 1,
-                    pre_process: bool = True, post_process: bool = True):
+                    pre_process: bool = True, post_process: bool = True,
+                    memory: MemoryControls = NO_MEMORY_CONTROLS):
     """A megatron-core GPTModel for this rank's pipeline stage (weights uninitialised).
 
     Call after ``parallel.initialize_model_parallel``. The vocabulary is padded to a
@@ -257,7 +334,8 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     """
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(arch, dtype=dtype, device=device, tp=tp, pp=pp, impl=impl)
+    config = transformer_config(arch, dtype=dtype, device=device, tp=tp, pp=pp, impl=impl,
+                                memory=memory)
     rope_kwargs: dict[str, Any] = {}
     if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
         rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=arch.rope_scaling["factor"])
@@ -266,7 +344,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     with cuda_placements_on_cpu():  # tied embeddings under PP sync via .cuda() tensors
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(impl),
+            transformer_layer_spec=_block_spec(impl, config),
             vocab_size=arch.padded_vocab_size(tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,
@@ -306,3 +384,16 @@ def mark_tensor_parallel_params(model) -> None:
             if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel",
                                                                  False):
                 tpl.set_tensor_model_parallel_attributes(p, True, dim, 1)
+
+
+def memory_controls(train_cfg, parallel_cfg) -> MemoryControls:
+    """The ``MemoryControls`` a run's config asks for (``train.recompute_*``,
+    ``parallel.sequence_parallel``: auto = on at TP > 1; gloo runs its reduce-scatter and
+    all-gather, so the backend does not matter)."""
+    tp = parallel_cfg.tensor_model_parallel_size
+    sp = parallel_cfg.sequence_parallel
+    return MemoryControls(
+        recompute_granularity=train_cfg.recompute_granularity,
+        recompute_method=train_cfg.recompute_method,
+        recompute_num_layers=train_cfg.recompute_num_layers,
+        sequence_parallel=tp > 1 and sp in ("auto", "on"))

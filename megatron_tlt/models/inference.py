@@ -29,6 +29,15 @@ def forward_local_logits(model, input_ids: torch.Tensor) -> Optional[torch.Tenso
     """
     from megatron.core import parallel_state as ps
 
+    config = getattr(model, "config", None)
+    tp = ps.get_tensor_model_parallel_world_size()
+    s = input_ids.shape[1]
+    if getattr(config, "sequence_parallel", False) and s % tp:
+        # sequence parallelism splits the sequence over the TP group: pad on the right
+        # (causal attention: no earlier position sees the padding) and cut it off again
+        pad = input_ids.new_zeros(input_ids.shape[0], tp - s % tp)
+        out = forward_local_logits(model, torch.cat([input_ids, pad], dim=1))
+        return None if out is None else out[:, :s]
     position_ids = _position_ids(input_ids)
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return model(input_ids, position_ids, attention_mask=None)

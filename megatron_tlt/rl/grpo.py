@@ -5,9 +5,9 @@ log-probability logp[i, t] of its sampled token under the policy being trained,
 old_logp under the policy that produced the step's samples (the pre-update model),
 ref_logp under the frozen reference and rollout_logp as reported by the engine.
 
-Nothing here talks to a process group except ``vocab_parallel_entropy`` (the
-tensor-parallel group, through megatron-core) and, when given one,
-``loss_denominators`` (the group it is handed).
+Nothing here talks to a process group except ``micro_batch_loss`` and
+``vocab_parallel_entropy`` (the tensor-parallel group) and, when given one,
+``loss_denominators`` (the group it is handed), all through ``collectives``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from .. import collectives
 from ..config import GRPOConfig
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -101,17 +102,13 @@ def loss_denominators(masks: Iterable[torch.Tensor], max_len: int,
     Counts loss tokens and sequences with at least one loss token; with ``group``
     (the data-parallel group) the counts are summed over its ranks.
     """
-    counts = torch.zeros(2, dtype=torch.float64)
+    device = collectives.device_of(group) if group is not None else torch.device("cpu")
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
     for mask in masks:
-        n = mask.detach().float().sum(dim=-1).cpu()
-        counts += torch.stack([n.sum(), (n > 0).sum()]).double()
+        n = mask.detach().float().sum(dim=-1)
+        counts += torch.stack([n.sum(), (n > 0).sum()]).double().to(device)
     if group is not None:
-        import torch.distributed as dist
-
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.get_backend(group) == "nccl") else torch.device("cpu")
-        counts = counts.to(device)
-        dist.all_reduce(counts, group=group)
+        collectives.all_reduce(counts, group=group)
     return LossDenominators(tokens=float(counts[0]), sequences=float(counts[1]),
                             max_len=float(max_len))
 
@@ -263,7 +260,6 @@ def vocab_parallel_entropy(local_logits: torch.Tensor,
     autograd-aware all-reduce; M (a constant shift, no gradient) with an all-reduce MAX.
     At TP=1 nothing is communicated.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -279,9 +275,7 @@ def vocab_parallel_entropy(local_logits: torch.Tensor,
             x = x.masked_fill(pad, float("-inf"))
 
     shift = x.detach().max(dim=-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX,
-                        group=ps.get_tensor_model_parallel_group())
+    collectives.all_reduce(shift, op="max", group=ps.get_tensor_model_parallel_group())
     shifted = x - shift
     e = torch.exp(shifted)
     if pad is not None:  # 0 * -inf is nan: padding columns contribute exactly 0
@@ -290,3 +284,35 @@ def vocab_parallel_entropy(local_logits: torch.Tensor,
     if tp > 1:
         sums = reduce_from_tensor_model_parallel_region(sums)
     return torch.log(sums[0]) - sums[1] / sums[0]
+
+
+# ---------------------------------------------------------------- one micro-batch
+
+def micro_batch_loss(mb, local_logits: torch.Tensor, cfg: GRPOConfig,
+                     denoms: LossDenominators, *, vocab_size: int, chunk_tokens: int,
+                     fused_old: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``policy_loss`` of a ``samples.MicroBatch`` from its vocabulary-parallel logits
+    [b, S, V/TP], and its metrics (plus ``mismatch_ratio_err_sum`` and ``loss``).
+
+    Log-probs and entropies at the sampling temperature (softmax(logits / T), no
+    top-k/top-p) at the loss positions only, ``chunk_tokens`` positions at a time
+    (``token_stats``: no full-size fp32 copy of the logits). The entropy carries
+    gradients only with ``entropy_coef`` > 0; otherwise it is a metric of the same
+    pass. ``fused_old``: the pre-update log-probs are this forward's (one PPO epoch, no
+    separate old-policy pass), so the ratio is exactly 1.
+    """
+    from .token_stats import token_stats
+
+    logp, ent = token_stats(local_logits, mb.targets, mb.mask, vocab_size=vocab_size,
+                            temperature=cfg.temperature, chunk_tokens=chunk_tokens,
+                            entropy_grad=cfg.entropy_coef > 0 and torch.is_grad_enabled())
+    old = logp.detach() if fused_old else mb.old_logprobs
+    loss, met = policy_loss(logp, old, mb.advantages, mb.mask, cfg, denoms,
+                            ref_logp=mb.ref_logprobs, rollout_logp=mb.rollout_logprobs,
+                            entropy=ent)
+    with torch.no_grad():  # train/rollout mismatch: |exp(diff) - 1|
+        diff = (old - mb.rollout_logprobs) * mb.mask
+        met = dict(met)
+        met["mismatch_ratio_err_sum"] = ((diff.exp() - 1).abs() * mb.mask).sum()
+        met["loss"] = loss.detach()
+    return loss, met

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import warnings
-import torch.distributed as dist
 
+from .. import collectives
+from ..arrival import BOUND_FACTOR
 from ..config import ConfigError
 from ..config.loading import check_drafter_group_layout
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
+from ..drafter_training.sizing import resolve
 from .rollout import sampling_params
 
 
@@ -56,6 +58,7 @@ class OnlineDrafter:
                           "replica is ever idle while another decodes, so the drafter "
                           "never trains; launch 2 or more replicas", RuntimeWarning,
                           stacklevel=2)
+        dg = resolve(dg, drafter)  # sizes left to the device (0 = auto)
         self.engine = eng
         self.cfg = dg
         self.dp_group = trainer.dp_group
@@ -67,7 +70,8 @@ class OnlineDrafter:
                                   total_steps=cfg.train.steps * dg.max_steps_per_window,
                                   seed=cfg.platform.seed,
                                   sampling=sampling_params(cfg.grpo, cfg.platform.seed),
-                                  overlap_sync=dg.overlap_sync)
+                                  overlap_sync=dg.overlap_sync,
+                                  wait_bound_s=BOUND_FACTOR * cfg.parallel.collective_timeout_s)
         self.finished_at = 0.0
 
     def hook(self, step: int, roll) -> None:
@@ -88,8 +92,7 @@ class OnlineDrafter:
         self.group.finish_sync()
         alpha = self.group.canary_alpha()
         rec = dict(self.group.last, alpha=alpha, finished_at=self.finished_at)
-        parts: list = [None] * dist.get_world_size(self.dp_group)
-        dist.all_gather_object(parts, rec, group=self.dp_group)
+        parts = collectives.all_gather_object(rec, group=self.dp_group)
         out = summarise(parts, metrics.get("idle_replica_seconds", 0.0))
         if "timeline" in metrics:
             metrics["timeline"]["drafter_train"] = out.pop("drafter/train_spans")

@@ -87,6 +87,12 @@ class Policy:
         self.ddp = _megatron_ddp(model, use_distributed_optimizer=on_cuda and kind == "megatron")
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        # sequence parallelism splits each sequence over the TP group
+        self.seq_multiple = (ps.get_tensor_model_parallel_world_size()
+                             if model.config.sequence_parallel else 1)
+        # every micro-batch is sent between stages at its own shape (megatron-core
+        # communicates the shape first), not at the longest micro-batch's
+        model.config.variable_seq_lengths = self.pp_size > 1
         model.config.finalize_model_grads_func = None  # called by train_step itself
         if kind == "megatron":
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -134,6 +140,7 @@ class Policy:
         from ..models.inference import token_logprobs
 
         arch = self.arch
+        micro_batches = [mb.fitted(self.seq_multiple) for mb in micro_batches]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -159,6 +166,7 @@ class Policy:
                     result = result[2]
                 out.append(result)
             return out
+        # variable_seq_lengths: seq_length / micro_batch_size only bound the shapes
         S = max(mb.input_ids.shape[1] for mb in micro_batches)
         b = max(mb.input_ids.shape[0] for mb in micro_batches)
         with cuda_placements_on_cpu():
@@ -192,8 +200,9 @@ class Policy:
         if self.pp_size != 1:
             raise ValueError("Policy.loss_metrics runs at pipeline-parallel size 1 only")
         self.ddp.train()
+        fitted = [mb.fitted(self.seq_multiple) for mb in micro_batches]
         return [loss_fn(mb, self.ddp(mb.input_ids, mb.position_ids, attention_mask=None))[1]
-                for mb in micro_batches]
+                for mb in fitted]
 
     @torch.no_grad()
     def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
@@ -203,7 +212,9 @@ class Policy:
         self.ddp.eval()
         out = self._schedule(micro_batches, forward_only=True, loss_fn=None,
                              temperature=temperature)
-        return list(out) if self.is_last_stage else None
+        if not self.is_last_stage:
+            return None
+        return [_as_shape(lp, mb.input_ids.shape) for lp, mb in zip(out, micro_batches)]
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable, *,
                    interrupt: Optional[Callable[[], bool]] = None,
@@ -283,23 +294,33 @@ class Policy:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def _as_shape(x: torch.Tensor, shape) -> torch.Tensor:
+    """``x`` computed on a fitted micro-batch (``MicroBatch.fitted``) at the caller's
+    [b, S]: positions it did not compute (filler rows, padding) are 0."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    out = x.new_zeros(shape)
+    rows, cols = min(shape[0], x.shape[0]), min(shape[1], x.shape[1])
+    out[:rows, :cols] = x[:rows, :cols]
+    return out
+
+
 def _model_parallel_grad_norm(params) -> float:
     """Global L2 norm of the gradients over the model-parallel group, each parameter
     counted once (tied embeddings and TP-replicated norms are not double-counted)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import param_is_not_shared
 
-    total = torch.zeros(1, dtype=torch.float64)
+    from .. import collectives
+
+    group = ps.get_model_parallel_group()
+    total = torch.zeros(1, dtype=torch.float64, device=collectives.device_of(group))
     for p in params:
         if p.grad is not None and param_is_not_shared(p) and \
                 tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.detach().double().pow(2).sum().cpu()
-    group = ps.get_model_parallel_group()
-    if dist.get_world_size(group) > 1:
-        total = total.to(next(iter(params)).device)
-        dist.all_reduce(total, group=group)
+            total += p.grad.detach().double().pow(2).sum().to(total.device)
+    collectives.all_reduce(total, group=group)
     return float(total.sqrt().item())
 
 

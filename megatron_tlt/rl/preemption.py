@@ -54,9 +54,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
+from .. import collectives
 from ..fileio import write_text_atomic
 
 REQUEUE_EXIT_CODE = 75   # stopped with a checkpoint written: requeue
@@ -180,13 +178,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Whether any rank has a request; every rank must call it at the same point."""
-        flag = 1.0 if self.requested_at is not None else 0.0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend() == "nccl" else torch.device("cpu"))
-            t = torch.tensor([flag], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = float(t.item())
+        flag = collectives.max_values([1.0 if self.requested_at is not None else 0.0])[0]
         if flag and self.requested_at is None:  # another rank's request
             self.reason, self.requested_at = "a request on another rank", time.monotonic()
         return flag > 0
@@ -195,14 +187,12 @@ class StopRequest:
         """After the checkpoint: consume the stop file, write the requeue marker (rank
         0) and return the exception the loop raises."""
         seconds = time.monotonic() - (self.requested_at or time.monotonic())
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 and self.folder is not None and checkpoint is not None:
+        if collectives.rank() == 0 and self.folder is not None and checkpoint is not None:
             self.stop_file.unlink(missing_ok=True)
             write_text_atomic(self.folder / REQUEUE_FILE, json.dumps(
                 {"step": step, "reason": self.reason, "checkpoint": str(checkpoint),
                  "exit_code": REQUEUE_EXIT_CODE}) + "\n")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # no rank exits (and has torchrun stop the others) before this
+        collectives.barrier()  # no rank exits (and has torchrun stop the others) before this
         self._done.set()
         if self._timer is not None:
             self._timer.cancel()

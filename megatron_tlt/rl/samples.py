@@ -56,10 +56,43 @@ class MicroBatch:
     old_logprobs: Optional[torch.Tensor] = None     # [b, S] aligned with mask
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    lengths: Optional[list[int]] = None  # each row's prompt + response length
 
     @property
     def tokens(self) -> int:
         return int(self.mask.sum().item())
+
+    def fitted(self, multiple: int = 1) -> "MicroBatch":
+        """This micro-batch without padding beyond its own longest sample: rows past
+        ``samples`` (filler rows) dropped, columns cut to the longest row's length
+        rounded up to ``multiple`` (sequence parallelism needs a multiple of TP; the
+        extra columns, zeros, predict nothing). Unchanged without ``lengths``."""
+        b, width = self.input_ids.shape
+        rows = len(self.samples) if 0 < len(self.samples) < b else b
+        if self.lengths is None:
+            longest = width
+        else:
+            longest = max(self.lengths[:rows])
+        longest = -(-longest // multiple) * multiple
+        if rows == b and longest == width:
+            return self
+
+        def fit(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            t = t[:rows, :longest]
+            if t.shape[1] < longest:
+                t = torch.cat([t, t.new_zeros(rows, longest - t.shape[1])], dim=1)
+            return t.contiguous()
+
+        return MicroBatch(
+            samples=self.samples, input_ids=fit(self.input_ids),
+            position_ids=torch.arange(longest, device=self.position_ids.device)
+            .unsqueeze(0).expand(rows, longest).contiguous(),
+            targets=fit(self.targets), mask=fit(self.mask),
+            advantages=self.advantages[:rows], old_logprobs=fit(self.old_logprobs),
+            ref_logprobs=fit(self.ref_logprobs), rollout_logprobs=fit(self.rollout_logprobs),
+            lengths=None if self.lengths is None else self.lengths[:rows])
 
 
 def _aligned(samples: Sequence[Sample], width: int, values) -> torch.Tensor:
@@ -108,6 +141,7 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], *, pad_id: int,
         ref_logprobs=_aligned(chosen, S, lambda s: s.ref_logprobs).to(device)
         if have_ref else None,
         rollout_logprobs=_aligned(chosen, S, lambda s: s.rollout_logprobs).to(device),
+        lengths=[s.length for s in chosen],
     )
     return mb
 

@@ -3,7 +3,8 @@
 ``Trainer.train_step`` is one synchronous, on-policy step, top to bottom:
 
     prompts -> rollout (each DP replica its share, on the trained weights)
-            -> rewards -> [idle window until the last replica finishes]
+            -> rewards -> [idle window until the last replica finishes: a finished
+               replica waits on the rendezvous store, not in a collective (arrival.py)]
             -> advantages (per group) -> old / reference log-probs
             -> update (ppo_epochs x mini-batches x micro-batches) -> metrics
 
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import checkpoint as checkpointing
+from .. import collectives
+from ..arrival import BOUND_FACTOR, StepPoints
 from ..config import Config, ConfigError
 from ..models.export import run_meta
 from ..rollout.engine import GenerationInterrupted
@@ -39,7 +41,7 @@ from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
-from .spec_metrics import merge_spec
+from .step_metrics import reduce_update, step_metrics
 
 
 def mini_batch_count(cfg: Config) -> int:
@@ -77,7 +79,7 @@ class Trainer:
         self.layout = session.layout
         self.arch = session.arch
         self.tokenizer = session.tokenizer
-        self.rank = dist.get_rank()
+        self.rank = collectives.rank()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         check_layout(cfg, self.layout.dp_size)
@@ -124,6 +126,10 @@ class Trainer:
         if self.online is not None:
             self.idle_window_hooks.append(self.online.hook)
         self._reward_seconds = 0.0
+        # a replica that finished early waits for the others on the store, then enters
+        # the collective (arrival.py): a tail longer than the process group's timeout
+        self.points = StepPoints(collectives.size(), self.rank, bound_s=BOUND_FACTOR
+                                 * cfg.parallel.collective_timeout_s)
 
     # ------------------------------------------------------------------ set-up helpers
     def _reference_model(self):
@@ -184,15 +190,10 @@ class Trainer:
         self._reward_seconds += time.perf_counter() - t0
 
     def _dp_all_gather(self, obj):
-        out = [None] * self.layout.dp_size
-        dist.all_gather_object(out, obj, group=self.dp_group)
-        return out
+        return collectives.all_gather_object(obj, group=self.dp_group)
 
     def _dp_sum(self, values: Sequence[float]) -> list[float]:
-        t = torch.tensor(list(values), dtype=torch.float64)
-        if self.layout.dp_size > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        return t.tolist()
+        return collectives.sum_values(values, group=self.dp_group)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, step: int) -> dict:
@@ -220,10 +221,14 @@ class Trainer:
         timing["rollout"] = roll.finished_at  # generation + scoring, this replica
         timing["reward"] = self._reward_seconds
 
-        # The window between this replica's finish and the step barrier (drafter group)
+        # The window between this replica's finish and the step barrier (drafter group):
+        # the store counts this rank as arrived; the barrier's collective is entered
+        # once every rank has (a drafter group's window already ends there)
         t_idle = time.perf_counter()
+        barrier = self.points.arrive(step, "barrier")
         for hook in self.idle_window_hooks:
             hook(step, roll)
+        self.points.wait(barrier)
         finish_times = self._dp_all_gather(roll.finished_at)  # the step barrier
         window = time.perf_counter() - t_idle
         timing["barrier_wait"] = window
@@ -266,8 +271,8 @@ class Trainer:
         timing["step"] = time.perf_counter() - t_step
 
         # 7. metrics
-        metrics = self._metrics(step, samples, roll, finish_times, timing, update,
-                                zero_std, rounds, replaced)
+        metrics = step_metrics(self, samples, roll, finish_times, timing, update,
+                               zero_std, rounds, replaced)
         if self.online is not None:  # the canary after the policy update, drafter metrics
             metrics.update(self.online.after_update(metrics))
         self.state.step = step + 1
@@ -286,6 +291,7 @@ class Trainer:
             groups = _groups(roll.samples, g.group_size)
             flat = [gi for gi, grp in enumerate(groups)
                     if len({s.reward for s in grp}) == 1]
+            self.points.meet(step, f"sampling{rnd}")  # the round's rollout: a tail
             counts = self._dp_all_gather(len(flat))
             total = sum(counts)
             if total == 0:
@@ -313,22 +319,9 @@ class Trainer:
         plans = plan_micro_batches(samples, indices, micro_batch_size=t.micro_batch_size,
                                    micro_batch_tokens=t.micro_batch_tokens)
         device = self.policy.device
-        if self.layout.pp_size == 1:
-            return [collate(samples, p, pad_id=self.pad_id, device=device,
-                            loss_mask=loss_mask if for_loss else None) for p in plans]
-        # pipeline stages exchange fixed-shape activations: one [mbs, S] shape for all
-        width = max(samples[i].length for i in indices)
-        rows = max(len(p) for p in plans)
-        out = []
-        for p in plans:
-            mask = list(loss_mask) if for_loss else [True] * len(samples)
-            padded = p + [p[0]] * (rows - len(p))
-            mb = collate(samples, padded, pad_id=self.pad_id, width=width, device=device,
-                         loss_mask=mask)
-            mb.mask[len(p):] = 0.0  # filler rows carry no loss
-            mb.samples = p
-            out.append(mb)
-        return out
+        # each micro-batch at its own shape, at any PP (variable_seq_lengths)
+        return [collate(samples, p, pad_id=self.pad_id, device=device,
+                        loss_mask=loss_mask if for_loss else None) for p in plans]
 
     @torch.no_grad()
     def _fill_logprobs(self, samples: Sequence[Sample], model, attr: str) -> None:
@@ -372,10 +365,8 @@ class Trainer:
 
     def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
                 tick: Optional[Callable] = None, snap: Optional[dict] = None) -> dict:
-        from ..models.inference import token_logprobs
-
         g = self.cfg.grpo
-        arch, T = self.arch, self.cfg.grpo.temperature
+        arch = self.arch
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         norms, lrs, skipped, loss_scale = [], [], 0, 1.0
@@ -399,32 +390,11 @@ class Trainer:
                 mbs = self._micro_batches(samples, idx, loss_mask, for_loss=True)
 
                 def loss_fn(mb, local_logits, denoms=denoms):
-                    # only response positions carry loss: the vocabulary-wide work
-                    # (log-softmax, entropy) runs on those rows alone, at the sampling
-                    # temperature (softmax(logits / T), no top-k/top-p)
-                    sel = mb.mask > 0
-                    rows = local_logits[sel].unsqueeze(0)                   # [1, n, V/tp]
-                    lp = token_logprobs(rows, mb.targets[sel].unsqueeze(0), arch, T)[0]
-                    logp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device)
-                    logp = logp.masked_scatter(sel, lp)
-                    ent_needed = g.entropy_coef > 0
-                    with torch.set_grad_enabled(ent_needed and torch.is_grad_enabled()):
-                        x = rows if ent_needed else rows.detach()
-                        e = grpo.vocab_parallel_entropy(x.float() / T if T != 1.0 else x,
-                                                        vocab_size=arch.vocab_size)[0]
-                        ent = torch.zeros(sel.shape, dtype=e.dtype, device=e.device)
-                        ent = ent.masked_scatter(sel, e)
-                    old = mb.old_logprobs if not fused_old else logp.detach()
-                    loss, met = grpo.policy_loss(
-                        logp, old, mb.advantages, mb.mask, g, denoms,
-                        ref_logp=mb.ref_logprobs, rollout_logp=mb.rollout_logprobs,
-                        entropy=ent)
-                    with torch.no_grad():  # train/rollout mismatch: |exp(diff) - 1|
-                        diff = (old - mb.rollout_logprobs) * mb.mask
-                        met = dict(met)
-                        met["mismatch_ratio_err_sum"] = ((diff.exp() - 1).abs() * mb.mask).sum()
-                        met["loss"] = loss.detach()
-                    return loss, met
+                    # only response positions carry loss: log-probs and entropies there
+                    # alone, in chunks of train.loss_chunk_tokens positions
+                    return grpo.micro_batch_loss(
+                        mb, local_logits, g, denoms, vocab_size=arch.vocab_size,
+                        chunk_tokens=self.cfg.train.loss_chunk_tokens, fused_old=fused_old)
 
                 per_mb = self.policy.loss_metrics(
                     self._micro_batches(samples, idle, loss_mask, for_loss=True), loss_fn
@@ -449,82 +419,10 @@ class Trainer:
                 loss_scale = result.loss_scale
                 if tick is not None:
                     tick(1, f"loss {sum(float(m.get('loss', 0.0)) for m in per_mb):+.4f}")
-        # a replica may have run no micro-batch (every sample's advantage was zero):
-        # agree on the metric names first so every rank reduces the same vector
-        names = self._dp_all_gather((sorted(sums), sorted(maxes)))
-        keys = sorted({k for ks, _ in names for k in ks})
-        mk = sorted({k for _, ms in names for k in ms})
-        totals = dict(zip(keys, self._dp_sum([sums.get(k, 0.0) for k in keys])))
-        if mk and self.layout.dp_size > 1:
-            t = torch.tensor([maxes.get(k, -math.inf) for k in mk], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
-            maxes = dict(zip(mk, t.tolist()))
+        totals, maxes = reduce_update(sums, maxes, self.dp_group)
         return {"sums": totals, "maxes": maxes, "grad_norm": norms, "lr": lrs,
                 "skipped": skipped, "updates": g.ppo_epochs * self.mini_batches,
                 "loss_scale": loss_scale}
-
-    # ------------------------------------------------------------------ metrics
-    def _metrics(self, step, samples, roll: ReplicaRollout, finish_times, timing, update,
-                 zero_std, rounds, replaced) -> dict:
-        g = self.cfg.grpo
-        n = len(samples)
-        lengths = [len(s.response_ids) for s in samples]
-        rewards = [s.reward for s in samples]
-        local = [n, sum(rewards), sum(r * r for r in rewards), sum(s.correct for s in samples),
-                 sum(lengths), sum(s.truncated for s in samples), zero_std,
-                 roll.generated_tokens, replaced]
-        (N, rsum, rsq, correct, lsum, trunc, zstd, gen_tokens, repl) = self._dp_sum(local)
-        all_lengths = sorted(x for part in self._dp_all_gather(lengths) for x in part)
-        spec = self._dp_all_gather(roll.stats.get("spec")) if roll.stats else []
-        decode = self._dp_all_gather(roll.stats.get("decode_steps", 0) if roll.stats else 0)
-        # loss metrics live on the last pipeline stage: bring them to rank 0's stage
-        upd = update
-        if self.layout.pp_size > 1:
-            box = [update]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(
-                self.pp_group, self.layout.pp_size - 1), group=self.pp_group)
-            upd = box[0]
-        s, mx = upd["sums"], upd["maxes"]
-        tok = max(s.get("tokens", 0.0), 1.0)
-        mean_r = rsum / max(N, 1)
-        first, last = min(finish_times), max(finish_times)
-        out = {
-            "reward/mean": mean_r,
-            "reward/std": math.sqrt(max(rsq / max(N, 1) - mean_r ** 2, 0.0)),
-            "accuracy": correct / max(N, 1),
-            "groups_zero_std": zstd,
-            "dynamic_sampling/rounds": rounds, "dynamic_sampling/replaced": repl,
-            "response_length/mean": lsum / max(N, 1),
-            "response_length/p50": _percentile(all_lengths, 50),
-            "response_length/p99": _percentile(all_lengths, 99),
-            "response_length/max": all_lengths[-1] if all_lengths else 0,
-            "truncated_fraction": trunc / max(N, 1),
-            "loss/total": s.get("loss", 0.0) / max(upd["updates"], 1),
-            "loss/policy": s.get("pg_loss_sum", 0.0) / tok,
-            "loss/kl": s.get("kl_sum", 0.0) / tok,
-            "loss/entropy": s.get("entropy_sum", 0.0) / tok,
-            "clip_fraction/low": s.get("clip_low_count", 0.0) / tok,
-            "clip_fraction/high": s.get("clip_high_count", 0.0) / tok,
-            "clip_fraction/dual": s.get("dual_clip_count", 0.0) / tok,
-            "ratio/mean": s.get("ratio_sum", 0.0) / tok,
-            "ratio/max": mx.get("ratio_max", float("nan")),
-            "mismatch/logprob_abs_diff": s.get("rollout_logp_abs_diff_sum", 0.0) / tok,
-            "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
-            "grad_norm": (sum(upd["grad_norm"]) / len(upd["grad_norm"])
-                          if upd["grad_norm"] else float("nan")),
-            "lr": upd["lr"][-1] if upd["lr"] else self.policy.lr,
-            "updates_skipped": upd["skipped"],
-            "loss_scale": upd["loss_scale"],
-            "timing": dict(timing, tail=last - first),
-            "idle_replica_seconds": sum(last - f for f in finish_times),
-            "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
-            "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
-        }
-        if g.tis_cap > 0:
-            out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
-        if any(x is not None for x in spec):
-            out["spec"] = merge_spec([x for x in spec if x is not None], sum(decode))
-        return out
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -546,6 +444,7 @@ class Trainer:
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
         per = [(float(x.reward), float(x.correct)) for x in res]
+        self.points.meet(self.state.step, "eval")  # the replicas' generation: a tail
         return eval_metrics([x for part in self._dp_all_gather(per) for x in part])
 
     # ------------------------------------------------------------------ the loop
@@ -595,13 +494,6 @@ class Trainer:
 
 def _groups(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
     return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
-    return float(sorted_values[k])
 
 
 def config_dict(cfg: Config) -> dict:

@@ -84,18 +84,14 @@ def test_the_scan_finds_each_spelling(tmp_path):
 
 
 @pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def one_rank_group(single_process_parallel):
+    """The suite's one-process gloo group (world size 1)."""
+    assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
 
 
-def test_without_a_process_group_the_helpers_are_the_identity():
+def test_without_a_process_group_the_helpers_are_the_identity(monkeypatch):
+    # (another test in this process may have left a group: present the state without)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert not collectives.active()
     assert collectives.sum_values([1.5, 2]) == [1.5, 2.0]
     assert collectives.all_gather_object({"a": 1}) == [{"a": 1}]

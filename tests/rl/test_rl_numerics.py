@@ -228,18 +228,17 @@ def test_dual_clip_fraction_and_tis_weight_are_reported():
 
     from megatron_tlt.config import Config, GRPOConfig
     from megatron_tlt.rl.rollout import ReplicaRollout
-    from megatron_tlt.rl.trainer import Trainer
+    from megatron_tlt.rl.step_metrics import step_metrics
 
-    t = Trainer.__new__(Trainer)
-    t.cfg = Config(grpo=GRPOConfig(tis_cap=2.0, dual_clip_c=3.0))
-    t.layout = SimpleNamespace(dp_size=1, pp_size=1)
-    t._dp_sum = lambda v: [float(x) for x in v]
-    t._dp_all_gather = lambda x: [x]
+    # one process, no process group: the collectives are the identity
+    t = SimpleNamespace(cfg=Config(grpo=GRPOConfig(tis_cap=2.0, dual_clip_c=3.0)),
+                        layout=SimpleNamespace(dp_size=1, pp_size=1), dp_group=None,
+                        pp_group=None)
     upd = {"sums": {"tokens": 8.0, "dual_clip_count": 2.0, "tis_weight_sum": 6.0},
            "maxes": {}, "grad_norm": [1.0], "lr": [1e-3], "skipped": 0, "updates": 1,
            "loss_scale": 1.0}
-    out = t._metrics(0, [], ReplicaRollout([], 0.0, 1.0, 0), [1.0],
-                     {"step": 1.0}, upd, 0, 0, 0)
+    out = step_metrics(t, [], ReplicaRollout([], 0.0, 1.0, 0), [1.0],
+                       {"step": 1.0}, upd, 0, 0, 0)
     assert out["clip_fraction/dual"] == 0.25
     assert out["tis/weight_mean"] == 0.75
 

@@ -29,8 +29,11 @@ def policy(smollm2_dir, tmp_path_factory):
     return save_tiny_policy(tmp_path_factory.mktemp("rlpar") / "policy", smollm2_dir)
 
 
-LAYOUTS = {"dp2": "", "tp2": "parallel.tensor_model_parallel_size=2",
-           "pp2": "parallel.pipeline_model_parallel_size=2"}
+# TP=2 with sequence parallelism (auto: on) and selective recomputation, PP=2 with
+# variable_seq_lengths and full recomputation: none of them may change the update
+LAYOUTS = {"dp2": "",
+           "tp2": "parallel.tensor_model_parallel_size=2,train.recompute_granularity=selective",
+           "pp2": "parallel.pipeline_model_parallel_size=2,train.recompute_granularity=full"}
 # Replica 1's groups all have equal rewards (prompts 2 and 3 go to replica 1: mini-batches
 # = 2, replica (p // 2) % 2), without the KL and entropy terms
 FLAT = "grpo.kl_beta=0.0,grpo.entropy_coef=0.0,flat_prompts=2/3"

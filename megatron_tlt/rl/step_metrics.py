@@ -1,0 +1,107 @@
+"""An RL step's metrics: the update's loss sums reduced over DP, and the step's record.
+
+Only scalars and short lists cross replicas (``collectives``' value and object helpers,
+on the group's device): reward and length sums, every response's length (for the
+percentiles), the speculative-decoding summaries and the update's loss sums. The loss
+metrics live on the last pipeline stage and are broadcast to the others.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .. import collectives
+from .spec_metrics import merge_spec
+
+
+def reduce_update(sums: dict, maxes: dict, dp_group) -> tuple[dict, dict]:
+    """The update's per-replica metric sums and maxima over DP. A replica may have run
+    no micro-batch (every sample's advantage was zero): the replicas agree on the metric
+    names first, so every rank reduces the same vector."""
+    names = collectives.all_gather_object((sorted(sums), sorted(maxes)), group=dp_group)
+    keys = sorted({k for ks, _ in names for k in ks})
+    mk = sorted({k for _, ms in names for k in ms})
+    totals = dict(zip(keys, collectives.sum_values([sums.get(k, 0.0) for k in keys],
+                                                   group=dp_group)))
+    if mk:
+        maxes = dict(zip(mk, collectives.max_values([maxes.get(k, -math.inf) for k in mk],
+                                                    group=dp_group)))
+    return totals, maxes
+
+
+def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std, rounds,
+                 replaced) -> dict:
+    """The step's metrics (every rank computes the same): ``roll`` is this replica's
+    rollout, ``finish_times`` every replica's, ``update`` this rank's ``_update``
+    result (the loss sums, complete on the last pipeline stage)."""
+    g = trainer.cfg.grpo
+    dp = trainer.dp_group
+    n = len(samples)
+    lengths = [len(s.response_ids) for s in samples]
+    rewards = [s.reward for s in samples]
+    local = [n, sum(rewards), sum(r * r for r in rewards), sum(s.correct for s in samples),
+             sum(lengths), sum(s.truncated for s in samples), zero_std,
+             roll.generated_tokens, replaced]
+    (N, rsum, rsq, correct, lsum, trunc, zstd, gen_tokens, repl) = collectives.sum_values(
+        local, group=dp)
+    all_lengths = sorted(x for part in collectives.all_gather_object(lengths, group=dp)
+                         for x in part)
+    spec = collectives.all_gather_object(roll.stats.get("spec"), group=dp) \
+        if roll.stats else []
+    decode = collectives.all_gather_object(
+        roll.stats.get("decode_steps", 0) if roll.stats else 0, group=dp)
+    # loss metrics live on the last pipeline stage: bring them to rank 0's stage
+    upd = update
+    if trainer.layout.pp_size > 1:
+        upd = collectives.broadcast_object(update, src=trainer.layout.pp_size - 1,
+                                           group=trainer.pp_group)
+    s, mx = upd["sums"], upd["maxes"]
+    tok = max(s.get("tokens", 0.0), 1.0)
+    mean_r = rsum / max(N, 1)
+    first, last = min(finish_times), max(finish_times)
+    out = {
+        "reward/mean": mean_r,
+        "reward/std": math.sqrt(max(rsq / max(N, 1) - mean_r ** 2, 0.0)),
+        "accuracy": correct / max(N, 1),
+        "groups_zero_std": zstd,
+        "dynamic_sampling/rounds": rounds, "dynamic_sampling/replaced": repl,
+        "response_length/mean": lsum / max(N, 1),
+        "response_length/p50": _percentile(all_lengths, 50),
+        "response_length/p99": _percentile(all_lengths, 99),
+        "response_length/max": all_lengths[-1] if all_lengths else 0,
+        "truncated_fraction": trunc / max(N, 1),
+        "loss/total": s.get("loss", 0.0) / max(upd["updates"], 1),
+        "loss/policy": s.get("pg_loss_sum", 0.0) / tok,
+        "loss/kl": s.get("kl_sum", 0.0) / tok,
+        "loss/entropy": s.get("entropy_sum", 0.0) / tok,
+        "clip_fraction/low": s.get("clip_low_count", 0.0) / tok,
+        "clip_fraction/high": s.get("clip_high_count", 0.0) / tok,
+        "clip_fraction/dual": s.get("dual_clip_count", 0.0) / tok,
+        "ratio/mean": s.get("ratio_sum", 0.0) / tok,
+        "ratio/max": mx.get("ratio_max", float("nan")),
+        "mismatch/logprob_abs_diff": s.get("rollout_logp_abs_diff_sum", 0.0) / tok,
+        "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
+        "grad_norm": (sum(upd["grad_norm"]) / len(upd["grad_norm"])
+                      if upd["grad_norm"] else float("nan")),
+        "lr": upd["lr"][-1] if upd["lr"] else trainer.policy.lr,
+        "updates_skipped": upd["skipped"],
+        "loss_scale": upd["loss_scale"],
+        "timing": dict(timing, tail=last - first),
+        "idle_replica_seconds": sum(last - f for f in finish_times),
+        "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
+        "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
+    }
+    if g.tis_cap > 0:
+        out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
+    if any(x is not None for x in spec):
+        out["spec"] = merge_spec([x for x in spec if x is not None], sum(decode))
+    return out
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
