@@ -114,22 +114,34 @@ class SelfDraftRunner(ModelRunner):
         """Re-quantize every linear and the LM head from the source's current weights
         (its local TP shards) and copy the norms; timed (``refresh_seconds``)."""
         t0 = time.perf_counter()
-        s, g = self.source, self.config.group
-        with torch.no_grad():
+        s = self.source
+        old = self.layers if len(self.layers) == len(s.layers) else [None] * len(s.layers)
+        with torch.no_grad():  # matrix by matrix, into the existing copy's tensors
             self.layers = [_Layer(
-                ln1=lw.ln1.detach().clone(), qkv_w=quantize_int8(lw.qkv_w, g),
-                qkv_b=None if lw.qkv_b is None else lw.qkv_b.detach().clone(),
-                proj_w=quantize_int8(lw.proj_w, g), ln2=lw.ln2.detach().clone(),
-                fc1_w=quantize_int8(lw.fc1_w, g), fc2_w=quantize_int8(lw.fc2_w, g))
-                for lw in s.layers]
-            self.final_norm = s.final_norm.detach().clone()
+                ln1=_copy(o and o.ln1, lw.ln1), qkv_w=self._quant(o and o.qkv_w, lw.qkv_w),
+                qkv_b=None if lw.qkv_b is None else _copy(o and o.qkv_b, lw.qkv_b),
+                proj_w=self._quant(o and o.proj_w, lw.proj_w), ln2=_copy(o and o.ln2, lw.ln2),
+                fc1_w=self._quant(o and o.fc1_w, lw.fc1_w),
+                fc2_w=self._quant(o and o.fc2_w, lw.fc2_w))
+                for o, lw in zip(old, s.layers)]
+            self.final_norm = _copy(self.final_norm, s.final_norm)
             head = s.output_w if self.d2t is None else self._head_rows(s, self.d2t)
-            self.output_w = quantize_int8(head, g)
+            self.output_w = self._quant(self.output_w, head)
         self.embed_w, self.vocab_start = self.target.embed_w, self.target.vocab_start
         self._pack()
         self._packed_stack = None
         self.refreshes += 1
         self.refresh_seconds = time.perf_counter() - t0
+
+    def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
+        """``w`` quantized, written into ``old``'s tensors when their shapes match (the
+        copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
+        new = quantize_int8(w, self.config.group)
+        if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
+            return new
+        old.q.copy_(new.q)
+        old.scale.copy_(new.scale)
+        return old
 
     def set_layers(self, layers) -> None:  # the copy is made by refresh()
         raise TypeError("SelfDraftRunner quantizes its source's layers in refresh()")
@@ -171,7 +183,11 @@ class SelfDraftRunner(ModelRunner):
             self.refresh()
             return
         fp = k.fingerprint([t.detach().contiguous() for t in self.source_weights()]).tolist()
-        if fp != self._fp or not self.layers:
+        changed = fp != self._fp or not self.layers
+        if self.tp_group is not None:  # the TP ranks refresh together (the draft
+            # vocabulary's rows are gathered collectively), whichever shards changed
+            changed = collectives.max_values([float(changed)], group=self.tp_group)[0] > 0
+        if changed:
             self.refresh()
             self._fp = fp
 
@@ -284,3 +300,10 @@ class SelfDraftRunner(ModelRunner):
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
+
+
+def _copy(old: Optional[torch.Tensor], src: torch.Tensor) -> torch.Tensor:
+    """A float copy of ``src``, into ``old`` when its shape matches."""
+    if old is not None and old.shape == src.shape:
+        return old.copy_(src.detach())
+    return src.detach().clone()
