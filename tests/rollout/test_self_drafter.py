@@ -242,10 +242,15 @@ def test_exact_alpha_of_the_copy(peaked):
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
     held = held_out_samples(eng, _prompts()[:3], SamplingParams(temperature=1.0,
                                                                  max_new_tokens=20, seed=2))
+    from megatron_tlt.drafter_training.vocab import draft_vocabulary_by_mass, token_mass
+
+    # a draft vocabulary of the 64 tokens (of 251) carrying the most p̃ mass
+    by_mass = draft_vocabulary_by_mass(token_mass(eng.runner, held, temperature=1.0), 64)
     alphas = {}
     for name, drafter in (("self", SelfDrafter()),
                           ("other", SelfDrafter(source=ModelRunner(other, arch))),
-                          ("vocab", SelfDrafter(draft_vocab=torch.arange(0, arch.vocab_size, 2)))):
+                          ("vocab", SelfDrafter(draft_vocab=torch.arange(0, arch.vocab_size, 2))),
+                          ("by_mass", SelfDrafter(draft_vocab=by_mass))):
         copy = SelfDraftRunner(eng.runner, drafter)
         copy.kernels = eng.runner.kernels
         copy.pack_weights()
@@ -256,6 +261,10 @@ def test_exact_alpha_of_the_copy(peaked):
     assert alphas["other"].alpha[0] < 0.5
     assert alphas["vocab"].vocab_mass < 0.9
     assert alphas["vocab"].alpha[0] <= alphas["vocab"].vocab_mass + 1e-6
+    # chosen by mass, a quarter of the vocabulary keeps more of p̃ than an arbitrary half,
+    # and the copy restricted to it accepts nearly all of that mass
+    assert alphas["by_mass"].vocab_mass > alphas["vocab"].vocab_mass
+    assert alphas["by_mass"].alpha[0] > alphas["by_mass"].vocab_mass - 0.05
 
 
 @pytest.mark.parametrize("copy", ["self", "degraded"])
