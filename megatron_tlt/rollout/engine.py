@@ -192,7 +192,13 @@ class RolloutEngine:
 
             drafter = load_drafter(self.config.speculative.drafter, self.arch,
                                    dtype=self.runner.dtype, device=self.device)
-        if drafter is not None:
+        if drafter is not None and self.config.speculative.self_too:
+            from .speculative.kinds import attach_kinds
+            from .speculative.self_drafter import SelfDrafter
+
+            attach_kinds(self, {"eagle": drafter,
+                                "self": SelfDrafter(group=self.config.speculative.self_group)})
+        elif drafter is not None:
             self.attach_drafter(drafter)
 
     # ------------------------------------------------------------------ speculation

@@ -166,6 +166,13 @@ class KindDecoder:
         return self.decoders[self.tuner.active or next(iter(self.decoders))]
 
     features = property(lambda self: None if self._store is None else self._store.features)
+
+    @property
+    def drafter(self):
+        """The one-layer drafter (the kind with weights to checkpoint and train), or
+        None."""
+        return next((d.drafter for d in self.decoders.values()
+                     if getattr(d, "kind", "") != "self"), None)
     cache = property(lambda self: self._active().cache)
 
     @property
