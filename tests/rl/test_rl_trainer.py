@@ -134,6 +134,7 @@ def test_every_recipe_dry_runs(recipe):
     r = run_main("pretrain_rl_tlt.py", "--config", recipe, "--dry-run", "--world-size", world)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "recipe OK" in r.stdout and "memory per rank" in r.stdout
+    assert "predicted step time" in r.stdout and "expected speedup" in r.stdout
     if recipe.stem == "qwen2.5_32b_grpo":  # TP4 x PP2: the rollout memory of each stage
         stages = [line for line in r.stdout.splitlines() if line.strip().startswith("stage ")]
         assert [s.split(":")[0].strip() for s in stages] == ["stage 0", "stage 1"]

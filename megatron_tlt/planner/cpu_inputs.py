@@ -1,0 +1,169 @@
+"""The CPU inputs of the validation: our 2-core machine's step tables, as measured.
+
+The runs we validate against (``tools/bench_e2e.py``, the demo recipe) run two DP
+replicas as two 1-thread processes on the 2 cores, while ``tools/bench_rollout.py``
+measures one engine with 2 threads. The conversion is measured too: the PP = 2
+gathered rollout of ``bench_rollout_pp2_quiet_cpu.json`` is exactly two 1-thread
+engines side by side on the same cores, against a 2-thread PP = 1 engine in the same
+run. Every number below names the JSON it comes from; the ones that no JSON holds
+are marked ``modelled``.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+
+import numpy as np
+
+from .inputs import (NOISY_STEP_OVER_FLOOR, Acceptance, StepCost, TrainCost, _interp_log,
+                     cpu_of, load_json, spec_slopes)
+
+DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
+DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
+CORUN = "bench_rollout_pp2_quiet_cpu.json"  # AVX2: 2 x 1-thread engines vs 1 x 2 threads
+SPEC_TABLE = "bench_spec_1k_drafter_cpu.json"  # AVX-512, 2 threads, fixed arms
+DEMO_ALPHA = "bench_spec_T1_demo_drafter_cpu.json"  # the demo drafter's alpha at T = 1
+E2E_FILES = ("bench_e2e_quick_cpu.json", "bench_e2e_g8_cpu.json")  # 2 x 1-thread replicas
+PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
+# instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
+# do not record prompt lengths)
+PREFILL_2T = 2.5 / 2176  # seconds per prompt token, one 2-thread engine: 32 prompts
+# (2,176 tokens) in 2.5 s, docs/benchmarks.md ("Rollout engine vs transformers"); no
+# JSON times the prefill alone. A 1-thread replica beside another pays the largest
+# batch's co-run factor on it (a prefill is compute-bound like a large decode batch).
+
+
+def _steps_ms(doc: dict) -> dict[int, float]:
+    return {int(r["batch"]): float(r["engine_step_ms"]) for r in doc["results"]
+            if r.get("step_over_floor", 1.0) <= NOISY_STEP_OVER_FLOOR}
+
+
+def corun_factors() -> tuple[tuple, tuple, str]:
+    """Per running batch of ONE engine, (1-thread engine beside another) / (one 2-thread
+    engine at that batch), from the PP = 2 gathered run (each rank decodes half the
+    prompts with 1 thread) and the AVX2 2-thread table of the same machine."""
+    co = load_json(CORUN)
+    two = _steps_ms(load_json(DECODE_TABLE_AVX2))
+    bs, ts = sorted(two), [two[b] for b in sorted(two)]
+    out_b, out_f = [], []
+    # batch 1: the per-token times at 256 tokens (the other rank has no prompt)
+    length = co["length"]["256"]
+    out_b.append(1)
+    out_f.append(length["pp2_ms_per_token"] / length["pp1_ms_per_token"])
+    for r in co["results"]:
+        case = r["case"]
+        if not case.startswith("batch ") or case == "batch 1":
+            continue
+        total = int(case.split()[1])
+        per_rank = total // 2
+        ms = 1000.0 * total / r["pp2_tok_s"]  # one step of both ranks, each at total/2
+        out_b.append(per_rank)
+        out_f.append(ms / _interp_log(per_rank, bs, ts))
+    return tuple(out_b), tuple(out_f), f"co-run factors from {CORUN} and {DECODE_TABLE_AVX2}"
+
+
+def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
+    """Decode steps of one 1-thread replica beside another on the 2-core machine."""
+    doc = load_json(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
+    two = _steps_ms(doc)
+    fb, ff, fsrc = corun_factors()
+    bs = sorted(two)
+    grid = sorted(set(bs) | set(fb))
+    secs = [_interp_log(b, bs, [two[x] for x in bs]) / 1000 * _interp_log(b, fb, ff)
+            for b in grid]
+    co = load_json(CORUN)["length"]
+    # resident-context cost: batch-1 per-token time at 64 and 1024 tokens, 2 threads
+    kv = (co["1024"]["pp1_ms_per_token"] - co["64"]["pp1_ms_per_token"]) / 1000 / 960 * ff[0]
+    sb, ss = spec_slopes(load_json(SPEC_TABLE))
+    prefill = PREFILL_2T * ff[-1]
+    dropped = sorted(set(int(r["batch"]) for r in doc["results"]) - set(two))
+    return StepCost(tuple(grid), tuple(secs), ref_ctx=96.0, kv_seconds_per_token=kv,
+                    spec_batches=sb, spec_slope=ss, prefill_seconds_per_token=prefill,
+                    source=(f"{DECODE_TABLE if avx == 'avx512' else DECODE_TABLE_AVX2} "
+                            f"({cpu_of(doc)}, 2 threads"
+                            + (f"; batch {dropped} dropped as noisy" if dropped else "")
+                            + f") x {fsrc} (AVX2); speculative step costs from "
+                            f"{SPEC_TABLE}; prefill {PREFILL_2T * 1e3:.2f} ms per prompt token at "
+                            f"2 threads (docs/benchmarks.md) x {ff[-1]:.2f}"))
+
+
+def demo_drafter_alpha() -> Acceptance:
+    doc = load_json(DEMO_ALPHA)
+    return Acceptance.constant(doc["alpha"]["alpha"],
+                               source=f"{DEMO_ALPHA}: the demo drafter's alpha at T=1")
+
+
+def summary_lengths(n: int, total: float, longest: float, at_cap: int, replicas: int,
+                    deal_seed: int = -1) -> list[np.ndarray]:
+    """Per-replica response lengths consistent with a step's recorded summary (count,
+    total, longest, number truncated): ``at_cap`` responses at the longest (at least
+    one), the rest log-normal quantiles (sigma 1) scaled to the remaining total and
+    kept below the longest. Only the summary is recorded, so which replica holds what
+    is modelled: dealt at random (a generator seeded by ``deal_seed``) in equal
+    shares, or, with ``deal_seed`` < 0, longest first in snake order."""
+    from statistics import NormalDist
+
+    k = max(1, at_cap)
+    rest_n = n - k
+    rest_total = max(total - k * longest, rest_n)
+    if rest_n > 0:
+        q = (np.arange(rest_n) + 0.5) / rest_n
+        shape = np.exp(np.array([NormalDist().inv_cdf(float(x)) for x in q]))
+        rest = np.minimum(shape / shape.sum() * rest_total, longest - 1)
+    else:
+        rest = np.zeros(0)
+    lens = np.maximum(1.0, np.round(np.sort(np.concatenate(
+        [np.full(k, float(longest)), rest]))[::-1]))
+    if deal_seed >= 0:
+        perm = np.random.default_rng(deal_seed).permutation(len(lens))
+        return [lens[perm[r::replicas]] for r in range(replicas)]
+    out: list[list[float]] = [[] for _ in range(replicas)]
+    for i, x in enumerate(lens):
+        rnd, pos = divmod(i, replicas)
+        out[pos if rnd % 2 == 0 else replicas - 1 - pos].append(float(x))
+    return [np.asarray(o) for o in out]
+
+
+# ---------------------------------------------------------------------- the update phase
+def e2e_records(doc: dict) -> list[dict]:
+    """One record per (mode, step, arm) of a bench_e2e JSON: its workload and times."""
+    c = doc["config"]
+    out = []
+    for r in doc["results"]:
+        for arm, v in r["arms"].items():
+            n = c["prompts_per_step"] * c["group_size"]
+            out.append({
+                "mode": r["mode"], "step": r["step"], "arm": arm, "group_size": c["group_size"],
+                "prompts": c["prompts_per_step"], "dp": c["dp"], "responses": n,
+                "tokens": v["generated_tokens"], "longest": v["response_length_max"],
+                "at_cap": round(v["truncated_fraction"] * n),
+                "backward": v["groups_zero_std"] < c["prompts_per_step"],
+                "accept_len": v.get("accept_len"),
+                "measured": {"rollout": v["rollout"], "tail": v["tail"], "update": v["update"],
+                             "step": v["step"], "rollout_fraction": v["rollout"] / v["step"]},
+                "threshold": c["speculative"]["threshold"],
+            })
+    return out
+
+
+def fit_update(records: list[dict]) -> dict:
+    """The update phase as measured in ``records``: the median update of a step where
+    some replica ran a backward (a fixed cost here: it does not follow the token count
+    over these runs), and the median forward-only seconds per token otherwise."""
+    bwd = [r["measured"]["update"] for r in records if r["backward"]]
+    fwd = [r["measured"]["update"] / (r["tokens"] + r["responses"] * PROMPT_TOKENS)
+           for r in records if not r["backward"]]
+    return {"backward_step_s": median(bwd) if bwd else 0.0,
+            "forward_s_per_token": median(fwd) if fwd else 0.0,
+            "from_records": len(records)}
+
+
+
+
+def cpu_train_cost(files=E2E_FILES) -> TrainCost:
+    """The update phase of the 2-core machine from bench_e2e's measured updates: a
+    backward step's fixed cost per optimizer step, forward-only seconds per token."""
+    upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
+    return TrainCost(update_per_token=0.0, update_fixed=upd["backward_step_s"],
+                     source=f"update: {upd['backward_step_s']:.1f} s per optimizer step with "
+                     f"a backward (median of {', '.join(files)})")

@@ -1,0 +1,145 @@
+"""The dry run's memory model by phase (rl/memory_model.py): its arithmetic, the GPU
+recipes against an 80 GB GPU, and the model against measured peak RSS on CPU
+(tools/measure_memory.py, in a subprocess)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tlt.config import load_config
+from megatron_tlt.models.gpt import ModelArch
+from megatron_tlt.rl import memory_model as mm
+from megatron_tlt.rl.plan import KNOWN_ARCHITECTURES, dry_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _arch(**kw) -> ModelArch:
+    spec = dict(model_type="llama", vocab_size=32000, hidden_size=1024,
+                intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=16, max_position_embeddings=8192,
+                tie_word_embeddings=False)
+    return ModelArch.from_hf_config({**spec, **kw})
+
+
+def _settings(**kw) -> mm.Settings:
+    cfg = load_config(overrides=["model.hf_path=x", "platform.device=cuda",
+                                 "model.dtype=bfloat16", "grpo.prompts_per_step=8",
+                                 "grpo.group_size=8", "grpo.max_new_tokens=2048",
+                                 "data.max_prompt_tokens=512", "train.micro_batch_size=2",
+                                 "rollout.max_batch_size=32"])
+    return dataclasses.replace(mm.settings(cfg, 8), **kw)
+
+
+def test_peak_is_resident_plus_the_larger_phase():
+    arch = _arch()
+    for kw in ({}, {"kv_released": False}, {"micro_batch": 8}, {"rollout_rows": 512}):
+        est = mm.estimate_settings(arch, _settings(**kw))
+        rollout, update = est.total("rollout"), est.total("update")
+        assert est.peak == pytest.approx(est.resident + max(rollout, update))
+        assert est.peak_phase == ("rollout" if rollout >= update else "update")
+    # a KV cache that is not released before the update is resident through both
+    kept = mm.estimate_settings(arch, _settings(kv_released=False))
+    freed = mm.estimate_settings(arch, _settings(kv_released=True))
+    kv = freed.as_dict()["KV cache"]
+    assert kept.resident == pytest.approx(freed.resident + kv)
+    assert kept.update_total == pytest.approx(freed.update_total + kv)
+    assert kept.rollout_total == pytest.approx(freed.rollout_total)
+
+
+def test_gpu_activations_are_the_korthikanti_formula():
+    """GPU.md's per-layer bytes, 16-bit: without SP s·b·h·(10 + 24/t + 5·a·s/(h·t)),
+    with SP s·b·h·(34 + 5·a·s/h)/t. Our MLP term is SwiGLU's 6f, GPT's 4h GELU's 16h:
+    an MLP width of 8h/3 makes the two the same."""
+    h, a = 768, 12
+    arch = _arch(hidden_size=h, num_attention_heads=a, num_key_value_heads=a,
+                 intermediate_size=8 * h // 3)
+    b, s_len = 2, 1000
+    for t, sp in ((1, False), (2, False), (4, False), (2, True), (8, True)):
+        st = _settings(tp=t, sequence_parallel=sp, micro_batch=b, seq=s_len)
+        got = mm.layer_activation_bytes(arch, st, tokens=b * s_len)
+        sbh = s_len * b * h
+        want = sbh * ((34 + 5 * a * s_len / h) / t if sp
+                      else 10 + 24 / t + 5 * a * s_len / (h * t))
+        assert got == pytest.approx(want, rel=1e-9)
+        sel = mm.layer_activation_bytes(arch, dataclasses.replace(st, recompute="selective"),
+                                        tokens=b * s_len)
+        assert sel == pytest.approx(want - sbh * 5 * a * s_len / (h * t), rel=1e-9)
+
+
+def test_recomputation_lowers_the_update_and_full_keeps_layer_inputs():
+    arch = _arch()
+    base = _settings()
+    none, sel, full = (mm.estimate_settings(arch, dataclasses.replace(base, recompute=r))
+                       for r in ("none", "selective", "full"))
+    acts = [e.as_dict()["activations"] for e in (none, sel, full)]
+    assert acts[0] > acts[1] > acts[2]
+    assert none.update_total > sel.update_total > full.update_total
+    # full, uniform chunks of one layer: each layer's input (2·s·b·h in 16-bit) plus
+    # one layer's full activations while it is recomputed, plus the final norm's
+    st = dataclasses.replace(base, recompute="full", recompute_layers=1)
+    tokens = st.micro_batch * st.seq
+    one = mm.layer_activation_bytes(arch, dataclasses.replace(st, recompute="none"),
+                                    tokens=tokens)
+    assert mm.activation_bytes(arch, st, layers=arch.num_layers) == pytest.approx(
+        arch.num_layers * 2 * tokens * arch.hidden_size + one)
+    # sequence parallelism divides what full recomputation keeps by TP
+    sp = dataclasses.replace(st, tp=4, sequence_parallel=True)
+    nosp = dataclasses.replace(sp, sequence_parallel=False)
+    assert mm.activation_bytes(arch, sp, layers=8) < mm.activation_bytes(arch, nosp, layers=8)
+
+
+def test_loss_chunks_bound_the_vocabulary_temporaries():
+    arch = _arch(vocab_size=152064)
+    whole = _settings(loss_chunk=None)
+    chunked = _settings(loss_chunk=1024)
+    a, _ = mm.loss_vocab_bytes(arch, whole)
+    b, _ = mm.loss_vocab_bytes(arch, chunked)
+    assert b < a
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "drafter"])
+@pytest.mark.parametrize("recipe,world", [("qwen2.5_7b_grpo", 8), ("qwen2.5_32b_grpo", 64)])
+def test_gpu_recipes_fit_an_80gb_gpu(recipe, world, drafter):
+    cfg = load_config([REPO / "examples/rl" / f"{recipe}.yaml"],
+                      ["rollout.speculative.drafter=/drafter"] if drafter else [])
+    arch = ModelArch.from_hf_config(KNOWN_ARCHITECTURES[Path(cfg.model.hf_path).name])
+    est = mm.estimate(cfg, arch, world)
+    assert est.peak <= mm.GPU_BYTES * mm.GPU_USABLE, "\n".join(mm.report_lines(est))
+    text = dry_run(cfg, world)
+    assert "fits an 80 GB GPU" in text and "does NOT fit" not in text
+    assert "[gpu-model]" in text and "[cpu-validated]" in text
+
+
+def test_the_dry_run_names_what_does_not_fit():
+    cfg = load_config([REPO / "examples/rl/qwen2.5_7b_grpo.yaml"],
+                      ["rollout.max_batch_size=4096", "train.micro_batch_tokens=0",
+                       "train.micro_batch_size=64"])
+    text = dry_run(cfg, 8)
+    assert "does NOT fit an 80 GB GPU" in text
+    assert "rollout total" in text and "update total" in text and "peak" in text
+
+
+def test_cpu_measurement_agrees_with_the_model(tmp_path):
+    """One small shape, one GRPO step's update after a warm-up step (the trainer's own
+    code, in fresh subprocesses), with and without recomputation: the model within
+    ±15 % of the measured peak RSS, and recomputation lowering the update both ways."""
+    out = tmp_path / "cells.json"
+    r = subprocess.run([sys.executable, str(REPO / "tools/measure_memory.py"), "--cells",
+                        "small", "--recompute", "none,full", "--json", str(out),
+                        "--models", str(tmp_path / "models")],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = {c["recompute"]: c for c in json.loads(out.read_text())["cells"]}
+    for c in cells.values():
+        assert abs(c["error_pct"]["peak"]) <= 15, c
+        assert c["measured"]["lengths"] == [c["new_tokens"]]  # the worst case ran
+    none, full = cells["none"], cells["full"]
+    assert full["predicted"]["update"] < none["predicted"]["update"]
+    assert full["measured"]["update"] < none["measured"]["update"]

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Predict a recipe's RL step time with and without TLT, or validate the predictor.
+
+    python tools/plan_tlt.py --config examples/rl/qwen2.5_32b_grpo.yaml --world-size 64
+    python tools/plan_tlt.py --config examples/rl/qwen2.5_7b_grpo.yaml --world-size 8 \
+        --hardware h200 --lengths runs/qwen/metrics.jsonl --json /tmp/plan.json
+    python tools/plan_tlt.py --validate --json docs/results/planner_validation.json
+
+The prediction is a model (megatron_tlt.planner): a discrete-event simulation of the
+step over the layout's replicas, with step costs from a roofline (GPU, modelled) or
+this project's CPU measurements. It prints what it assumed. ``--lengths`` takes a
+run's metrics.jsonl or a ``tools/workload_lengths.py --json`` file; ``--drift`` a
+``tools/bench_drift.py --json`` file (per-step acceptance of an online and a frozen
+drafter), which replaces the alpha-against-tokens curve. docs/planning.md explains
+the model and its validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", action="append", default=[], help="recipe YAML (repeatable)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--hardware", choices=("h100", "h200", "cpu"), default=None,
+                   help="default: h100, or cpu for a CPU recipe")
+    p.add_argument("--lengths", type=Path, default=None,
+                   help="metrics.jsonl of a run, or tools/workload_lengths.py --json output")
+    p.add_argument("--drift", type=Path, default=None,
+                   help="tools/bench_drift.py --json output (per-step acceptance, two arms)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="a tools/bench_rollout.py --json file measured on the target "
+                   "hardware: its decode steps replace the roofline's")
+    p.add_argument("--spec-table", type=Path, default=None,
+                   help="with --table: a tools/bench_spec.py --json file of the same hardware "
+                   "(speculative step costs)")
+    p.add_argument("--accept-by-bucket", type=Path, default=None,
+                   help="a tools/bench_spec.py --json file: acceptance by batch size, as "
+                   "factors on the assumed acceptance")
+    p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
+    p.add_argument("--validate", action="store_true",
+                   help="run the validation (CPU runs and published points)")
+    p.add_argument("--json", type=Path, default=None, help="write the result as JSON")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    if args.validate:
+        from megatron_tlt.planner.validate import validate_all, summary_lines
+
+        out = validate_all()
+        print("\n".join(summary_lines(out)))
+    else:
+        from megatron_tlt.config import load_config
+        from megatron_tlt.planner import predict_for_config
+        from megatron_tlt.planner.inputs import (bucket_factors_from_bench_spec,
+                                                 drift_from_json, lengths_from_metrics,
+                                                 lengths_from_workload, load_json,
+                                                 table_from_bench_rollout)
+        from megatron_tlt.planner.recipe import default_acceptance
+
+        if not args.config:
+            print("--config is required (or --validate)", file=sys.stderr)
+            return 2
+        cfg = load_config(args.config, args.overrides)
+        lengths = None
+        if args.lengths is not None:
+            lengths = (lengths_from_metrics(args.lengths) if args.lengths.suffix == ".jsonl"
+                       else lengths_from_workload(args.lengths))
+        acc = None
+        if args.drift is not None:
+            online, frozen = drift_from_json(json.loads(args.drift.read_text()))
+            acc = replace(default_acceptance(cfg, args.hardware), drift_online=online,
+                          drift_frozen=frozen,
+                          source=f"drift run {args.drift.name} (per-step acceptance of "
+                          "both arms)")
+        if args.accept_by_bucket is not None:
+            acc = acc or default_acceptance(cfg, args.hardware)
+            factors = bucket_factors_from_bench_spec(load_json(args.accept_by_bucket))
+            acc = replace(acc, bucket_factors=factors, source=acc.source + "; by batch x "
+                          + ", ".join(f"{f:.2f} (<= {b})" for b, f in factors)
+                          + f" from {args.accept_by_bucket.name}")
+        cost = None
+        if args.table is not None:
+            cost = table_from_bench_rollout(
+                load_json(args.table),
+                spec_doc=load_json(args.spec_table) if args.spec_table else None)
+        pred = predict_for_config(cfg, args.world_size, hardware=args.hardware,
+                                  lengths=lengths, acceptance=acc, steps=args.steps,
+                                  cost=cost)
+        print("\n".join(pred.lines()))
+        out = pred.to_dict()
+    out["planner_seconds"] = time.perf_counter() - t0
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
