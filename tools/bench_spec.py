@@ -10,7 +10,8 @@ SmolLM2 drafter cached under ``$MEGATRON_TLT_CACHE/drafters/`` (made by
 tools/warmup_drafter.py on first use from 8,192 prompts, ~2 h on 2 cores); ``quick``,
 the weak drafter of a bounded warm-up (64 prompts, 128 tokens, 4 epochs: a few
 minutes; acceptance ~1.5), cached next to it; ``random``, an untrained drafter of the
-same shape (seeded). The default is ``quick`` under ``--quick`` when no full drafter
+same shape (seeded); ``self``, the policy's own weight-only int8 copy (the
+self-drafter, ``rollout.speculative.drafter=self``). The default is ``quick`` under ``--quick`` when no full drafter
 is cached. Training prompts use seed 0, the benchmark's prompts seed 1: held out.
 
 (a) batch sizes 1, 2, 4, 8: the same 8 real reasoning-gym prompts run in batches of
@@ -86,8 +87,13 @@ def default_drafter_path(quick: bool = False) -> Path:
 
 
 def resolve_drafter(arg, quick_run: bool, engine, seed: int):
-    """(drafter, description) for --drafter: a path, full, quick or random."""
+    """(drafter, description) for --drafter: a path, full, quick, random or self."""
     from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, load_drafter
+
+    if arg == "self":  # the policy's own int8 copy (rollout.speculative.drafter=self)
+        from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+        return SelfDrafter(), "self (the policy's weight-only int8 copy)"
 
     if arg == "random":  # untrained, the warmed drafters' shape (1,024-token vocabulary)
         d = EagleDrafter(DrafterConfig.for_target(engine.arch, draft_vocab_size=1024),
@@ -143,7 +149,7 @@ def drafter_cost(engine, reps: int = 20) -> dict:
     n = 128
     cache = KVCache(num_layers=len(r.layers), max_batch=1, kv_heads=r.groups, capacity=n + 8,
                     head_dim=r.head_dim, dtype=r.dtype, device=r.device)
-    dcache = KVCache(num_layers=1, max_batch=1, kv_heads=d.groups, capacity=n + 8,
+    dcache = KVCache(num_layers=len(d.layers), max_batch=1, kv_heads=d.groups, capacity=n + 8,
                      head_dim=d.head_dim, dtype=d.dtype, device=d.device)
     tok = torch.tensor([[5]], device=r.device)
     pos = torch.tensor([n], device=r.device)
@@ -235,7 +241,13 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
     depth = s.depth if s.is_chain else 4
     sp = SamplingParams(temperature=t, max_new_tokens=max_new, seed=seed + 7)
     held = held_out_samples(engine, prompts, sp, feature_layers=drafter.config.feature_layers)
-    rep = measure_alpha(drafter, engine.runner, held, temperature=t, depth=depth)
+    if getattr(drafter, "kind", "") == "self":
+        from megatron_tlt.drafter_training.alpha import measure_self_alpha
+
+        rep = measure_self_alpha(drafter.make_decoder(engine.runner).draft, engine.runner, held,
+                                 temperature=t, depth=depth)
+    else:
+        rep = measure_alpha(drafter, engine.runner, held, temperature=t, depth=depth)
     # the same prompts and sampling decoded with that chain always on: what the
     # prediction from alpha should match
     rep.measured_accept_len = measured_accept_len(engine, drafter, prompts, sp,
@@ -250,7 +262,7 @@ RECIPE_SEED_OFFSET = 7919  # --config: prompts unrelated to the warm-up's (seed 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--drafter", default=None,
-                    help="drafter checkpoint, or full | quick | random (default: full, or "
+                    help="drafter checkpoint, or full | quick | random | self (default: full, or "
                          "quick under --quick when no full drafter is cached)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,

@@ -16,6 +16,11 @@
    (the timeline shows the drafter training) and the policy exported as a Hugging Face
    folder (docs/after-training.md). Every demo run is kept: the first writes
    runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
+
+``python tools/demo.py rollout.speculative.drafter=self`` (``make demo
+DEMO_ARGS=rollout.speculative.drafter=self``) speculates with the self-drafter instead:
+the policy's own int8 copy, re-quantized after every update; no warm-up, no drafter
+group.
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ def torchrun(tag: str, nproc: int, script, args, t0: float) -> int:
 def main(argv=None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
+    if "rollout.speculative.drafter=self" in overrides:  # the policy's int8 copy drafts:
+        # nothing to warm up or train
+        return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
+                        ["--config", RECIPE, "drafter_group.enable=false",
+                         "tracking.on_existing_run=new_version", *overrides], t0)
     drafter = demo_drafter()
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", RECIPE,

@@ -97,8 +97,17 @@ class SpeculativeConfig:
     """Speculative decoding in the rollout engine (EAGLE drafter, exact verification)."""
 
     drafter: str = _help(
-        "Drafter checkpoint (.safetensors file or folder, from tools/warmup_drafter.py); "
-        "empty = speculative decoding off.", "")
+        "Drafter checkpoint (.safetensors file or folder, from tools/warmup_drafter.py), "
+        "or 'self': the policy's own weight-only int8 copy (self-speculation; no "
+        "training, re-quantized after every policy update); empty = speculative "
+        "decoding off.", "")
+    self_group: int = _help(
+        "drafter=self: inputs per int8 scale of the copy's matrices (0 = one scale per "
+        "output channel; e.g. 128 for groups of 128, a little closer to the policy).", 0)
+    self_too: bool = _help(
+        "With a drafter checkpoint: also the self-drafter, the kind (one-layer drafter, "
+        "int8 copy, or plain decoding) chosen per batch-size bucket by each kind's own "
+        "tuner and break-even gate (rollout/speculative/kinds.py).", False)
     threshold: int = _help(
         "Speculate only while the running batch has at most this many sequences (the "
         "long tail); larger batches decode plainly. Switching on mid-generation costs one "
@@ -150,6 +159,13 @@ class SpeculativeConfig:
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _positive("rollout.speculative", "window", self.window)
+        if self.self_too and self.drafter in ("", "self"):
+            raise ConfigError("rollout.speculative.self_too=true needs a drafter "
+                              "checkpoint in rollout.speculative.drafter (the kind the "
+                              f"self-drafter is weighed against), got {self.drafter!r}")
+        if self.self_group < 0:
+            raise ConfigError("rollout.speculative.self_group must be >= 0 (0 = one scale "
+                              f"per output channel), got {self.self_group}")
         for name, ok, want in (
                 ("ucb_c", 0.0 <= self.ucb_c < float("inf"), "a finite number >= 0"),
                 ("probe_budget", 0.0 <= self.probe_budget < 1.0, "in [0, 1)"),

@@ -28,8 +28,8 @@ import torch
 from .losses import LossConfig, batch_terms
 from .trainer import DraftSample, length_batches
 
-__all__ = ["AlphaReport", "measure_alpha", "predicted_accept_len", "measured_accept_len",
-           "held_out_samples"]
+__all__ = ["AlphaReport", "measure_alpha", "measure_self_alpha", "predicted_accept_len",
+           "measured_accept_len", "held_out_samples"]
 
 
 @dataclass
@@ -98,6 +98,52 @@ def measure_alpha(drafter, runner, samples: Sequence[DraftSample], *, temperatur
     return AlphaReport(alpha=[s / max(c, 1) for s, c in zip(sums, counts)], e_max_p=p_max / n,
                        vocab_mass=mass / n, tokens=counts[0], temperature=temperature,
                        top_k=top_k, top_p=top_p)
+
+
+@torch.no_grad()
+def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperature: float,
+                       top_k: int = 0, top_p: float = 1.0, depth: int = 4,
+                       chunk: int = 64) -> AlphaReport:
+    """α of the self-drafter's copy (``SelfDraftRunner``) on the same held-out data and
+    with the same bars as ``measure_alpha``. The copy is fed tokens, not its own
+    features: given that a chain's prefix was accepted, its draft at depth d is its
+    distribution after those (held-out) tokens, whatever d, so α is one number
+    E[Σ_x min(p̃(x), q̃(x))] over response positions, reported at every depth."""
+    from ..rollout.kv_cache import KVCache
+    from ..rollout.sampling import processed_logprobs
+
+    if not samples:
+        raise ValueError("measure_self_alpha needs at least one held-out sample")
+    key = (temperature or 1.0, top_k, top_p)
+    total = p_max = mass = 0.0
+    n = 0
+    for s in samples:
+        ids = torch.as_tensor(s.tokens, dtype=torch.long, device=copy.device)
+        cache = KVCache(num_layers=len(copy.layers), max_batch=1, kv_heads=copy.groups,
+                        capacity=ids.numel(), head_dim=copy.head_dim, dtype=copy.dtype,
+                        device=copy.device)
+        hs = [copy.extend(cache, slice(0, 1), ids[None, i: i + chunk],
+                          torch.tensor([i], device=copy.device))[0]
+              for i in range(0, ids.numel(), chunk)]  # chunks: the copy's GEMM kernels
+        lo, hi = s.prompt_len - 1, ids.numel() - 1  # positions predicting the response
+        if hi <= lo:
+            continue
+        p = processed_logprobs(runner.logits(
+            s.final_hidden[lo:hi].to(runner.device, runner.dtype)).float(), *key).exp()
+        q_d = processed_logprobs(copy.draft_logits(torch.cat(hs)[lo:hi]).float(), *key).exp()
+        if copy.d2t is None:
+            q = q_d
+        else:
+            q = torch.zeros_like(p)
+            q[:, copy.d2t] = q_d
+        total += float(torch.minimum(p, q).sum(-1).double().sum())
+        p_max += float(p.max(-1).values.double().sum())
+        mass += float((p if copy.d2t is None else p[:, copy.d2t]).sum(-1).double().sum())
+        n += hi - lo
+    n_ = max(n, 1)
+    return AlphaReport(alpha=[total / n_] * depth, e_max_p=p_max / n_, vocab_mass=mass / n_,
+                       tokens=n, temperature=temperature, top_k=top_k, top_p=top_p,
+                       extra={"drafter": "self"})
 
 
 def held_out_samples(engine, prompts: Sequence[Sequence[int]], sampling, *,

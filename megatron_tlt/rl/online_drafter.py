@@ -38,6 +38,10 @@ class OnlineDrafter:
         cfg, dg = trainer.cfg, trainer.cfg.drafter_group
         eng = trainer.engine
         check_drafter_group_layout(cfg)  # PP > 1: the gathered rollout only
+        if getattr(eng.spec, "kind", "") == "self":
+            raise ConfigError("drafter_group.enable=true trains the one-layer drafter; "
+                              "rollout.speculative.drafter=self (the policy's int8 copy) "
+                              "needs no training: set drafter_group.enable=false")
         if eng.spec is None:  # a cold start: a random drafter, the same on every rank
             eng.attach_drafter(EagleDrafter(DrafterConfig.for_target(trainer.arch),
                                             trainer.arch, dtype=eng.runner.dtype,

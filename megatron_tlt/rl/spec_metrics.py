@@ -25,4 +25,9 @@ def merge_spec(parts: list[dict], decode_steps: int) -> dict:
             "on_fraction": steps / decode_steps if decode_steps else 0.0,
             "steps": steps, "arms": arms,
             "accept_len_by_bucket": {k: sum(v) / len(v) for k, v in buckets.items()},
-            "accept_len_by_position": position_accept.merge(parts)}
+            "accept_len_by_position": position_accept.merge(parts),
+            # the self-drafter's re-quantizations (each replica's, the slowest's time)
+            "drafter_refreshes": max((p.get("drafter_refreshes", 0) for p in parts),
+                                     default=0),
+            "drafter_refresh_seconds": max((p.get("drafter_refresh_seconds", 0.0)
+                                            for p in parts), default=0.0)}

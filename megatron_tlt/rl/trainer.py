@@ -110,7 +110,9 @@ class Trainer:
         self.state = checkpointing.RunState(
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner,
-            drafter=self.engine.spec.drafter if self.engine.spec is not None else None,
+            drafter=(self.engine.spec.drafter  # the self-drafter has no weights to save
+                     if self.engine.spec is not None
+                     and getattr(self.engine.spec, "kind", "") != "self" else None),
             drafter_group=self.online.group if self.online is not None else None,
             meta=run_meta(self.arch, session.source))
         self.saver = checkpointing.Saver(checkpointing.async_enabled(

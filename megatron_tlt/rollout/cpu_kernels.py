@@ -28,6 +28,13 @@ kernels run the step close to the bandwidth floor:
   size 1) in one call, from the embeddings to the final norm (packed matrices);
 - ``argmax_rows(x, n)``: torch.argmax over the first n columns of each row (first of
   equal maxima, NaN as the largest), a vectorised scan (torch's CPU argmax reads ~1 GB/s);
+- ``pack_int8(q, scale)``, ``linear_int8(x, wp, sp, n, group, bias=None,
+  residual=None)``, ``decode_layers_int8(...)``: the same GEMM and decoder stack with
+  weight-only int8 matrices (the self-drafter's copy, ``rollout/quantize.py``): int8
+  panels (a quarter of the float weights' bytes) and float32 scales per output channel
+  or per group of inputs in panel layout, activations float32; each k's weights are
+  widened to float in registers (AVX-512 / AVX2: one sign extension and one conversion
+  per vector) and every group's sums scaled once;
 - ``draft_chain(...)``: a speculative step's greedy drafting with the EAGLE drafter in
   one call: its catch-up over the pending (token, feature) pairs, then every draft token
   of every row (argmax, fc over [embedding; feature], ``decode_layers``, draft head),

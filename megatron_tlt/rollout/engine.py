@@ -179,17 +179,28 @@ class RolloutEngine:
         # ``GenerationInterrupted`` (the RL trainer's stop request; rank-local, no
         # collective: the caller sets it only where the replica decodes alone, TP=PP=1)
         self.interrupt: Optional[Callable[[], bool]] = None
-        if drafter is None and self.config.speculative.drafter:
+        if drafter is None and self.config.speculative.drafter == "self":
+            from .speculative.self_drafter import SelfDrafter
+
+            drafter = SelfDrafter(group=self.config.speculative.self_group)
+        elif drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
 
             drafter = load_drafter(self.config.speculative.drafter, self.arch,
                                    dtype=self.runner.dtype, device=self.device)
-        if drafter is not None:
+        if drafter is not None and self.config.speculative.self_too:
+            from .speculative.kinds import attach_kinds
+            from .speculative.self_drafter import SelfDrafter
+
+            attach_kinds(self, {"eagle": drafter,
+                                "self": SelfDrafter(group=self.config.speculative.self_group)})
+        elif drafter is not None:
             self.attach_drafter(drafter)
 
     # ------------------------------------------------------------------ speculation
     def attach_drafter(self, drafter, tuner=None) -> None:
-        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model) while the
+        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model, or a
+        ``SelfDrafter``: the policy's int8 copy) while the
         running batch is at most ``config.speculative.threshold``; ``tuner`` (a
         ``StrategyTuner``) defaults to one built from ``config.speculative``."""
         from .speculative.decoder import SpeculativeDecoder
@@ -199,8 +210,11 @@ class RolloutEngine:
         if drafter.config.feature_layers and self._graphs is not None:
             raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
                              "graphs do not support; use rollout.cuda_graphs=false")
-        self.runner.prepare_drafter(drafter)
-        self.spec = SpeculativeDecoder(drafter, self.runner)
+        make = getattr(drafter, "make_decoder", None)  # the self-drafter (its own decoder)
+        if make is None:
+            self.runner.prepare_drafter(drafter)
+        self.spec = make(self.runner) if make is not None else SpeculativeDecoder(drafter,
+                                                                                  self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = (tuner if tuner is not None
                       else StrategyTuner.from_config(self.config.speculative))

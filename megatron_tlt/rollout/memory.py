@@ -137,7 +137,7 @@ class RolloutMemory:
         """Whether the returned hidden states are read from the drafter's feature store
         (its features are the target's final hidden states)."""
         spec = self.engine.spec
-        return spec is not None and not spec.feature_layers
+        return spec is not None and spec.keeps_hidden and not spec.feature_layers
 
     def hidden_buffer(self, plist: Sequence, max_batch: int) -> Optional[torch.Tensor]:
         """The call's buffer of response hidden states, only where a request wants them

@@ -803,6 +803,239 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
   return out;
 }
 
+// ---------------------------------------------------------------- int8 weights
+// Weight-only int8 GEMM (the self-drafter's quantized copy, rollout/quantize.py):
+// w ~ q * s with q int8 [N, K] and float32 scales s [N, ceil(K / group)]. q is packed
+// like the float weights ([ceil(N / kPanel), K, kPanel], a quarter of their bytes), s as
+// [ceil(N / kPanel), groups, kPanel]. Activations stay float32: each k loads kPanel int8
+// weights, widens them to float in registers (__builtin_convertvector: vpmovsxbd +
+// vcvtdq2ps on x86) and multiplies them into up to kMT rows like panel_tile; the sums of
+// one group (blocks of at most kKBlock k's inside it) are scaled once by the group's
+// scales and added into the totals.
+// kVL int8 weights widened to floats (x86: one sign extension and one conversion;
+// GCC's generic conversion of an int8 vector would go lane by lane)
+#if defined(__AVX512F__)
+static inline vg ldq(const int8_t* p) {
+  return (vg)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline vg ldq(const int8_t* p) {
+  return (vg)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+typedef int8_t vgc __attribute__((vector_size(kVL)));
+static inline vg ldq(const int8_t* p) {
+  vgc c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(__builtin_convertvector(c, vgi), vg);
+}
+#endif
+static constexpr int64_t kPrefetchK8 = (kPrefetchBytes + kPanel - 1) / kPanel;
+
+template <int MT>
+static inline void panel_tile_i8(const float* __restrict xt, int64_t ldx, int64_t K,
+                                 const int8_t* __restrict wp, const float* __restrict sp,
+                                 int64_t group, float* __restrict out, int64_t ldo,
+                                 int64_t n0, int64_t nvalid, const float* __restrict bias,
+                                 bool accumulate) {
+  vg tot[MT][kPanelVecs];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < kPanelVecs; ++v) tot[m][v] = vg{};
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t gi = k0 / group;
+    const int64_t k1 = std::min(std::min(K, k0 + kKBlock), (gi + 1) * group);
+    vg acc[MT][kPanelVecs];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < kPanelVecs; ++v) acc[m][v] = vg{};
+    for (int64_t k = k0; k < k1; ++k) {
+      const int8_t* wk = wp + k * kPanel;
+      if (((k * kPanel) & 63) < kPanel) __builtin_prefetch(wk + kPrefetchK8 * kPanel);
+      vg wv[kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) wv[v] = ldq(wk + kVL * v);
+      const float* xk = xt + k * ldx;
+      for (int m = 0; m < MT; ++m) {
+        const vg xb = bcast(xk + m);
+        for (int v = 0; v < kPanelVecs; ++v) acc[m][v] += wv[v] * xb;
+      }
+    }
+    const float* sk = sp + gi * kPanel;
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const vg sv = ldg(sk + kVL * v);
+      for (int m = 0; m < MT; ++m) tot[m][v] += acc[m][v] * sv;
+    }
+    k0 = k1;
+  }
+  for (int m = 0; m < MT; ++m) {
+    float s[kPanel];
+    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
+    float* o = out + m * ldo + n0;
+    for (int64_t j = 0; j < nvalid; ++j) {
+      float r = s[j];
+      if (bias) r += bias[n0 + j];
+      o[j] = accumulate ? o[j] + r : r;
+    }
+  }
+}
+
+template <int MT>
+static inline void panel_rows_i8(int mt, const float* xt, int64_t ldx, int64_t K,
+                                 const int8_t* wp, const float* sp, int64_t group, float* out,
+                                 int64_t ldo, int64_t n0, int64_t nvalid, const float* bias,
+                                 bool acc) {
+  if constexpr (MT == 1) {
+    panel_tile_i8<1>(xt, ldx, K, wp, sp, group, out, ldo, n0, nvalid, bias, acc);
+  } else {
+    if (mt == MT) panel_tile_i8<MT>(xt, ldx, K, wp, sp, group, out, ldo, n0, nvalid, bias, acc);
+    else panel_rows_i8<MT - 1>(mt, xt, ldx, K, wp, sp, group, out, ldo, n0, nvalid, bias, acc);
+  }
+}
+
+// gemm with int8 panels wp and scale panels sp ([panels, groups, kPanel])
+static void gemm_i8(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp,
+                    int64_t group, int64_t N, float* out, const float* bias, bool accumulate) {
+  const float* xt = x;
+  thread_local std::vector<float> xbuf;
+  if (M > 1) {
+    xbuf.resize(M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xbuf[k * M + m] = x[m * K + k];
+    xt = xbuf.data();
+  }
+  const int64_t panels = (N + kPanel - 1) / kPanel, groups = (K + group - 1) / group;
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel, nvalid = std::min(kPanel, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += kMT)
+      panel_rows_i8<kMT>((int)std::min<int64_t>(kMT, M - m0), xt + m0, M, K,
+                         wp + p * K * kPanel, sp + p * groups * kPanel, group, out + m0 * N,
+                         N, n0, nvalid, bias, accumulate);
+  }
+}
+
+static void check_i8_panels(const torch::Tensor& wp, const torch::Tensor& sp, int64_t n,
+                            int64_t K, int64_t group, const char* name) {
+  TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kChar && wp.is_contiguous(),
+              name, " must be a contiguous int8 CPU tensor (pack_int8)");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kPanel && wp.size(1) == K &&
+              wp.size(0) == (n + kPanel - 1) / kPanel,
+              name, " must be a packed int8 weight (pack_int8) of ", n, " x ", K);
+  TORCH_CHECK(group >= 1, name, ": group must be >= 1");
+  check_f32(sp, "scales");
+  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == wp.size(0) && sp.size(2) == kPanel &&
+              sp.size(1) == (K + group - 1) / group,
+              name, "'s scales must be packed (pack_int8) for groups of ", group);
+}
+
+// q int8 [N, K] and its scales [N, G] into panels: ([ceil(N / kPanel), K, kPanel] int8,
+// [ceil(N / kPanel), G, kPanel] float32), rows past N as zeros.
+std::vector<torch::Tensor> pack_int8(torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kChar && q.is_contiguous() &&
+              q.dim() == 2, "q must be a contiguous 2-D int8 CPU tensor");
+  check_f32(scale, "scale");
+  const int64_t N = q.size(0), K = q.size(1), G = scale.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N, "scale must be [N, groups]");
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  auto wp = torch::zeros({panels, K, kPanel}, q.options());
+  auto sp = torch::zeros({panels, G, kPanel}, scale.options());
+  const int8_t* src = q.data_ptr<int8_t>();
+  const float* ss = scale.data_ptr<float>();
+  int8_t* dst = wp.data_ptr<int8_t>();
+  float* sd = sp.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t rows = std::min(kPanel, N - p * kPanel);
+    for (int64_t j = 0; j < rows; ++j) {
+      const int8_t* r = src + (p * kPanel + j) * K;
+      for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = r[k];
+      for (int64_t g = 0; g < G; ++g) sd[(p * G + g) * kPanel + j] = ss[(p * kPanel + j) * G + g];
+    }
+  }
+  return {wp, sp};
+}
+
+// x @ (q * s)^T (+ bias) (+ residual) with (wp, sp) = pack_int8(q, s), n = q.size(0)
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor wp, torch::Tensor sp, int64_t n,
+                          int64_t group, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> residual) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_i8_panels(wp, sp, n, K, group, "w");
+  torch::Tensor out;
+  const bool acc = residual.has_value() && residual->defined();
+  if (acc) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == M && residual->size(1) == n, "residual shape");
+    out = residual->clone();
+  } else {
+    out = torch::empty({M, n}, x.options());
+  }
+  if (bias.has_value() && bias->defined() && bias->numel()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "bias shape");
+  }
+  gemm_i8(x.data_ptr<float>(), M, K, wp.data_ptr<int8_t>(), sp.data_ptr<float>(), group, n,
+          out.data_ptr<float>(), opt_ptr(bias), acc);
+  return out;
+}
+
+// decode_layers with int8 matrices: per layer (wp, sp) of pack_int8 for qkv, proj, fc1
+// and fc2 (``*_s`` the scales), one quantization group size for all of them.
+torch::Tensor decode_layers_int8(
+    torch::Tensor x, std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> qkv_w,
+    std::vector<torch::Tensor> qkv_s, std::vector<torch::Tensor> qkv_b,
+    std::vector<torch::Tensor> proj_w, std::vector<torch::Tensor> proj_s,
+    std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> fc1_w,
+    std::vector<torch::Tensor> fc1_s, std::vector<torch::Tensor> fc2_w,
+    std::vector<torch::Tensor> fc2_s, int64_t group, torch::Tensor final_norm,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor pos, int64_t G, int64_t HPG, int64_t D, double scale, double eps,
+    c10::optional<torch::Tensor> row_of) {
+  check_f32(x, "x"); check_f32(k_cache, "k cache"); check_f32(v_cache, "v cache");
+  check_f32(cos, "cos"); check_f32(sin, "sin"); check_f32(final_norm, "final norm");
+  TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
+  const int64_t B = x.size(0), H = x.size(1), layers = (int64_t)qkv_w.size();
+  TORCH_CHECK(k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
+              "KV cache shape");
+  const int64_t* rp = row_map(row_of, B, k_cache.size(1));
+  const int64_t S = k_cache.size(3), layer_stride = k_cache.stride(0);
+  const int64_t NQKV = G * (HPG + 2) * D, NATT = G * HPG * D;
+  TORCH_CHECK(layers > 0 && fc2_w[0].dim() == 3, "packed weights expected");
+  const int64_t F2 = 2 * fc2_w[0].size(1);
+  auto gs = [group](int64_t K) { return std::min(group, K); };
+  auto opts = x.options();
+  auto h = torch::empty({B, H}, opts), qkv = torch::empty({B, NQKV}, opts),
+       att = torch::empty({B, NATT}, opts), fc = torch::empty({B, F2}, opts),
+       act = torch::empty({B, F2 / 2}, opts);
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < layers; ++i) {
+    for (auto* t : {&ln1[i], &ln2[i]}) check_f32(*t, "norm weight");
+    check_i8_panels(qkv_w[i], qkv_s[i], NQKV, H, gs(H), "qkv weight");
+    check_i8_panels(proj_w[i], proj_s[i], H, NATT, gs(NATT), "proj weight");
+    check_i8_panels(fc1_w[i], fc1_s[i], F2, H, gs(H), "fc1 weight");
+    check_i8_panels(fc2_w[i], fc2_s[i], H, F2 / 2, gs(F2 / 2), "fc2 weight");
+    const float* bias = qkv_b[i].defined() && qkv_b[i].numel() ? qkv_b[i].data_ptr<float>() : nullptr;
+    rms_norm_rows(xp, B, H, ln1[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
+    gemm_i8(h.data_ptr<float>(), B, H, qkv_w[i].data_ptr<int8_t>(), qkv_s[i].data_ptr<float>(),
+            gs(H), NQKV, qkv.data_ptr<float>(), bias, false);
+    rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                     k_cache.data_ptr<float>() + i * layer_stride,
+                     v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), rp,
+                     B, G, HPG, D, S, (float)scale, att.data_ptr<float>());
+    gemm_i8(att.data_ptr<float>(), B, NATT, proj_w[i].data_ptr<int8_t>(),
+            proj_s[i].data_ptr<float>(), gs(NATT), H, xp, nullptr, true);
+    rms_norm_rows(xp, B, H, ln2[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
+    gemm_i8(h.data_ptr<float>(), B, H, fc1_w[i].data_ptr<int8_t>(), fc1_s[i].data_ptr<float>(),
+            gs(H), F2, fc.data_ptr<float>(), nullptr, false);
+    silu_mul_rows(fc.data_ptr<float>(), B, F2 / 2, act.data_ptr<float>());
+    gemm_i8(act.data_ptr<float>(), B, F2 / 2, fc2_w[i].data_ptr<int8_t>(),
+            fc2_s[i].data_ptr<float>(), gs(F2 / 2), H, xp, nullptr, true);
+  }
+  auto out = torch::empty({B, H}, opts);
+  rms_norm_rows(xp, B, H, final_norm.data_ptr<float>(), (float)eps, out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = MTLT_ISA;  // the instruction set the GEMM tile was chosen for
   m.attr("PANEL") = kPanel;  // output rows per panel of a packed weight
@@ -830,4 +1063,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
         py::arg("D"), py::arg("scale"), py::arg("eps"), py::arg("row_of") = py::none());
+  m.def("pack_int8", &pack_int8, py::arg("q"), py::arg("scale"));
+  m.def("linear_int8", &linear_int8, py::arg("x"), py::arg("wp"), py::arg("sp"), py::arg("n"),
+        py::arg("group"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("decode_layers_int8", &decode_layers_int8, py::arg("x"), py::arg("ln1"),
+        py::arg("qkv_w"), py::arg("qkv_s"), py::arg("qkv_b"), py::arg("proj_w"),
+        py::arg("proj_s"), py::arg("ln2"), py::arg("fc1_w"), py::arg("fc1_s"),
+        py::arg("fc2_w"), py::arg("fc2_s"), py::arg("group"), py::arg("final_norm"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"),
+        py::arg("pos"), py::arg("G"), py::arg("HPG"), py::arg("D"), py::arg("scale"),
+        py::arg("eps"), py::arg("row_of") = py::none());
 }

@@ -9,6 +9,9 @@ A decode step reads engine -> ``controller.py`` -> ``decoder.py``:
   verify, accept) and the drafter's per-row state;
 - ``drafting.py``: chain, fused-chain and tree drafting (``DraftTree``);
 - ``draft_runner.py``: ``DraftRunner``, the drafter's incremental forward;
+- ``self_drafter.py`` / ``self_decoder.py``: the self-drafter, the policy's own
+  weight-only int8 copy as a second drafter kind (``rollout.speculative.drafter=self``);
+- ``kinds.py``: both kinds in one engine, the kind chosen per batch-size bucket;
 - ``acceptance.py``: exact acceptance of chains and trees;
 - ``tuner.py``: ``StrategyTuner`` (``decide`` -> ``Decision``, ``record(decision,
   Outcome)``; ``decision.py``), a bucketed bandit (``bandit.py``) plus the

@@ -66,7 +66,12 @@ class SpeculationController:
     def begin(self, max_batch: int, capacity: int) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
         ``max_batch`` rows of ``capacity`` positions. Returns the call's ``SpecStats``."""
-        self.decoder.draft.pack_weights()
+        draft = self.decoder.draft
+        before = getattr(draft, "refreshes", 0)  # the self-drafter re-quantizes here
+        draft.pack_weights()
+        if getattr(draft, "refreshes", 0) != before:
+            self.stats.drafter_refreshes += 1
+            self.stats.drafter_refresh_seconds += draft.refresh_seconds
         self.decoder.begin(max_batch, capacity, self.slack)
         return self.stats
 

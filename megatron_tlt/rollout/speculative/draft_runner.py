@@ -16,6 +16,8 @@ class DraftRunner(ModelRunner):
     """The drafter's layer run like the target's (same kernels, TP and cache code),
     with the target's embedding, RoPE and output layer (or its draft-vocabulary rows)."""
 
+    fused_drafting = True  # greedy chains may run in one call (cpu_kernels.draft_chain)
+
     def __init__(self, drafter: EagleDrafter, target: ModelRunner):
         self.drafter = drafter
         self.target = target

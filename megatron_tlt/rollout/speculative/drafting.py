@@ -67,6 +67,9 @@ class Drafting:
         self.target = target
         self.cache: Optional[KVCache] = None  # the drafter's cache (SpeculativeDecoder.begin)
         self.min_draft_prob = 0.0  # chains stop below this cumulative draft probability
+        # the drafter's cache position of draft j is L + j + pos_offset (0: the
+        # one-layer drafter, whose root pair sits at L-1; 1: the self-drafter, fed x_L at L)
+        self.pos_offset = 0
 
     def _draft_noise(self, rows, offset: int):
         """Coupled rows' noise at response position len(tokens) + offset over the draft
@@ -174,7 +177,8 @@ class Drafting:
                                 device=dev)
             feed = torch.where(torch.tensor([bool(d) for d in drafts], device=dev), feed, last)
             x = self.draft.inputs(feed, h, target_features=False)
-            h = self.draft.extend(self.cache, slice(0, b), feed[:, None], start + j,
+            h = self.draft.extend(self.cache, slice(0, b), feed[:, None],
+                                  start + j + self.pos_offset,
                                   embeds=x[:, None])[:, 0]
             logits = self.draft.draft_logits(h)
         q_lp = None
@@ -186,7 +190,8 @@ class Drafting:
         """Whether ``fused_chain`` drafts this batch: greedy rows, no confidence stop,
         the fused kernels' own cases (TP 1, float32 CPU, no FP8)."""
         d = self.draft
-        return (d.kernels is not None and d.tp_group is None and not d.fp8
+        return (d.fused_drafting and d.kernels is not None and d.tp_group is None
+                and not d.fp8
                 and self.min_draft_prob <= 0 and self.cache.layout == "bgsd"
                 and len(rows) <= d.fused_max_rows and all(r.params.greedy for r in rows))
 
@@ -209,7 +214,8 @@ class Drafting:
         kept, closed under parents). Returns the ``DraftTree``."""
         dev = self.target.device
         b, k = len(rows), s.top_k
-        L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        L = torch.tensor([r.length for r in rows], dtype=torch.long,
+                         device=dev) + self.pos_offset
         pool = TreePool(self._tree_scores(rows, logits, 0), k)
         parent_h = h[:, None].expand(b, k, h.shape[-1])
         # drafter tree masks: frontier j (slots L + (j-1)K ..) sees its ancestors

@@ -71,6 +71,9 @@ class SpecStats:
     probes: int = 0  # steps taken against the gate's decision to re-measure the other side
     tuned: dict[str, BucketSteps] = field(default_factory=dict)  # bucket label -> its steps
     gate: dict = field(default_factory=dict)  # StrategyTuner.gate_stats() after the call
+    # the self-drafter's re-quantizations at the start of the call (its weights changed)
+    drafter_refreshes: int = 0
+    drafter_refresh_seconds: float = 0.0
 
     def merged(self, other: "SpecStats") -> "SpecStats":
         """Both calls' counts summed (the pipeline ranks' shares of one call in
@@ -156,6 +159,8 @@ class SpecStats:
             "declined": self.declined,
             "declined_fraction": self.declined / tuned_steps if tuned_steps else 0.0,
             "probes": self.probes, "buckets": buckets,
+            "drafter_refreshes": self.drafter_refreshes,
+            "drafter_refresh_seconds": self.drafter_refresh_seconds,
         }
 
 

@@ -1,0 +1,266 @@
+"""Several drafter kinds in one engine, the kind chosen per batch-size bucket: the
+one-layer (EAGLE) drafter, the self-drafter (the policy's int8 copy), and plainly
+decoding.
+
+``attach_kinds(engine, {"eagle": drafter, "self": SelfDrafter()})`` gives the engine a
+``KindDecoder`` (one ``SpeculativeDecoder`` per kind, their per-row state kept in step)
+and a ``KindTuner`` (one ``StrategyTuner``, with its own bandit and break-even gate, per
+kind). The controller sees one decoder and one tuner:
+
+- ``KindTuner.decide`` picks the kind for the step from the kinds' gates in the bucket:
+  a kind whose gate has no speedup estimate yet is tried first; after that, the kind
+  with the best estimate, another one with probability ``epsilon`` (so a loser's
+  estimate is re-measured now and then, as the gates' probes do for speculation
+  itself); then that kind's tuner decides the arm (0_0_0 where its gate declines: plain
+  decoding is the third choice). Plain steps' times reach every kind's gate.
+- ``KindDecoder`` routes the step to the chosen kind's decoder; the others follow the
+  rows: prefill, plain steps and row moves reach all of them, and after a speculative
+  step of one kind a feature-fed drafter stores the target's hidden states of the
+  accepted nodes (the self-drafter's cache just stays valid up to what it was fed).
+
+Drafters with EAGLE-3 feature layers are not supported here (their features come from
+the verify forward's capture of the kind that drafted).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import torch
+
+from ...spec_strategy import OFF, Strategy
+from .decision import Decision, Outcome
+from .decoder import SpeculativeDecoder
+from .tuner import StrategyTuner
+
+
+class KindTuner:
+    """One ``StrategyTuner`` per drafter kind and the choice of kind per step."""
+
+    def __init__(self, tuners: dict[str, StrategyTuner], *, epsilon: float = 0.1,
+                 seed: int = 0):
+        if not tuners:
+            raise ValueError("KindTuner needs at least one kind")
+        self.tuners = dict(tuners)
+        first = next(iter(self.tuners.values()))
+        self.buckets = first.buckets
+        self.epsilon = epsilon
+        self.rng = random.Random(seed)
+        self.active: Optional[str] = None  # the kind of the step being decided
+        self.chosen: dict[str, dict[str, int]] = {}  # bucket label -> kind -> steps
+
+    # the StrategyTuner interface the controller uses
+    break_even = property(lambda self: any(t.break_even for t in self.tuners.values()))
+
+    def bucket_of(self, batch_size: int) -> int:
+        return next(iter(self.tuners.values())).bucket_of(batch_size)
+
+    def bucket_label(self, index: int) -> str:
+        return next(iter(self.tuners.values())).bucket_label(index)
+
+    def all_arms(self) -> list[Strategy]:
+        return [a for t in self.tuners.values() for a in t.all_arms()]
+
+    def estimate(self, kind: str, batch_size: int) -> Optional[float]:
+        """The kind's gate's best speedup estimate in the bucket (None: none yet)."""
+        t = self.tuners[kind]
+        b = t.bucket_of(batch_size)
+        best = t.gate.best_speedup(b, t._spec_arms(b))
+        return None if best is None else best[1]
+
+    def choose_kind(self, batch_size: int) -> str:
+        kinds = list(self.tuners)
+        est = {k: self.estimate(k, batch_size) for k in kinds}
+        untried = [k for k in kinds if est[k] is None]
+        if untried:
+            return untried[0]
+        best = max(kinds, key=lambda k: est[k])
+        if len(kinds) > 1 and self.rng.random() < self.epsilon:
+            return self.rng.choice([k for k in kinds if k != best])
+        return best
+
+    def decide(self, batch_size: int, pending: int = 0) -> Decision:
+        kind = self.choose_kind(batch_size)
+        self.active = kind
+        d = self.tuners[kind].decide(batch_size, pending)
+        label = self.bucket_label(d.bucket)
+        per = self.chosen.setdefault(label, {})
+        per[kind] = per.get(kind, 0) + 1
+        return d
+
+    def record(self, decision: Decision, outcome: Outcome) -> None:
+        self.tuners[self.active].record(decision, outcome)
+        if decision.strategy.is_off and outcome.seconds > 0:  # a plain step: every
+            for k, t in self.tuners.items():  # kind's break-even reference
+                if k != self.active:
+                    t.observe_plain(outcome.batch_size, outcome.seconds)
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        for t in self.tuners.values():
+            t.observe_plain(batch_size, seconds)
+
+    def gate_stats(self) -> dict:
+        """Per bucket label: the kinds' gate states and how often each was chosen."""
+        out: dict = {}
+        for k, t in self.tuners.items():
+            for label, st in t.gate_stats().items():
+                out.setdefault(label, {"kinds": {}})["kinds"][k] = st
+        for label, per in self.chosen.items():
+            out.setdefault(label, {"kinds": {}})["chosen"] = dict(per)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"kinds": {k: t.state_dict() for k, t in self.tuners.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, s in state["kinds"].items():
+            self.tuners[k].load_state_dict(s)
+
+    def save(self, path) -> None:
+        import json
+
+        from ...fileio import atomic_write
+
+        with atomic_write(path) as f:
+            json.dump(self.state_dict(), f)
+
+
+class _Drafts:
+    """The kinds' drafter runners as the controller's ``decoder.draft`` (weights packed
+    or re-quantized together; the self-drafter's refresh counters)."""
+
+    def __init__(self, decoders: dict[str, SpeculativeDecoder]):
+        self.decoders = decoders
+
+    def pack_weights(self) -> None:
+        for d in self.decoders.values():
+            d.draft.pack_weights()
+
+    @property
+    def refreshes(self) -> int:
+        return sum(getattr(d.draft, "refreshes", 0) for d in self.decoders.values())
+
+    @property
+    def refresh_seconds(self) -> float:
+        return sum(getattr(d.draft, "refresh_seconds", 0.0) for d in self.decoders.values())
+
+
+class KindDecoder:
+    """One decoder per kind; the step runs on ``tuner.active``'s."""
+
+    def __init__(self, decoders: dict[str, SpeculativeDecoder], tuner: KindTuner):
+        for k, d in decoders.items():
+            if d.feature_layers:
+                raise ValueError(f"drafter kind {k!r} reads EAGLE-3 feature layers, which "
+                                 "several drafter kinds do not support")
+        self.decoders = dict(decoders)
+        self.tuner = tuner
+        self.draft = _Drafts(self.decoders)
+        self.feature_layers = ()
+        # the returned hidden states come from a kind's feature store where one keeps them
+        self._store = next((d for d in self.decoders.values() if d.keeps_hidden), None)
+        self.keeps_hidden = self._store is not None
+
+    def _active(self) -> SpeculativeDecoder:
+        return self.decoders[self.tuner.active or next(iter(self.decoders))]
+
+    features = property(lambda self: None if self._store is None else self._store.features)
+
+    @property
+    def drafter(self):
+        """The one-layer drafter (the kind with weights to checkpoint and train), or
+        None."""
+        return next((d.drafter for d in self.decoders.values()
+                     if getattr(d, "kind", "") != "self"), None)
+    cache = property(lambda self: self._active().cache)
+
+    @property
+    def min_draft_prob(self) -> float:
+        return next(iter(self.decoders.values())).min_draft_prob
+
+    @min_draft_prob.setter
+    def min_draft_prob(self, value: float) -> None:
+        for d in self.decoders.values():
+            d.min_draft_prob = value
+
+    # ---------------------------------------------------------------- all kinds
+    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
+        for d in self.decoders.values():
+            d.begin(max_batch, capacity, slack)
+
+    def release(self) -> None:
+        for d in self.decoders.values():
+            d.release()
+
+    def capture_hook(self):
+        return None, None
+
+    def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
+        return hidden
+
+    def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
+        for d in self.decoders.values():
+            d.store(row, first_pos, feats)
+
+    def store_step(self, start: torch.Tensor, feats: torch.Tensor) -> None:
+        for d in self.decoders.values():
+            d.store_step(start, feats)
+
+    def new_row(self, row: int) -> None:
+        for d in self.decoders.values():
+            d.new_row(row)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for d in self.decoders.values():
+            d.move_row(src, dst, length)
+
+    def pending(self, rows: Sequence) -> int:
+        return max(d.pending(rows) for d in self.decoders.values())
+
+    # ---------------------------------------------------------------- the active kind
+    def catch_up(self, rows: Sequence, stats) -> int:
+        return self._active().catch_up(rows, stats)
+
+    def step(self, target_cache, rows: Sequence, strategy: Strategy, stats):
+        """The active kind's step; the other kinds store the target's hidden states of
+        the accepted nodes at positions L.. (their features there)."""
+        active = self._active()
+        lengths = [r.length for r in rows]
+        emissions, hidden, logits, plp = active.step(target_cache, rows, strategy, stats)
+        for d in self.decoders.values():
+            if d is active or not d.keeps_hidden:
+                continue
+            for i, (length, e) in enumerate(zip(lengths, emissions)):
+                idx = torch.tensor(e.nodes, device=hidden[i].device)
+                d.store(i, length, hidden[i].index_select(0, idx))
+        return emissions, hidden, logits, plp
+
+    def compact(self, target_cache, row: int, length: int, slots) -> None:
+        self._active().compact(target_cache, row, length, slots)
+
+
+def attach_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
+                 epsilon: float = 0.1) -> None:
+    """Speculate in ``engine`` with each drafter of ``drafters`` (kind name -> an
+    ``EagleDrafter`` or a ``SelfDrafter``), the kind chosen per bucket (``KindTuner``);
+    ``tuners``: a ``StrategyTuner`` per kind (default: one from the engine's
+    ``config.speculative`` each)."""
+    decoders = {}
+    for kind, drafter in drafters.items():
+        make = getattr(drafter, "make_decoder", None)
+        if make is None:
+            drafter.config.check_target(engine.arch)
+            engine.runner.prepare_drafter(drafter)
+            decoders[kind] = SpeculativeDecoder(drafter, engine.runner)
+        else:
+            decoders[kind] = make(engine.runner)
+        decoders[kind].min_draft_prob = engine.config.speculative.min_draft_prob
+    sc = engine.config.speculative
+    tuners = tuners or {k: StrategyTuner.from_config(sc) for k in decoders}
+    tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed)
+    engine.spec = KindDecoder(decoders, tuner)
+    engine.tuner = tuner
+
+
+__all__ = ["KindTuner", "KindDecoder", "attach_kinds", "OFF"]

@@ -1,0 +1,134 @@
+"""The speculative step with the self-drafter (``self_drafter.py``): the policy's int8
+copy drafts, the target verifies exactly as with the one-layer drafter.
+
+It is ``SpeculativeDecoder`` with a token-fed drafter instead of a feature-fed one:
+
+- the copy's KV cache (all layers) holds sequence positions 0..draft_len-1 of each row,
+  the same positions as the target's cache; the root of a step is the last sampled
+  token x_L fed at its own position L (the one-layer drafter feeds the pair
+  (x_L, h_{L-1}) at L-1), so ``Drafting`` places drafts one position later
+  (``pos_offset`` 1);
+- the catch-up feeds the tokens the copy has not seen (the prompt after prefill, tokens
+  decoded plainly, a step's accepted tokens it did not draft) in one ragged forward:
+  no target features are kept;
+- after verification the copy's cache is rolled back to the accepted run: a chain's
+  drafts fed at L+1.. are kept as far as they were accepted (their keys and values are
+  the accepted tokens'), a tree's nodes are not (they sit at tree slots), and the
+  next step's catch-up feeds the rest, the bonus token last.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...spec_strategy import Strategy
+from ..forward import ModelRunner
+from ..kv_cache import KVCache
+from .decoder import SpeculativeDecoder
+from .drafting import Drafting
+from .self_drafter import SelfDraftRunner, SelfDrafter
+from .stats import SpecStats
+
+
+class SelfDraftDecoder(SpeculativeDecoder):
+    """Self-speculation state for a running batch: the int8 copy's KV cache and, per
+    cache row, how many positions of it are valid (``draft_len``)."""
+
+    kind = "self"
+    keeps_hidden = False  # no feature store: returned hidden states need their buffer
+
+    def __init__(self, drafter: SelfDrafter, target: ModelRunner):
+        if target.pp_size > 1 or target.shares_prompts:
+            raise ValueError("the self-drafter runs at pipeline parallelism 1 for now; "
+                             "use rollout.speculative.drafter with an EAGLE checkpoint "
+                             "or parallel.pipeline_model_parallel_size=1")
+        self.drafter = drafter
+        self.target = target
+        self.draft = SelfDraftRunner(target, drafter)
+        self.draft.kernels = target.kernels
+        self.draft.pack_weights()  # quantize now (again only when the weights change)
+        self.drafting = Drafting(self.draft, target)
+        self.drafting.pos_offset = 1
+        self.feature_layers = ()
+        self.feature_width = 0
+        self.cache = None
+        self.features = None
+        self.draft_len: list[int] = []
+
+    # ---------------------------------------------------------------- state
+    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
+        """The copy's cache for ``max_batch`` rows of ``capacity`` positions (+ draft
+        slack; without the kernels the padded catch-up needs a capacity more)."""
+        extra = slack + 1 if self.draft.kernels is not None else capacity + slack + 1
+        need = capacity + extra
+        c = self.cache
+        if c is not None and c.fits(max_batch, need):
+            c.allocate()  # (again, after a release)
+        else:
+            if c is not None:
+                c.release()  # free the old one first
+            self.cache = None
+            self.cache = KVCache(num_layers=len(self.draft.layers), max_batch=max_batch,
+                                 kv_heads=self.draft.groups, capacity=need,
+                                 head_dim=self.draft.head_dim, dtype=self.draft.dtype,
+                                 device=self.draft.device)
+        self.drafting.cache = self.cache
+        self.draft_len = [0] * max_batch
+
+    def release(self) -> None:
+        """Free the copy's KV cache (``rollout.memory``; the next ``begin`` makes it
+        again). The int8 copy itself stays: the next rollout drafts with it, re-quantized
+        only if the policy changed."""
+        if self.cache is not None:
+            self.cache.release()
+
+    def capture_hook(self):
+        return None, None
+
+    def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
+        return hidden  # not kept: the copy is fed tokens
+
+    def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
+        pass
+
+    def store_step(self, start: torch.Tensor, feats: torch.Tensor) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        n = self.draft_len[src]
+        self.cache.move_row(src, dst, n)
+        self.draft_len[dst] = n
+
+    # ---------------------------------------------------------------- the step
+    def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
+             stats: SpecStats):
+        """``SpeculativeDecoder.step``; then each row's copy is valid up to its root
+        x_L and, for chains, the accepted drafts it was fed (d_1..d_{depth-1})."""
+        lengths = [r.length for r in rows]
+        out = super().step(target_cache, rows, strategy, stats)
+        fed = strategy.depth - 1 if strategy.is_chain else 0
+        for i, (length, e) in enumerate(zip(lengths, out[0])):
+            self.draft_len[i] = length + 1 + min(len(e.tokens) - 1, fed)
+        return out
+
+    def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
+        """Every row's tokens the copy has not been fed: positions draft_len .. L (the
+        last, x_L, is the root; ``root=False`` stops before it). Returns the tokens
+        [N], None (no features), the row counts and their first positions."""
+        counts, toks, starts = [], [], []
+        for i, r in enumerate(rows):
+            hi = r.length + (1 if root else 0)  # positions lo..hi-1
+            lo = min(self.draft_len[i], r.length)  # the root is always fed
+            hi = max(hi, lo)
+            toks.extend((r.prompt + r.tokens)[lo:hi])
+            counts.append(hi - lo)
+            starts.append(lo)
+        stats.catchup_tokens += sum(counts) - (len(rows) if root else 0)
+        tok = torch.tensor(toks, dtype=torch.long, device=self.target.device)
+        return tok, None, counts, starts
+
+    def pending(self, rows: Sequence) -> int:
+        """Positions the copy missed before each row's root."""
+        return sum(max(0, r.length - self.draft_len[i]) for i, r in enumerate(rows))

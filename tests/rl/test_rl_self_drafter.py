@@ -1,0 +1,75 @@
+"""GRPO with the self-drafter (rollout.speculative.drafter=self): every step's rollout
+speculates with the policy's int8 copy, re-quantized after each update; the drafter
+group refuses it (nothing to train)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli import run_script
+from rl_fixtures import save_tiny_policy, tiny_run_args
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(smollm2_dir, tmp_path_factory) -> Path:
+    return save_tiny_policy(tmp_path_factory.mktemp("rl") / "policy", smollm2_dir)
+
+
+SPEC = ["rollout.speculative.drafter=self", "rollout.speculative.threshold=8",
+        "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2"]
+
+
+def test_rl_steps_refresh_the_copy_after_every_update(tiny_policy, tmp_path):
+    out = tmp_path / "run"
+    r = run_script("pretrain_rl_tlt.py", *tiny_run_args(tiny_policy, out, "train.lr=1e-3",
+                                                        "train.steps=3", *SPEC), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == [1, 2, 3]
+    for rec in records:
+        assert rec["spec"]["steps"] > 0
+    # quantized when attached; then once per rollout after each policy update
+    assert records[0]["spec"]["drafter_refreshes"] == 0
+    assert [x["spec"]["drafter_refreshes"] for x in records[1:]] == [1, 1]
+    assert all(x["spec"]["drafter_refresh_seconds"] > 0 for x in records[1:])
+
+
+def test_drafter_group_refuses_the_self_drafter(tiny_policy, tmp_path):
+    r = run_script("pretrain_rl_tlt.py", *tiny_run_args(tiny_policy, tmp_path / "run",
+                                                        "train.steps=1",
+                                                        "drafter_group.enable=true", *SPEC),
+                   timeout=600)
+    assert r.returncode != 0
+    assert "drafter_group.enable=false" in r.stderr
+
+
+def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_parallel):
+    """rollout.speculative.self_too: a one-layer drafter checkpoint and the int8 copy
+    side by side (the default adaptive tuner per kind); the run speculates, re-quantizes
+    the copy after the update and checkpoints the one-layer drafter."""
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    arch = arch_from_source(tiny_policy)
+    path = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                        tmp_path / "drafter.safetensors")
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    r = run_script("pretrain_rl_tlt.py", *tiny_run_args(
+        tiny_policy, out, "train.lr=1e-3", "train.steps=2", f"checkpoint.save={ckpt}",
+        f"rollout.speculative.drafter={path}", "rollout.speculative.self_too=true",
+        "rollout.speculative.threshold=8"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == [1, 2]
+    assert records[1]["spec"]["drafter_refreshes"] == 1
+    assert any((ckpt / "latest").parent.rglob("*drafter*"))
+
+
+def test_self_too_needs_a_drafter_checkpoint():
+    from megatron_tlt.config import ConfigError, SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="self_too"):
+        SpeculativeConfig(drafter="self", self_too=True)

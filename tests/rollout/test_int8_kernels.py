@@ -1,0 +1,107 @@
+"""The CPU kernels' int8-weight GEMM (``pack_int8``, ``linear_int8``,
+``decode_layers_int8``: the self-drafter's quantized copy) against float64 references of
+the dequantized weights, in every instruction-set variant this CPU runs (AVX-512, AVX2,
+portable), on shapes that reach the row tiles, partial panels, per-channel and grouped
+scales with a shorter last group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_tlt.rollout import cpu_kernels
+from megatron_tlt.rollout.forward import ModelRunner, _Layer
+from megatron_tlt.rollout.kv_cache import KVCache
+from megatron_tlt.rollout.quantize import quantize_int8
+
+
+@pytest.fixture(scope="module", params=cpu_kernels.available_isas())
+def kern(request):
+    k = cpu_kernels.get(request.param)
+    assert k is not None, "the CPU kernels did not build (needs a C++ compiler and ninja)"
+    return k
+
+
+@pytest.mark.parametrize("group", [0, 64, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_linear_int8_matches_the_dequantized_product(kern, group, rows):
+    """x @ (q * s)^T + bias + residual within float32 rounding of the float64 product,
+    for N not a multiple of the panel width and K not a multiple of the group."""
+    g = torch.Generator().manual_seed(rows + group)
+    n, k = 3 * kern.PANEL + 5, 200
+    qw = quantize_int8(torch.randn(n, k, generator=g), group)
+    wp, sp = kern.pack_int8(qw.q, qw.scale)
+    assert wp.dtype == torch.int8 and wp.shape == (4, k, kern.PANEL)
+    x = torch.randn(rows, k, generator=g)
+    b, res = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    w = qw.dequantize().double()
+    ref = x.double() @ w.t()
+    tol = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-5
+    got = kern.linear_int8(x, wp, sp, n, qw.group)
+    assert ((got.double() - ref).abs() <= tol).all()
+    got = kern.linear_int8(x, wp, sp, n, qw.group, b, res)
+    assert ((got.double() - (ref + b.double() + res.double())).abs() <= tol + 1e-5).all()
+    # a row's result does not depend on the other rows (the same at any batch size)
+    one = kern.linear_int8(x[-1:].contiguous(), wp, sp, n, qw.group)
+    assert torch.equal(one[0], kern.linear_int8(x, wp, sp, n, qw.group)[-1])
+
+
+def test_int8_kernels_check_their_inputs(kern):
+    qw = quantize_int8(torch.randn(20, 64), 16)
+    wp, sp = kern.pack_int8(qw.q, qw.scale)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="scales must be packed"):
+        kern.linear_int8(x, wp, sp, 20, 32)  # the wrong group size
+    with pytest.raises(RuntimeError, match="packed int8 weight"):
+        kern.linear_int8(torch.randn(2, 63), wp, sp, 20, 16)
+
+
+@pytest.mark.parametrize("group", [0, 32])
+def test_decode_layers_int8_matches_the_reference_layers(kern, group):
+    """The fused int8 decoder stack equals the layer-by-layer reference (the runner's
+    eager path over the dequantized weights) at a decode step of 3 rows with a prefix."""
+    g = torch.Generator().manual_seed(group)
+    h, f, groups, hpg, d, layers = 64, 96, 2, 2, 16, 2
+    nqkv, natt = groups * (hpg + 2) * d, groups * hpg * d
+
+    def mat(n, k):
+        return torch.randn(n, k, generator=g) * k ** -0.5
+
+    fl = [_Layer(ln1=1 + 0.1 * torch.randn(h, generator=g), qkv_w=mat(nqkv, h), qkv_b=None,
+                 proj_w=mat(h, natt), ln2=1 + 0.1 * torch.randn(h, generator=g),
+                 fc1_w=mat(2 * f, h), fc2_w=mat(h, f)) for _ in range(layers)]
+    q = [{n: quantize_int8(getattr(lw, n), group) for n in ("qkv_w", "proj_w", "fc1_w", "fc2_w")}
+         for lw in fl]
+    deq = [_Layer(ln1=lw.ln1, qkv_w=qq["qkv_w"].dequantize(), qkv_b=None,
+                  proj_w=qq["proj_w"].dequantize(), ln2=lw.ln2,
+                  fc1_w=qq["fc1_w"].dequantize(), fc2_w=qq["fc2_w"].dequantize())
+           for lw, qq in zip(fl, q)]
+    norm = torch.ones(h)
+    ref = ModelRunner.from_tensors(embed_w=mat(50, h), layers=deq, final_norm=norm,
+                                   output_w=mat(50, h), groups=groups, heads_per_group=hpg)
+    b, prefix = 3, 5
+    caches = [KVCache(num_layers=layers, max_batch=b, kv_heads=groups, capacity=16,
+                      head_dim=d, dtype=torch.float32, device=torch.device("cpu"))
+              for _ in range(2)]
+    tokens = torch.randint(0, 50, (b, prefix + 1), generator=g)
+    start = torch.zeros(b, dtype=torch.long)
+    for c in caches:  # the same prefix in both caches
+        ref.extend(c, slice(0, b), tokens[:, :prefix], start)
+    want = ref.extend(caches[0], slice(0, b), tokens[:, prefix:], start + prefix)[:, 0]
+    pos = torch.full((b,), prefix, dtype=torch.long)
+    cos, sin = ref.rope(pos)
+    packed = [{n: kern.pack_int8(qw.q, qw.scale) for n, qw in qq.items()} for qq in q]
+    x = ref.embed(tokens[:, prefix]).contiguous()
+    got = kern.decode_layers_int8(
+        x, [lw.ln1 for lw in fl], [p["qkv_w"][0] for p in packed],
+        [p["qkv_w"][1] for p in packed], [torch.empty(0)] * layers,
+        [p["proj_w"][0] for p in packed], [p["proj_w"][1] for p in packed],
+        [lw.ln2 for lw in fl], [p["fc1_w"][0] for p in packed], [p["fc1_w"][1] for p in packed],
+        [p["fc2_w"][0] for p in packed], [p["fc2_w"][1] for p in packed], group or 1 << 40,
+        norm, caches[1].k, caches[1].v, cos.contiguous(),
+        (sin * ref._sin_sign).contiguous(), pos, groups, hpg, d, ref.scale, ref.eps)
+    assert (got - want).abs().max() < 1e-4
+    assert torch.allclose(caches[1].k[:, :, :, : prefix + 1], caches[0].k[:, :, :, : prefix + 1],
+                          atol=1e-5)
+    assert F.cosine_similarity(got, want, dim=-1).min() > 0.9999
