@@ -95,7 +95,7 @@ def default_acceptance(cfg, hardware: Optional[str] = None) -> Acceptance:
     """The acceptance a prediction assumes when none is given: the demo drafter's
     measured alpha on the CPU tables, the rescaled curve on a GPU."""
     if hardware is None:
-        from ..rl.plan import architecture
+        from ..models.known import architecture
 
         hardware = default_hardware(cfg, architecture(cfg)[0].num_parameters)
     if hardware == "cpu":
@@ -121,7 +121,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
 
     table = cost
     if arch is None:
-        from ..rl.plan import architecture
+        from ..models.known import architecture
 
         arch = architecture(cfg)[0]
     par, g, ro = cfg.parallel, cfg.grpo, cfg.rollout

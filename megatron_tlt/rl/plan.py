@@ -3,52 +3,17 @@ parallel layout and each rank's memory by phase (``memory_model``: resident, rol
 update, the peak against an 80 GB GPU), without loading any weights; then the planner's
 predicted step time with and without TLT (``megatron_tlt.planner``, docs/planning.md).
 
-The architecture comes from the model folder's config.json when it exists here, else
-from ``KNOWN_ARCHITECTURES`` (the public configs of the models the recipes name), so
-a cluster recipe can be checked on a laptop.
+The architecture comes from ``models.known.architecture``: the model folder's config.json
+when it exists here, else the public config of a model the recipes name, so a cluster
+recipe can be checked on a laptop.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ..config import Config, ConfigError, validate_for_run
+from ..config import Config, validate_for_run
+from ..models.known import KNOWN_ARCHITECTURES, architecture  # noqa: F401 (re-exported)
 from . import memory_model
 from .memory_model import GIB
-
-# Public config.json fields of models our recipes use (Hugging Face model cards).
-KNOWN_ARCHITECTURES = {
-    "Qwen2.5-7B-Instruct": dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "Qwen2.5-32B-Instruct": dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
-        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-        num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-}
-
-
-def architecture(cfg: Config):
-    """(ModelArch, where it came from) for ``cfg.model.hf_path``: its config.json when
-    it is here, else a known public architecture of that name."""
-    from ..models import arch_from_source
-    from ..models.gpt import ModelArch
-
-    name = str(cfg.model.hf_path or "")
-    path = Path(name).expanduser()
-    if name == "smollm2" or path.exists():
-        from ..models import resolve_source
-
-        return arch_from_source(resolve_source(name)), "config.json"
-    key = path.name
-    if key in KNOWN_ARCHITECTURES:
-        return ModelArch.from_hf_config(KNOWN_ARCHITECTURES[key]), "built-in public config"
-    raise ConfigError(
-        f"model.hf_path={name!r} is not here and is not a known architecture "
-        f"({', '.join(KNOWN_ARCHITECTURES)}); the dry run needs its config.json")
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
