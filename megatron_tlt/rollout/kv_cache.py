@@ -117,3 +117,15 @@ class KVCache:
         else:
             self.k[:, dst, :length] = self.k[:, src, :length]
             self.v[:, dst, :length] = self.v[:, src, :length]
+
+
+def reuse_or_make(cache: Optional[KVCache], *, max_batch: int, capacity: int,
+                  **shape) -> KVCache:
+    """``cache`` (re-allocated if it was released) when it holds ``max_batch`` rows of
+    ``capacity`` positions; otherwise its tensors are freed first and a new cache of that
+    size is made (``shape``: KVCache's other arguments)."""
+    if cache is not None and cache.fits(max_batch, capacity):
+        return cache.allocate()
+    if cache is not None:
+        cache.release()
+    return KVCache(max_batch=max_batch, capacity=capacity, **shape)

@@ -31,7 +31,7 @@ import torch
 from ...models.drafter import EagleDrafter
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, reuse_or_make
 from ..sampling import coupled_gumbel
 from .acceptance import accept_chain, accept_tree, processed_rows
 from .draft_runner import DraftRunner
@@ -83,17 +83,10 @@ class SpeculativeDecoder:
         """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack)."""
         extra = slack if self.draft.kernels is not None else capacity + slack
         need = capacity + extra
-        c = self.cache
-        if c is not None and c.fits(max_batch, need):
-            c.allocate()  # (again, after a release)
-        else:
-            if c is not None:
-                c.release()  # free the old one first
-            self.cache = None
-            self.cache = KVCache(num_layers=1, max_batch=max_batch,
-                                 kv_heads=self.draft.groups, capacity=need,
-                                 head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                 device=self.draft.device)
+        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch,
+                                   kv_heads=self.draft.groups, capacity=need,
+                                   head_dim=self.draft.head_dim, dtype=self.draft.dtype,
+                                   device=self.draft.device)
         self.drafting.cache = self.cache
         f = self.features
         if f is None or f.shape[0] < max_batch or f.shape[1] < capacity + slack:

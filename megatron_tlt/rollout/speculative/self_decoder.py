@@ -25,7 +25,7 @@ import torch
 
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, reuse_or_make
 from .decoder import SpeculativeDecoder
 from .drafting import Drafting
 from .self_drafter import SelfDraftRunner, SelfDrafter
@@ -63,17 +63,10 @@ class SelfDraftDecoder(SpeculativeDecoder):
         slack; without the kernels the padded catch-up needs a capacity more)."""
         extra = slack + 1 if self.draft.kernels is not None else capacity + slack + 1
         need = capacity + extra
-        c = self.cache
-        if c is not None and c.fits(max_batch, need):
-            c.allocate()  # (again, after a release)
-        else:
-            if c is not None:
-                c.release()  # free the old one first
-            self.cache = None
-            self.cache = KVCache(num_layers=len(self.draft.layers), max_batch=max_batch,
-                                 kv_heads=self.draft.groups, capacity=need,
-                                 head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                 device=self.draft.device)
+        self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers), max_batch=max_batch,
+                                   kv_heads=self.draft.groups, capacity=need,
+                                   head_dim=self.draft.head_dim, dtype=self.draft.dtype,
+                                   device=self.draft.device)
         self.drafting.cache = self.cache
         self.draft_len = [0] * max_batch
 
