@@ -27,17 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def parallel_groups():
-    from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.runtime_env import init_distributed
-
-    plat = init_distributed()
-    assert plat.device.type == "cuda" and plat.backend == "nccl"
-    initialize_model_parallel(1, 1, seed=1234)
-    return plat
-
-
-@pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
     return save_tiny_hf("llama_tied", tmp_path_factory.mktemp("memctl") / "m",
                         max_position_embeddings=4096, hidden_size=256,
@@ -73,7 +62,7 @@ def _step(model_dir, granularity, impl):
 
 @pytest.mark.parametrize("impl", ["local", pytest.param("transformer_engine", marks=(
     pytest.mark.skipif(not te_available(), reason="Transformer Engine not installed")))])
-def test_recomputation_on_cuda_lowers_peak_memory(parallel_groups, long_context_model, impl):
+def test_recomputation_on_cuda_lowers_peak_memory(parallel, long_context_model, impl):
     runs = {g: _step(long_context_model, g, impl) for g in ("none", "selective", "full")}
     loss0, norm0, peak0 = runs["none"]
     for g in ("selective", "full"):
@@ -88,7 +77,7 @@ def test_recomputation_on_cuda_lowers_peak_memory(parallel_groups, long_context_
         assert runs["selective"][2] <= 1.05 * peak0
 
 
-def test_chunked_loss_peak_is_a_fraction_of_unchunked(parallel_groups):
+def test_chunked_loss_peak_is_a_fraction_of_unchunked(parallel):
     from megatron_tlt.models.gpt import ModelArch
     from megatron_tlt.models.inference import token_logprobs
     from megatron_tlt.rl.grpo import vocab_parallel_entropy
