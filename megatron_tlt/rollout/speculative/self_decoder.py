@@ -28,7 +28,7 @@ from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
 from .decoder import SpeculativeDecoder
 from .drafting import Drafting
-from .self_drafter import SelfDraftRunner, SelfDrafter
+from .self_drafter import SelfDrafter
 from .stats import SpecStats
 
 
@@ -46,8 +46,10 @@ class SelfDraftDecoder(SpeculativeDecoder):
                              "or parallel.pipeline_model_parallel_size=1")
         self.drafter = drafter
         self.target = target
-        self.draft = SelfDraftRunner(target, drafter)
-        self.draft.kernels = target.kernels
+        self.draft = drafter.runner_for(target)
+        if self.draft.kernels is not target.kernels:  # the panels follow the kernels
+            self.draft.kernels = target.kernels
+            self.draft._fp = None
         self.draft.pack_weights()  # quantize now (again only when the weights change)
         self.drafting = Drafting(self.draft, target)
         self.drafting.pos_offset = 1

@@ -68,12 +68,21 @@ class SelfDrafter:
         self.draft_vocab = None if draft_vocab is None else torch.sort(
             torch.as_tensor(draft_vocab, dtype=torch.long)).values
         self.source = source
+        self._runner: Optional["SelfDraftRunner"] = None  # the copy, kept across attaches
 
     def make_decoder(self, target: ModelRunner):
-        """The ``SpeculativeDecoder`` for ``target``'s rows (``self_decoder``)."""
+        """The ``SpeculativeDecoder`` for ``target``'s rows (``self_decoder``). The
+        quantized copy is kept across attaches to the same target: attaching again
+        re-quantizes only if the weights changed since (``pack_weights``)."""
         from .self_decoder import SelfDraftDecoder
 
         return SelfDraftDecoder(self, target)
+
+    def runner_for(self, target: ModelRunner) -> "SelfDraftRunner":
+        """This drafter's copy of ``target``: the kept one, or a new one."""
+        if self._runner is None or self._runner.target is not target:
+            self._runner = SelfDraftRunner(target, self)
+        return self._runner
 
 
 class SelfDraftRunner(ModelRunner):
