@@ -33,81 +33,16 @@ from ..config import RolloutConfig
 from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
 from .memory import PromptError, RolloutMemory
-from .pipeline import make_runner
+from .outputs import GenerateStats, RolloutOutput
+from .runners import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
 from .speculative.controller import SpeculationController
-from .speculative.stats import SpecStats
 
 
 class GenerationInterrupted(Exception):
     """``generate`` stopped early because ``RolloutEngine.interrupt`` said so; the
     partial outputs are dropped."""
-
-
-@dataclass
-class RolloutOutput:
-    """One generated sequence.
-
-    token_ids: generated tokens (a final EOS/stop token included).
-    logprobs: per generated token, its log-probability under the target model as the
-        request's ``SamplingParams.logprobs`` asks: raw log_softmax of the logits
-        (default), tempered (logits / temperature, no top-k/top-p) or processed (the
-        distribution it was sampled from).
-    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or the
-        context limit).
-    hidden_states: [len(token_ids), hidden] on CPU when requested: row i is the
-        target's final hidden state (after the final norm, the LM head's input) at the
-        position whose logits produced token i, i.e. at the last prompt token for i=0
-        and at generated token i-1 after that.
-    """
-
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    hidden_states: Optional[torch.Tensor] = None
-
-
-@dataclass
-class GenerateStats:
-    """What the last ``generate`` call did (for logs and benchmarks)."""
-
-    prompts: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
-    decode_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)  # running batch per decode step
-    step_seconds: list[float] = field(default_factory=list)  # each decode step's time
-    step_speculative: list[bool] = field(default_factory=list)  # ... whether it speculated
-    kv_cache_bytes: int = 0
-    pack_seconds: float = 0.0  # weights made ready (kernel panels; PP > 1 gathered: sync)
-    spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
-
-    def record_step(self, seconds: float, speculative: bool) -> None:
-        """Count one decode step (the running batch size is recorded before it runs)."""
-        self.decode_steps += 1
-        self.decode_seconds += seconds
-        self.step_seconds.append(seconds)
-        self.step_speculative.append(speculative)
-
-    @property
-    def spec_fraction(self) -> float:
-        """Fraction of decode steps that speculated."""
-        return self.spec.steps / self.decode_steps if self.spec and self.decode_steps else 0.0
-
-    def summary(self) -> dict:
-        """JSON-able digest for logs and benchmarks."""
-        out = {"prompts": self.prompts, "generated_tokens": self.generated_tokens,
-               "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
-               "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
-        if self.spec is not None:
-            out["spec_fraction"] = self.spec_fraction
-            out["spec"] = self.spec.summary()
-        return out
 
 
 @dataclass
@@ -138,7 +73,8 @@ class RolloutEngine:
             raise ValueError("RolloutEngine needs the model's ModelArch (arch=...)")
         self.arch = arch
         self.tokenizer = tokenizer
-        # at PP > 1: this stage's share, or a gathered copy (rollout.pipeline_mode)
+        # at PP > 1: this stage's share, or a gathered copy (rollout.pipeline_mode);
+        # the loop below drives any of them through the ModelRunner interface
         self.runner = make_runner(model, arch, self.config.pipeline_mode)
         self.device = self.runner.device
         if eos_token_ids is None:
@@ -162,7 +98,7 @@ class RolloutEngine:
         self.last_stats = GenerateStats()
         self._graphs = None
         if self.config.cuda_graphs:
-            pp_one = self.runner.pp_size == 1 and not self.runner.shares_prompts
+            pp_one = self.runner.supports_graphs  # False for the PP > 1 runners
             if self.device.type != "cuda" or not pp_one:
                 raise ValueError("rollout.cuda_graphs=true needs CUDA and pipeline "
                                  "parallelism 1; this engine runs on "
@@ -285,11 +221,18 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
         stats.pack_seconds = time.perf_counter() - t0
-        if self.runner.shares_prompts:  # PP > 1, gathered: each stage decodes a share
-            from .gathered import generate_shares
+        max_batch = self.runner.call_rows(self.config.max_batch_size)
 
-            return generate_shares(self, prompts, plist, gens, keys)
-        return self._run(prompts, plist, gens, keys, stats, self.config.max_batch_size)
+        def decode(idx: list[int], hidden_on_device: bool) -> list[RolloutOutput]:
+            return self._run([prompts[i] for i in idx], [plist[i] for i in idx],
+                             [gens[i] for i in idx], [keys[i] for i in idx], stats,
+                             max_batch, hidden_on_device)
+
+        # the runner says which requests this rank decodes (PP > 1 gathered: a share,
+        # then the stages' outputs exchanged) and hands back the call's outputs
+        outputs, self.last_stats = self.runner.run_call(prompts, decode, stats,
+                                                        self.hidden_dtype)
+        return outputs
 
     def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], gens: list,
              keys: list, stats: GenerateStats, max_batch: int,
@@ -489,7 +432,7 @@ class RolloutEngine:
     def _tp_times(self, *values: float) -> list[float]:
         """``values`` as TP rank 0 measured them, on every TP rank: the tuner's
         decisions follow measured times, and TP ranks must take the same ones."""
-        if self.runner.tp_group is None and self.runner.pp_size == 1:
+        if self.runner.decides_alone:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self._from_tp_rank0(t).tolist()

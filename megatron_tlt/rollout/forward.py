@@ -112,6 +112,27 @@ class ModelRunner:
     whole_stack = True
     pp_size = 1  # pipeline stages decoding together (rollout.pipeline)
     shares_prompts = False  # the pipeline ranks split a call's prompts (rollout.gathered)
+    supports_graphs = True  # the plain decode forward can be captured (CUDA graphs)
+
+    @property
+    def decides_alone(self) -> bool:
+        """Whether this rank takes the decode decisions alone (``agree`` is a no-op:
+        no TP group, no pipeline stages decoding together)."""
+        return self.tp_group is None
+
+    # ------------------------------------------------------------------ a call's layout
+    def call_rows(self, max_batch: int) -> int:
+        """The running-batch bound of this rank's share of a call whose replica runs
+        ``max_batch`` rows (all of them here)."""
+        return max_batch
+
+    def run_call(self, prompts: list, decode: Callable[[list[int], bool], list], stats,
+                 hidden_dtype: torch.dtype) -> tuple[list, object]:
+        """Decode one ``generate`` call: ``decode(indices, hidden_on_device)`` runs the
+        generation loop over those requests and returns their ``RolloutOutput``s. Here
+        this rank decodes every request. Returns the outputs in prompt order and the
+        call's ``GenerateStats`` (``stats``, which the loop filled)."""
+        return decode(list(range(len(prompts))), False), stats
 
     def _finish_init(self) -> None:
         w = self.embed_w if self.embed_w is not None else self.layers[0].qkv_w

@@ -7,7 +7,7 @@ over the pipeline group (``GatheredRunner.pack_weights``); its own stage's layer
 are read in place, as at PP = 1. Every pipeline rank then holds the whole model and
 decodes its own share of the call's prompts as a PP = 1 engine (with its TP group as
 at PP = 1), and the outputs are exchanged over the pipeline group back into prompt
-order, so every stage returns the same outputs (``generate_shares``): small metadata
+order, so every stage returns the same outputs (``GatheredRunner.run_call``): small metadata
 (lengths, finish reasons, statistics) as objects, token ids, log-probs and hidden
 states as tensors on the group's device, broadcast stage by stage (a pickled multi-GB
 object over NCCL would pass through the host twice).
@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable
 
 import torch
 
 from .. import collectives
 from ..models.gpt import ModelArch
 from .forward import ModelRunner, _Layer
-
-if TYPE_CHECKING:
-    from .engine import GenerateStats, RolloutEngine, RolloutOutput
+from .outputs import GenerateStats, RolloutOutput
 
 
 class GatheredRunner(ModelRunner):
@@ -52,6 +50,7 @@ class GatheredRunner(ModelRunner):
 
     pp_size = 1  # decodes with its TP group only; the stages split the prompts
     shares_prompts = True
+    supports_graphs = False  # not yet: the graphs' buckets assume one share per call
 
     def __init__(self, model, arch: ModelArch):
         from megatron.core import parallel_state as ps
@@ -164,29 +163,26 @@ class GatheredRunner(ModelRunner):
         collectives.broadcast(tensor, 0, self.pp_group)
         return tensor
 
+    # ------------------------------------------------------------------ a call's layout
+    def call_rows(self, max_batch: int) -> int:
+        """The replica's running batch, split like its prompts."""
+        return max(1, math.ceil(max_batch / self.stages))
 
-def generate_shares(engine: "RolloutEngine", prompts: list[list[int]], plist: Sequence,
-                    gens: list, keys: list) -> list["RolloutOutput"]:
-    """Decode this pipeline rank's share of the prompts (every ``stages``-th, from its
-    rank) as a PP = 1 engine, then exchange everyone's outputs (``exchange_outputs``)
-    in prompt order."""
-    runner: GatheredRunner = engine.runner
-    n, stages = len(prompts), runner.stages
-    mine = list(range(runner.pp_rank, n, stages))
-    # the replica's running batch, split like its prompts
-    max_batch = max(1, math.ceil(engine.config.max_batch_size / stages))
-    stats = engine.last_stats
-    local = engine._run([prompts[i] for i in mine], [plist[i] for i in mine],
-                        [gens[i] for i in mine], [keys[i] for i in mine], stats, max_batch,
-                        hidden_on_device=True)
-    outputs, parts = exchange_outputs(runner.pp_group, runner.pp_rank, prompts, mine, local,
-                                      stats, (engine.arch.hidden_size, engine.hidden_dtype))
-    engine.last_stats = merge_stats(stats, parts)
-    return outputs
+    def run_call(self, prompts: list, decode: Callable[[list[int], bool], list],
+                 stats: GenerateStats, hidden_dtype: torch.dtype
+                 ) -> tuple[list[RolloutOutput], GenerateStats]:
+        """Decode this pipeline rank's share of the prompts (every ``stages``-th, from
+        its rank) as a PP = 1 engine, then exchange everyone's outputs
+        (``exchange_outputs``) in prompt order and merge the stages' stats."""
+        mine = list(range(self.pp_rank, len(prompts), self.stages))
+        local = decode(mine, True)
+        outputs, parts = exchange_outputs(self.pp_group, self.pp_rank, prompts, mine, local,
+                                          stats, (self.arch.hidden_size, hidden_dtype))
+        return outputs, merge_stats(stats, parts)
 
 
 def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int],
-                     local: list["RolloutOutput"], stats: "GenerateStats",
+                     local: list[RolloutOutput], stats: GenerateStats,
                      hidden: tuple[int, torch.dtype]) -> tuple[list, list]:
     """Every stage's outputs on every stage, in prompt order, and every stage's stats.
 
@@ -196,8 +192,6 @@ def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int]
     hidden] tensor per stage, kept on the device by the local ``_run``) are broadcast
     stage by stage as tensors on the group's device, each stage's hidden states then
     copied to the host once. No tensor is pickled."""
-    from .engine import RolloutOutput
-
     meta = dict(indices=mine, lengths=[len(o.token_ids) for o in local],
                 reasons=[o.finish_reason for o in local],
                 hidden=[o.hidden_states is not None for o in local], stats=stats)
@@ -236,7 +230,7 @@ def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int]
     return outputs, [p["stats"] for p in parts]
 
 
-def merge_stats(base: "GenerateStats", parts: list["GenerateStats"]) -> "GenerateStats":
+def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStats:
     """The call's statistics over the pipeline ranks: counts and seconds summed (the
     ranks decode at the same time, so seconds are busy time, not wall time), per-step
     lists concatenated, speculation counts summed; this rank's KV cache size and the

@@ -42,15 +42,11 @@ update's activations and gradients reuse them.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from .engine import RolloutEngine
 
 
 class PromptError(ValueError):
@@ -59,9 +55,11 @@ class PromptError(ValueError):
 
 
 class RolloutMemory:
-    """The caches, feature store and graphs of one engine, sized and released here."""
+    """The caches, feature store and graphs of one engine (the ``RolloutEngine`` that
+    owns it, read for its runner, config and drafter; this module imports nothing of
+    the engine), sized and released here."""
 
-    def __init__(self, engine: "RolloutEngine", *, max_prompt_tokens: Optional[int] = None,
+    def __init__(self, engine, *, max_prompt_tokens: Optional[int] = None,
                  max_new_tokens: Optional[int] = None, max_rows: Optional[int] = None):
         if (max_prompt_tokens is None) != (max_new_tokens is None):
             raise ValueError("a configured rollout size needs both max_prompt_tokens and "
@@ -70,10 +68,8 @@ class RolloutMemory:
         self.fixed = max_prompt_tokens is not None
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         rows = min(max_rows or engine.config.max_batch_size, engine.config.max_batch_size)
-        runner = engine.runner
-        if runner.shares_prompts:  # PP > 1, gathered: each stage runs its share of the rows
-            rows = math.ceil(rows / runner.stages)
-        self.rows = max(1, rows)
+        # PP > 1, gathered: each stage runs its share of the rows
+        self.rows = max(1, engine.runner.call_rows(rows))
         self.capacity = (min(max_prompt_tokens + max_new_tokens, engine.context)
                          if self.fixed else 0)
         self.cache: Optional[KVCache] = None

@@ -40,6 +40,8 @@ class PipelinedRunner(ModelRunner):
     stage to stage and returns the last stage's final hidden states on every stage."""
 
     whole_stack = False  # the fused kernel must not end a stage with the final norm
+    decides_alone = False  # every decision is agreed over the stages (``agree``)
+    supports_graphs = False  # a forward passes activations stage to stage
 
     def __init__(self, model, arch: ModelArch):
         from megatron.core import parallel_state as ps
@@ -155,17 +157,3 @@ class PipelinedRunner(ModelRunner):
         collectives.broadcast(tensor, self.last_stage, self.pp_group)
         return tensor
 
-
-def make_runner(model, arch: ModelArch, pipeline_mode: str = "gathered") -> ModelRunner:
-    """The engine's runner: the whole model at PP = 1; at PP > 1 this stage's share
-    (``pipeline_mode="pipelined"``) or the whole model gathered from the stages
-    (``"gathered"``, ``rollout.gathered``)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        if pipeline_mode == "gathered":
-            from .gathered import GatheredRunner
-
-            return GatheredRunner(model, arch)
-        return PipelinedRunner(model, arch)
-    return ModelRunner(model, arch)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .engine import RolloutOutput
+from .outputs import RolloutOutput
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
 

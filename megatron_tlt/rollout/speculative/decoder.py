@@ -284,7 +284,7 @@ class SpeculativeDecoder:
         """Every rank of the group that decodes together (TP and, at PP > 1, the
         pipeline stages) takes the deciding rank's emissions (``ModelRunner.agree``;
         they agree already: same logits, same generators; this makes it certain)."""
-        if self.target.tp_group is None and self.target.pp_size == 1:
+        if self.target.decides_alone:
             return emissions
         width = n + 1
         buf = torch.full((len(emissions), 2, width), -1, dtype=torch.long,

@@ -32,7 +32,7 @@ class DraftRunner(ModelRunner):
         mod = self._te.get(id(w))
         if mod is None:
             return super()._lin(x, w, b, residual)
-        from ..models.drafter import fp8_context
+        from ...models.drafter import fp8_context
 
         rows = x.numel() // x.shape[-1]
         x2 = x.reshape(rows, -1)

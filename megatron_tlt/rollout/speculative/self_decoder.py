@@ -28,7 +28,6 @@ from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
 from .decoder import SpeculativeDecoder
 from .drafting import Drafting
-from .self_drafter import SelfDrafter
 from .stats import SpecStats
 
 
@@ -39,7 +38,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
     kind = "self"
     keeps_hidden = False  # no feature store: returned hidden states need their buffer
 
-    def __init__(self, drafter: SelfDrafter, target: ModelRunner):
+    def __init__(self, drafter, target: ModelRunner):  # drafter: a SelfDrafter
         if target.pp_size > 1 or target.shares_prompts:
             raise ValueError("the self-drafter runs at pipeline parallelism 1 for now; "
                              "use rollout.speculative.drafter with an EAGLE checkpoint "

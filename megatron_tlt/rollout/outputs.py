@@ -1,0 +1,77 @@
+"""What a ``generate`` call returns: one ``RolloutOutput`` per request and the call's
+``GenerateStats``. Below the engine and every runner: the gathered runner builds the
+other stages' outputs and merges their stats with these types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .speculative.stats import SpecStats
+
+
+@dataclass
+class RolloutOutput:
+    """One generated sequence.
+
+    token_ids: generated tokens (a final EOS/stop token included).
+    logprobs: per generated token, its log-probability under the target model as the
+        request's ``SamplingParams.logprobs`` asks: raw log_softmax of the logits
+        (default), tempered (logits / temperature, no top-k/top-p) or processed (the
+        distribution it was sampled from).
+    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or the
+        context limit).
+    hidden_states: [len(token_ids), hidden] on CPU when requested: row i is the
+        target's final hidden state (after the final norm, the LM head's input) at the
+        position whose logits produced token i, i.e. at the last prompt token for i=0
+        and at generated token i-1 after that.
+    """
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    hidden_states: Optional[torch.Tensor] = None
+
+
+@dataclass
+class GenerateStats:
+    """What the last ``generate`` call did (for logs and benchmarks)."""
+
+    prompts: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)  # running batch per decode step
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's time
+    step_speculative: list[bool] = field(default_factory=list)  # ... whether it speculated
+    kv_cache_bytes: int = 0
+    pack_seconds: float = 0.0  # weights made ready (kernel panels; PP > 1 gathered: sync)
+    spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
+
+    def record_step(self, seconds: float, speculative: bool) -> None:
+        """Count one decode step (the running batch size is recorded before it runs)."""
+        self.decode_steps += 1
+        self.decode_seconds += seconds
+        self.step_seconds.append(seconds)
+        self.step_speculative.append(speculative)
+
+    @property
+    def spec_fraction(self) -> float:
+        """Fraction of decode steps that speculated."""
+        return self.spec.steps / self.decode_steps if self.spec and self.decode_steps else 0.0
+
+    def summary(self) -> dict:
+        """JSON-able digest for logs and benchmarks."""
+        out = {"prompts": self.prompts, "generated_tokens": self.generated_tokens,
+               "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
+               "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+        if self.spec is not None:
+            out["spec_fraction"] = self.spec_fraction
+            out["spec"] = self.spec.summary()
+        return out
