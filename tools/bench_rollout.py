@@ -238,6 +238,13 @@ def main() -> None:
               f"identical {check['identical']}/{b} (tie splits {check['tie_splits']})",
               flush=True)
 
+    # host synchronisations per decode step (rollout.sync_budget; a counting pass,
+    # not timed): plain decoding here, speculation's in bench_spec
+    from megatron_tlt.rollout.sync_budget import measure, summary
+
+    syncs = summary(measure(engine, pool[:min(sizes)], SamplingParams(
+        temperature=0.0, max_new_tokens=8, ignore_eos=True)))
+    print(f"host syncs per plain step: {syncs['host_syncs_plain_step']}", flush=True)
     by_b = {r["batch"]: r for r in rows}
     result = dict(
         benchmark="rollout",
@@ -255,6 +262,8 @@ def main() -> None:
         results=rows,
         min_ratio=min(r["ratio"] for r in rows),
         bound_ratio_bs1=by_b[1]["step_over_floor"] if 1 in by_b else None,
+        host_syncs_plain_step=syncs["host_syncs_plain_step"],
+        host_syncs_spec_step=None,  # no drafter here: tools/bench_spec.py measures it
     )
     print(f"min_ratio {result['min_ratio']:.2f}  bound_ratio_bs1 "
           f"{result['bound_ratio_bs1'] if result['bound_ratio_bs1'] is None else round(result['bound_ratio_bs1'], 3)}")

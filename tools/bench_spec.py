@@ -207,6 +207,28 @@ class Modes:
         return timed(e, prompts, sp)
 
 
+def host_syncs(engine, drafter, prompts, sp, strategy: str) -> dict:
+    """Host synchronisations per decode step (``rollout.sync_budget``): the most any
+    plain step made and the most any speculative step of ``strategy`` made, with
+    where the speculative ones happen (a counting pass: not timed)."""
+    from megatron_tlt.config import SpeculativeConfig
+    from megatron_tlt.rollout.sync_budget import measure, summary
+
+    saved, tuner = engine.config.speculative, engine.tuner
+    engine.detach_drafter()
+    plain = summary(measure(engine, prompts, sp))
+    engine.config.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
+                                                  threshold=1 << 30)
+    engine.attach_drafter(drafter)
+    spec = summary(measure(engine, prompts, sp))
+    engine.config.speculative = saved
+    engine.detach_drafter()
+    engine.attach_drafter(drafter, tuner)
+    return {"host_syncs_plain_step": plain["host_syncs_plain_step"],
+            "host_syncs_spec_step": spec["host_syncs_spec_step"],
+            "host_syncs_spec_where": spec["host_syncs_spec_where"]}
+
+
 def run_ratio(run, plain_run) -> float:
     """``rate_ratio`` of two ``Modes.run`` results (seconds, outputs, stats)."""
     return rate_ratio(sum(map(len, run[1])), run[0], sum(map(len, plain_run[1])), plain_run[0])
@@ -505,6 +527,9 @@ def main(argv=None) -> int:
     alpha = held_out_alpha(engine, drafter, pool[-args.alpha_prompts:] if args.alpha_prompts
                            else [], temp, (bs1 or rows[0])["strategy"], args.tail_tokens,
                            args.seed)
+    syncs = host_syncs(engine, drafter, pool[:2], params(8), (bs1 or rows[0])["strategy"])
+    print(f"host syncs per step: plain {syncs['host_syncs_plain_step']}, speculative "
+          f"{syncs['host_syncs_spec_step']}", flush=True)
     best_fixed = max(((f, statistics.median(t["fixed"][f]["ratio"] for t in tail))
                       for f in tail_fixed), key=lambda x: x[1], default=None)
     result = {
@@ -545,12 +570,13 @@ def main(argv=None) -> int:
         "tail_best_fixed": best_fixed[0] if best_fixed else None,
         "adaptive_vs_best_fixed_tail": (statistics.median(t["ratio"] for t in tail)
                                         / best_fixed[1] if best_fixed else None),
+        **syncs,
     }
     print(json.dumps({k: result[k] for k in (
         "speedup_bs1", "accept_len_bs1", "adaptive_vs_plain_bs1", "adaptive_vs_plain_tail",
         "tail_batch_speedup", "adaptive_min_ratio",
         "aa_min_ratio", "declined_step_ratio", "adaptive_vs_fixed_bs1",
-        "adaptive_vs_best_fixed_tail")}))
+        "adaptive_vs_best_fixed_tail", "host_syncs_plain_step", "host_syncs_spec_step")}))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -278,21 +278,29 @@ class RolloutEngine:
                 rows.extend(admitted)
                 retire()
                 continue
-            t0 = time.perf_counter()
-            stats.batch_sizes.append(len(rows))
-            if ctl is None:
-                self._plain_step(cache, rows, hidden_buf, None)
-                stats.record_step(time.perf_counter() - t0, speculative=False)
-            else:
-                ctl.decode_step(
-                    cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
-                    lambda *verified: self._commit(rows, hidden_buf, *verified),
-                    stats.record_step)
-            retire()
+            self._decode_step(cache, rows, hidden_buf, stats, ctl, retire)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
         if ctl is not None:
             ctl.finish()
         return outputs  # type: ignore[return-value]
+
+    def _decode_step(self, cache: KVCache, rows: list[_Row], hidden_buf,
+                     stats: GenerateStats, ctl: Optional[SpeculationController],
+                     retire: Callable[[], None]) -> None:
+        """One decode step of the running batch, plain or speculative, then the
+        finished-rows check. Its host reads are budgeted (``rollout.sync_budget``,
+        tests/rollout/test_host_syncs.py)."""
+        t0 = time.perf_counter()
+        stats.batch_sizes.append(len(rows))
+        if ctl is None:
+            self._plain_step(cache, rows, hidden_buf, None)
+            stats.record_step(time.perf_counter() - t0, speculative=False)
+        else:
+            ctl.decode_step(
+                cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
+                lambda *verified: self._commit(rows, hidden_buf, *verified),
+                stats.record_step)
+        retire()
 
     def _commit(self, rows: list[_Row], hidden_buf, emissions, hidden, logits, plp
                 ) -> list[int]:
@@ -300,23 +308,32 @@ class RolloutEngine:
         row its accepted drafts and next token, with log-probs and hidden states as
         plain decoding emits them, cut at a stop token or length limit. Returns how
         many tokens each row kept."""
-        emitted = []
+        emitted, per_row = [], []
         for i, (r, e) in enumerate(zip(rows, emissions)):
-            L = r.length
+            if e.logprobs is not None:  # read with the acceptance (greedy verification)
+                continue
             idx = torch.tensor(e.nodes, device=self.device)
             tok = torch.tensor(e.tokens, device=self.device)[:, None]
             node_logits = logits[i].index_select(0, idx).float()
             raw = torch.log_softmax(node_logits, dim=-1).gather(-1, tok)[:, 0]
             processed = raw if r.params.greedy else \
                 plp[i].index_select(0, idx).gather(-1, tok)[:, 0]
-            chosen = requested_logprobs(node_logits, tok[:, 0], [r.params] * len(e.tokens),
-                                        raw, processed).tolist()
-            m = 0
+            per_row.append(requested_logprobs(node_logits, tok[:, 0],
+                                              [r.params] * len(e.tokens), raw, processed))
+        # the other rows' log-probs in one host read
+        chosen = torch.cat(per_row).tolist() if per_row else []
+        off = 0
+        for i, (r, e) in enumerate(zip(rows, emissions)):
+            L, m = r.length, 0
+            lps = e.logprobs
+            if lps is None:
+                lps = chosen[off: off + len(e.tokens)]
+                off += len(e.tokens)
             for j, t in enumerate(e.tokens):
                 if hidden_buf is not None:
                     hidden_buf[i, len(r.tokens)] = hidden[i][e.nodes[j]].to(hidden_buf.dtype)
                 r.tokens.append(t)
-                r.logprobs.append(chosen[j])
+                r.logprobs.append(lps[j])
                 m += 1
                 r.length = L + m
                 if self._finish_reason(r) is not None:
@@ -334,7 +351,9 @@ class RolloutEngine:
         if self._graphs is not None:  # (EAGLE-3 capture is refused with graphs)
             hidden = self._graphs.run(cache, last, start)
         else:
-            hidden = self.runner.extend(cache, slice(0, b), last, start, capture=capture)
+            # the host knows the longest row: attention's span without reading `start`
+            hidden = self.runner.extend(cache, slice(0, b), last, start, capture=capture,
+                                        span=max(r.length for r in rows) + 1)
         for r in rows:
             r.length += 1
         self._emit(rows, 0, hidden[:, 0], hidden_buf)
@@ -360,7 +379,8 @@ class RolloutEngine:
             ids = ids.to(self.device)
             start = torch.zeros(n, dtype=torch.long, device=self.device)
             hook, got = ctl.capture() if ctl is not None else (None, None)
-            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook)
+            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook,
+                                        span=t)
             if ctl is not None:  # the drafter's inputs at every prompt position
                 ctl.store_prompts(lo, [len(r.prompt) for r in chunk], hidden, got)
             last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
@@ -383,8 +403,10 @@ class RolloutEngine:
             idx = torch.arange(first_row, first_row + len(rows), device=self.device)
             hidden_buf[idx, pos] = hidden.to(hidden_buf.dtype)
         chosen = requested_logprobs(logits, tokens, [r.params for r in rows], raw, processed)
-        for r, tok, lp in zip(rows, tokens.tolist(), chosen.tolist()):
-            r.tokens.append(tok)
+        # the step's one host read: tokens (exact in float64) and log-probs together
+        toks, lps = torch.stack([tokens.double(), chosen.double()]).tolist()
+        for r, tok, lp in zip(rows, toks, lps):
+            r.tokens.append(int(tok))
             r.logprobs.append(lp)
 
     def _finish_reason(self, r: _Row) -> Optional[str]:

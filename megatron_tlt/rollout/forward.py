@@ -394,8 +394,9 @@ class ModelRunner:
         write_pos = start[:, None] + ar[None, :]  # [B, T]
         if rope_positions is None:
             rope_positions = write_pos
-        cos, sin = self.rope(rope_positions, limit=span)
-        if span is None:
+        # every position lies in the cache: the tables cover it without a host read
+        cos, sin = self.rope(rope_positions, limit=max(span or 0, cache.capacity))
+        if span is None:  # callers that know their longest row pass ``span``
             span = int(start.max().item()) + t  # keys 0..span-1
         flash = (self.attention == "flash" and new_token_mask is None
                  and isinstance(rows, slice))
@@ -480,7 +481,7 @@ class ModelRunner:
         hidden states [Q, hidden]. Needs ``self.kernels`` and the "bgsd" layout."""
         kern = self.kernels
         x = self.stage_input(lambda: x, (x.shape[0],))
-        cos, sin = self.rope(pos)
+        cos, sin = self.rope(pos, limit=cache.capacity)  # positions lie in the cache
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()

@@ -27,16 +27,24 @@ def sample(probs: torch.Tensor, gen: Optional[torch.Generator]) -> int:
     return int(torch.multinomial(probs / total, 1, generator=gen))
 
 
+def draw(probs: torch.Tensor, gen: Optional[torch.Generator]) -> torch.Tensor:
+    """``sample`` kept on the device ([1] long, the same draw from ``gen``) for a
+    distribution known to have mass (a processed one keeps its most likely token)."""
+    return torch.multinomial(probs / probs.sum(), 1, generator=gen)
+
+
 def accept_chain(p_logprobs: torch.Tensor, q_logprobs: Optional[torch.Tensor],
                  drafts: Sequence[int], gen: Optional[torch.Generator], *, greedy: bool,
-                 kernels=None) -> tuple[int, int]:
+                 kernels=None, best: Optional[Sequence[int]] = None) -> tuple[int, int]:
     """Verify a chain of drafts. p_logprobs [k+1, V] (target, processed), q_logprobs
     [k, V] (drafter's sampling distribution, full vocabulary; unused when greedy).
     Returns (accepted draft count a, next token): the tokens emitted are drafts[:a]
-    then the next token. ``kernels``: the fused CPU kernels (greedy argmax)."""
+    then the next token. ``kernels``: the fused CPU kernels (greedy argmax); ``best``:
+    the argmax of each row of p_logprobs when the caller read them already (greedy)."""
     k = len(drafts)
     if greedy:
-        best = argmax_rows(p_logprobs, kernels).tolist()
+        if best is None:
+            best = argmax_rows(p_logprobs, kernels).tolist()
         a = 0
         while a < k and drafts[a] == best[a]:
             a += 1
@@ -54,20 +62,22 @@ def accept_chain(p_logprobs: torch.Tensor, q_logprobs: Optional[torch.Tensor],
 
 
 def accept_tree(p_logprobs: torch.Tensor, tokens: Sequence[int], children: Sequence[list[int]],
-                gen: Optional[torch.Generator], *, greedy: bool) -> tuple[list[int], int]:
+                gen: Optional[torch.Generator], *, greedy: bool,
+                best: Optional[Sequence[int]] = None) -> tuple[list[int], int]:
     """Verify a tree of deterministic drafts. Node 0 is the root (the last emitted
     token); p_logprobs [n+1, V] is the target's processed distribution at each node;
     ``tokens[i]`` is node i's token; ``children[i]`` lists node i's children in the
     order they are tried (best draft score first). Returns (accepted node path without
-    the root, next token)."""
+    the root, next token). ``best``: each node's argmax when the caller read them
+    already (greedy)."""
     node, path = 0, []
     while True:
         kids = children[node]
         if greedy:
-            best = int(torch.argmax(p_logprobs[node]))
-            nxt = next((c for c in kids if tokens[c] == best), None)
+            top = best[node] if best is not None else int(torch.argmax(p_logprobs[node]))
+            nxt = next((c for c in kids if tokens[c] == top), None)
             if nxt is None:
-                return path, best
+                return path, top
             node = nxt
             path.append(node)
             continue

@@ -32,7 +32,7 @@ from ...models.drafter import EagleDrafter
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
-from ..sampling import coupled_gumbel
+from ..sampling import argmax_rows, coupled_gumbel, requested_logprobs
 from .acceptance import accept_chain, accept_tree, processed_rows
 from .draft_runner import DraftRunner
 from .drafting import DraftTree, Drafting, is_coupled, ragged
@@ -46,6 +46,9 @@ class Emission:
     tokens: list[int]  # accepted drafts, then the next token
     nodes: list[int]  # verify-forward index (= cache slot offset from L) of the node
     # that produced each token; nodes[1:] are the accepted draft nodes
+    # each token's log-probability as the request asks for it, when the step read them
+    # with its acceptance (greedily verified rows); None: the commit computes them
+    logprobs: Optional[list[float]] = None
 
 
 class SpeculativeDecoder:
@@ -174,7 +177,9 @@ class SpeculativeDecoder:
             L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
             h3 = self.target.extend(target_cache, slice(0, b), tree.verify_tokens, L,
                                     rope_positions=L[:, None] + tree.depth,
-                                    new_token_mask=tree.mask, capture=hook)
+                                    new_token_mask=tree.mask, capture=hook,
+                                    span=max(r.length for r in rows)
+                                    + tree.verify_tokens.shape[1])
             counts = [tree.verify_tokens.shape[1]] * b
             hidden = h3.reshape(b * counts[0], -1)
             if got:
@@ -188,23 +193,27 @@ class SpeculativeDecoder:
         hidden_r, logits_r, plp_r, feats_r = split(hidden), split(logits), split(plp), split(feats)
 
         noisy = self._verify_noise(rows, counts, tree)
+        scores = [plp_r[i] + noisy[i] if noisy[i] is not None else plp_r[i]
+                  for i in range(b)]  # coupled: greedy verification of log p~ + noise
+        best, node_lp = self._argmax_nodes(rows, scores, noisy, logits_r, plp_r)
         emissions: list[Emission] = []
         for i, r in enumerate(rows):
             sp = r.params
-            coupled = noisy[i] is not None  # greedy verification of log p~ + noise
-            scores = plp_r[i] + noisy[i] if coupled else plp_r[i]
+            coupled = noisy[i] is not None
             if tree is None:
-                a, nxt = accept_chain(scores, None if q_lp is None else q_lp[i], drafts[i],
-                                      r.generator, greedy=sp.greedy or coupled,
-                                      kernels=self.target.kernels)
+                a, nxt = accept_chain(scores[i], None if q_lp is None else q_lp[i],
+                                      drafts[i], r.generator, greedy=sp.greedy or coupled,
+                                      kernels=self.target.kernels, best=best[i])
                 toks = list(drafts[i][:a]) + [nxt]
                 nodes = list(range(a + 1))
             else:
-                path, nxt = accept_tree(scores, tree.tokens[i], tree.children[i],
-                                        r.generator, greedy=sp.greedy or coupled)
+                path, nxt = accept_tree(scores[i], tree.tokens[i], tree.children[i],
+                                        r.generator, greedy=sp.greedy or coupled,
+                                        best=best[i])
                 toks = [tree.tokens[i][c] for c in path] + [nxt]
                 nodes = [0] + path
-            emissions.append(Emission(toks, nodes))
+            lps = None if node_lp[i] is None else [node_lp[i][n] for n in nodes]
+            emissions.append(Emission(toks, nodes, lps))
         emissions = self._agree(emissions, max(counts))
         # features of accepted nodes go to positions L.. (compaction happens in commit)
         for i, (r, e) in enumerate(zip(rows, emissions)):
@@ -215,6 +224,41 @@ class SpeculativeDecoder:
         return emissions, hidden_r, logits_r, plp_r
 
 
+    def _argmax_nodes(self, rows, scores: list, noisy: list, logits: list, plp: list
+                      ) -> tuple[list, list]:
+        """For the rows verified greedily (greedy and coupled rows; None for the
+        others), per row the argmax of every verified node's scores and that token's
+        log-probability as the request asks for it, as host lists, in one host read.
+        The token a greedily verified row emits at a node is always the node's argmax
+        (an accepted draft equals it), so these are the emitted tokens' log-probs."""
+        idx = [i for i, r in enumerate(rows) if r.params.greedy or noisy[i] is not None]
+        best: list = [None] * len(rows)
+        lps: list = [None] * len(rows)
+        if not idx:
+            return best, lps
+        k = self.target.kernels
+        parts = []
+        for i in idx:
+            tok = argmax_rows(scores[i], k)
+            sp = rows[i].params
+            x = logits[i].float()
+            # the same formulas as plain decoding's (``sampling.choose_tokens``)
+            if sp.greedy:
+                raw = processed = x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+            else:
+                raw = torch.log_softmax(x, dim=-1).gather(-1, tok[:, None])[:, 0]
+                processed = plp[i].gather(-1, tok[:, None])[:, 0]
+            lp = requested_logprobs(x, tok, [sp] * x.shape[0], raw, processed)
+            parts.append(torch.stack([tok.double(), lp.double()]))
+        flat = torch.cat(parts, dim=1).tolist()  # [2, nodes of these rows]
+        off = 0
+        for i in idx:
+            n = scores[i].shape[0]
+            best[i] = [int(t) for t in flat[0][off: off + n]]
+            lps[i] = flat[1][off: off + n]
+            off += n
+        return best, lps
+
     def _verify_noise(self, rows, counts: Sequence[int], tree: Optional[DraftTree]) -> list:
         """Per row, the coupled noise of each verified node [nodes, V] (a node at
         depth d predicts response position len(tokens) + d), or None (not coupled)."""
@@ -223,7 +267,7 @@ class SpeculativeDecoder:
             if not is_coupled(r):
                 continue
             t0 = len(r.tokens)
-            depths = range(counts[i]) if tree is None else tree.depth[i].tolist()
+            depths = range(counts[i]) if tree is None else tree.depths[i]
             for d in depths:
                 keys.append(r.key)
                 pos.append(t0 + int(d))
@@ -294,10 +338,11 @@ class SpeculativeDecoder:
             buf[i, 1, : len(e.nodes)] = torch.tensor(e.nodes)
         self.target.agree(buf)
         out = []
-        for i in range(len(emissions)):
-            toks = [t for t in buf[i, 0].tolist() if t >= 0]
-            nodes = [t for t in buf[i, 1].tolist() if t >= 0]
-            out.append(Emission(toks, nodes))
+        for e, (tok_row, node_row) in zip(emissions, buf.tolist()):  # one host read
+            toks = [t for t in tok_row if t >= 0]
+            nodes = [t for t in node_row if t >= 0]
+            same = toks == e.tokens and nodes == e.nodes  # (always, unless ranks differ)
+            out.append(Emission(toks, nodes, e.logprobs if same else None))
         return out
 
     def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):

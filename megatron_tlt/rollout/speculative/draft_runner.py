@@ -119,18 +119,20 @@ class DraftRunner(ModelRunner):
 
     def draft_chain_fused(self, cache: KVCache, tok: torch.Tensor, feats: torch.Tensor,
                           row_of: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
-                          start: torch.Tensor, depth: int, vocab_size: int) -> list[list[int]]:
+                          start: torch.Tensor, depth: int, vocab_size: int,
+                          start_max: int) -> list[list[int]]:
         """Catch-up and a greedy chain of ``depth`` drafts per row in one call of the
         fused CPU kernels (``cpu_kernels.draft_chain``): the pending pairs (``tok`` [N],
         target features ``feats`` [N, F], cache row ``row_of`` and position ``pos`` of
         each), each row's root query index ``last`` [B] and length ``start`` [B];
-        ``vocab_size`` is the target's. Returns the drafted target token ids per row."""
+        ``vocab_size`` is the target's; ``start_max`` the host's max of ``start``.
+        Returns the drafted target token ids per row."""
         h = self.reduce_features(feats).to(self.dtype).contiguous()
         draft_vocab = self.output_w.shape[0] if self.d2t is not None else vocab_size
         return self.kernels.draft_chain(
             tok, h, row_of, pos, last, start, depth, draft_vocab,
             self.d2t if self.d2t is not None else _NO_TENSOR, self.embed_w,
             self._panel(self.fc_w), *self._fused_stack(), self.final_norm, cache.k, cache.v,
-            *self.rope_tables(int(start.max()) + depth), self.groups, self.heads_per_group,
+            *self.rope_tables(start_max + depth), self.groups, self.heads_per_group,
             self.head_dim, self.scale, self.eps, self._panel(self.output_w),
             self.output_w.shape[0]).tolist()

@@ -27,7 +27,7 @@ from ..draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_
 from ..forward import ModelRunner
 from ..kv_cache import KVCache
 from ..sampling import argmax_rows, coupled_gumbel
-from .acceptance import processed_rows, sample
+from .acceptance import draw, processed_rows, sample
 from .draft_runner import DraftRunner
 
 
@@ -56,6 +56,7 @@ class DraftTree:
     depth: torch.Tensor  # [B, 1+n] node depths (the root 0)
     tokens: list[list[int]]  # per row, node tokens
     children: list[list[list[int]]]  # per row and node, its children, best draft first
+    depths: list[list[int]]  # per row, node depths (``depth`` on the host)
 
 
 class Drafting:
@@ -98,7 +99,8 @@ class Drafting:
         noise = self._draft_noise(rows, offset)
         if noise is None:
             return torch.log_softmax(logits, dim=-1)
-        lp = None if bool(noise[1].all()) else torch.log_softmax(logits, dim=-1)
+        every = all(is_coupled(r) for r in rows)  # (the host knows; no read of the mask)
+        lp = None if every else torch.log_softmax(logits, dim=-1)
         return coupled_child_scores(processed_rows(logits, rows), lp, noise)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -124,6 +126,8 @@ class Drafting:
         dropped unlikely draws would bias them; the distribution test catches that).
         Returns per-row draft token lists and, for
         sampled rows, the drafter's sampling distributions [n_i, V] (None for greedy)."""
+        if self.min_draft_prob <= 0:  # no stop rule: the whole chain on the device
+            return self._full_chain(rows, depth, h, logits)
         dev = self.target.device
         b = len(rows)
         coupled = [is_coupled(r) for r in rows]
@@ -134,6 +138,7 @@ class Drafting:
         drafts: list[list[int]] = [[] for _ in range(b)]
         alive, cum = [True] * b, [1.0] * b
         start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        top = max(r.length for r in rows)  # the host's max of start
         last = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
         for j in range(depth):
             top_p, top_id = torch.softmax(logits.float(), dim=-1).max(dim=-1)
@@ -178,12 +183,52 @@ class Drafting:
             feed = torch.where(torch.tensor([bool(d) for d in drafts], device=dev), feed, last)
             x = self.draft.inputs(feed, h, target_features=False)
             h = self.draft.extend(self.cache, slice(0, b), feed[:, None],
-                                  start + j + self.pos_offset,
-                                  embeds=x[:, None])[:, 0]
+                                  start + j + self.pos_offset, embeds=x[:, None],
+                                  span=top + j + self.pos_offset + 1)[:, 0]
             logits = self.draft.draft_logits(h)
         q_lp = None
         if any(sampled[i] and not coupled[i] for i in range(b)):
             q_lp = [torch.stack(q) if q else None for q in q_rows]
+        return drafts, q_lp
+
+    def _full_chain(self, rows, depth: int, h: torch.Tensor, logits: torch.Tensor):
+        """``chain`` without a stop rule: every row drafts ``depth`` tokens, each depth's
+        tokens stay on the device (greedy: the drafter's argmax; coupled: argmax of
+        log q~ + g_t; standard: a draw from q with the row's generator, in the same
+        order as the step-by-step rule), and the drafts reach the host in one read."""
+        dev = self.target.device
+        b = len(rows)
+        coupled = [i for i, r in enumerate(rows) if is_coupled(r)]
+        standard = [i for i, r in enumerate(rows) if not r.params.greedy and not is_coupled(r)]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
+        top = max(r.length for r in rows)  # the host's max of start
+        drafted = []
+        for j in range(depth):
+            tok = self._to_target(torch.softmax(logits.float(), dim=-1).max(dim=-1).indices)
+            q_all = self._q(logits, rows) if coupled or standard else None
+            if coupled:  # the drafter's coupled tokens: the target's noise at t0 + j
+                g = coupled_gumbel([rows[i].key for i in coupled],
+                                   [len(rows[i].tokens) + j for i in coupled],
+                                   q_all.shape[-1], dev)
+                index = torch.tensor(coupled, device=dev)
+                tok = tok.index_copy(0, index, argmax_rows(q_all.index_select(0, index) + g,
+                                                           self.draft.kernels))
+            if standard:
+                draws = [draw(q_all[i].exp(), rows[i].generator) for i in standard]
+                tok = tok.index_copy(0, torch.tensor(standard, device=dev), torch.cat(draws))
+                for i in standard:
+                    q_rows[i].append(q_all[i])
+            drafted.append(tok)
+            if j == depth - 1:
+                break
+            x = self.draft.inputs(tok, h, target_features=False)
+            h = self.draft.extend(self.cache, slice(0, b), tok[:, None],
+                                  start + j + self.pos_offset, embeds=x[:, None],
+                                  span=top + j + self.pos_offset + 1)[:, 0]
+            logits = self.draft.draft_logits(h)
+        drafts = torch.stack(drafted, dim=1).tolist()  # the chain's one host read
+        q_lp = [torch.stack(q) if q else None for q in q_rows] if standard else None
         return drafts, q_lp
 
     def fused(self, rows) -> bool:
@@ -206,7 +251,8 @@ class Drafting:
         last = torch.tensor(counts).cumsum(0) - 1
         start = torch.tensor([r.length for r in rows], dtype=torch.long)
         return self.draft.draft_chain_fused(self.cache, tok, feats, row_of, pos, last, start,
-                                            depth, self.target.arch.vocab_size)
+                                            depth, self.target.arch.vocab_size,
+                                            max(r.length for r in rows))
 
     def tree(self, rows, s: Strategy, h: torch.Tensor, logits: torch.Tensor):
         """EAGLE-2 style dynamic tree, batched over rows (``draft_tree.TreePool``: each
@@ -216,6 +262,7 @@ class Drafting:
         b, k = len(rows), s.top_k
         L = torch.tensor([r.length for r in rows], dtype=torch.long,
                          device=dev) + self.pos_offset
+        top = max(r.length for r in rows) + self.pos_offset  # the host's max of L
         pool = TreePool(self._tree_scores(rows, logits, 0), k)
         parent_h = h[:, None].expand(b, k, h.shape[-1])
         # drafter tree masks: frontier j (slots L + (j-1)K ..) sees its ancestors
@@ -238,7 +285,7 @@ class Drafting:
             out = self.draft.extend(
                 self.cache, slice(0, b), full_tok, L + w,
                 rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
-                embeds=x)  # [B, K, H]
+                embeds=x, span=top + w + k)  # [B, K, H]
             # children predict response position t0 + depth
             best = pool.grow(self._tree_scores(rows, self.draft.draft_logits(out), depth))
             parent_h = torch.gather(out, 1, (best // k)[:, :, None].expand(b, k, out.shape[-1]))
@@ -257,13 +304,18 @@ class Drafting:
     def _tree_inputs(self, rows, s: Strategy, tok, par, dep, chosen, score):
         dev = self.target.device
         b, n = chosen.shape
-        par_l, dep_l, ch_l = par.tolist(), dep.tolist(), chosen.tolist()
-        score_l = score.tolist()
-        full_l = self._to_target(tok).tolist()
+        # the tree's layout to the host in one read (ids and depths exact in float64)
+        size = par.shape[1]
+        host = torch.cat([par.double(), dep.double(), self._to_target(tok).double(),
+                          score.double(), chosen.double()], dim=1).tolist()
+        par_l, dep_l, full_l = ([[int(v) for v in row[j * size: (j + 1) * size]]
+                                 for row in host] for j in range(3))
+        score_l = [row[3 * size: 4 * size] for row in host]
+        ch_l = [[int(v) for v in row[4 * size:]] for row in host]
         vtok = torch.empty(b, n + 1, dtype=torch.long, device=dev)
         mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=dev)
         depth = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
-        tokens, children = [], []
+        tokens, children, depths = [], [], []
         for i, r in enumerate(rows):
             try:
                 node_par, kids = row_layout(par_l[i], ch_l[i], score_l[i])
@@ -280,8 +332,9 @@ class Drafting:
                 ) from None
             node_tok = [r.tokens[-1]] + [full_l[i][p] for p in ch_l[i]]
             mask[i] = torch.tensor(ancestor_mask(node_par), dtype=torch.bool)
-            depth[i] = torch.tensor([0] + [dep_l[i][p] for p in ch_l[i]])
+            depths.append([0] + [dep_l[i][p] for p in ch_l[i]])
+            depth[i] = torch.tensor(depths[-1])
             vtok[i] = torch.tensor(node_tok)
             tokens.append(node_tok)
             children.append(kids)
-        return DraftTree(vtok, mask, depth, tokens, children)
+        return DraftTree(vtok, mask, depth, tokens, children, depths)

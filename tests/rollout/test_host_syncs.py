@@ -1,0 +1,113 @@
+"""The host-sync budget of a decode step (docs/architecture.md, "Hot paths are device
+code"): counted on CPU by ``rollout.sync_budget`` where a GPU would wait for the device.
+
+Budgets: a plain step makes at most 1 host read (the finished-rows check: the step's
+tokens and log-probs, one copy); a speculative step (catch-up, draft, verify, accept,
+commit) at most ``SPEC_BUDGET`` per mode and strategy: the counts reached so far, to
+go down to 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+from megatron_tlt.models import load_model
+from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure, summary
+from tiny_models import VOCAB, save_tiny_hf
+
+PLAIN_BUDGET = 1
+# (strategy, sampling) -> the most host reads a speculative step makes now
+SPEC_BUDGET = {
+    ("4_1_4", "greedy"): 2, ("4_1_4", "standard"): 37, ("4_1_4", "coupled"): 2,
+    ("3_2_5", "greedy"): 2, ("3_2_5", "standard"): 32, ("3_2_5", "coupled"): 2,
+}
+MODES = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True),
+    "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=14, seed=3,
+                               ignore_eos=True),
+    "coupled": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=14, seed=3,
+                              ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, single_process_parallel):
+    """A tiny model and a drafter that is its own first layer (drafts get accepted, so
+    the accept and commit paths run over several tokens)."""
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("syncs"), seed=5,
+                          num_hidden_layers=2)
+    m, arch = load_model(folder, device=torch.device("cpu"), dtype="float32", impl="local")
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32,
+                     device="cpu")
+    with torch.no_grad():
+        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
+        h = arch.hidden_size
+        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        d.norm.copy_(m.decoder.final_layernorm.weight)
+    return m, arch, d
+
+
+def _prompts(lengths=(3, 9, 5)):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model, mode, strategy=None, kernels="true"):
+    m, arch, d = model
+    sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64)
+          if strategy else SpeculativeConfig())
+    cfg = RolloutConfig(speculative=sc, cpu_kernels=kernels,
+                        sampling_mode="coupled" if mode == "coupled" else "standard")
+    return RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[],
+                         drafter=d if strategy else None)
+
+
+def test_the_counter_sees_what_a_gpu_would_wait_for():
+    t = torch.arange(6.0)
+    mask = t > 2
+    with HostSyncCounter() as c:
+        t[0].item()
+        t.tolist()
+        bool(t[1] > 0)
+        int(t[2])
+        t[mask]
+        t[mask] = 0.0
+        t.nonzero()
+        t.cpu()
+        t.to("cpu")
+        torch.where(mask)
+    assert c.count == 10
+    assert any("test_host_syncs.py" in k for k in c.where)
+    with HostSyncCounter() as c:  # device work and host-to-device copies do not wait
+        x = torch.tensor([1, 2, 3]).to(t.device)
+        t.masked_fill(mask, 1.0).argmax()
+        t[torch.tensor([0, 2])] = 1.0
+        torch.where(mask, t, 0.0)
+        x[1:]
+    assert c.count == 0
+
+
+@pytest.mark.parametrize("kernels", ["true", "false"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_plain_step_reads_the_host_once(model, mode, kernels):
+    steps = measure(_engine(model, mode, kernels=kernels), _prompts(), MODES[mode])
+    assert len(steps) >= 10 and not any(s.speculative for s in steps)
+    worst = max(steps, key=lambda s: s.count)
+    assert worst.count <= PLAIN_BUDGET, dict(worst.where)
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_speculative_step_keeps_its_budget(model, mode, strategy):
+    steps = measure(_engine(model, mode, strategy), _prompts(), MODES[mode])
+    spec = [s for s in steps if s.speculative]
+    assert spec, "no speculative step ran"
+    worst = max(spec, key=lambda s: s.count)
+    print(strategy, mode, worst.count, summary(steps)["host_syncs_spec_where"])
+    assert worst.count <= SPEC_BUDGET[(strategy, mode)], dict(worst.where)
