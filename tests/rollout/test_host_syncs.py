@@ -1,10 +1,10 @@
 """The host-sync budget of a decode step (docs/architecture.md, "Hot paths are device
 code"): counted on CPU by ``rollout.sync_budget`` where a GPU would wait for the device.
 
-Budgets: a plain step makes at most 1 host read (the finished-rows check: the step's
-tokens and log-probs, one copy); a speculative step (catch-up, draft, verify, accept,
-commit) at most ``SPEC_BUDGET`` per mode and strategy: the counts reached so far, to
-go down to 2."""
+Budgets, at TP = 1: a plain step makes at most 1 host read (the finished-rows check:
+the step's tokens and log-probs, one copy); a speculative step (catch-up, draft,
+verify, accept, commit) at most 2 (the drafts; the acceptance together with the
+emitted tokens' log-probs), greedy, standard and coupled, chains and trees."""
 
 from __future__ import annotations
 
@@ -15,15 +15,11 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure, summary
+from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure
 from tiny_models import VOCAB, save_tiny_hf
 
-PLAIN_BUDGET = 1
-# (strategy, sampling) -> the most host reads a speculative step makes now
-SPEC_BUDGET = {
-    ("4_1_4", "greedy"): 2, ("4_1_4", "standard"): 37, ("4_1_4", "coupled"): 2,
-    ("3_2_5", "greedy"): 2, ("3_2_5", "standard"): 32, ("3_2_5", "coupled"): 2,
-}
+PLAIN_BUDGET = 1  # the step's tokens and log-probs, read together
+SPEC_BUDGET = 2  # the drafts; the acceptance with the emitted tokens' log-probs
 MODES = {
     "greedy": SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True),
     "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=14, seed=3,
@@ -102,12 +98,16 @@ def test_a_plain_step_reads_the_host_once(model, mode, kernels):
     assert worst.count <= PLAIN_BUDGET, dict(worst.where)
 
 
+@pytest.mark.parametrize("kernels", ["true", "false"])
 @pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_speculative_step_keeps_its_budget(model, mode, strategy):
-    steps = measure(_engine(model, mode, strategy), _prompts(), MODES[mode])
+@pytest.mark.parametrize("mode", list(MODES) + ["mixed"])
+def test_a_speculative_step_keeps_its_budget(model, mode, strategy, kernels):
+    """``mixed``: greedy and standard rows at two temperatures in one batch."""
+    params = MODES.get(mode) or [MODES["greedy"], MODES["standard"],
+                                 SamplingParams(temperature=0.6, max_new_tokens=14, seed=4,
+                                                ignore_eos=True)]
+    steps = measure(_engine(model, mode, strategy, kernels), _prompts(), params)
     spec = [s for s in steps if s.speculative]
     assert spec, "no speculative step ran"
     worst = max(spec, key=lambda s: s.count)
-    print(strategy, mode, worst.count, summary(steps)["host_syncs_spec_where"])
-    assert worst.count <= SPEC_BUDGET[(strategy, mode)], dict(worst.where)
+    assert worst.count <= SPEC_BUDGET, dict(worst.where)

@@ -22,7 +22,8 @@ from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.sampling import processed_logprobs
 from megatron_tlt.rollout.speculative import decoder as decoder_mod
-from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative.acceptance import (accept_chain, accept_chain_sampled,
+                                                         accept_tree, accept_tree_sampled)
 from megatron_tlt.rollout.speculative.stats import SpecStats
 from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
 
@@ -119,7 +120,23 @@ def _wrong_accept_chain(p, q, drafts, gen, greedy, kernels=None):
     return len(drafts), int(torch.multinomial(p[len(drafts)].exp(), 1, generator=gen))
 
 
-@pytest.mark.parametrize("rule", ["exact", "wrong"])
+def _wrong_accept_chain_sampled(p, q, drafts, gen):
+    """``_wrong_accept_chain`` in the form the batched step calls (device tensors)."""
+    k = drafts.shape[0]
+    ar = torch.arange(k)
+    u = torch.rand(k, generator=gen)
+    a = (u * q[ar, drafts].exp() < p[ar, drafts].exp()).long().cumprod(0).sum()
+    pa = p.index_select(0, a.view(1))[0].exp()
+    return a, torch.multinomial(pa / pa.sum(), 1, generator=gen)[0]
+
+
+def _device_accept_chain(p, q, drafts, gen, greedy, kernels=None):
+    """The batched step's rule (on the device, k uniforms drawn at once)."""
+    a, nxt = accept_chain_sampled(p, q, torch.tensor(drafts, dtype=torch.long), gen)
+    return int(a), int(nxt)
+
+
+@pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
 def test_chain_rule_reproduces_target_distribution(rule):
     """Unit test of the chain rule with position-independent p and q over 6 tokens:
     the first two emitted tokens must be distributed as p0 x p1 (5,000 draws); the
@@ -132,7 +149,8 @@ def test_chain_rule_reproduces_target_distribution(rule):
     V, k, n = 6, 3, 5_000
     p = torch.log_softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
     q = torch.log_softmax(torch.randn(k, V, generator=g) * 1.5, -1)
-    fn = accept_chain if rule == "exact" else _wrong_accept_chain
+    fn = {"exact": accept_chain, "device": _device_accept_chain,
+          "wrong": _wrong_accept_chain}[rule]
     counts = collections.Counter()
     for _ in range(n):
         drafts = [int(torch.multinomial(q[i].exp(), 1, generator=g)) for i in range(k)]
@@ -144,13 +162,26 @@ def test_chain_rule_reproduces_target_distribution(rule):
     pr = p.exp()
     probs = {(x, y): float(pr[0, x] * pr[1, y]) for x in range(V) for y in range(V)}
     pval = _chi2_pvalue(counts, probs, n)
-    if rule == "exact":
+    if rule != "wrong":
         assert pval > P_MIN
     else:
         assert pval < 1e-8
 
 
-@pytest.mark.parametrize("rule", ["exact", "wrong"])
+def _device_accept_tree(p, tokens, children, gen, greedy):
+    """The batched step's tree rule (on the device, one uniform per node at once)."""
+    width = max(1, max(len(c) for c in children))
+    kids = torch.tensor([c + [-1] * (width - len(c)) for c in children])
+    tok = torch.tensor([0 if t is None else t for t in tokens])
+    depth, frontier = 0, [0]
+    while any(children[c] for c in frontier):
+        depth += 1
+        frontier = [k for c in frontier for k in children[c]]
+    path, nxt = accept_tree_sampled(p, tok, kids, depth, gen)
+    return [int(c) for c in path if c >= 0], int(nxt)
+
+
+@pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
 def test_tree_rule_reproduces_target_distribution(rule):
     """Deterministic 3-way sibling tries at the root: the emitted token must follow
     p_root; sampling the fallback from p instead of p' must be caught.
@@ -166,6 +197,8 @@ def test_tree_rule_reproduces_target_distribution(rule):
     for _ in range(n):
         if rule == "exact":
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
+        elif rule == "device":
+            path, nxt = _device_accept_tree(p, tokens, children, g, greedy=False)
         else:  # wrong: reject siblings but then sample from the unmodified p
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
             if not path:
@@ -173,7 +206,33 @@ def test_tree_rule_reproduces_target_distribution(rule):
         counts[tokens[path[0]] if path else nxt] += 1
     probs = {x: float(p[0, x].exp()) for x in range(V)}
     pval = _chi2_pvalue(counts, probs, n)
-    assert (pval > P_MIN) if rule == "exact" else (pval < 1e-8)
+    assert (pval > P_MIN) if rule != "wrong" else (pval < 1e-8)
+
+
+@pytest.mark.parametrize("rule", ["exact", "device"])
+def test_two_level_tree_rule_reproduces_target_distribution(rule):
+    """A two-level tree (root children: tokens 2 and 5; token 2's node has children
+    1 and 4): the first two emitted tokens must follow p_root(x) p_x(y), with p_x the
+    target's distribution at the accepted node (row 5 for a token no node drafted,
+    drawn here when the step ends after one token)."""
+    g = torch.Generator().manual_seed(3)
+    V, n = 6, 5_000
+    p = torch.log_softmax(torch.randn(6, V, generator=g) * 1.5, -1)
+    tokens = [None, 2, 5, 1, 4]
+    children = [[1, 2], [3, 4], [], [], []]
+    fn = accept_tree if rule == "exact" else _device_accept_tree
+    counts = collections.Counter()
+    for _ in range(n):
+        path, nxt = fn(p, tokens, children, g, greedy=False)
+        out = [tokens[c] for c in path] + [nxt]
+        if len(out) < 2:  # ended after one token: the next one from that token's node
+            row = {2: 1, 5: 2}.get(out[0], 5)
+            out.append(int(torch.multinomial(p[row].exp(), 1, generator=g)))
+        counts[tuple(out[:2])] += 1
+    pr = p.exp()
+    probs = {(x, y): float(pr[0, x] * pr[{2: 1, 5: 2}.get(x, 5), y])
+             for x in range(V) for y in range(V)}
+    assert _chi2_pvalue(counts, probs, n) > P_MIN
 
 
 def test_greedy_rules_follow_argmax():
@@ -282,7 +341,7 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     (chi-square 363 on 72 d.o.f. at 2,500 draws: p ~ 2e-40; the critical value at 1e-8
     is 161, missed with probability ~6e-12 by ncx2)."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(decoder_mod, "accept_chain", _wrong_accept_chain)
+    monkeypatch.setattr(decoder_mod, "accept_chain_sampled", _wrong_accept_chain_sampled)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
@@ -816,3 +875,23 @@ def test_fp8_training_pads_positions_without_changing_outputs(tiny, monkeypatch)
         got = d(emb, hid, rope)
     assert got.shape == ref.shape == (2, t, h)
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"])
+def test_standard_speculation_is_reproducible_per_request(one_layer, strategy):
+    """Standard sampling with speculation: a request's tokens depend on its own seed
+    only, not on the batch it runs in (each row's acceptance draws from its own
+    generator, a fixed number of draws per step), and a rerun gives the same ones."""
+    model, arch, good, _ = one_layer
+    eng = _spec_engine(model, arch, good, strategy)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True)
+    prompts = _prompts()[:4]
+    seeds = [11, 12, 13, 14]
+    together = eng.generate(prompts, sp, request_seeds=seeds)
+    assert eng.last_stats.spec.summary()["steps"] > 0
+    again = eng.generate(prompts, sp, request_seeds=seeds)
+    assert [o.token_ids for o in again] == [o.token_ids for o in together]
+    for i in (0, 3):
+        alone = eng.generate([prompts[i]], sp, request_seeds=[seeds[i]])[0]
+        assert alone.token_ids == together[i].token_ids
+        assert alone.logprobs == pytest.approx(together[i].logprobs, abs=1e-5)

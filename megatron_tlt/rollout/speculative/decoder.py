@@ -33,7 +33,8 @@ from ...spec_strategy import Strategy
 from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
 from ..sampling import argmax_rows, coupled_gumbel, requested_logprobs
-from .acceptance import accept_chain, accept_tree, processed_rows
+from .acceptance import (accept_chain, accept_chain_sampled, accept_tree,
+                         accept_tree_sampled, processed_rows)
 from .draft_runner import DraftRunner
 from .drafting import DraftTree, Drafting, is_coupled, ragged
 from .stats import SpecStats
@@ -195,25 +196,7 @@ class SpeculativeDecoder:
         noisy = self._verify_noise(rows, counts, tree)
         scores = [plp_r[i] + noisy[i] if noisy[i] is not None else plp_r[i]
                   for i in range(b)]  # coupled: greedy verification of log p~ + noise
-        best, node_lp = self._argmax_nodes(rows, scores, noisy, logits_r, plp_r)
-        emissions: list[Emission] = []
-        for i, r in enumerate(rows):
-            sp = r.params
-            coupled = noisy[i] is not None
-            if tree is None:
-                a, nxt = accept_chain(scores[i], None if q_lp is None else q_lp[i],
-                                      drafts[i], r.generator, greedy=sp.greedy or coupled,
-                                      kernels=self.target.kernels, best=best[i])
-                toks = list(drafts[i][:a]) + [nxt]
-                nodes = list(range(a + 1))
-            else:
-                path, nxt = accept_tree(scores[i], tree.tokens[i], tree.children[i],
-                                        r.generator, greedy=sp.greedy or coupled,
-                                        best=best[i])
-                toks = [tree.tokens[i][c] for c in path] + [nxt]
-                nodes = [0] + path
-            lps = None if node_lp[i] is None else [node_lp[i][n] for n in nodes]
-            emissions.append(Emission(toks, nodes, lps))
+        emissions = self._accept(rows, scores, noisy, logits_r, plp_r, drafts, q_lp, tree)
         emissions = self._agree(emissions, max(counts))
         # features of accepted nodes go to positions L.. (compaction happens in commit)
         for i, (r, e) in enumerate(zip(rows, emissions)):
@@ -224,23 +207,32 @@ class SpeculativeDecoder:
         return emissions, hidden_r, logits_r, plp_r
 
 
-    def _argmax_nodes(self, rows, scores: list, noisy: list, logits: list, plp: list
-                      ) -> tuple[list, list]:
-        """For the rows verified greedily (greedy and coupled rows; None for the
-        others), per row the argmax of every verified node's scores and that token's
-        log-probability as the request asks for it, as host lists, in one host read.
-        The token a greedily verified row emits at a node is always the node's argmax
-        (an accepted draft equals it), so these are the emitted tokens' log-probs."""
-        idx = [i for i, r in enumerate(rows) if r.params.greedy or noisy[i] is not None]
-        best: list = [None] * len(rows)
-        lps: list = [None] * len(rows)
-        if not idx:
-            return best, lps
+    def _accept(self, rows, scores: list, noisy: list, logits: list, plp: list,
+                drafts, q_lp, tree: Optional[DraftTree]) -> list[Emission]:
+        """Every row's emission, with one host read for the rows decided on the device:
+        greedily verified rows (greedy and coupled: every node's argmax, the token such
+        a row emits at that node, an accepted draft being equal to it) and standard
+        chains (``accept_chain_sampled``); with them, the emitted tokens' log-probs as
+        each request asks (``requested_logprobs``), so the commit reads nothing more.
+        and standard trees (``accept_tree_sampled``)."""
+        dev = self.target.device
         k = self.target.kernels
-        parts = []
-        for i in idx:
-            tok = argmax_rows(scores[i], k)
-            sp = rows[i].params
+        b = len(rows)
+        parts, kind = [], [None] * b  # per row: "greedy", "chain" or "tree"
+        for i, r in enumerate(rows):
+            sp = r.params
+            if sp.greedy or noisy[i] is not None:
+                tok = argmax_rows(scores[i], k)
+                kind[i] = "greedy"
+            elif tree is None:
+                d = torch.tensor(drafts[i], dtype=torch.long, device=dev)
+                a, nxt = accept_chain_sampled(scores[i], q_lp[i], d, r.generator)
+                # node j emits drafts[j] below a, the next token at a (later: unused)
+                tok = torch.cat([d, d.new_zeros(1)]).scatter(0, a.view(1), nxt.view(1))
+                kind[i] = "chain"
+            else:
+                tok, path = self._tree_sampled(tree, i, scores[i], r.generator)
+                kind[i] = "tree"
             x = logits[i].float()
             # the same formulas as plain decoding's (``sampling.choose_tokens``)
             if sp.greedy:
@@ -249,15 +241,55 @@ class SpeculativeDecoder:
                 raw = torch.log_softmax(x, dim=-1).gather(-1, tok[:, None])[:, 0]
                 processed = plp[i].gather(-1, tok[:, None])[:, 0]
             lp = requested_logprobs(x, tok, [sp] * x.shape[0], raw, processed)
-            parts.append(torch.stack([tok.double(), lp.double()]))
-        flat = torch.cat(parts, dim=1).tolist()  # [2, nodes of these rows]
-        off = 0
-        for i in idx:
+            extra = ([a.double().view(1)] if kind[i] == "chain" else
+                     [path.double()] if kind[i] == "tree" else [])
+            parts.append(torch.cat([tok.double(), lp.double()] + extra))
+        flat = torch.cat(parts).tolist() if parts else []  # the step's acceptance read
+        out, off = [], 0
+        for i, r in enumerate(rows):
             n = scores[i].shape[0]
-            best[i] = [int(t) for t in flat[0][off: off + n]]
-            lps[i] = flat[1][off: off + n]
-            off += n
-        return best, lps
+            best = [int(t) for t in flat[off: off + n]]
+            lps = flat[off + n: off + 2 * n]
+            off += 2 * n
+            if kind[i] == "chain":
+                a = int(flat[off])
+                off += 1
+                toks, nodes = list(drafts[i][:a]) + [best[a]], list(range(a + 1))
+            elif kind[i] == "tree":  # best: the token each node emits
+                d = max(tree.depths[i])
+                nodes = [0] + [int(c) for c in flat[off: off + d] if c >= 0]
+                off += d
+                toks = [best[m] for m in nodes]
+            elif tree is None:
+                a, nxt = accept_chain(scores[i], None, drafts[i], None, greedy=True,
+                                      best=best)
+                toks, nodes = list(drafts[i][:a]) + [nxt], list(range(a + 1))
+            else:
+                path, nxt = accept_tree(scores[i], tree.tokens[i], tree.children[i], None,
+                                        greedy=True, best=best)
+                toks, nodes = [tree.tokens[i][c] for c in path] + [nxt], [0] + path
+            out.append(Emission(toks, nodes, [lps[j] for j in nodes]))
+        return out
+
+    @staticmethod
+    def _tree_sampled(tree: DraftTree, i: int, scores: torch.Tensor, gen):
+        """Row i's standard tree acceptance on the device (``accept_tree_sampled``).
+        Returns the token each node emits [n+1] (its accepted child's token; the next
+        token at the path's end; unused elsewhere) and the path [depth] (-1 padded)."""
+        kids_l = tree.children[i]
+        width = max(1, max(len(c) for c in kids_l))
+        node_tok = tree.verify_tokens[i]
+        kids = torch.tensor([c + [-1] * (width - len(c)) for c in kids_l], dtype=torch.long,
+                            device=node_tok.device)
+        path, nxt = accept_tree_sampled(scores, node_tok, kids, max(tree.depths[i]), gen)
+        seq = torch.cat([path.new_zeros(1), path])  # root, then the accepted nodes
+        child = seq[1:]
+        n1 = node_tok.shape[0]
+        emit = node_tok.new_zeros(n1 + 1)  # slot n1 takes the writes of unused depths
+        emit = emit.scatter(0, torch.where(child >= 0, seq[:-1], n1),
+                            node_tok.index_select(0, child.clamp_min(0)))
+        last = seq.index_select(0, (child >= 0).sum().view(1))  # the path's last node
+        return emit.scatter(0, last, nxt.view(1))[:n1], path
 
     def _verify_noise(self, rows, counts: Sequence[int], tree: Optional[DraftTree]) -> list:
         """Per row, the coupled noise of each verified node [nodes, V] (a node at
@@ -302,7 +334,8 @@ class SpeculativeDecoder:
         L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
         captured: dict[int, torch.Tensor] = {}
         sub = None if hook is None else (lambda i, x: captured.__setitem__(i, x))
-        h = t.extend(cache, slice(0, b), ids, L, capture=sub)
+        h = t.extend(cache, slice(0, b), ids, L, capture=sub,
+                     span=max(r.length for r in rows) + width)
         keep = torch.cat([torch.arange(c, device=dev) + i * width for i, c in enumerate(counts)])
         if hook is not None:
             for i, x in captured.items():
@@ -389,7 +422,7 @@ class SpeculativeDecoder:
             start = torch.tensor(starts, dtype=torch.long, device=dev)
             self.draft.extend(self.cache, slice(0, b),
                               torch.zeros(b, t_max, dtype=torch.long, device=dev), start,
-                              embeds=xp)
+                              embeds=xp, span=max(starts) + t_max)
         for i, (s, c) in enumerate(zip(starts, counts)):
             self.draft_len[i] = s + c
         stats.catchup_seconds += time.perf_counter() - t0
@@ -411,7 +444,8 @@ class SpeculativeDecoder:
             else:  # one pending position per row: a plain one-token step
                 out = self.draft.extend(self.cache, slice(0, b),
                                         torch.zeros(b, 1, dtype=torch.long, device=dev),
-                                        pos, embeds=x[:, None]).reshape(b, -1)
+                                        pos, embeds=x[:, None],
+                                        span=max(starts) + 1).reshape(b, -1)
             last = torch.tensor(counts, device=dev).cumsum(0) - 1
         else:  # padded [B, T]: pad slots lie beyond each row's valid range (the cache
             # has a full capacity of slack for them, see ``begin``)
@@ -419,7 +453,8 @@ class SpeculativeDecoder:
             start = torch.tensor(starts, dtype=torch.long, device=dev)
             out = self.draft.extend(self.cache, slice(0, b),
                                     torch.zeros(b, t_max, dtype=torch.long, device=dev),
-                                    start, embeds=xp).reshape(b * t_max, -1)
+                                    start, embeds=xp,
+                                    span=max(starts) + t_max).reshape(b * t_max, -1)
             last = torch.arange(b, device=dev) * t_max + torch.tensor(counts, device=dev) - 1
         root_h = out.index_select(0, last)
         return root_h, self.draft.draft_logits(root_h)
