@@ -102,7 +102,8 @@ class _StubDrafter:
     def inputs(self, tok, h, *, target_features):
         return torch.zeros(tok.shape[0], 4)
 
-    def extend(self, cache, rows, tok, pos, *, rope_positions, new_token_mask, embeds):
+    def extend(self, cache, rows, tok, pos, *, rope_positions, new_token_mask, embeds,
+               span=None):
         return torch.zeros(*tok.shape, 4)
 
     def draft_logits(self, out):

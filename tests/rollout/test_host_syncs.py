@@ -111,3 +111,21 @@ def test_a_speculative_step_keeps_its_budget(model, mode, strategy, kernels):
     assert spec, "no speculative step ran"
     worst = max(spec, key=lambda s: s.count)
     assert worst.count <= SPEC_BUDGET, dict(worst.where)
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])
+@pytest.mark.parametrize("mode", ["greedy", "standard"])
+def test_the_self_drafters_step_keeps_the_budget(model, mode, strategy):
+    """The policy's int8 copy as the drafter: its catch-up and drafting read nothing
+    more than the one-layer drafter's."""
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+    m, arch, _ = model
+    cfg = RolloutConfig(speculative=SpeculativeConfig(policy="fixed", strategy=strategy,
+                                                      threshold=64), cpu_kernels="true")
+    eng = RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[], drafter=SelfDrafter())
+    steps = measure(eng, _prompts(), MODES[mode])
+    spec = [s for s in steps if s.speculative]
+    assert spec, "no speculative step ran"
+    worst = max(spec, key=lambda s: s.count)
+    assert worst.count <= SPEC_BUDGET, dict(worst.where)

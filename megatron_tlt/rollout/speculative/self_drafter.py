@@ -287,7 +287,7 @@ class SelfDraftRunner(ModelRunner):
         layer by layer: the CPU kernels' norm, RoPE + attention and SwiGLU pieces
         around the int8 GEMMs."""
         kern = self.kernels
-        cos, sin = self.rope(pos)
+        cos, sin = self.rope(pos, limit=cache.capacity)  # positions lie in the cache
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
