@@ -38,6 +38,7 @@ from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
 from ..quantize import QuantWeight, int8_linear, quantize_int8
+from ..quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
 @dataclass
@@ -45,13 +46,19 @@ class SelfDrafterConfig:
     """The quantized copy's settings."""
 
     group: int = 0  # inputs per int8 scale; 0 = one scale per output channel
+    # "int8", "fp8" (E4M3 through torch._scaled_mm, quantize_fp8.py) or "auto" (fp8 where
+    # the device multiplies it natively and group is 0, else int8)
+    format: str = "auto"
     feature_layers: tuple = field(default=(), init=False)  # no EAGLE features
+
+    def __post_init__(self):
+        resolve_format(self.format, torch.device("cpu"), self.group)  # checks the pair
 
     def check_target(self, arch) -> None:
         """Any target: the copy is made from it."""
 
     def to_dict(self) -> dict:
-        return {"kind": "self", "group": self.group}
+        return {"kind": "self", "group": self.group, "format": self.format}
 
 
 class SelfDrafter:
@@ -63,8 +70,8 @@ class SelfDrafter:
     kind = "self"
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
-                 source: Optional[ModelRunner] = None):
-        self.config = SelfDrafterConfig(group=group)
+                 source: Optional[ModelRunner] = None, format: str = "auto"):
+        self.config = SelfDrafterConfig(group=group, format=format)
         self.draft_vocab = None if draft_vocab is None else torch.sort(
             torch.as_tensor(draft_vocab, dtype=torch.long)).values
         self.source = source
@@ -96,6 +103,8 @@ class SelfDraftRunner(ModelRunner):
         self.target = target
         self.source = drafter.source or target
         self.config = drafter.config
+        # the copy's matrices: QuantWeight (int8) or Fp8Weight (E4M3)
+        self.format = resolve_format(drafter.config.format, target.device, drafter.config.group)
         self.model, self.arch = target.model, target.arch
         self.tp_size, self.tp_rank, self.tp_group = target.tp_size, target.tp_rank, target.tp_group
         self.groups, self.heads_per_group = target.groups, target.heads_per_group
@@ -145,6 +154,8 @@ class SelfDraftRunner(ModelRunner):
     def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
         """``w`` quantized, written into ``old``'s tensors when their shapes match (the
         copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
+        if self.format == "fp8":
+            return quantize_fp8(w, old if isinstance(old, Fp8Weight) else None)
         new = quantize_int8(w, self.config.group)
         if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
             return new
@@ -242,9 +253,12 @@ class SelfDraftRunner(ModelRunner):
     def _lin(self, x: torch.Tensor, w: QuantWeight, b: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual + x @ dequantize(w).T + b``: the int8 panel GEMM of the CPU kernels
-        where built and packed, else the reference."""
+        where built and packed, else FP8 weights through ``torch._scaled_mm``
+        (``quantize_fp8``) or the int8 reference."""
         rows = x.numel() // x.shape[-1]
         if w.panel is None or not self.fused_ok("linear", rows):
+            if isinstance(w, Fp8Weight):
+                return fp8_linear(x, w, b, residual)
             return int8_linear(x, w, b, residual)
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
