@@ -28,6 +28,20 @@ EPS = 2.0 ** -4  # E4M3's relative half step (3 mantissa bits)
 SUB = 2.0 ** -10  # its absolute half step below the smallest normal (2^-6), in scaled units
 
 
+def fp8_error_bound(x: torch.Tensor, w: torch.Tensor, qw: Fp8Weight) -> torch.Tensor:
+    """|fp8_linear(x, qw) - x @ w.T| <= this, per element, for x [m, k]: each product
+    term off by E4M3's relative half steps of both operands (or their absolute half steps
+    below the normals), then the bfloat16 result's rounding (tests_gpu reuses it)."""
+    xd, wd = x.double(), w.double()
+    t = xd.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    s = qw.scale[0, : qw.n].double().to(xd.device)[None, :]
+    mm = xd @ wd.t()
+    per = (xd.abs() @ wd.abs().t()) * (2 * EPS + EPS ** 2) \
+        + (xd.abs().sum(1, keepdim=True) * s + t * wd.abs().sum(1)[None, :]) * SUB * (1 + EPS) \
+        + xd.shape[1] * t * s * SUB ** 2
+    return per + 2.0 ** -8 * (mm.abs() + per) + 1e-6
+
+
 def _weight(n=40, k=72, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -124,17 +138,11 @@ def test_fp8_linear_matches_the_float_product(dtype):
     b, res = torch.randn(40, generator=g), torch.randn(2, 3, 40, generator=g)
     got = fp8_linear(x.to(dtype), qw, b.to(dtype), res.to(dtype))
     assert got.shape == (2, 3, 40) and got.dtype == dtype and got.is_contiguous()
-    xd, wd = x.to(dtype).double().reshape(6, 72), w.double()
-    mm = xd @ wd.t()
-    ref = mm + b.to(dtype).double() + res.to(dtype).double().reshape(6, 40)
-    t = xd.abs().amax(dim=1, keepdim=True) / E4M3_MAX
-    s = qw.scale[0, :40].double()[None, :]
-    per = (xd.abs() @ wd.abs().t()) * (2 * EPS + EPS ** 2) \
-        + (xd.abs().sum(1, keepdim=True) * s + t * wd.abs().sum(1)[None, :]) * SUB * (1 + EPS) \
-        + 72 * t * s * SUB ** 2
-    bf16 = 2.0 ** -8  # the bfloat16 result (and a bfloat16 caller's additions)
-    bound = per + bf16 * (mm.abs() + per) + (bf16 * ref.abs() if dtype == torch.bfloat16
-                                             else 0) + 1e-6
+    xd = x.to(dtype).double().reshape(6, 72)
+    ref = xd @ w.double().t() + b.to(dtype).double() + res.to(dtype).double().reshape(6, 40)
+    bound = fp8_error_bound(xd, w, qw)
+    if dtype == torch.bfloat16:  # the caller's additions in bfloat16
+        bound = bound + 2.0 ** -8 * ref.abs()
     err = (got.double().reshape(6, 40) - ref).abs()
     assert (err <= bound).all(), (err / bound).max()
     assert (got[0, 1].double() - ref.reshape(2, 3, 40)[0, 1]).abs().max() < 1e-2  # zero row
