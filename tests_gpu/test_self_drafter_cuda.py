@@ -2,9 +2,9 @@
 row-wise scales; GPUs of compute capability >= 8.9): the scaled-matmul linear against
 the dequantized reference and the float product, and SmolLM2 (``RolloutEngine.
 from_pretrained``; the random-weight model of its shape that ``make gpu-check`` writes)
-drafting with its FP8 copy under exact verification: greedy and coupled outputs equal
-plain decoding's (float32 exactly; bfloat16 up to near-ties, each divergence checked to
-be one), and a refresh after a weight change equals quantizing the new weights, in the
+drafting with its FP8 copy under exact verification: greedy outputs equal plain
+decoding's (float32 exactly; bfloat16 up to near-ties, each divergence checked to be
+one), coupled T=1 outputs too (float32), and a refresh after a weight change equals quantizing the new weights, in the
 same memory. The CPU suite covers the same logic emulated
 (tests/rollout/test_self_drafter_fp8.py)."""
 
@@ -22,6 +22,7 @@ from test_self_drafter_fp8 import _weight, fp8_error_bound
 from test_speculative import _prompts
 
 CUDA = torch.device("cuda", 0)
+LENGTHS = (3, 9, 1, 17, 5, 30)  # prompt lengths (6 prompts, 4 rows at a time)
 needs_fp8 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)),
     reason="FP8 GEMMs need compute capability >= 8.9")
@@ -122,8 +123,8 @@ def test_fp8_self_drafter_greedy_equals_plain_on_cuda(smollm2, monkeypatch, dtyp
     assert draft.format == "fp8"  # auto on a GPU of sm >= 8.9
     assert all(isinstance(w, Fp8Weight) and w.native and w.q.device.type == CUDA.type
                for w in draft.quant_weights())
-    prompts = _prompts(lengths=(3, 9, 1, 17, 5, 12, 30, 7))
-    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    prompts = _prompts(lengths=LENGTHS)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
     calls = _count_scaled_mm(monkeypatch)
     outs = eng.generate(prompts, sp)
     assert calls  # the drafts came from torch._scaled_mm
@@ -143,20 +144,17 @@ def test_fp8_self_drafter_greedy_equals_plain_on_cuda(smollm2, monkeypatch, dtyp
 
 
 @needs_fp8
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_self_drafter_coupled_equals_plain_on_cuda(smollm2, dtype):
-    eng = smollm2(dtype, "coupled", "3_2_5")
-    prompts = _prompts(lengths=(3, 9, 1, 17, 5, 12, 30, 7))
-    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=9)
+def test_fp8_self_drafter_coupled_equals_plain_on_cuda(smollm2):
+    """Coupled T=1 sampling (tree drafts): the plain coupled responses, token for token
+    (float32; in bfloat16 near-ties of the perturbed scores could part, as above)."""
+    eng = smollm2("float32", "coupled", "3_2_5")
+    prompts = _prompts(lengths=LENGTHS)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=9)
     seeds = list(range(100, 100 + len(prompts)))
     outs = eng.generate(prompts, sp, request_seeds=seeds)
     assert eng.last_stats.spec.steps > 0
     plain = _plain(eng, prompts, sp, request_seeds=seeds)
-    same = [o.token_ids == r.token_ids for o, r in zip(outs, plain)]
-    if dtype == "float32":
-        assert all(same)
-    else:  # bfloat16: near-ties of the perturbed scores may part (see above)
-        assert sum(same) >= 0.5 * len(same), same
+    assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
 
 
 @needs_fp8
