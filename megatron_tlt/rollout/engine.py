@@ -183,6 +183,7 @@ class RolloutEngine:
             from .speculative.self_drafter import SelfDrafter
 
             drafter = SelfDrafter(group=self.config.speculative.self_group,
+                                  act_block=self.config.speculative.self_act_block,
                                   format=self.config.speculative.self_format)
         elif drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
@@ -194,8 +195,10 @@ class RolloutEngine:
             from .speculative.self_drafter import SelfDrafter
 
             attach_kinds(self, {"eagle": drafter,
-                                "self": SelfDrafter(group=self.config.speculative.self_group,
-                                                    format=self.config.speculative.self_format)})
+                                "self": SelfDrafter(
+                                    group=self.config.speculative.self_group,
+                                    act_block=self.config.speculative.self_act_block,
+                                    format=self.config.speculative.self_format)})
         elif drafter is not None:
             self.attach_drafter(drafter)
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
-from ..quantize import QuantWeight, int8_linear, quantize_int8
+from ..quantize import QuantWeight, check_blocks, int8_linear, quantize_int8
 from ..quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
@@ -46,19 +46,23 @@ class SelfDrafterConfig:
     """The quantized copy's settings."""
 
     group: int = 0  # inputs per int8 scale; 0 = one scale per output channel
-    # "int8", "fp8" (E4M3 through torch._scaled_mm, quantize_fp8.py) or "auto" (fp8 where
-    # the device multiplies it natively and group is 0, else int8)
+    act_block: int = 32  # inputs per activation scale (int8 activations); 0 = float
+    # "int8", "fp8" (E4M3 through torch._scaled_mm, quantize_fp8.py: activations scaled
+    # per row, act_block unused) or "auto" (fp8 where the device multiplies it natively
+    # and group is 0, else int8)
     format: str = "auto"
     feature_layers: tuple = field(default=(), init=False)  # no EAGLE features
 
     def __post_init__(self):
+        check_blocks(self.group, self.act_block)
         resolve_format(self.format, torch.device("cpu"), self.group)  # checks the pair
 
     def check_target(self, arch) -> None:
         """Any target: the copy is made from it."""
 
     def to_dict(self) -> dict:
-        return {"kind": "self", "group": self.group, "format": self.format}
+        return {"kind": "self", "group": self.group, "act_block": self.act_block,
+                "format": self.format}
 
 
 class SelfDrafter:
@@ -70,8 +74,9 @@ class SelfDrafter:
     kind = "self"
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
-                 source: Optional[ModelRunner] = None, format: str = "auto"):
-        self.config = SelfDrafterConfig(group=group, format=format)
+                 source: Optional[ModelRunner] = None, act_block: int = 32,
+                 format: str = "auto"):
+        self.config = SelfDrafterConfig(group=group, act_block=act_block, format=format)
         self.draft_vocab = None if draft_vocab is None else torch.sort(
             torch.as_tensor(draft_vocab, dtype=torch.long)).values
         self.source = source
@@ -156,7 +161,7 @@ class SelfDraftRunner(ModelRunner):
         copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
         if self.format == "fp8":
             return quantize_fp8(w, old if isinstance(old, Fp8Weight) else None)
-        new = quantize_int8(w, self.config.group)
+        new = quantize_int8(w, self.config.group, self.config.act_block)
         if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
             return new
         old.q.copy_(new.q)
@@ -226,7 +231,7 @@ class SelfDraftRunner(ModelRunner):
                 w.panel = w.panel_scale = None
             return
         for w in mats:
-            w.panel, w.panel_scale = self.kernels.pack_int8(w.q, w.scale)
+            w.panel, w.panel_scale = self.kernels.pack_int8(w.q, w.scale, w.act_block)
 
     def kernel_weights(self) -> list[torch.Tensor]:
         return []  # no float panel copies: the int8 ones are made by refresh()
@@ -243,7 +248,8 @@ class SelfDraftRunner(ModelRunner):
                 [lw.proj_w.panel for lw in L], [lw.proj_w.panel_scale for lw in L],
                 [lw.ln2 for lw in L], [lw.fc1_w.panel for lw in L],
                 [lw.fc1_w.panel_scale for lw in L], [lw.fc2_w.panel for lw in L],
-                [lw.fc2_w.panel_scale for lw in L], self.config.group or 1 << 40)
+                [lw.fc2_w.panel_scale for lw in L], self.config.group or 1 << 40,
+                self.config.act_block)
         return self._packed_stack
 
     def rope_tables(self, need: int):
@@ -263,7 +269,7 @@ class SelfDraftRunner(ModelRunner):
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
         out = self.kernels.linear_int8(x.reshape(rows, -1).contiguous(), w.panel,
-                                       w.panel_scale, w.shape[0], w.group, b, res)
+                                       w.panel_scale, w.shape[0], w.group, w.act_block, b, res)
         return out.view(*lead, out.shape[-1])
 
     def fused_ok(self, family: str, rows: int) -> bool:
