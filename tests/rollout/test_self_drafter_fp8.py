@@ -257,8 +257,8 @@ def test_self_format_config():
     with pytest.raises(ConfigError, match="self_format"):
         SpeculativeConfig(self_format="fp4")
     with pytest.raises(ConfigError, match="self_group=0"):
-        SpeculativeConfig(drafter="self", self_format="fp8", self_group=16)
-    SpeculativeConfig(drafter="self", self_format="int8", self_group=16)
+        SpeculativeConfig(drafter="self", self_format="fp8", self_group=64)
+    SpeculativeConfig(drafter="self", self_format="int8", self_group=64)
 
 
 def test_self_drafter_at_pp2_needs_the_gathered_rollout():
