@@ -49,10 +49,8 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.drafter = drafter
         self.target = target
         self.draft = drafter.runner_for(target)
-        # the int8 panels follow the CPU kernels (an FP8 copy runs no CPU kernels)
-        kernels = target.kernels if self.draft.format == "int8" else None
-        if self.draft.kernels is not kernels:
-            self.draft.kernels = kernels
+        if self.draft.kernels is not target.kernels:  # the panels follow the kernels
+            self.draft.kernels = target.kernels  # (none for an FP8 copy)
             self.draft._fp = None
         # quantize now (again only when the weights change); at PP > 1 (gathered) only
         # while the target holds its copies of the other stages' layers, else at the

@@ -168,6 +168,15 @@ class SelfDraftRunner(ModelRunner):
         old.scale.copy_(new.scale)
         return old
 
+    @property
+    def kernels(self):
+        """The CPU kernels (int8 copies only: an FP8 copy runs none, whoever sets them)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, k) -> None:
+        self._kernels = k if getattr(self, "format", "int8") == "int8" else None
+
     def set_layers(self, layers) -> None:  # the copy is made by refresh()
         raise TypeError("SelfDraftRunner quantizes its source's layers in refresh()")
 
