@@ -48,7 +48,7 @@ def test_self_drafter_at_pp2_gathered_is_exact_and_identical_across_stages(
                         nproc=2)
     assert ranks[0] == ranks[1]  # the stages return the same outputs, hold the same copy
     r = ranks[0]
-    for case in ("chain", "tree"):  # greedy: plain decoding's tokens
+    for case in ("chain", "tree", "chain_fp8"):  # greedy: plain decoding's tokens
         assert r[case] == r["plain"] and r[case + "/steps"] > 0, case
     assert r["coupled_tree"] == r["coupled_plain"] and r["coupled_steps"] > 0
     assert r["layers"][0] == r["layers"][1] == r["layers"][2]  # the whole model

@@ -10,8 +10,8 @@ decoding, on both ranks. ``--tp 1``: the two ranks are replicas of one policy ru
 with different thread counts; after the same in-place update both re-quantize, and
 their copies are bit-identical (hashes of every int8 matrix and scale). ``--pp 2``
 (rollout.pipeline_mode=gathered): each stage quantizes its gathered copy of the whole
-model and decodes its share of the prompts; greedy and coupled outputs with the copy are
-plain decoding's, the stages' copies are bit-identical before and after an update of
+model and decodes its share of the prompts; greedy (int8 and FP8 copies) and coupled
+outputs with the copy are plain decoding's, the stages' copies are bit-identical before and after an update of
 the stages' own weights, and the pipelined mode refuses the self-drafter. Every rank
 writes ``out/rank{R}.json``.
 """
@@ -66,7 +66,8 @@ def _pp2(model, arch, prompts) -> dict:
     plain = _engine(model, arch, "4_1_4")
     res["plain"] = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     for case, strategy, drafter in (("chain", "4_1_4", SelfDrafter()),
-                                    ("tree", "3_3_6", SelfDrafter())):
+                                    ("tree", "3_3_6", SelfDrafter()),
+                                    ("chain_fp8", "4_1_4", SelfDrafter(format="fp8"))):
         eng = _engine(model, arch, strategy, drafter=drafter)
         res[case] = [o.token_ids for o in eng.generate(prompts, GREEDY)]
         res[case + "/steps"] = eng.last_stats.spec.steps
