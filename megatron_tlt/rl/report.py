@@ -75,10 +75,17 @@ def kind_cell(spec: dict, kinds: Sequence[str]) -> str:
 
 
 def bucket_cell(spec: dict) -> str:
-    """One line per batch-size bucket, smallest first: what it chose most often
-    ("1: self 4_1_4")."""
+    """One line per batch-size bucket, smallest first: what it chose most often and
+    the share of its tuned steps each kind speculated and declined ("1: self 4_1_4 |
+    self 90% plain 10%")."""
     choice = spec.get("bucket_choice") or {}
-    return "\n".join(f"{b}: {choice[b]}" for b in sorted(choice, key=bucket_key)) or "-"
+    lines = []
+    for b in sorted(choice, key=bucket_key):
+        per = (spec.get("chosen") or {}).get(b) or {}
+        total = sum(per.values())
+        shares = " ".join(f"{k} {n / total:.0%}" for k, n in per.items() if n) if total else ""
+        lines.append(f"{b}: {choice[b]}" + (f" | {shares}" if shares else ""))
+    return "\n".join(lines) or "-"
 
 
 def bucket_key(label) -> int:
@@ -95,7 +102,7 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
     table = summary_table(history)
     online = any("drafter/steps" in h for h in history)
     console = Console()
-    width = (164 if online else 132) + (52 if len(step_kinds(history)) > 1 else 0)
+    width = (164 if online else 132) + (72 if len(step_kinds(history)) > 1 else 0)
     if console.width < width:  # a pipe or a narrow terminal: keep the columns readable
         console = Console(width=width)
     console.print(table)

@@ -93,11 +93,12 @@ def test_summary_table_shows_the_kinds_and_each_buckets_drafter():
     spec = h[0]["spec"]
     assert report.kind_cell(spec, ["eagle", "self"]) == "eagle 0% -\nself 20% x4.25"
     # buckets smallest first, "33+" last
-    assert report.bucket_cell(spec) == "1: self 4_1_4\n5-8: plain\n33+: eagle 3_1_3"
+    assert report.bucket_cell(spec) == ("1: self 4_1_4 | self 91% plain 9%\n"
+                                        "5-8: plain | eagle 67% plain 33%\n33+: eagle 3_1_3")
     console = Console(width=250, record=True)
     console.print(report.summary_table(h))
     text = console.export_text()
-    assert "drafter by bucket" in text and "1: self 4_1_4" in text and "self 20% x4.25" in text
+    assert "drafter by bucket" in text and "1: self 4_1_4 | self 91%" in text and "self 20% x4.25" in text
     # one kind: the table keeps its usual columns
     console = Console(width=250, record=True)
     console.print(report.summary_table(_history(kinds=("eagle",))))

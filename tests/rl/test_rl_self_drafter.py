@@ -66,6 +66,21 @@ def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_
     assert [x["step"] for x in records] == [1, 2]
     assert records[1]["spec"]["drafter_refreshes"] == 1
     assert any((ckpt / "latest").parent.rglob("*drafter*"))
+    # the metrics per drafter kind: they add up to the step's totals
+    for rec in records:
+        spec = rec["spec"]
+        assert set(spec["kinds"]) <= {"eagle", "self"} and spec["kinds"]
+        kinds = [spec[k] for k in spec["kinds"]]
+        assert sum(k["steps"] for k in kinds) == spec["steps"]
+        assert sum(k["declined"] for k in kinds) == spec["declined"]
+        assert sum(k["chosen"] for k in kinds) == sum(
+            n for per in spec["chosen"].values() for n in per.values())
+        assert set(spec["bucket_choice"]) == set(spec["chosen"])
+        for a, b, what in [s for r in rec["timeline"]["replica_kinds"] for s in r]:
+            assert 0 <= a <= b <= rec["timeline"]["replica_finish"][0] + 1e-6
+            assert what in ("eagle", "self", "plain")
+    assert "drafter by bucket" in r.stdout or len(set().union(
+        *(x["spec"]["kinds"] for x in records))) == 1  # the table's column
 
 
 def test_self_too_needs_a_drafter_checkpoint():
