@@ -98,7 +98,8 @@ def test_summary_table_shows_the_kinds_and_each_buckets_drafter():
     console = Console(width=250, record=True)
     console.print(report.summary_table(h))
     text = console.export_text()
-    assert "drafter by bucket" in text and "1: self 4_1_4 | self 91%" in text and "self 20% x4.25" in text
+    assert "drafter by bucket" in text and "1: self 4_1_4 | self 91%" in text
+    assert "self 20% x4.25" in text
     # one kind: the table keeps its usual columns
     console = Console(width=250, record=True)
     console.print(report.summary_table(_history(kinds=("eagle",))))
