@@ -10,7 +10,7 @@ the recipe's or the given temperature / top-p / top-k) are measured once and eve
 drafter is scored on those same samples with the same settings
 (``megatron_tlt.drafter_training.alpha_kinds``): the one-layer drafter (``--drafter``:
 a checkpoint, ``random``, or by default the demo's cached one) and the policy's
-weight-only int8 copy (``self``, ``--self-group``), plus, per ``--self-source``, the
+int8 copy (``self``, ``--self-group``, ``--self-act-block``), plus, per ``--self-source``, the
 int8 copy of another checkpoint of the same architecture (``self@NAME``: the α a copy
 that is not refreshed after updates would have). Reported per drafter: α at depths
 1..``--depth`` (over the same positions for every kind), E[max p̃], the draft
@@ -40,6 +40,9 @@ def parse_args(argv=None):
       help="draft vocabulary of a random drafter (0: the full vocabulary)")
     a("--self-group", type=int, default=0,
       help="inputs per int8 scale of the copy (0: one scale per output channel)")
+    a("--self-act-block", type=int, default=32,
+      help="inputs per scale of the copy's int8 activations (0: float activations, "
+           "weight-only int8; rollout.speculative.self_act_block)")
     a("--self-source", action="append", default=[],
       help="another checkpoint of the same architecture whose int8 copy is scored too "
            "(repeatable; column self@<folder name>)")
@@ -128,8 +131,9 @@ def main(argv=None) -> int:
     eagle, name = one_layer_drafter(args.drafter, engine, args.draft_vocab, args.seed)
     if eagle is not None:
         drafters["eagle"], described["eagle"] = eagle, name
-    drafters["self"] = SelfDrafter(group=args.self_group)
-    described["self"] = f"the policy's weight-only int8 copy (group {args.self_group})"
+    drafters["self"] = SelfDrafter(group=args.self_group, act_block=args.self_act_block)
+    described["self"] = (f"the policy's int8 copy (weight group {args.self_group}, "
+                         f"activation block {args.self_act_block})")
     for src in args.self_source:
         path = resolve_source(src)
         if arch_from_source(path) != engine.arch:
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
         other, arch = load_model(path, device=engine.device, dtype=str(
             engine.runner.dtype).replace("torch.", ""), impl="auto")
         label = f"self@{Path(src).name}"
-        drafters[label] = SelfDrafter(group=args.self_group,
+        drafters[label] = SelfDrafter(group=args.self_group, act_block=args.self_act_block,
                                       source=ModelRunner(other, arch))
         described[label] = f"the int8 copy of {src}"
     for k, v in described.items():
