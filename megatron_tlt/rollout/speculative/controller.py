@@ -125,7 +125,7 @@ class SpeculationController:
             # apart: a switching cost, not a property of the strategy
             costs = self.stats.costs()
             t1 = time.perf_counter()
-            fed = self.decoder.catch_up(rows, self.stats)
+            fed = self.decoder.catch_up(rows, self.stats, cache)
             switch = time.perf_counter() - t1 if fed else 0.0
             emitted, accepted = self._speculate(cache, rows, decision.strategy, label,
                                                 commit)
