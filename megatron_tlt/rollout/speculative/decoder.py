@@ -57,6 +57,8 @@ class SpeculativeDecoder:
     features) and the speculative step. The engine owns the rows and the target cache;
     this keeps, per cache row, how far the drafter's cache is valid."""
 
+    kind = "eagle"  # the drafter kind in metrics (``SpecStats.kinds``; the self-drafter's
+    # decoder says "self")
     # the feature store holds the target's final hidden states when the drafter reads
     # no EAGLE-3 feature layers (``rollout.memory`` returns them from there)
     keeps_hidden = True
@@ -403,11 +405,13 @@ class SpeculativeDecoder:
         return sum(max(0, r.length - 1 - self.draft_len[i]) for i, r in enumerate(rows))
 
     @torch.no_grad()
-    def catch_up(self, rows: Sequence, stats: SpecStats) -> int:
+    def catch_up(self, rows: Sequence, stats: SpecStats,
+                 target_cache: Optional[KVCache] = None) -> int:
         """Feed every row's missed drafter inputs but the root (positions draft_len ..
         L-2) in one forward, so the next ``step`` feeds only the roots and costs what a
         steady speculative step costs; the engine times this switching cost apart (the
-        tuner's break-even gate compares steady steps). Returns the positions fed."""
+        tuner's break-even gate compares steady steps). Returns the positions fed.
+        (``target_cache``: the target's cache, which the self-drafter's decoder reads.)"""
         if self.pending(rows) == 0:
             return 0
         dev = self.target.device
