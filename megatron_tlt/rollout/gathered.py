@@ -5,7 +5,9 @@ each pipeline rank receives the other stages' decoder layers (this TP rank's sha
 the embedding, the final norm and the output layer from their owners by broadcasts
 over the pipeline group (``GatheredRunner.pack_weights``); its own stage's layers
 are read in place, as at PP = 1. Every pipeline rank then holds the whole model and
-decodes its own share of the call's prompts as a PP = 1 engine (with its TP group as
+decodes its own share of the call's prompts as a PP = 1 engine (a contiguous block of
+the requests grouped by prompt, so a GRPO group shares one prefill,
+``rollout.share_prefill``; without it every ``stages``-th request) (with its TP group as
 at PP = 1), and the outputs are exchanged over the pipeline group back into prompt
 order, so every stage returns the same outputs (``generate_shares``): small metadata
 (lengths, finish reasons, statistics) as objects, token ids, log-probs and hidden
@@ -165,14 +167,30 @@ class GatheredRunner(ModelRunner):
         return tensor
 
 
+def share_of(prompts: Sequence[Sequence[int]], stages: int, rank: int,
+             grouped: bool) -> list[int]:
+    """The requests pipeline rank ``rank`` decodes: every ``stages``-th from its rank,
+    or (``grouped``, rollout.share_prefill) a contiguous block of the requests ordered
+    by prompt (first appearance), so the requests of a prompt run on one stage and share
+    its prefill there (a block boundary splits at most one group); the blocks' sizes
+    differ by at most one, as the strided split's do."""
+    n = len(prompts)
+    if not grouped:
+        return list(range(rank, n, stages))
+    first: dict[tuple, int] = {}
+    order = sorted(range(n), key=lambda i: first.setdefault(tuple(prompts[i]), i))
+    base, extra = divmod(n, stages)
+    start = rank * base + min(rank, extra)
+    return order[start: start + base + (1 if rank < extra else 0)]
+
+
 def generate_shares(engine: "RolloutEngine", prompts: list[list[int]], plist: Sequence,
                     gens: list, keys: list) -> list["RolloutOutput"]:
-    """Decode this pipeline rank's share of the prompts (every ``stages``-th, from its
-    rank) as a PP = 1 engine, then exchange everyone's outputs (``exchange_outputs``)
-    in prompt order."""
+    """Decode this pipeline rank's share of the prompts (``share_of``) as a PP = 1
+    engine, then exchange everyone's outputs (``exchange_outputs``) in prompt order."""
     runner: GatheredRunner = engine.runner
-    n, stages = len(prompts), runner.stages
-    mine = list(range(runner.pp_rank, n, stages))
+    stages = runner.stages
+    mine = share_of(prompts, stages, runner.pp_rank, engine.config.share_prefill)
     # the replica's running batch, split like its prompts
     max_batch = max(1, math.ceil(engine.config.max_batch_size / stages))
     stats = engine.last_stats

@@ -187,3 +187,27 @@ def test_speculation_with_shared_prefill_is_unchanged(tiny, drafter, strategy, t
     _assert_same(old, new, tol=1e-4)
     assert s_new.spec.steps > 0 and s_new.prefill_shared_rows > 0
     assert s_new.prefill_tokens < s_old.prefill_tokens
+
+
+# ------------------------------------------------------------------------ PP = 2, gathered
+def test_gathered_stages_split_the_requests_by_prompt():
+    """rollout.pipeline_mode=gathered with sharing: each stage decodes a contiguous block
+    of the requests grouped by prompt (a group stays on one stage where the block sizes
+    allow), the blocks as even as the strided split's; without sharing the split is the
+    strided one."""
+    from megatron_tlt.rollout.gathered import share_of
+
+    a, b, c = [1, 2], [3], [4, 5, 6]
+    prompts = [a, b, a, c, b, a, c, b]  # 3 a, 3 b, 2 c, interleaved
+    for stages in (2, 3):
+        for grouped in (False, True):
+            parts = [share_of(prompts, stages, r, grouped) for r in range(stages)]
+            assert sorted(i for p in parts for i in p) == list(range(len(prompts)))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [share_of(prompts, 2, r, False) for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # grouped: a a a b | b b c c (the b group split at the one boundary)
+    assert [share_of(prompts, 2, r, True) for r in range(2)] == [[0, 2, 5, 1], [4, 7, 3, 6]]
+    groups = [p for p in (a, b, c, [7]) for _ in range(4)]  # 4 groups of 4: none split
+    for r in range(2):
+        part = share_of(groups, 2, r, True)
+        assert len({tuple(groups[i]) for i in part}) == 2
