@@ -136,7 +136,8 @@ def grpo_prefill(engine, pairs: int, new_tokens: int = 4,
     seeds = [sample_seed(0, i, j, g.group_size) for i in range(len(step))
              for j in range(g.group_size)]
     sp = dataclasses.replace(sampling_params(g, 0), max_new_tokens=new_tokens)
-    share = engine.config.share_prefill
+    share, rows = engine.config.share_prefill, engine.config.max_batch_size
+    engine.config.max_batch_size = cfg.rollout.max_batch_size  # the recipe's
     runs: dict[bool, list] = {False: [], True: []}
     outs = {}
     try:
@@ -147,7 +148,7 @@ def grpo_prefill(engine, pairs: int, new_tokens: int = 4,
                 if k:  # the first pair warms up
                     runs[on].append(engine.last_stats)
     finally:
-        engine.config.share_prefill = share
+        engine.config.share_prefill, engine.config.max_batch_size = share, rows
     res = {}
     for on, name in ((False, "unshared"), (True, "shared")):
         st = runs[on]
@@ -157,7 +158,7 @@ def grpo_prefill(engine, pairs: int, new_tokens: int = 4,
                          prefill_shared_rows=st[-1].prefill_shared_rows)
     return dict(recipe=recipe, prompts=len(step), group_size=g.group_size,
                 requests=len(ids), prompt_tokens=[len(p.token_ids) for p in step],
-                max_batch_size=engine.config.max_batch_size, new_tokens=new_tokens,
+                max_batch_size=cfg.rollout.max_batch_size, new_tokens=new_tokens,
                 pairs=pairs, **res,
                 tokens_ratio=res["shared"]["prefill_tokens"] / res["unshared"]["prefill_tokens"],
                 seconds_ratio=res["shared"]["prefill_seconds"] / res["unshared"]["prefill_seconds"],
