@@ -211,3 +211,28 @@ def test_gathered_stages_split_the_requests_by_prompt():
     for r in range(2):
         part = share_of(groups, 2, r, True)
         assert len({tuple(groups[i]) for i in part}) == 2
+
+
+def test_two_drafter_kinds_get_the_copied_prompt(tiny):
+    """Both kinds side by side (speculative/kinds.py): every kind's state follows the
+    copies; coupled responses, the same whichever kind drafts, equal the unshared
+    engine's, and so do the returned hidden states, read from the one-layer drafter's
+    feature store (the first one is a copied prompt feature)."""
+    from megatron_tlt.rollout.speculative.kinds import attach_kinds
+
+    model, arch = tiny["llama_tied"]
+    prompts = _groups(_unique((7, 4), seed=8), 3)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8, seed=6,
+                        return_hidden_states=True)
+    outs, stats = [], []
+    for share in (False, True):
+        sc = SpeculativeConfig(threshold=64, buckets="1,4", arms="*:3_1_3,3_2_5")
+        eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, share_prefill=share,
+                                                       sampling_mode="coupled"),
+                            arch=arch, eos_token_ids=[])
+        attach_kinds(eng, {"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+        assert eng.memory.features_serve()
+        outs.append(eng.generate(prompts, sp))
+        stats.append(eng.last_stats)
+    _assert_same(outs[0], outs[1])
+    assert stats[1].prefill_shared_rows == 4 and stats[1].spec.steps > 0
