@@ -44,27 +44,41 @@ if TYPE_CHECKING:
 
 
 class SharedPrompts:
-    """One call's prompts held by running rows: prompt tokens -> the hidden state at the
-    prompt's last position [hidden] (its first token's logits are computed from it)."""
+    """One call's prompts held by running rows: prompt -> the hidden state at the
+    prompt's last position [hidden] (its first token's logits are computed from it).
+    A prompt is known by a small id, given once per request (its tokens are hashed
+    once, not at every admission)."""
 
     def __init__(self) -> None:
-        self.last_hidden: dict[tuple[int, ...], torch.Tensor] = {}
+        self.last_hidden: dict[int, torch.Tensor] = {}
+        self._ids: dict[tuple[int, ...], int] = {}  # prompt tokens -> id
+        self._of: dict[int, int] = {}  # request -> its prompt's id
 
-    def held_by(self, rows: Sequence) -> dict[tuple[int, ...], int]:
-        """Prompt -> a running row holding it; forgets prompts no running row holds."""
-        live: dict[tuple[int, ...], int] = {}
+    def id_of(self, r) -> int:
+        """The id of request ``r``'s prompt."""
+        i = self._of.get(r.request)
+        if i is None:
+            i = self._of[r.request] = self._ids.setdefault(tuple(r.prompt), len(self._ids))
+        return i
+
+    def held_by(self, rows: Sequence) -> dict[int, int]:
+        """Prompt id -> a running row holding it (and its last hidden state); forgets
+        the prompts no running row holds."""
+        live: dict[int, int] = {}
         for i, r in enumerate(rows):
-            live.setdefault(tuple(r.prompt), i)
+            live.setdefault(self.id_of(r), i)
         self.last_hidden = {k: v for k, v in self.last_hidden.items() if k in live}
         return {k: i for k, i in live.items() if k in self.last_hidden}
 
 
-def plan(rows: Sequence, admitted: Sequence, held: dict) -> tuple[list, list]:
+def plan(admitted: Sequence, prompt_id, held: dict) -> tuple[list, list]:
     """Split ``admitted`` into the requests to prefill and the copies: (sources, [(row,
-    source)]), a source being ("new", index into sources) or ("live", running row)."""
+    source)]), a source being ("new", index into sources) or ("live", running row);
+    ``prompt_id(r)`` names a request's prompt, ``held`` maps the ids running rows hold
+    to such a row."""
     sources, copies, first = [], [], {}
     for r in admitted:
-        key = tuple(r.prompt)
+        key = prompt_id(r)
         if key not in first:
             if key in held:
                 first[key] = ("live", held[key])
@@ -88,10 +102,10 @@ def prefill(engine: "RolloutEngine", cache: KVCache, rows: list, admitted: list,
     if shared is None:
         _prefill_chunks(engine, cache, lo, admitted, hidden_buf, stats, ctl)
         return list(admitted)
-    sources, copies = plan(rows, admitted, shared.held_by(rows))
+    sources, copies = plan(admitted, shared.id_of, shared.held_by(rows))
     last = _prefill_chunks(engine, cache, lo, sources, hidden_buf, stats, ctl)
     for r, h in zip(sources, last):
-        shared.last_hidden[tuple(r.prompt)] = h
+        shared.last_hidden[shared.id_of(r)] = h
     if not copies:
         return sources
     first_copy = lo + len(sources)
@@ -99,13 +113,13 @@ def prefill(engine: "RolloutEngine", cache: KVCache, rows: list, admitted: list,
     for j, (_, src) in enumerate(copies):
         targets.setdefault(src, []).append(first_copy + j)
     for (kind, i), dst in targets.items():
-        src_row = lo + i if kind == "new" else i
-        n = len(sources[i].prompt) if kind == "new" else len(rows[i].prompt)
+        src_row, n = (lo + i, len(sources[i].prompt)) if kind == "new" else \
+            (i, len(rows[i].prompt))
         cache.copy_row(src_row, torch.tensor(dst, device=cache.k.device), n)
         if ctl is not None:
             ctl.copy_prompt(src_row, dst, n)
     copied = [r for r, _ in copies]
-    hidden = torch.stack([shared.last_hidden[tuple(r.prompt)] for r in copied])
+    hidden = torch.stack([shared.last_hidden[shared.id_of(r)] for r in copied])
     engine._emit(copied, first_copy, hidden, hidden_buf)
     stats.prefill_shared_rows += len(copied)
     return sources + copied
