@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "own task, the task's preset for another task)")
     ap.add_argument("--drafter", default=None,
                     help="drafter checkpoint for the tlt arm (default: the demo's, "
-                         "tools/demo.py, warmed up if absent); 'random': an untrained "
+                         "tools/demo.py, warmed up if absent); 'self': the policy's int8 "
+                         "copy (rollout.speculative.drafter=self); 'random': an untrained "
                          "drafter of the target's shape (seeded; a drafter that loses); "
                          "'off': no drafter in either arm (A/A)")
     ap.add_argument("--config", default=str(RECIPE), help="base recipe (YAML)")
@@ -574,7 +575,7 @@ def launch(args, argv: list[str]) -> int:
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.drafter not in (None, "off", "random") and not Path(args.drafter).is_file():
+    if args.drafter not in (None, "off", "random", "self") and not Path(args.drafter).is_file():
         print(f"error: no drafter checkpoint at {args.drafter}", file=sys.stderr)
         return 2
     from demo import demo_drafter, torchrun

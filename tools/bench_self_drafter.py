@@ -59,6 +59,8 @@ def stream_floor(mats, forms, reps: int = 7, clock=time.perf_counter) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--group", type=int, default=0)
+    ap.add_argument("--act-block", type=int, default=32,
+                    help="inputs per activation scale (int8 activations); 0 = float activations")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--alpha", type=int, default=0, help="prompts for the acceptance run")
@@ -83,7 +85,7 @@ def main() -> None:
     torch.manual_seed(0)
     sc = SpeculativeConfig(policy="fixed", strategy="4_1_4", threshold=1 << 20)
     eng = RolloutEngine.from_pretrained("smollm2", RolloutConfig(speculative=sc))
-    eng.attach_drafter(SelfDrafter(group=args.group))
+    eng.attach_drafter(SelfDrafter(group=args.group, act_block=args.act_block))
     target, copy = eng.runner, eng.spec.draft
     target.pack_weights()
     print(f"kernels: {target.kernels!r}; copy int8 kernels: {copy._int8_kernels()}",
@@ -144,12 +146,12 @@ def main() -> None:
         for _ in range(9):
             t0 = clock()
             for w in qmats:
-                k.linear_int8(xs[w.shape[1]], w.panel, w.panel_scale, w.shape[0], w.group)
+                k.linear_int8(xs[w.shape[1]], w.panel, w.panel_scale, w.shape[0], w.group, w.act_block)
             times.append(clock() - t0)
         int8_gemms = statistics.median(times[2:])
 
     out = dict(
-        group=args.group, threads=torch.get_num_threads(),
+        group=args.group, act_block=args.act_block, threads=torch.get_num_threads(),
         clock="cpu" if args.cpu_time else "wall", policy_step_ms=statistics.median(pol) * 1e3,
         copy_step_ms=statistics.median(cop) * 1e3, step_ratio=statistics.median(ratios),
         step_ratio_min=min(ratios), step_ratio_max=max(ratios),

@@ -28,13 +28,18 @@ kernels run the step close to the bandwidth floor:
   size 1) in one call, from the embeddings to the final norm (packed matrices);
 - ``argmax_rows(x, n)``: torch.argmax over the first n columns of each row (first of
   equal maxima, NaN as the largest), a vectorised scan (torch's CPU argmax reads ~1 GB/s);
-- ``pack_int8(q, scale)``, ``linear_int8(x, wp, sp, n, group, bias=None,
-  residual=None)``, ``decode_layers_int8(...)``: the same GEMM and decoder stack with
-  weight-only int8 matrices (the self-drafter's copy, ``rollout/quantize.py``): int8
+- ``pack_int8(q, scale, act_block=0)``, ``linear_int8(x, wp, sp, n, group, act_block=0,
+  bias=None, residual=None)``, ``decode_layers_int8(...)``: the same GEMM and decoder
+  stack with int8 matrices (the self-drafter's copy, ``rollout/quantize.py``): int8
   panels (a quarter of the float weights' bytes) and float32 scales per output channel
-  or per group of inputs in panel layout, activations float32; each k's weights are
-  widened to float in registers (AVX-512 / AVX2: one sign extension and one conversion
-  per vector) and every group's sums scaled once;
+  or per group of inputs in panel layout. With float activations (``act_block`` 0) each
+  k's weights are widened to float in registers (one sign extension and one conversion
+  per vector) and every group's sums scaled once. With ``act_block`` > 0 each row's
+  activations are quantized per block of that many inputs and every block's product is
+  an integer dot product of 4-input groups (``INT8_ACT``: AVX-512 VNNI's vpdpbusd,
+  AVX-512 BW / AVX2 vpmaddubsw + vpmaddwd, or portable integer code), scaled once per
+  block: a quarter of the instructions per weight byte, so the copy's step streams its
+  int8 weights near the memory bandwidth instead of waiting on conversions;
 - ``draft_chain(...)``: a speculative step's greedy drafting with the EAGLE drafter in
   one call: its catch-up over the pending (token, feature) pairs, then every draft token
   of every row (argmax, fc over [embedding; feature], ``decode_layers``, draft head),

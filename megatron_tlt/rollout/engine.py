@@ -187,7 +187,8 @@ class RolloutEngine:
         if drafter is None and self.config.speculative.drafter == "self":
             from .speculative.self_drafter import SelfDrafter
 
-            drafter = SelfDrafter(group=self.config.speculative.self_group)
+            drafter = SelfDrafter(group=self.config.speculative.self_group,
+                                  act_block=self.config.speculative.self_act_block)
         elif drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
 
@@ -198,7 +199,9 @@ class RolloutEngine:
             from .speculative.self_drafter import SelfDrafter
 
             attach_kinds(self, {"eagle": drafter,
-                                "self": SelfDrafter(group=self.config.speculative.self_group)})
+                                "self": SelfDrafter(
+                                    group=self.config.speculative.self_group,
+                                    act_block=self.config.speculative.self_act_block)})
         elif drafter is not None:
             self.attach_drafter(drafter)
 

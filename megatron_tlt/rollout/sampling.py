@@ -237,6 +237,32 @@ def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
     return -torch.log(e.float())
 
 
+class CoupledNoise:
+    """Full-vocabulary coupled noise rows (``coupled_gumbel``) by (key, position), each
+    computed once while it is kept: a speculative step's drafting and its verification
+    need the same positions' noise (drafting L+1..L+d, verification L+1..L+d+1), so the
+    step computes d+1 rows instead of 2d+1. ``clear`` at the start of every step."""
+
+    def __init__(self, vocab: int, device):
+        self.vocab, self.device = vocab, torch.device(device)
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def rows(self, keys: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """[n, vocab] float32, equal to ``coupled_gumbel(keys, positions, vocab, device)``."""
+        pairs = [(int(k), int(t)) for k, t in zip(keys, positions)]
+        missing = list(dict.fromkeys(p for p in pairs if p not in self._rows))
+        if missing:
+            g = coupled_gumbel([k for k, _ in missing], [t for _, t in missing], self.vocab,
+                               self.device)
+            self._rows.update(zip(missing, g.unbind(0)))
+        if not pairs:
+            return torch.zeros(0, self.vocab, dtype=torch.float32, device=self.device)
+        return torch.stack([self._rows[p] for p in pairs])
+
+
 def coupled_argmax(logprobs: torch.Tensor, keys: Sequence[int], positions: Sequence[int],
                    kernels=None) -> torch.Tensor:
     """The coupled token of each row of ``logprobs`` [rows, vocab] (processed

@@ -181,3 +181,29 @@ def test_recompute_decoding_samples_the_engines_coupled_tokens(one_layer):
     got = recompute_generate(model, arch, [], arch.max_position_embeddings, prompts, sp,
                              request_seeds=seeds, sampling_mode="coupled")
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_coupled_noise_rows_are_computed_once_and_equal_the_direct_noise(monkeypatch):
+    """``CoupledNoise`` (a speculative step's drafting and verification share rows): the
+    rows equal ``coupled_gumbel`` of the same (key, position) in any order and batch,
+    a repeated pair is computed once, and ``clear`` forgets them."""
+    from megatron_tlt.rollout import sampling
+
+    calls = []
+    real = sampling.coupled_gumbel
+
+    def counting(keys, positions, vocab, device, token_ids=None):
+        calls.append(len(keys))
+        return real(keys, positions, vocab, device, token_ids)
+
+    monkeypatch.setattr(sampling, "coupled_gumbel", counting)
+    noise = sampling.CoupledNoise(300, "cpu")
+    a = noise.rows([7, 7, 9], [3, 4, 3])
+    b = noise.rows([9, 7, 7, 7], [3, 4, 5, 4])
+    assert calls == [3, 1]  # only (7, 5) was new
+    assert torch.equal(a, real([7, 7, 9], [3, 4, 3], 300, "cpu"))
+    assert torch.equal(b, real([9, 7, 7, 7], [3, 4, 5, 4], 300, "cpu"))
+    noise.clear()
+    noise.rows([7], [3])
+    assert calls == [3, 1, 1]
+    assert noise.rows([], []).shape == (0, 300)

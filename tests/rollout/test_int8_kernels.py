@@ -2,7 +2,8 @@
 ``decode_layers_int8``: the self-drafter's quantized copy) against float64 references of
 the dequantized weights, in every instruction-set variant this CPU runs (AVX-512, AVX2,
 portable), on shapes that reach the row tiles, partial panels, per-channel and grouped
-scales with a shorter last group."""
+scales with a shorter last group; with int8 activations (``act_block``) against the
+exact integer sums of ``quantize.quantize_activations``' blocks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 from megatron_tlt.rollout import cpu_kernels
 from megatron_tlt.rollout.forward import ModelRunner, _Layer
 from megatron_tlt.rollout.kv_cache import KVCache
-from megatron_tlt.rollout.quantize import quantize_int8
+from megatron_tlt.rollout.quantize import (dequantize_activations, int8_linear,
+                                            quantize_activations, quantize_int8)
 
 
 @pytest.fixture(scope="module", params=cpu_kernels.available_isas())
@@ -40,11 +42,57 @@ def test_linear_int8_matches_the_dequantized_product(kern, group, rows):
     tol = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-5
     got = kern.linear_int8(x, wp, sp, n, qw.group)
     assert ((got.double() - ref).abs() <= tol).all()
-    got = kern.linear_int8(x, wp, sp, n, qw.group, b, res)
+    got = kern.linear_int8(x, wp, sp, n, qw.group, bias=b, residual=res)
     assert ((got.double() - (ref + b.double() + res.double())).abs() <= tol + 1e-5).all()
     # a row's result does not depend on the other rows (the same at any batch size)
     one = kern.linear_int8(x[-1:].contiguous(), wp, sp, n, qw.group)
     assert torch.equal(one[0], kern.linear_int8(x, wp, sp, n, qw.group)[-1])
+
+
+@pytest.mark.parametrize("group,act_block", [(0, 32), (64, 32), (64, 64), (40, 8), (0, 4)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_linear_int8_with_int8_activations_is_the_integer_block_sum(kern, group, act_block,
+                                                                     rows):
+    """With an activation block each block's dot product is the exact integer sum of the
+    quantized activations and weights, scaled by both scales: float32 rounding of the
+    float64 result only; K = 202 is not a multiple of 4 (padded inputs) nor of the block
+    or group (shorter last ones)."""
+    g = torch.Generator().manual_seed(7 * rows + group + act_block)
+    n, k = 3 * kern.PANEL + 5, 202
+    qw = quantize_int8(torch.randn(n, k, generator=g), group, act_block)
+    wp, sp = kern.pack_int8(qw.q, qw.scale, act_block)
+    assert wp.dtype == torch.int8 and wp.shape == (4, (k + 3) // 4, kern.PANEL, 4)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 3, k)  # uneven blocks
+    a, s = quantize_activations(x, act_block)
+    ref = torch.zeros(rows, n, dtype=torch.float64)
+    for k0 in range(0, k, act_block):
+        k1 = min(k, k0 + act_block)
+        dot = a[:, k0:k1].double() @ qw.q[:, k0:k1].double().t()  # exact in float64
+        ref += dot * s[:, k0 // act_block, None].double() * qw.scale[:, k0 // qw.group].double()
+    got = kern.linear_int8(x, wp, sp, n, qw.group, act_block)
+    tol = 1e-5 * (dequantize_activations(a, s, act_block).double().abs()
+                  @ qw.dequantize().double().abs().t()) + 1e-6
+    assert ((got.double() - ref).abs() <= tol).all()
+    b, res = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    got = kern.linear_int8(x, wp, sp, n, qw.group, act_block, b, res)
+    assert ((got.double() - (ref + b.double() + res.double())).abs() <= tol + 1e-5).all()
+    # the reference path (int8_linear: fake-quantized activations, float matmul) agrees
+    assert torch.allclose(int8_linear(x, qw, b, res), got, rtol=1e-4, atol=1e-4)
+    one = kern.linear_int8(x[-1:].contiguous(), wp, sp, n, qw.group, act_block)
+    assert torch.equal(one[0], kern.linear_int8(x, wp, sp, n, qw.group, act_block)[-1])
+
+
+def test_activation_quantization_bounds_its_error():
+    """Each block's values come back within half a step of its scale, an all-zero block
+    stays zero, and the extremes map to +-127."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 70, generator=g)
+    x[1, 32:64] = 0
+    a, s = quantize_activations(x, 32)
+    assert a.dtype == torch.int8 and s.shape == (5, 3)
+    assert a.abs().max() == 127 and (a[1, 32:64] == 0).all() and s[1, 1] == 1
+    err = (dequantize_activations(a, s, 32) - x).abs()
+    assert (err <= 0.5 * s.repeat_interleave(32, dim=1)[:, :70] * (1 + 1e-6)).all()
 
 
 def test_int8_kernels_check_their_inputs(kern):
@@ -55,12 +103,22 @@ def test_int8_kernels_check_their_inputs(kern):
         kern.linear_int8(x, wp, sp, 20, 32)  # the wrong group size
     with pytest.raises(RuntimeError, match="packed int8 weight"):
         kern.linear_int8(torch.randn(2, 63), wp, sp, 20, 16)
+    with pytest.raises(RuntimeError, match="activation block"):
+        kern.linear_int8(x, wp, sp, 20, 16, 16)  # packed for float activations
+    wp, sp = kern.pack_int8(qw.q, qw.scale, 8)
+    with pytest.raises(RuntimeError, match="multiple of the activation block"):
+        kern.linear_int8(x, wp, sp, 20, 16, 32)
+    with pytest.raises(ValueError, match="multiple of the activation block"):
+        quantize_int8(torch.randn(4, 64), 16, 32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize_int8(torch.randn(4, 64), 0, 6)
 
 
-@pytest.mark.parametrize("group", [0, 32])
-def test_decode_layers_int8_matches_the_reference_layers(kern, group):
+@pytest.mark.parametrize("group,act_block", [(0, 0), (32, 0), (0, 32), (32, 16)])
+def test_decode_layers_int8_matches_the_reference_layers(kern, group, act_block):
     """The fused int8 decoder stack equals the layer-by-layer reference (the runner's
-    eager path over the dequantized weights) at a decode step of 3 rows with a prefix."""
+    eager path over the dequantized weights, its linears' inputs quantized per block with
+    an activation block) at a decode step of 3 rows with a prefix."""
     g = torch.Generator().manual_seed(group)
     h, f, groups, hpg, d, layers = 64, 96, 2, 2, 16, 2
     nqkv, natt = groups * (hpg + 2) * d, groups * hpg * d
@@ -71,8 +129,8 @@ def test_decode_layers_int8_matches_the_reference_layers(kern, group):
     fl = [_Layer(ln1=1 + 0.1 * torch.randn(h, generator=g), qkv_w=mat(nqkv, h), qkv_b=None,
                  proj_w=mat(h, natt), ln2=1 + 0.1 * torch.randn(h, generator=g),
                  fc1_w=mat(2 * f, h), fc2_w=mat(h, f)) for _ in range(layers)]
-    q = [{n: quantize_int8(getattr(lw, n), group) for n in ("qkv_w", "proj_w", "fc1_w", "fc2_w")}
-         for lw in fl]
+    q = [{n: quantize_int8(getattr(lw, n), group, act_block)
+          for n in ("qkv_w", "proj_w", "fc1_w", "fc2_w")} for lw in fl]
     deq = [_Layer(ln1=lw.ln1, qkv_w=qq["qkv_w"].dequantize(), qkv_b=None,
                   proj_w=qq["proj_w"].dequantize(), ln2=lw.ln2,
                   fc1_w=qq["fc1_w"].dequantize(), fc2_w=qq["fc2_w"].dequantize())
@@ -80,6 +138,11 @@ def test_decode_layers_int8_matches_the_reference_layers(kern, group):
     norm = torch.ones(h)
     ref = ModelRunner.from_tensors(embed_w=mat(50, h), layers=deq, final_norm=norm,
                                    output_w=mat(50, h), groups=groups, heads_per_group=hpg)
+    if act_block:  # the reference's linears see the activations the kernel quantizes
+        lin = ref._lin
+        ref._lin = lambda x, w, b=None, residual=None: lin(
+            dequantize_activations(*quantize_activations(x, act_block), act_block), w, b,
+            residual)
     b, prefix = 3, 5
     caches = [KVCache(num_layers=layers, max_batch=b, kv_heads=groups, capacity=16,
                       head_dim=d, dtype=torch.float32, device=torch.device("cpu"))
@@ -91,7 +154,7 @@ def test_decode_layers_int8_matches_the_reference_layers(kern, group):
     want = ref.extend(caches[0], slice(0, b), tokens[:, prefix:], start + prefix)[:, 0]
     pos = torch.full((b,), prefix, dtype=torch.long)
     cos, sin = ref.rope(pos)
-    packed = [{n: kern.pack_int8(qw.q, qw.scale) for n, qw in qq.items()} for qq in q]
+    packed = [{n: kern.pack_int8(qw.q, qw.scale, act_block) for n, qw in qq.items()} for qq in q]
     x = ref.embed(tokens[:, prefix]).contiguous()
     got = kern.decode_layers_int8(
         x, [lw.ln1 for lw in fl], [p["qkv_w"][0] for p in packed],
@@ -99,7 +162,7 @@ def test_decode_layers_int8_matches_the_reference_layers(kern, group):
         [p["proj_w"][0] for p in packed], [p["proj_w"][1] for p in packed],
         [lw.ln2 for lw in fl], [p["fc1_w"][0] for p in packed], [p["fc1_w"][1] for p in packed],
         [p["fc2_w"][0] for p in packed], [p["fc2_w"][1] for p in packed], group or 1 << 40,
-        norm, caches[1].k, caches[1].v, cos.contiguous(),
+        act_block, norm, caches[1].k, caches[1].v, cos.contiguous(),
         (sin * ref._sin_sign).contiguous(), pos, groups, hpg, d, ref.scale, ref.eps)
     assert (got - want).abs().max() < 1e-4
     assert torch.allclose(caches[1].k[:, :, :, : prefix + 1], caches[0].k[:, :, :, : prefix + 1],

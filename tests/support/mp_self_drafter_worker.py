@@ -88,7 +88,7 @@ def main() -> None:
         res["coupled_tree"] = [o.token_ids for o in eng.generate(prompts, COUPLED)]
     else:  # two replicas, different thread counts, the same update
         torch.set_num_threads(1 if rank else 2)
-        eng = _engine(model, arch, "3_1_3", drafter=SelfDrafter(group=16))
+        eng = _engine(model, arch, "3_1_3", drafter=SelfDrafter(group=16, act_block=16))
         before = _copy_hash(eng.spec.draft)
         with torch.no_grad():
             g = torch.Generator().manual_seed(11)

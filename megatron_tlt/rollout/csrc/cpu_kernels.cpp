@@ -912,30 +912,260 @@ static void gemm_i8(const float* x, int64_t M, int64_t K, const int8_t* wp, cons
   }
 }
 
+// ---------------------------------------------------------------- int8 weights x int8 activations
+// The same product with the activations quantized too (``act_block`` > 0): each row's
+// inputs are cut into blocks of act_block (a multiple of 4; inside one weight group) and
+// quantized symmetrically per block, a = round(x / s_a) in [-127, 127] with
+// s_a = max|x| / 127 (as ``quantize.quantize_activations``), so every block's dot
+// product is an exact integer sum, scaled once by s_a and, per weight group, by the
+// weights' scales. Weights are packed in groups of 4 inputs: [panels][ceil(K / 4)][kPanel][4]
+// bytes, so one 32-bit lane holds 4 consecutive inputs of one output, and a broadcast of
+// 4 activation bytes multiplies a whole vector of outputs:
+//   AVX-512 VNNI: vpdpbusd (unsigned x signed bytes, 4 products summed into each 32-bit
+//     lane); the weights are stored offset by +128 as unsigned bytes and the offset's
+//     share (128 * the block's activation sum) is subtracted once per block;
+//   AVX-512 BW / AVX2: |a| times the weights with a's sign (vpmaddubsw, at most
+//     2 * 127 * 127 per pair: no saturation), then pairs summed by vpmaddwd;
+//   portable: the same integer sums lane by lane.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define MTLT_I8A "avx512-vnni"
+static constexpr bool kI8Offset = true;
+struct XB {
+  __m512i x;
+  explicit XB(int32_t b) : x(_mm512_set1_epi32(b)) {}
+  inline vgi dot(vgi acc, vgi w) const {
+    return (vgi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, x);
+  }
+};
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define MTLT_I8A "avx512-bw"
+static constexpr bool kI8Offset = false;
+struct XB {
+  __m512i ax;
+  __mmask64 neg;
+  explicit XB(int32_t b) {
+    const __m512i x = _mm512_set1_epi32(b);
+    ax = _mm512_abs_epi8(x);
+    neg = _mm512_movepi8_mask(x);
+  }
+  inline vgi dot(vgi acc, vgi w) const {
+    const __m512i sw = _mm512_mask_sub_epi8((__m512i)w, neg, _mm512_setzero_si512(), (__m512i)w);
+    return acc + (vgi)_mm512_madd_epi16(_mm512_maddubs_epi16(ax, sw), _mm512_set1_epi16(1));
+  }
+};
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define MTLT_I8A "avx2"
+static constexpr bool kI8Offset = false;
+struct XB {
+  __m256i x, ax;
+  explicit XB(int32_t b) : x(_mm256_set1_epi32(b)), ax(_mm256_abs_epi8(_mm256_set1_epi32(b))) {}
+  inline vgi dot(vgi acc, vgi w) const {
+    const __m256i sw = _mm256_sign_epi8((__m256i)w, x);
+    return acc + (vgi)_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+  }
+};
+#else
+#define MTLT_I8A "portable"
+static constexpr bool kI8Offset = false;
+struct XB {
+  int32_t a[4];
+  explicit XB(int32_t b) {
+    int8_t c[4];
+    std::memcpy(c, &b, 4);
+    for (int j = 0; j < 4; ++j) a[j] = c[j];
+  }
+  inline vgi dot(vgi acc, vgi w) const {
+    int8_t wb[kVL * 4];
+    std::memcpy(wb, &w, sizeof wb);
+    for (int l = 0; l < kVL; ++l)
+      acc[l] += wb[4 * l] * a[0] + wb[4 * l + 1] * a[1] + wb[4 * l + 2] * a[2] + wb[4 * l + 3] * a[3];
+    return acc;
+  }
+};
+#endif
+static inline vgi ldi(const int8_t* p) { vgi v; std::memcpy(&v, p, sizeof v); return v; }
+
+// Activations of M rows quantized per block: xq [ceil(K / 4)][M] four bytes each,
+// scales xs [blocks][M] and (VNNI) the weight offset's share xc [blocks][M].
+static void quantize_act_rows(const float* x, int64_t M, int64_t K, int64_t ab, int32_t* xq,
+                              float* xs, int32_t* xc) {
+  const int64_t nb = (K + ab - 1) / ab;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * ab, k1 = std::min(K, k0 + ab);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      int32_t sum = 0;
+      for (int64_t t = k0 / 4; t < (k1 + 3) / 4; ++t) {
+        int8_t c[4] = {0, 0, 0, 0};
+        for (int j = 0; j < 4; ++j) {
+          const int64_t k = 4 * t + j;
+          if (k < k1) {
+            const float r = std::nearbyint(xr[k] / s);
+            c[j] = (int8_t)std::max(-127.f, std::min(127.f, r));
+            sum += c[j];
+          }
+        }
+        std::memcpy(xq + t * M + m, c, 4);
+      }
+      xs[b * M + m] = s;
+      xc[b * M + m] = kI8Offset ? 128 * sum : 0;
+    }
+  }
+}
+
+template <int MT>
+static inline void panel_tile_i8a(const int32_t* __restrict xq, const float* __restrict xs,
+                                  const int32_t* __restrict xc, int64_t ldx, int64_t K,
+                                  int64_t ab, const int8_t* __restrict wp,
+                                  const float* __restrict sp, int64_t group,
+                                  float* __restrict out, int64_t ldo, int64_t n0,
+                                  int64_t nvalid, const float* __restrict bias,
+                                  bool accumulate) {
+  vg tot[MT][kPanelVecs];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < kPanelVecs; ++v) tot[m][v] = vg{};
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    const int64_t g1 = std::min(K, g0 + group);
+    vg gacc[MT][kPanelVecs];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < kPanelVecs; ++v) gacc[m][v] = vg{};
+    for (int64_t k0 = g0; k0 < g1; k0 += ab) {
+      const int64_t b = k0 / ab, t1 = (std::min(g1, k0 + ab) + 3) / 4;
+      vgi acc[MT][kPanelVecs];
+      for (int m = 0; m < MT; ++m)
+        for (int v = 0; v < kPanelVecs; ++v) acc[m][v] = vgi{};
+      for (int64_t t = k0 / 4; t < t1; ++t) {
+        const int8_t* wt = wp + t * kPanel * 4;
+        for (int64_t l = 0; l < kPanel * 4; l += 64) __builtin_prefetch(wt + kPrefetchBytes + l);
+        vgi wv[kPanelVecs];
+        for (int v = 0; v < kPanelVecs; ++v) wv[v] = ldi(wt + kVL * 4 * v);
+        for (int m = 0; m < MT; ++m) {
+          const XB xb(xq[t * ldx + m]);
+          for (int v = 0; v < kPanelVecs; ++v) acc[m][v] = xb.dot(acc[m][v], wv[v]);
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const vg s = bcast(xs + b * ldx + m);
+        const int32_t c = xc[b * ldx + m];
+        for (int v = 0; v < kPanelVecs; ++v)
+          gacc[m][v] += __builtin_convertvector(acc[m][v] - c, vg) * s;
+      }
+    }
+    const float* sk = sp + (g0 / group) * kPanel;
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const vg sv = ldg(sk + kVL * v);
+      for (int m = 0; m < MT; ++m) tot[m][v] += gacc[m][v] * sv;
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float s[kPanel];
+    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
+    float* o = out + m * ldo + n0;
+    for (int64_t j = 0; j < nvalid; ++j) {
+      float r = s[j];
+      if (bias) r += bias[n0 + j];
+      o[j] = accumulate ? o[j] + r : r;
+    }
+  }
+}
+
+template <int MT>
+static inline void panel_rows_i8a(int mt, const int32_t* xq, const float* xs, const int32_t* xc,
+                                  int64_t ldx, int64_t K, int64_t ab, const int8_t* wp,
+                                  const float* sp, int64_t group, float* out, int64_t ldo,
+                                  int64_t n0, int64_t nvalid, const float* bias, bool acc) {
+  if constexpr (MT == 1) {
+    panel_tile_i8a<1>(xq, xs, xc, ldx, K, ab, wp, sp, group, out, ldo, n0, nvalid, bias, acc);
+  } else {
+    if (mt == MT)
+      panel_tile_i8a<MT>(xq, xs, xc, ldx, K, ab, wp, sp, group, out, ldo, n0, nvalid, bias, acc);
+    else
+      panel_rows_i8a<MT - 1>(mt, xq, xs, xc, ldx, K, ab, wp, sp, group, out, ldo, n0, nvalid,
+                             bias, acc);
+  }
+}
+
+// out (+)= x @ (q * s)^T (+ bias) with x quantized per block of ab inputs; (wp, sp) of
+// pack_int8(q, s, ab)
+static void gemm_i8a(const float* x, int64_t M, int64_t K, int64_t ab, const int8_t* wp,
+                     const float* sp, int64_t group, int64_t N, float* out, const float* bias,
+                     bool accumulate) {
+  const int64_t K4 = (K + 3) / 4, nb = (K + ab - 1) / ab;
+  thread_local std::vector<int32_t> xq, xc;
+  thread_local std::vector<float> xs;
+  xq.resize(K4 * M);
+  xc.resize(nb * M);
+  xs.resize(nb * M);
+  quantize_act_rows(x, M, K, ab, xq.data(), xs.data(), xc.data());
+  const int64_t panels = (N + kPanel - 1) / kPanel, groups = (K + group - 1) / group;
+  const int32_t* q = xq.data();
+  const float* s = xs.data();
+  const int32_t* c = xc.data();
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel, nvalid = std::min(kPanel, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += kMT)
+      panel_rows_i8a<kMT>((int)std::min<int64_t>(kMT, M - m0), q + m0, s + m0, c + m0, M, K,
+                          ab, wp + p * K4 * kPanel * 4, sp + p * groups * kPanel, group,
+                          out + m0 * N, N, n0, nvalid, bias, accumulate);
+  }
+}
+
 static void check_i8_panels(const torch::Tensor& wp, const torch::Tensor& sp, int64_t n,
-                            int64_t K, int64_t group, const char* name) {
+                            int64_t K, int64_t group, const char* name, int64_t ab = 0) {
   TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kChar && wp.is_contiguous(),
               name, " must be a contiguous int8 CPU tensor (pack_int8)");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kPanel && wp.size(1) == K &&
-              wp.size(0) == (n + kPanel - 1) / kPanel,
-              name, " must be a packed int8 weight (pack_int8) of ", n, " x ", K);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (ab > 0) {
+    TORCH_CHECK(ab % 4 == 0, name, ": the activation block must be a multiple of 4");
+    TORCH_CHECK(wp.dim() == 4 && wp.size(3) == 4 && wp.size(2) == kPanel &&
+                wp.size(1) == (K + 3) / 4 && wp.size(0) == panels,
+                name, " must be a packed int8 weight (pack_int8 with an activation block) of ",
+                n, " x ", K);
+    TORCH_CHECK(group >= K || group % ab == 0, name, ": the weights' group (", group,
+                ") must be a multiple of the activation block (", ab, ")");
+  } else {
+    TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kPanel && wp.size(1) == K && wp.size(0) == panels,
+                name, " must be a packed int8 weight (pack_int8) of ", n, " x ", K);
+  }
   TORCH_CHECK(group >= 1, name, ": group must be >= 1");
   check_f32(sp, "scales");
-  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == wp.size(0) && sp.size(2) == kPanel &&
+  TORCH_CHECK(sp.dim() == 3 && sp.size(0) == panels && sp.size(2) == kPanel &&
               sp.size(1) == (K + group - 1) / group,
               name, "'s scales must be packed (pack_int8) for groups of ", group);
 }
 
+// the int8 GEMM of either packing: activations quantized per block of ab inputs (ab > 0)
+// or float (ab = 0)
+static void gemm_q(const float* x, int64_t M, int64_t K, int64_t ab, const torch::Tensor& wp,
+                   const torch::Tensor& sp, int64_t group, int64_t N, float* out,
+                   const float* bias, bool accumulate) {
+  if (ab > 0)
+    gemm_i8a(x, M, K, ab, wp.data_ptr<int8_t>(), sp.data_ptr<float>(), group, N, out, bias,
+             accumulate);
+  else
+    gemm_i8(x, M, K, wp.data_ptr<int8_t>(), sp.data_ptr<float>(), group, N, out, bias,
+            accumulate);
+}
+
 // q int8 [N, K] and its scales [N, G] into panels: ([ceil(N / kPanel), K, kPanel] int8,
-// [ceil(N / kPanel), G, kPanel] float32), rows past N as zeros.
-std::vector<torch::Tensor> pack_int8(torch::Tensor q, torch::Tensor scale) {
+// [ceil(N / kPanel), G, kPanel] float32), rows past N as zeros; with an activation block
+// (ab > 0, int8 activations) the weights go in groups of 4 inputs,
+// [ceil(N / kPanel), ceil(K / 4), kPanel, 4] (inputs past K as zeros; VNNI builds store
+// them offset by +128 as unsigned bytes).
+std::vector<torch::Tensor> pack_int8(torch::Tensor q, torch::Tensor scale, int64_t ab) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kChar && q.is_contiguous() &&
               q.dim() == 2, "q must be a contiguous 2-D int8 CPU tensor");
   check_f32(scale, "scale");
-  const int64_t N = q.size(0), K = q.size(1), G = scale.size(1);
+  TORCH_CHECK(ab >= 0 && ab % 4 == 0, "the activation block must be 0 or a multiple of 4");
+  const int64_t N = q.size(0), K = q.size(1), G = scale.size(1), K4 = (K + 3) / 4;
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N, "scale must be [N, groups]");
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  auto wp = torch::zeros({panels, K, kPanel}, q.options());
+  auto wp = ab > 0 ? torch::zeros({panels, K4, kPanel, 4}, q.options())
+                   : torch::zeros({panels, K, kPanel}, q.options());
   auto sp = torch::zeros({panels, G, kPanel}, scale.options());
   const int8_t* src = q.data_ptr<int8_t>();
   const float* ss = scale.data_ptr<float>();
@@ -944,10 +1174,19 @@ std::vector<torch::Tensor> pack_int8(torch::Tensor q, torch::Tensor scale) {
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t rows = std::min(kPanel, N - p * kPanel);
-    for (int64_t j = 0; j < rows; ++j) {
-      const int8_t* r = src + (p * kPanel + j) * K;
-      for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = r[k];
-      for (int64_t g = 0; g < G; ++g) sd[(p * G + g) * kPanel + j] = ss[(p * kPanel + j) * G + g];
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const int8_t* r = j < rows ? src + (p * kPanel + j) * K : nullptr;
+      if (ab > 0) {
+        for (int64_t k = 0; k < 4 * K4; ++k) {
+          const int8_t v = r && k < K ? r[k] : 0;
+          uint8_t u = kI8Offset ? (uint8_t)(v + 128) : (uint8_t)v;
+          std::memcpy(dst + ((p * K4 + k / 4) * kPanel + j) * 4 + k % 4, &u, 1);
+        }
+      } else if (r) {
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = r[k];
+      }
+      if (r)
+        for (int64_t g = 0; g < G; ++g) sd[(p * G + g) * kPanel + j] = ss[(p * kPanel + j) * G + g];
     }
   }
   return {wp, sp};
@@ -955,12 +1194,12 @@ std::vector<torch::Tensor> pack_int8(torch::Tensor q, torch::Tensor scale) {
 
 // x @ (q * s)^T (+ bias) (+ residual) with (wp, sp) = pack_int8(q, s), n = q.size(0)
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor wp, torch::Tensor sp, int64_t n,
-                          int64_t group, c10::optional<torch::Tensor> bias,
+                          int64_t group, int64_t ab, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be 2-D");
   const int64_t M = x.size(0), K = x.size(1);
-  check_i8_panels(wp, sp, n, K, group, "w");
+  check_i8_panels(wp, sp, n, K, group, "w", ab);
   torch::Tensor out;
   const bool acc = residual.has_value() && residual->defined();
   if (acc) {
@@ -974,8 +1213,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor wp, torch::Tensor sp, i
     check_f32(*bias, "bias");
     TORCH_CHECK(bias->numel() == n, "bias shape");
   }
-  gemm_i8(x.data_ptr<float>(), M, K, wp.data_ptr<int8_t>(), sp.data_ptr<float>(), group, n,
-          out.data_ptr<float>(), opt_ptr(bias), acc);
+  gemm_q(x.data_ptr<float>(), M, K, ab, wp, sp, group, n, out.data_ptr<float>(), opt_ptr(bias),
+         acc);
   return out;
 }
 
@@ -987,7 +1226,7 @@ torch::Tensor decode_layers_int8(
     std::vector<torch::Tensor> proj_w, std::vector<torch::Tensor> proj_s,
     std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> fc1_w,
     std::vector<torch::Tensor> fc1_s, std::vector<torch::Tensor> fc2_w,
-    std::vector<torch::Tensor> fc2_s, int64_t group, torch::Tensor final_norm,
+    std::vector<torch::Tensor> fc2_s, int64_t group, int64_t ab, torch::Tensor final_norm,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor pos, int64_t G, int64_t HPG, int64_t D, double scale, double eps,
     c10::optional<torch::Tensor> row_of) {
@@ -1000,8 +1239,8 @@ torch::Tensor decode_layers_int8(
   const int64_t* rp = row_map(row_of, B, k_cache.size(1));
   const int64_t S = k_cache.size(3), layer_stride = k_cache.stride(0);
   const int64_t NQKV = G * (HPG + 2) * D, NATT = G * HPG * D;
-  TORCH_CHECK(layers > 0 && fc2_w[0].dim() == 3, "packed weights expected");
-  const int64_t F2 = 2 * fc2_w[0].size(1);
+  TORCH_CHECK(layers > 0 && fc2_w[0].dim() == (ab > 0 ? 4 : 3), "packed weights expected");
+  const int64_t F2 = 2 * fc2_w[0].size(1) * (ab > 0 ? 4 : 1);
   auto gs = [group](int64_t K) { return std::min(group, K); };
   auto opts = x.options();
   auto h = torch::empty({B, H}, opts), qkv = torch::empty({B, NQKV}, opts),
@@ -1010,26 +1249,26 @@ torch::Tensor decode_layers_int8(
   float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < layers; ++i) {
     for (auto* t : {&ln1[i], &ln2[i]}) check_f32(*t, "norm weight");
-    check_i8_panels(qkv_w[i], qkv_s[i], NQKV, H, gs(H), "qkv weight");
-    check_i8_panels(proj_w[i], proj_s[i], H, NATT, gs(NATT), "proj weight");
-    check_i8_panels(fc1_w[i], fc1_s[i], F2, H, gs(H), "fc1 weight");
-    check_i8_panels(fc2_w[i], fc2_s[i], H, F2 / 2, gs(F2 / 2), "fc2 weight");
+    check_i8_panels(qkv_w[i], qkv_s[i], NQKV, H, gs(H), "qkv weight", ab);
+    check_i8_panels(proj_w[i], proj_s[i], H, NATT, gs(NATT), "proj weight", ab);
+    check_i8_panels(fc1_w[i], fc1_s[i], F2, H, gs(H), "fc1 weight", ab);
+    check_i8_panels(fc2_w[i], fc2_s[i], H, F2 / 2, gs(F2 / 2), "fc2 weight", ab);
     const float* bias = qkv_b[i].defined() && qkv_b[i].numel() ? qkv_b[i].data_ptr<float>() : nullptr;
     rms_norm_rows(xp, B, H, ln1[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
-    gemm_i8(h.data_ptr<float>(), B, H, qkv_w[i].data_ptr<int8_t>(), qkv_s[i].data_ptr<float>(),
-            gs(H), NQKV, qkv.data_ptr<float>(), bias, false);
+    gemm_q(h.data_ptr<float>(), B, H, ab, qkv_w[i], qkv_s[i], gs(H), NQKV, qkv.data_ptr<float>(),
+           bias, false);
     rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                      k_cache.data_ptr<float>() + i * layer_stride,
                      v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), rp,
                      B, G, HPG, D, S, (float)scale, att.data_ptr<float>());
-    gemm_i8(att.data_ptr<float>(), B, NATT, proj_w[i].data_ptr<int8_t>(),
-            proj_s[i].data_ptr<float>(), gs(NATT), H, xp, nullptr, true);
+    gemm_q(att.data_ptr<float>(), B, NATT, ab, proj_w[i], proj_s[i], gs(NATT), H, xp, nullptr,
+           true);
     rms_norm_rows(xp, B, H, ln2[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
-    gemm_i8(h.data_ptr<float>(), B, H, fc1_w[i].data_ptr<int8_t>(), fc1_s[i].data_ptr<float>(),
-            gs(H), F2, fc.data_ptr<float>(), nullptr, false);
+    gemm_q(h.data_ptr<float>(), B, H, ab, fc1_w[i], fc1_s[i], gs(H), F2, fc.data_ptr<float>(),
+           nullptr, false);
     silu_mul_rows(fc.data_ptr<float>(), B, F2 / 2, act.data_ptr<float>());
-    gemm_i8(act.data_ptr<float>(), B, F2 / 2, fc2_w[i].data_ptr<int8_t>(),
-            fc2_s[i].data_ptr<float>(), gs(F2 / 2), H, xp, nullptr, true);
+    gemm_q(act.data_ptr<float>(), B, F2 / 2, ab, fc2_w[i], fc2_s[i], gs(F2 / 2), H, xp, nullptr,
+           true);
   }
   auto out = torch::empty({B, H}, opts);
   rms_norm_rows(xp, B, H, final_norm.data_ptr<float>(), (float)eps, out.data_ptr<float>());
@@ -1063,13 +1302,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
         py::arg("D"), py::arg("scale"), py::arg("eps"), py::arg("row_of") = py::none());
-  m.def("pack_int8", &pack_int8, py::arg("q"), py::arg("scale"));
+  m.attr("INT8_ACT") = MTLT_I8A;  // the int8-activation dot product's instructions
+  m.def("pack_int8", &pack_int8, py::arg("q"), py::arg("scale"), py::arg("act_block") = 0);
   m.def("linear_int8", &linear_int8, py::arg("x"), py::arg("wp"), py::arg("sp"), py::arg("n"),
-        py::arg("group"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+        py::arg("group"), py::arg("act_block") = 0, py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
   m.def("decode_layers_int8", &decode_layers_int8, py::arg("x"), py::arg("ln1"),
         py::arg("qkv_w"), py::arg("qkv_s"), py::arg("qkv_b"), py::arg("proj_w"),
         py::arg("proj_s"), py::arg("ln2"), py::arg("fc1_w"), py::arg("fc1_s"),
-        py::arg("fc2_w"), py::arg("fc2_s"), py::arg("group"), py::arg("final_norm"),
+        py::arg("fc2_w"), py::arg("fc2_s"), py::arg("group"), py::arg("act_block"),
+        py::arg("final_norm"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"),
         py::arg("pos"), py::arg("G"), py::arg("HPG"), py::arg("D"), py::arg("scale"),
         py::arg("eps"), py::arg("row_of") = py::none());

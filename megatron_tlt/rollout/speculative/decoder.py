@@ -32,7 +32,6 @@ from ...models.drafter import EagleDrafter
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
-from ..sampling import coupled_gumbel
 from .acceptance import accept_chain, accept_tree, processed_rows
 from .draft_runner import DraftRunner
 from .drafting import DraftTree, Drafting, is_coupled, ragged
@@ -163,6 +162,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         b = len(rows)
         dev = self.target.device
+        self.drafting.noise.clear()
         tree: Optional[DraftTree] = None
         q_lp = drafts = None
         if strategy.is_chain and self.drafting.fused(rows):  # catch-up + chain, one call
@@ -241,7 +241,7 @@ class SpeculativeDecoder:
         out: list = [None] * len(rows)
         if not keys:
             return out
-        g = coupled_gumbel(keys, pos, self.target.arch.vocab_size, self.target.device)
+        g = self.drafting.noise.rows(keys, pos)  # the drafts' rows computed once
         for i, part in zip(owner, torch.split(g, [counts[i] for i in owner])):
             out[i] = part
         return out

@@ -26,7 +26,7 @@ from ..draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_
                           row_layout)
 from ..forward import ModelRunner
 from ..kv_cache import KVCache
-from ..sampling import argmax_rows, coupled_gumbel
+from ..sampling import CoupledNoise, argmax_rows, coupled_gumbel
 from .acceptance import processed_rows, sample
 from .draft_runner import DraftRunner
 
@@ -70,6 +70,9 @@ class Drafting:
         # the drafter's cache position of draft j is L + j + pos_offset (0: the
         # one-layer drafter, whose root pair sits at L-1; 1: the self-drafter, fed x_L at L)
         self.pos_offset = 0
+        # coupled noise rows of the current step, shared with verification (the decoder
+        # clears it at the start of every step)
+        self.noise = CoupledNoise(target.arch.vocab_size, target.device)
 
     def _draft_noise(self, rows, offset: int):
         """Coupled rows' noise at response position len(tokens) + offset over the draft
@@ -79,9 +82,9 @@ class Drafting:
         if not idx:
             return None
         dev = self.target.device
-        g = coupled_gumbel([rows[i].key for i in idx],
-                           [len(rows[i].tokens) + offset for i in idx],
-                           self.target.arch.vocab_size, dev, token_ids=self.draft.d2t)
+        keys, pos = [rows[i].key for i in idx], [len(rows[i].tokens) + offset for i in idx]
+        g = self.noise.rows(keys, pos) if self.draft.d2t is None else coupled_gumbel(
+            keys, pos, self.target.arch.vocab_size, dev, token_ids=self.draft.d2t)
         full = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32, device=dev)
         index = torch.tensor(idx, device=dev)
         full[index] = g
@@ -143,9 +146,8 @@ class Drafting:
             coupled_tok = {}
             idx = [i for i in range(b) if coupled[i] and alive[i]]
             if idx:  # the drafter's coupled tokens: the target's noise at position t0 + j
-                g = coupled_gumbel([rows[i].key for i in idx],
-                                   [len(rows[i].tokens) + j for i in idx],
-                                   q_all.shape[-1], dev)
+                g = self.noise.rows([rows[i].key for i in idx],
+                                    [len(rows[i].tokens) + j for i in idx])
                 index = torch.tensor(idx, device=dev)
                 best_tok = argmax_rows(q_all.index_select(0, index) + g, self.draft.kernels)
                 coupled_tok = dict(zip(idx, best_tok.tolist()))

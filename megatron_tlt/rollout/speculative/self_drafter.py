@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
-from ..quantize import QuantWeight, int8_linear, quantize_int8
+from ..quantize import QuantWeight, check_blocks, int8_linear, quantize_int8
 
 
 @dataclass
@@ -45,13 +45,17 @@ class SelfDrafterConfig:
     """The quantized copy's settings."""
 
     group: int = 0  # inputs per int8 scale; 0 = one scale per output channel
+    act_block: int = 32  # inputs per activation scale (int8 activations); 0 = float
     feature_layers: tuple = field(default=(), init=False)  # no EAGLE features
+
+    def __post_init__(self):
+        check_blocks(self.group, self.act_block)
 
     def check_target(self, arch) -> None:
         """Any target: the copy is made from it."""
 
     def to_dict(self) -> dict:
-        return {"kind": "self", "group": self.group}
+        return {"kind": "self", "group": self.group, "act_block": self.act_block}
 
 
 class SelfDrafter:
@@ -63,8 +67,8 @@ class SelfDrafter:
     kind = "self"
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
-                 source: Optional[ModelRunner] = None):
-        self.config = SelfDrafterConfig(group=group)
+                 source: Optional[ModelRunner] = None, act_block: int = 32):
+        self.config = SelfDrafterConfig(group=group, act_block=act_block)
         self.draft_vocab = None if draft_vocab is None else torch.sort(
             torch.as_tensor(draft_vocab, dtype=torch.long)).values
         self.source = source
@@ -145,7 +149,7 @@ class SelfDraftRunner(ModelRunner):
     def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
         """``w`` quantized, written into ``old``'s tensors when their shapes match (the
         copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
-        new = quantize_int8(w, self.config.group)
+        new = quantize_int8(w, self.config.group, self.config.act_block)
         if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
             return new
         old.q.copy_(new.q)
@@ -215,7 +219,7 @@ class SelfDraftRunner(ModelRunner):
                 w.panel = w.panel_scale = None
             return
         for w in mats:
-            w.panel, w.panel_scale = self.kernels.pack_int8(w.q, w.scale)
+            w.panel, w.panel_scale = self.kernels.pack_int8(w.q, w.scale, w.act_block)
 
     def kernel_weights(self) -> list[torch.Tensor]:
         return []  # no float panel copies: the int8 ones are made by refresh()
@@ -232,7 +236,8 @@ class SelfDraftRunner(ModelRunner):
                 [lw.proj_w.panel for lw in L], [lw.proj_w.panel_scale for lw in L],
                 [lw.ln2 for lw in L], [lw.fc1_w.panel for lw in L],
                 [lw.fc1_w.panel_scale for lw in L], [lw.fc2_w.panel for lw in L],
-                [lw.fc2_w.panel_scale for lw in L], self.config.group or 1 << 40)
+                [lw.fc2_w.panel_scale for lw in L], self.config.group or 1 << 40,
+                self.config.act_block)
         return self._packed_stack
 
     def rope_tables(self, need: int):
@@ -249,7 +254,7 @@ class SelfDraftRunner(ModelRunner):
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
         out = self.kernels.linear_int8(x.reshape(rows, -1).contiguous(), w.panel,
-                                       w.panel_scale, w.shape[0], w.group, b, res)
+                                       w.panel_scale, w.shape[0], w.group, w.act_block, b, res)
         return out.view(*lead, out.shape[-1])
 
     def fused_ok(self, family: str, rows: int) -> bool:
