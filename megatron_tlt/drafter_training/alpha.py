@@ -103,12 +103,15 @@ def measure_alpha(drafter, runner, samples: Sequence[DraftSample], *, temperatur
 @torch.no_grad()
 def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperature: float,
                        top_k: int = 0, top_p: float = 1.0, depth: int = 4,
-                       chunk: int = 64) -> AlphaReport:
+                       chunk: int = 64, target_kv: bool = True) -> AlphaReport:
     """α of the self-drafter's copy (``SelfDraftRunner``) on the same held-out data and
     with the same bars as ``measure_alpha``. The copy is fed tokens, not its own
     features: given that a chain's prefix was accepted, its draft at depth d is its
     distribution after those (held-out) tokens, whatever d, so α is one number
-    E[Σ_x min(p̃(x), q̃(x))] over response positions, reported at every depth."""
+    E[Σ_x min(p̃(x), q̃(x))] over response positions, reported at every depth.
+    ``target_kv`` (as the engine drafts, ``SelfDraftDecoder.adopt``): at each response
+    position the copy attends over the target's keys and values of the tokens before it
+    (one copy step per position); False: over its own (one causal forward)."""
     from ..rollout.kv_cache import KVCache
     from ..rollout.sampling import processed_logprobs
 
@@ -122,15 +125,19 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
         cache = KVCache(num_layers=len(copy.layers), max_batch=1, kv_heads=copy.groups,
                         capacity=ids.numel(), head_dim=copy.head_dim, dtype=copy.dtype,
                         device=copy.device)
-        hs = [copy.extend(cache, slice(0, 1), ids[None, i: i + chunk],
-                          torch.tensor([i], device=copy.device))[0]
-              for i in range(0, ids.numel(), chunk)]  # chunks: the copy's GEMM kernels
         lo, hi = s.prompt_len - 1, ids.numel() - 1  # positions predicting the response
         if hi <= lo:
             continue
+        if target_kv:
+            hs = _copy_over_target_kv(copy, runner, ids, cache, lo, hi, chunk)
+        else:
+            hs = [copy.extend(cache, slice(0, 1), ids[None, i: i + chunk],
+                              torch.tensor([i], device=copy.device))[0]
+                  for i in range(0, ids.numel(), chunk)]  # chunks: the copy's GEMM kernels
         p = processed_logprobs(runner.logits(
             s.final_hidden[lo:hi].to(runner.device, runner.dtype)).float(), *key).exp()
-        q_d = processed_logprobs(copy.draft_logits(torch.cat(hs)[lo:hi]).float(), *key).exp()
+        h_resp = torch.cat(hs)[lo:hi] if not target_kv else torch.cat(hs)
+        q_d = processed_logprobs(copy.draft_logits(h_resp).float(), *key).exp()
         if copy.d2t is None:
             q = q_d
         else:
@@ -144,6 +151,24 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
     return AlphaReport(alpha=[total / n_] * depth, e_max_p=p_max / n_, vocab_mass=mass / n_,
                        tokens=n, temperature=temperature, top_k=top_k, top_p=top_p,
                        extra={"drafter": "self"})
+
+
+def _copy_over_target_kv(copy, runner, ids: torch.Tensor, cache, lo: int, hi: int,
+                         chunk: int) -> list:
+    """The copy's final hidden state at each position lo..hi-1 of ``ids`` when its cache
+    holds the target's keys and values before that position (the engine's copy): the
+    target's forward fills ``cache``, then per position one copy step writes its own
+    entry, which is put back to the target's before the next."""
+    dev = copy.device
+    for i in range(0, ids.numel(), chunk):  # the target's keys and values
+        runner.extend(cache, slice(0, 1), ids[None, i: i + chunk], torch.tensor([i], device=dev))
+    out = []
+    for t in range(lo, hi):
+        k_t, v_t = cache.k[:, :, :, t].clone(), cache.v[:, :, :, t].clone()
+        out.append(copy.extend(cache, slice(0, 1), ids[None, t: t + 1],
+                               torch.tensor([t], device=dev))[0])
+        cache.k[:, :, :, t], cache.v[:, :, :, t] = k_t, v_t
+    return out
 
 
 def held_out_samples(engine, prompts: Sequence[Sequence[int]], sampling, *,

@@ -307,3 +307,28 @@ def test_break_even_gate_keeps_the_copy_and_declines_a_degraded_one(peaked, copy
         assert s["declined"] <= 3 * len(s["buckets"]) + 2
         assert all(b["tuner"]["speculating"] for b in s["buckets"].values())
         assert b1["tuner"]["arm_speedup"] > 1.5 and s["accept_len"] > 2.5
+
+
+@pytest.mark.parametrize("strategy", ["3_1_3", "2_2_4"])
+def test_the_copy_takes_the_targets_keys_and_values(tiny, strategy):
+    """The copy's cache takes the target's keys and values at every position the
+    target processed (prompt, accepted tokens; ``SelfDraftDecoder.adopt``), so its
+    forward runs only from each step's root: no catch-up tokens, the prompt's entries
+    equal to the target's bit for bit, and outputs still equal to plain decoding."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts()[:3]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    eng = _engine(model, arch, strategy, release_memory=False)
+    got = [o.token_ids for o in eng.generate(prompts, sp)]
+    assert got == want
+    st = eng.last_stats.spec
+    assert st.summary()["steps"] > 0 and st.catchup_tokens == 0
+    mine, theirs = eng.spec.cache, eng.memory.cache
+    # rows may have moved; each prompt's first tokens sit in some row of both caches
+    for row in range(len(prompts)):
+        n = eng.spec.target_len[row]
+        assert n > 0
+        assert torch.equal(mine.k[:, row, :, :n], theirs.k[:, row, :, :n])
+        assert torch.equal(mine.v[:, row, :, :n], theirs.v[:, row, :, :n])

@@ -121,7 +121,7 @@ class SpeculationController:
             # what the drafter missed (plain steps, new rows) is fed first and timed
             # apart: a switching cost, not a property of the strategy
             t1 = time.perf_counter()
-            fed = self.decoder.catch_up(rows, self.stats)
+            fed = self.decoder.catch_up(rows, self.stats, cache)
             switch = time.perf_counter() - t1 if fed else 0.0
             emitted, accepted = self._speculate(cache, rows, decision.strategy, label,
                                                 commit)

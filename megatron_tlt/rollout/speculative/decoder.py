@@ -334,11 +334,13 @@ class SpeculativeDecoder:
         return sum(max(0, r.length - 1 - self.draft_len[i]) for i, r in enumerate(rows))
 
     @torch.no_grad()
-    def catch_up(self, rows: Sequence, stats: SpecStats) -> int:
+    def catch_up(self, rows: Sequence, stats: SpecStats,
+                 target_cache: Optional[KVCache] = None) -> int:
         """Feed every row's missed drafter inputs but the root (positions draft_len ..
         L-2) in one forward, so the next ``step`` feeds only the roots and costs what a
         steady speculative step costs; the engine times this switching cost apart (the
-        tuner's break-even gate compares steady steps). Returns the positions fed."""
+        tuner's break-even gate compares steady steps). Returns the positions fed.
+        (``target_cache``: the target's cache, which the self-drafter's decoder reads.)"""
         if self.pending(rows) == 0:
             return 0
         dev = self.target.device

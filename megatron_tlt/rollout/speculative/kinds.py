@@ -223,8 +223,8 @@ class KindDecoder:
         return max(d.pending(rows) for d in self.decoders.values())
 
     # ---------------------------------------------------------------- the active kind
-    def catch_up(self, rows: Sequence, stats) -> int:
-        return self._active().catch_up(rows, stats)
+    def catch_up(self, rows: Sequence, stats, target_cache=None) -> int:
+        return self._active().catch_up(rows, stats, target_cache)
 
     def step(self, target_cache, rows: Sequence, strategy: Strategy, stats):
         """The active kind's step; the other kinds store the target's hidden states of

@@ -8,9 +8,13 @@ It is ``SpeculativeDecoder`` with a token-fed drafter instead of a feature-fed o
   token x_L fed at its own position L (the one-layer drafter feeds the pair
   (x_L, h_{L-1}) at L-1), so ``Drafting`` places drafts one position later
   (``pos_offset`` 1);
-- the catch-up feeds the tokens the copy has not seen (the prompt after prefill, tokens
-  decoded plainly, a step's accepted tokens it did not draft) in one ragged forward:
-  no target features are kept;
+- the copy's cache takes the target's keys and values at every position the target has
+  processed (``adopt``: the prompt after prefill, tokens decoded plainly, a step's
+  accepted tokens), a copy of memory instead of a forward of the copy: the copy's
+  forward runs only for the tokens it drafts from (the root x_L and its chain), and it
+  attends over the policy's own keys and values (its drafts agree with the policy a
+  little more; exactness does not depend on the drafter). Without the target's cache
+  at hand the catch-up feeds the unseen tokens through the copy in one ragged forward;
 - after verification the copy's cache is rolled back to the accepted run: a chain's
   drafts fed at L+1.. are kept as far as they were accepted (their keys and values are
   the accepted tokens'), a tree's nodes are not (they sit at tree slots), and the
@@ -19,7 +23,8 @@ It is ``SpeculativeDecoder`` with a token-fed drafter instead of a feature-fed o
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Optional, Sequence
 
 import torch
 
@@ -58,6 +63,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.cache = None
         self.features = None
         self.draft_len: list[int] = []
+        self.target_len: list[int] = []  # per row, positions holding the target's K/V
 
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int) -> None:
@@ -71,6 +77,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
                                    device=self.draft.device)
         self.drafting.cache = self.cache
         self.draft_len = [0] * max_batch
+        self.target_len = [0] * max_batch
 
     def release(self) -> None:
         """Free the copy's KV cache (``rollout.memory``; the next ``begin`` makes it
@@ -95,6 +102,37 @@ class SelfDraftDecoder(SpeculativeDecoder):
         n = self.draft_len[src]
         self.cache.move_row(src, dst, n)
         self.draft_len[dst] = n
+        self.target_len[dst] = min(self.target_len[src], n)
+
+    def new_row(self, row: int) -> None:
+        self.draft_len[row] = self.target_len[row] = 0
+
+    def adopt(self, target_cache: KVCache, rows: Sequence) -> int:
+        """The target's keys and values at positions target_len .. L-1 of every row
+        (everything the target has processed since) into the copy's cache: the copy is
+        then fed only its root. Returns the positions copied."""
+        n = 0
+        for i, r in enumerate(rows):
+            lo, hi = self.target_len[i], r.length
+            if hi > lo:
+                for mine, theirs in ((self.cache.k, target_cache.k),
+                                     (self.cache.v, target_cache.v)):
+                    mine[:, i, :, lo:hi].copy_(theirs[:, i, :, lo:hi])
+                n += hi - lo
+                self.target_len[i] = hi
+                self.draft_len[i] = max(self.draft_len[i], hi)
+        return n
+
+    def catch_up(self, rows: Sequence, stats: SpecStats,
+                 target_cache: Optional[KVCache] = None) -> int:
+        """``adopt`` when the target's cache is given, else the copy's forward over the
+        missed tokens (``SpeculativeDecoder.catch_up``)."""
+        if target_cache is None or self.pending(rows) == 0:
+            return super().catch_up(rows, stats)
+        t0 = time.perf_counter()
+        n = self.adopt(target_cache, rows)
+        stats.catchup_seconds += time.perf_counter() - t0
+        return n
 
     # ---------------------------------------------------------------- the step
     def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
@@ -102,10 +140,12 @@ class SelfDraftDecoder(SpeculativeDecoder):
         """``SpeculativeDecoder.step``; then each row's copy is valid up to its root
         x_L and, for chains, the accepted drafts it was fed (d_1..d_{depth-1})."""
         lengths = [r.length for r in rows]
+        self.adopt(target_cache, rows)
         out = super().step(target_cache, rows, strategy, stats)
         fed = strategy.depth - 1 if strategy.is_chain else 0
         for i, (length, e) in enumerate(zip(lengths, out[0])):
             self.draft_len[i] = length + 1 + min(len(e.tokens) - 1, fed)
+            self.target_len[i] = min(self.target_len[i], length)
         return out
 
     def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
