@@ -20,7 +20,11 @@
 ``python tools/demo.py rollout.speculative.drafter=self`` (``make demo
 DEMO_ARGS=rollout.speculative.drafter=self``) speculates with the self-drafter instead:
 the policy's own int8 copy, re-quantized after every update; no warm-up, no drafter
-group.
+group. ``python tools/demo.py rollout.speculative.self_too=true`` keeps the one-layer
+drafter (and its training in the tail) and adds the int8 copy beside it: the adaptive
+engine picks the kind per batch-size bucket, and the summary table shows each kind's
+share of decode steps and acceptance and, per bucket, the drafter it chose (the
+timeline draws which kind speculated when).
 """
 
 from __future__ import annotations

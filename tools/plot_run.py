@@ -4,8 +4,10 @@
     python tools/plot_run.py runs/rl/demo/metrics.jsonl [--out runs/rl/demo]
 
 Writes curves.png (reward, accuracy and held-out reward with its 95 % interval;
-response lengths; speculative acceptance per batch-size bucket) and timeline.png (per
-step and replica: rollout, tail idle, log-probs, update).
+response lengths; speculative acceptance per batch-size bucket, response-position
+bucket and, with several drafter kinds, per kind) and timeline.png (per step and
+replica: rollout with bands for the drafter kind that speculated or the declined
+steps, tail idle, log-probs, update).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def measure_alpha(drafter, runner, samples: Sequence[DraftSample], *, temperatur
     n = max(counts[0], 1)
     return AlphaReport(alpha=[s / max(c, 1) for s, c in zip(sums, counts)], e_max_p=p_max / n,
                        vocab_mass=mass / n, tokens=counts[0], temperature=temperature,
-                       top_k=top_k, top_p=top_p)
+                       top_k=top_k, top_p=top_p, extra={"tokens_by_depth": counts})
 
 
 @torch.no_grad()
@@ -107,8 +107,10 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
     """α of the self-drafter's copy (``SelfDraftRunner``) on the same held-out data and
     with the same bars as ``measure_alpha``. The copy is fed tokens, not its own
     features: given that a chain's prefix was accepted, its draft at depth d is its
-    distribution after those (held-out) tokens, whatever d, so α is one number
-    E[Σ_x min(p̃(x), q̃(x))] over response positions, reported at every depth.
+    distribution after those (held-out) tokens, whatever d. So α at depth d is
+    E[Σ_x min(p̃(x), q̃(x))] over the response positions ``measure_alpha`` measures
+    depth d at (all but the first d-1 of each response): the depths differ only by
+    the positions they cover, and both kinds' columns cover the same ones.
     ``target_kv`` (as the engine drafts, ``SelfDraftDecoder.adopt``): at each response
     position the copy attends over the target's keys and values of the tokens before it
     (one copy step per position); False: over its own (one causal forward)."""
@@ -118,14 +120,18 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
     if not samples:
         raise ValueError("measure_self_alpha needs at least one held-out sample")
     key = (temperature or 1.0, top_k, top_p)
-    total = p_max = mass = 0.0
-    n = 0
+    sums = [0.0] * depth
+    counts = [0] * depth
+    p_max = mass = 0.0
     for s in samples:
         ids = torch.as_tensor(s.tokens, dtype=torch.long, device=copy.device)
         cache = KVCache(num_layers=len(copy.layers), max_batch=1, kv_heads=copy.groups,
                         capacity=ids.numel(), head_dim=copy.head_dim, dtype=copy.dtype,
                         device=copy.device)
-        lo, hi = s.prompt_len - 1, ids.numel() - 1  # positions predicting the response
+        # the positions measure_alpha measures: from the last prompt token's (predicting
+        # the first response token) to the last token's (the distribution after the
+        # response)
+        lo, hi = s.prompt_len - 1, ids.numel()
         if hi <= lo:
             continue
         if target_kv:
@@ -143,14 +149,17 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
         else:
             q = torch.zeros_like(p)
             q[:, copy.d2t] = q_d
-        total += float(torch.minimum(p, q).sum(-1).double().sum())
+        a = torch.minimum(p, q).sum(-1).double()
+        for j in range(depth):  # depth j+1: all but the response's first j positions
+            sums[j] += float(a[j:].sum())
+            counts[j] += max(a.numel() - j, 0)
         p_max += float(p.max(-1).values.double().sum())
         mass += float((p if copy.d2t is None else p[:, copy.d2t]).sum(-1).double().sum())
-        n += hi - lo
-    n_ = max(n, 1)
-    return AlphaReport(alpha=[total / n_] * depth, e_max_p=p_max / n_, vocab_mass=mass / n_,
-                       tokens=n, temperature=temperature, top_k=top_k, top_p=top_p,
-                       extra={"drafter": "self"})
+    n_ = max(counts[0], 1)
+    return AlphaReport(alpha=[x / max(c, 1) for x, c in zip(sums, counts)],
+                       e_max_p=p_max / n_, vocab_mass=mass / n_, tokens=counts[0],
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       extra={"drafter": "self", "tokens_by_depth": counts})
 
 
 def _copy_over_target_kv(copy, runner, ids: torch.Tensor, cache, lo: int, hi: int,

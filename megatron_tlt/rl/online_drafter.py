@@ -98,13 +98,8 @@ class OnlineDrafter:
             metrics["timeline"]["drafter_train"] = out.pop("drafter/train_spans")
         else:
             out.pop("drafter/train_spans")
-        spec = metrics.get("spec") or {}
-        low = [f"canary alpha {out['drafter/alpha']:.3f} < drafter_group.canary_min_alpha="
-               f"{self.cfg.canary_min_alpha}"] if out.get("drafter/alpha", 1.0) < \
-            self.cfg.canary_min_alpha else []
-        # a handful of speculative steps says little: judge acceptance on enough of them
-        if spec.get("steps", 0) >= CANARY_MIN_SPEC_STEPS and spec.get("accept_len", 2.0) <= 1.05:
-            low.append(f"measured acceptance {spec['accept_len']:.2f} tokens per step")
+        low = canary_warnings(out.get("drafter/alpha"), self.cfg.canary_min_alpha,
+                              metrics.get("spec") or {})
         if low and self.first:
             warnings.warn("drafter group: the drafter looks broken (" + "; ".join(low) +
                           "): speculation buys nothing; check the drafter's weights "
@@ -113,6 +108,21 @@ class OnlineDrafter:
 
 
 CANARY_MIN_SPEC_STEPS = 32  # speculative steps the canary's acceptance check needs
+
+
+def canary_warnings(alpha, min_alpha: float, spec: dict) -> list[str]:
+    """Why the one-layer drafter looks broken after an update, if it does: the canary's
+    alpha below ``min_alpha``, or its measured acceptance about one token per step over
+    enough speculative steps. With several drafter kinds (``spec/eagle``) only the
+    one-layer drafter's own steps count: the self-drafter's acceptance says nothing
+    about it."""
+    low = [f"canary alpha {alpha:.3f} < drafter_group.canary_min_alpha={min_alpha}"] \
+        if alpha is not None and alpha < min_alpha else []
+    own = spec.get("eagle") or spec
+    # a handful of speculative steps says little: judge acceptance on enough of them
+    if own.get("steps", 0) >= CANARY_MIN_SPEC_STEPS and own.get("accept_len", 2.0) <= 1.05:
+        low.append(f"measured acceptance {own['accept_len']:.2f} tokens per step")
+    return low
 
 
 def summarise(parts: list[dict], idle_available: float) -> dict:

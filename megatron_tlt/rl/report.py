@@ -1,12 +1,15 @@
 """What a finished run shows: a per-step summary table and PNG plots of its JSONL.
 
 ``write_plots`` is also ``tools/plot_run.py``: reward / accuracy / length curves, the
-speculative acceptance per batch-size and response-position bucket, and the per-step replica timeline
-(rollout, tail idle with the drafter group's training in it, update).
+speculative acceptance per batch-size and response-position bucket (and per drafter
+kind with several), and the per-step replica timeline (rollout, with bands for the
+drafter kind that speculated or the declined steps; tail idle with the drafter group's
+training in it; update).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -14,20 +17,26 @@ from ..fileio import atomic_write
 from ..tracking import read_metrics
 
 
-def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
-                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float,
-                  exported: Optional[Path] = None) -> None:
-    from rich.console import Console
+def summary_table(history: Sequence[dict]):
+    """The per-step rich table. With several drafter kinds (``rollout.speculative
+    .self_too``) two more columns: per kind the share of decode steps it speculated and
+    its acceptance length, and per batch-size bucket the drafter (kind and arm) the
+    bucket chose most often in the step ("plain": its chosen kind's gate declined)."""
     from rich.table import Table
 
     table = Table(title="GRPO with TLT rollouts: per step")
     online = any("drafter/steps" in h for h in history)  # the drafter group trained
+    kinds = step_kinds(history)
+    by_kind = len(kinds) > 1
     cols = ["step", "reward", "accuracy", "resp len", "rollout s", "tail s", "update s",
             "step s", "accept len", "SD on"]
+    if by_kind:
+        cols += ["SD on / accept by kind", "drafter by bucket"]
     if online:
         cols += ["drafter steps", "alpha", "idle used"]
     for col in cols + ["held-out acc (95% CI)"]:
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="left" if col.endswith("kind") or
+                         col.endswith("bucket") else "right")
     for h in history:
         if "reward/mean" not in h:
             if "eval/accuracy" in h:  # the evaluation before the first step
@@ -35,6 +44,7 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
             continue
         t = h.get("timing", {})
         spec = h.get("spec", {})
+        per_kind = [kind_cell(spec, kinds), bucket_cell(spec)] if by_kind else []
         drafter = [str(h.get("drafter/steps", "-")),
                    f"{h['drafter/alpha']:.3f}" if "drafter/alpha" in h else "-",
                    f"{h.get('drafter/idle_used_fraction', 0):.0%}"] if online else []
@@ -43,10 +53,56 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
             f"{h['response_length/mean']:.0f}", f"{t.get('rollout', 0):.1f}",
             f"{t.get('tail', 0):.1f}", f"{t.get('update', 0):.1f}", f"{t.get('step', 0):.1f}",
             f"{spec.get('accept_len', 0):.2f}" if spec else "-",
-            f"{spec.get('on_fraction', 0):.0%}" if spec else "-", *drafter,
+            f"{spec.get('on_fraction', 0):.0%}" if spec else "-", *per_kind, *drafter,
             _eval_cell(h))
+    return table
+
+
+def step_kinds(history: Sequence[dict]) -> list[str]:
+    """The drafter kinds the steps' ``spec/kinds`` name, in first-seen order."""
+    return list(dict.fromkeys(k for h in history for k in h.get("spec", {}).get("kinds", [])))
+
+
+def kind_cell(spec: dict, kinds: Sequence[str]) -> str:
+    """One line per kind: its share of the step's decode steps and acceptance length
+    ("self 12% x4.31"; "-" where it never speculated)."""
+    lines = []
+    for k in kinds:
+        m = spec.get(k) or {}
+        acc = f"x{m['accept_len']:.2f}" if m.get("steps") else "-"
+        lines.append(f"{k} {m.get('on_fraction', 0.0):.0%} {acc}")
+    return "\n".join(lines) if lines else "-"
+
+
+def bucket_cell(spec: dict) -> str:
+    """One line per batch-size bucket, smallest first: what it chose most often and
+    the share of its tuned steps each kind speculated and declined ("1: self 4_1_4 |
+    self 90% plain 10%")."""
+    choice = spec.get("bucket_choice") or {}
+    lines = []
+    for b in sorted(choice, key=bucket_key):
+        per = (spec.get("chosen") or {}).get(b) or {}
+        total = sum(per.values())
+        shares = " ".join(f"{k} {n / total:.0%}" for k, n in per.items() if n) if total else ""
+        lines.append(f"{b}: {choice[b]}" + (f" | {shares}" if shares else ""))
+    return "\n".join(lines) or "-"
+
+
+def bucket_key(label) -> int:
+    """Sort key of a bucket label ("1", "3-4", "33+")."""
+    m = re.match(r"\d+", str(label))
+    return int(m.group()) if m else 0
+
+
+def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
+                  wandb_dir: Optional[str], plots: Sequence[Path], seconds: float,
+                  exported: Optional[Path] = None) -> None:
+    from rich.console import Console
+
+    table = summary_table(history)
+    online = any("drafter/steps" in h for h in history)
     console = Console()
-    width = 164 if online else 132
+    width = (164 if online else 132) + (72 if len(step_kinds(history)) > 1 else 0)
     if console.width < width:  # a pipe or a narrow terminal: keep the columns readable
         console = Console(width=width)
     console.print(table)
@@ -118,7 +174,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     ax.legend()
     ax = axes[2]
     buckets = sorted({b for r in train for b in r.get("spec", {}).get("accept_len_by_bucket", {})},
-                     key=lambda b: int(str(b).split("-")[0]))
+                     key=bucket_key)
     for b in buckets:
         ax.plot(steps, [r.get("spec", {}).get("accept_len_by_bucket", {}).get(b, float("nan"))
                         for r in train], marker=".", label=f"batch {b}")
@@ -128,13 +184,20 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.plot(steps, [r.get("spec", {}).get("accept_len_by_position", {}).get(
             k, float("nan")) for r in train], marker="x", linestyle="--",
             label=f"response tokens {k}")
+    kinds = step_kinds(train)
+    for k in kinds if len(kinds) > 1 else ():  # per drafter kind, dash-dotted
+        ax.plot(steps, [r.get("spec", {}).get(k, {}).get("accept_len", float("nan"))
+                        if r.get("spec", {}).get(k, {}).get("steps") else float("nan")
+                        for r in train], marker="^", linestyle="-.", linewidth=2,
+                label=f"drafter {k}")
     if buckets or positions:
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no speculative steps in this run", ha="center",
                 transform=ax.transAxes)
     ax.set_xlabel("step")
-    ax.set_title("acceptance length per batch / response-position bucket")
+    ax.set_title("acceptance length per batch / response-position bucket"
+                 + (" / drafter kind" if len(kinds) > 1 else ""))
     fig.tight_layout()
     p = out / "curves.png"
     _save(fig, p)
@@ -154,12 +217,16 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
             t = r["timing"]
             upd_start = t["step"] - t["update"]
             spans = r["timeline"].get("drafter_train") or [None] * len(fin)
+            bands = r["timeline"].get("replica_kinds") or [[]] * len(fin)
             for k, f in enumerate(fin):
                 ax.barh(y, f, color="tab:blue")
                 ax.barh(y, last - f, left=f, color="tab:red", alpha=0.6)
                 if spans[k] is not None:  # drafter training inside the idle window
                     ax.barh(y, spans[k][1] - spans[k][0], left=spans[k][0],
                             color="tab:purple", height=0.5)
+                for a, b, what in bands[k]:  # which drafter decoded when (thin bands)
+                    ax.barh(y + 0.3, max(b - a, 1e-3), left=a, height=0.25,
+                            color=KIND_COLORS.get(what, "black"))
                 ax.barh(y, upd_start - last, left=last, color="tab:gray", alpha=0.4)
                 ax.barh(y, t["update"], left=upd_start, color="tab:green")
                 labels.append(f"step {r['step']} replica {k}")
@@ -168,14 +235,22 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("seconds since step start")
-        ax.set_title("replica timeline: rollout (blue), tail idle (red), drafter training "
-                     "(purple), log-probs (grey), update (green)")
+        title = ("replica timeline: rollout (blue), tail idle (red), drafter training "
+                 "(purple), log-probs (grey), update (green)")
+        if any(r["timeline"].get("replica_kinds") for r in shown):
+            title += ("\nbands under the rollout: steps speculated by the one-layer "
+                      "drafter (cyan) or the self-drafter (orange), declined (black)")
+        ax.set_title(title, fontsize=9)
         fig.tight_layout()
         p = out / "timeline.png"
         _save(fig, p)
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+# the timeline's bands per drafter kind ("plain": the chosen kind's gate declined)
+KIND_COLORS = {"eagle": "tab:cyan", "self": "tab:orange", "plain": "black"}
 
 
 def _save(fig, path: Path) -> None:

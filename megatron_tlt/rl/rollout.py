@@ -24,6 +24,7 @@ class ReplicaRollout:
     finished_at: float             # seconds after the step started
     generated_tokens: int
     stats: dict = field(default_factory=dict)  # the engine's last_stats.summary()
+    started_at: float = 0.0        # seconds after the step started (the generate call)
 
 
 def sampling_params(grpo_cfg, seed: int, *, hidden: bool = False) -> SamplingParams:
@@ -65,4 +66,5 @@ def rollout_replica(generate, prompts: Sequence, prompt_indices: Sequence[int],
                for o, (p, idx) in zip(outs, owners)]
     return ReplicaRollout(samples, seconds, time.perf_counter() - step_start,
                           sum(len(o.token_ids) for o in outs),
-                          stats_fn() if stats_fn is not None and ids else {})
+                          stats_fn() if stats_fn is not None and ids else {},
+                          t0 - step_start)

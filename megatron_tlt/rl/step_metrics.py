@@ -49,8 +49,10 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
      pre_shared) = collectives.sum_values(local, group=dp)
     all_lengths = sorted(x for part in collectives.all_gather_object(lengths, group=dp)
                          for x in part)
-    spec = collectives.all_gather_object(roll.stats.get("spec"), group=dp) \
-        if roll.stats else []
+    # each replica's speculation summary and when its generate call started
+    gathered = collectives.all_gather_object(
+        (roll.stats.get("spec") if roll.stats else None, roll.started_at), group=dp)
+    spec = [s for s, _ in gathered]
     decode = collectives.all_gather_object(
         roll.stats.get("decode_steps", 0) if roll.stats else 0, group=dp)
     # loss metrics live on the last pipeline stage: bring them to rank 0's stage
@@ -103,7 +105,20 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
     if any(x is not None for x in spec):
         out["spec"] = merge_spec([x for x in spec if x is not None], sum(decode))
+        kinds = replica_kinds(gathered)
+        if kinds is not None:
+            out["timeline"]["replica_kinds"] = kinds
     return out
+
+
+def replica_kinds(gathered) -> list | None:
+    """Per replica, its rollout's kind timeline (``SpecStats.segments``: [start, end,
+    kind or "plain"]) in seconds since the step started; None when no replica has one."""
+    out = []
+    for spec, started in gathered:
+        segs = (spec or {}).get("segments") or []
+        out.append([[round(started + a, 4), round(started + b, 4), w] for a, b, w in segs])
+    return out if any(out) else None
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:

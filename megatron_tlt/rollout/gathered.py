@@ -274,4 +274,5 @@ def merge_stats(base: "GenerateStats", parts: list["GenerateStats"]) -> "Generat
             out.spec = p.spec if out.spec is None else out.spec.merged(p.spec)
     if out.spec is not None and base.spec is not None:
         out.spec.gate = base.spec.gate  # this rank's tuner
+        out.spec.segments = base.spec.segments  # and kind timeline
     return out

@@ -66,6 +66,21 @@ def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_
     assert [x["step"] for x in records] == [1, 2]
     assert records[1]["spec"]["drafter_refreshes"] == 1
     assert any((ckpt / "latest").parent.rglob("*drafter*"))
+    # the metrics per drafter kind: they add up to the step's totals
+    for rec in records:
+        spec = rec["spec"]
+        assert set(spec["kinds"]) <= {"eagle", "self"} and spec["kinds"]
+        kinds = [spec[k] for k in spec["kinds"]]
+        assert sum(k["steps"] for k in kinds) == spec["steps"]
+        assert sum(k["declined"] for k in kinds) == spec["declined"]
+        assert sum(k["chosen"] for k in kinds) == sum(
+            n for per in spec["chosen"].values() for n in per.values())
+        assert set(spec["bucket_choice"]) == set(spec["chosen"])
+        for a, b, what in [s for r in rec["timeline"]["replica_kinds"] for s in r]:
+            assert 0 <= a <= b <= rec["timeline"]["replica_finish"][0] + 1e-6
+            assert what in ("eagle", "self", "plain")
+    assert "drafter by bucket" in r.stdout or len(set().union(
+        *(x["spec"]["kinds"] for x in records))) == 1  # the table's column
 
 
 def test_self_too_needs_a_drafter_checkpoint():
@@ -73,3 +88,36 @@ def test_self_too_needs_a_drafter_checkpoint():
 
     with pytest.raises(ConfigError, match="self_too"):
         SpeculativeConfig(drafter="self", self_too=True)
+
+
+def test_both_kinds_with_the_drafter_group_at_dp2(tiny_policy, tmp_path, single_process_parallel):
+    """The demo's set-up with ``rollout.speculative.self_too=true``: two replicas, the
+    drafter group training the one-layer drafter in the tail while the int8 copy drafts
+    beside it. Every replica's kind timeline is logged, the per-kind metrics add up
+    over the replicas, and the summary table names each bucket's drafter."""
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    arch = arch_from_source(tiny_policy)
+    path = save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                        tmp_path / "drafter.safetensors")
+    out = tmp_path / "run"
+    r = run_script("pretrain_rl_tlt.py", *tiny_run_args(
+        tiny_policy, out, "train.steps=2", "grpo.group_size=2",
+        f"rollout.speculative.drafter={path}", "rollout.speculative.self_too=true",
+        "rollout.speculative.threshold=8", "drafter_group.enable=true",
+        "drafter_group.batch_tokens=64"), nproc=2, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()
+               if '"reward/mean"' in x]
+    assert len(records) == 2
+    kinds = set()
+    for rec in records:
+        spec = rec["spec"]
+        kinds |= set(spec["kinds"])
+        assert sum(spec[k]["steps"] for k in spec["kinds"]) == spec["steps"]
+        assert sum(spec[k]["declined"] for k in spec["kinds"]) == spec["declined"]
+        assert len(rec["timeline"]["replica_kinds"]) == 2
+        assert len(rec["timeline"]["drafter_train"]) == 2
+    assert kinds == {"eagle", "self"}
+    assert "drafter by bucket" in r.stdout and "SD on / accept by kind" in r.stdout

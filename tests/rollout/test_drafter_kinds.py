@@ -96,3 +96,83 @@ def test_switching_kinds_keeps_coupled_outputs(one_layer_pair):
         for k, n in per.items():
             total[k] = total.get(k, 0) + n
     assert total.get("eagle", 0) > 5 and total.get("self", 0) > 5, total
+
+
+def test_per_kind_metrics_add_up_to_the_totals(one_layer_pair, monkeypatch):
+    """SpecStats per kind (``summary()["kinds"]``, ``bucket_choice``, ``segments``) with
+    both kinds chosen (epsilon 0.5): per-kind counts sum to the call's totals, per
+    bucket the kinds' steps and the declined ones to the bucket's tuned steps, and the
+    RL step's merge (``rl.spec_metrics``) keeps the sums over replicas and reaches W&B
+    as ``spec/<kind>/...`` keys."""
+    from megatron_tlt.rl.spec_metrics import merge_spec
+    from megatron_tlt.tracking import _flatten
+
+    model, arch, good, _ = one_layer_pair
+    sp = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 160, 90, 20)]
+    prompts = _prompts(lengths=(3, 9, 5, 12), seed=6)
+    eng, _ = _run(model, arch, {"eagle": good, "self": SelfDrafter()}, sp, prompts,
+                  monkeypatch, epsilon=0.5)
+    s = eng.last_stats.summary()["spec"]
+    kinds = s["kinds"]
+    assert set(kinds) == {"eagle", "self"}
+    assert all(k["steps"] > 0 for k in kinds.values()), kinds
+    for f in ("steps", "rows", "emitted", "declined", "probes", "catchup_tokens"):
+        assert sum(k[f] for k in kinds.values()) == s[f], f
+    assert sum(k["draft_seconds"] for k in kinds.values()) == pytest.approx(s["draft_seconds"])
+    assert sum(k["drafted_per_row"] * k["rows"] for k in kinds.values()) == pytest.approx(
+        s["drafted_per_row"] * s["rows"])
+    tuned = {label: b["steps"] for label, b in s["buckets"].items()}
+    assert sum(k["chosen"] for k in kinds.values()) == sum(tuned.values())
+    arms: dict = {}
+    for k in kinds.values():
+        assert k["accept_len"] == pytest.approx(k["emitted"] / k["rows"])
+        assert k["chosen"] == k["steps"] + k["declined"] == sum(k["arms"].values())
+        for arm, n in k["arms"].items():
+            arms[arm] = arms.get(arm, 0) + n
+    assert arms == s["arms"]
+    for label, b in s["bucket_choice"].items():
+        assert sum(b["kinds"].values()) + b["plain"] == tuned[label]
+        for name, k in kinds.items():  # this call's choices are the (fresh) tuner's
+            kb = k["buckets"].get(label, {"chosen": 0, "steps": 0})
+            assert kb["chosen"] == eng.tuner.chosen[label].get(name, 0)
+            assert b["kinds"].get(name, 0) == kb["steps"]
+        assert b["choice"] == "plain" or b["choice"].split()[0] in kinds
+    # the timeline: ordered, non-overlapping segments of the kinds that ran
+    segs = s["segments"]
+    assert {w for *_, w in segs} >= {"eagle", "self"}
+    assert all(a <= b for a, b, _ in segs)
+    assert all(x[1] <= y[0] for x, y in zip(segs, segs[1:]))
+
+    # two replicas with this summary each: sums double, means stay
+    m = merge_spec([s, s], 2 * eng.last_stats.decode_steps)
+    assert m["kinds"] == ["eagle", "self"]
+    assert sum(m[k]["steps"] for k in m["kinds"]) == m["steps"] == 2 * s["steps"]
+    assert sum(m[k]["declined"] for k in m["kinds"]) == m["declined"] == 2 * s["declined"]
+    assert sum(m[k]["on_fraction"] for k in m["kinds"]) == pytest.approx(m["on_fraction"])
+    for k in m["kinds"]:
+        assert m[k]["accept_len"] == pytest.approx(kinds[k]["accept_len"])
+        assert sum(m[k]["steps_by_bucket"].values()) == m[k]["steps"]
+    for label, per in m["chosen"].items():
+        assert sum(per.values()) == 2 * tuned[label]
+        assert m["bucket_choice"][label] == s["bucket_choice"][label]["choice"]
+    flat = _flatten({"spec": m})
+    assert flat["spec/self/accept_len"] == m["self"]["accept_len"]
+    assert flat["spec/eagle/steps"] == m["eagle"]["steps"]
+    assert {f"spec/chosen/{label}/plain" for label in tuned} <= set(flat)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "self"])
+def test_one_drafter_reports_its_kind(one_layer_pair, kind):
+    """With a single drafter every tuned step is that kind's."""
+    model, arch, good, _ = one_layer_pair
+    sc = SpeculativeConfig(threshold=64, buckets="1,2,4", arms="*:3_1_3")
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[], drafter=good if kind == "eagle" else SelfDrafter())
+    eng.generate(_prompts(lengths=(3, 9), seed=2),
+                 SamplingParams(temperature=0.0, max_new_tokens=30))
+    s = eng.last_stats.summary()["spec"]
+    assert list(s["kinds"]) == [kind]
+    k = s["kinds"][kind]
+    assert (k["steps"], k["rows"], k["emitted"], k["declined"]) == (
+        s["steps"], s["rows"], s["emitted"], s["declined"])
+    assert k["chosen"] == sum(b["steps"] for b in s["buckets"].values())

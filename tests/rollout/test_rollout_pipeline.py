@@ -77,6 +77,9 @@ def test_gathered_mode_merges_the_pipeline_ranks_statistics():
         spec.record_tuned("1-4", declined=False, probe=True, rows=len(accepted),
                           tokens=sum(accepted) + len(accepted), seconds=0.5)
         spec.by_position["0-63"] = [len(accepted), sum(accepted)]
+        spec.record_kind("self", "1-4", Strategy.parse(arm), probe=True, rows=len(accepted),
+                         emitted=sum(accepted) + len(accepted), seconds=0.5)
+        spec.mark(0.0, 0.5, arm)
         return GenerateStats(prompts=5, generated_tokens=10 * steps, decode_steps=steps,
                              decode_seconds=0.1 * steps, batch_sizes=[2] * steps,
                              kv_cache_bytes=100, spec=spec)
@@ -94,4 +97,8 @@ def test_gathered_mode_merges_the_pipeline_ranks_statistics():
     assert s.tuned["1-4"].steps == 2 and s.tuned["1-4"].probes == 2
     assert s.by_position["0-63"] == [3, 4]
     assert s.gate == {"best": "mine"}
+    k = s.kinds["self"]  # per drafter kind too; the timeline is this rank's
+    assert (k.chosen, k.steps, k.rows, k.emitted) == (2, 2, 3, 7)
+    assert k.bucket_arms == {"1-4": {"3_1_3": 1, "4_1_4": 1}}
+    assert s.segments == [[0.0, 0.5, "3_1_3"]]
     assert mine.spec.steps == 2  # the shares are left as they were

@@ -55,6 +55,7 @@ class SpeculationController:
         self.tuner_state = tuner_state
         self.tp_times = tp_times
         self.stats = SpecStats()
+        self.t_begin = time.perf_counter()  # the kind timeline's origin (``begin``)
 
     # ------------------------------------------------------------ the call
     @property
@@ -66,6 +67,7 @@ class SpeculationController:
     def begin(self, max_batch: int, capacity: int) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
         ``max_batch`` rows of ``capacity`` positions. Returns the call's ``SpecStats``."""
+        self.t_begin = time.perf_counter()
         draft = self.decoder.draft
         before = getattr(draft, "refreshes", 0)  # the self-drafter re-quantizes here
         draft.pack_weights()
@@ -108,6 +110,12 @@ class SpeculationController:
         self.decoder.move_row(src, dst, length)
 
     # ------------------------------------------------------------ a decode step
+    def kind(self) -> str:
+        """The drafter kind of the step just decided: ``KindTuner``'s choice with
+        several kinds, else the decoder's kind ("eagle": the one-layer drafter,
+        "self": the policy's int8 copy)."""
+        return getattr(self.tuner, "active", None) or getattr(self.decoder, "kind", "eagle")
+
     def decode_step(self, cache: KVCache, rows: Sequence, t0: float, plain: PlainStep,
                     commit: Commit, record_step: Callable[[float, bool], None]) -> None:
         """One decode step for the running ``rows`` (started at ``t0``): speculative or
@@ -120,6 +128,7 @@ class SpeculationController:
         if decision is not None and not decision.strategy.is_off:
             # what the drafter missed (plain steps, new rows) is fed first and timed
             # apart: a switching cost, not a property of the strategy
+            costs = self.stats.costs()
             t1 = time.perf_counter()
             fed = self.decoder.catch_up(rows, self.stats, cache)
             switch = time.perf_counter() - t1 if fed else 0.0
@@ -131,6 +140,11 @@ class SpeculationController:
                                                 switch, fed))
             self.stats.record_tuned(label, declined=False, probe=decision.probe, rows=b,
                                     tokens=emitted, seconds=seconds)
+            kind = self.kind()
+            self.stats.record_kind(kind, label, decision.strategy, probe=decision.probe,
+                                   rows=b, emitted=emitted, seconds=seconds,
+                                   costs_before=costs)
+            self.stats.mark(t0 - self.t_begin, time.perf_counter() - self.t_begin, kind)
             record_step(seconds, True)
             return
         hook, got = self.capture()
@@ -146,8 +160,12 @@ class SpeculationController:
             self.stats.arms[name] = self.stats.arms.get(name, 0) + 1
             self.stats.record_tuned(label, declined=True, probe=decision.probe, rows=b,
                                     tokens=b, seconds=seconds)
+            self.stats.record_kind(self.kind(), label, decision.strategy,
+                                   probe=decision.probe, rows=b, emitted=b, seconds=seconds)
+            self.stats.mark(t0 - self.t_begin, time.perf_counter() - self.t_begin, "plain")
         else:  # above the threshold: plain decoding's reference time
             self.tuner.observe_plain(b, seconds)
+            self.stats.mark(0.0, 0.0, None)
 
     def _speculate(self, cache: KVCache, rows: Sequence, strategy: Strategy, label: str,
                    commit: Commit) -> tuple[int, list[int]]:

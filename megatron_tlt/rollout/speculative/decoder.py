@@ -52,6 +52,8 @@ class SpeculativeDecoder:
     features) and the speculative step. The engine owns the rows and the target cache;
     this keeps, per cache row, how far the drafter's cache is valid."""
 
+    kind = "eagle"  # the drafter kind in metrics (``SpecStats.kinds``; the self-drafter's
+    # decoder says "self")
     # the feature store holds the target's final hidden states when the drafter reads
     # no EAGLE-3 feature layers (``rollout.memory`` returns them from there)
     keeps_hidden = True

@@ -1,12 +1,15 @@
 """What speculation did in one ``generate`` call (``GenerateStats.spec``): counts,
-acceptance, times, chosen arms and, per batch-size bucket, the steps the tuner decided."""
+acceptance, times, chosen arms and, per batch-size bucket, the steps the tuner decided;
+per drafter kind (``KindSteps``: the one-layer drafter "eagle", the self-drafter
+"self") the same for the steps that kind was chosen, and the call's timeline of kinds
+(``segments``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Optional, Sequence
 
-from ...spec_strategy import Strategy
+from ...spec_strategy import OFF, Strategy
 
 
 @dataclass
@@ -48,6 +51,61 @@ class BucketSteps:
                 "speedup": spec_rate / plain_rate if spec_rate and plain_rate else None}
 
 
+# the costs a decoder adds to ``SpecStats`` during a step, attributed to its kind
+COSTS = ("draft_seconds", "verify_seconds", "catchup_tokens", "catchup_seconds", "drafted")
+# a call's kind timeline is reported in at most this many segments (``segments_summary``)
+MAX_SEGMENTS = 48
+
+
+@dataclass
+class KindSteps:
+    """The decode steps at or below the threshold where one drafter kind was chosen
+    (with several kinds: ``KindTuner``'s choice; with one: every such step)."""
+
+    chosen: int = 0
+    steps: int = 0  # of them speculative
+    declined: int = 0  # of them plain (the kind's gate declined, or its 0_0_0 arm)
+    probes: int = 0
+    rows: int = 0  # sequence-steps of its speculative steps
+    emitted: int = 0  # tokens they emitted
+    drafted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    catchup_tokens: int = 0
+    catchup_seconds: float = 0.0
+    spec_seconds: float = 0.0  # its speculative steps' time
+    spec_tokens_per_row: float = 0.0  # summed over them
+    arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps (0_0_0 too)
+    by_bucket: dict[str, Tally] = field(default_factory=dict)  # speculative steps' tally
+    bucket_arms: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> arms
+
+    @property
+    def accept_len(self) -> float:
+        return self.emitted / self.rows if self.rows else 0.0
+
+    def summary(self) -> dict:
+        buckets = {}
+        for label, arms in self.bucket_arms.items():
+            t = self.by_bucket.get(label, Tally())
+            n = sum(arms.values())
+            off = arms.get(OFF.name, 0)
+            buckets[label] = {"chosen": n, "steps": n - off, "declined": off,
+                              "rows": t.rows, "emitted": t.emitted, "accept_len": t.mean,
+                              "arms": dict(arms)}
+        return {
+            "chosen": self.chosen, "steps": self.steps, "declined": self.declined,
+            "probes": self.probes, "rows": self.rows, "emitted": self.emitted,
+            "accept_len": self.accept_len,
+            "drafted_per_row": self.drafted / self.rows if self.rows else 0.0,
+            "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+            "catchup_tokens": self.catchup_tokens, "catchup_seconds": self.catchup_seconds,
+            "spec_seconds": self.spec_seconds,
+            "spec_tok_s": (self.spec_tokens_per_row / self.spec_seconds
+                           if self.spec_seconds > 0 else None),
+            "arms": dict(self.arms), "buckets": buckets,
+        }
+
+
 @dataclass
 class SpecStats:
     """Speculation in one ``generate`` call (``GenerateStats.spec``)."""
@@ -74,14 +132,20 @@ class SpecStats:
     # the self-drafter's re-quantizations at the start of the call (its weights changed)
     drafter_refreshes: int = 0
     drafter_refresh_seconds: float = 0.0
+    kinds: dict[str, KindSteps] = field(default_factory=dict)  # drafter kind -> its steps
+    # the call's kind timeline: [start, end, what] in seconds since ``begin`` (what: the
+    # kind that speculated, or "plain" where the chosen kind declined), consecutive
+    # steps of one kind merged; steps above the threshold end a segment
+    segments: list[list] = field(default_factory=list)
+    _open: bool = field(default=False, repr=False)  # the last segment may still grow
 
     def merged(self, other: "SpecStats") -> "SpecStats":
         """Both calls' counts summed (the pipeline ranks' shares of one call in
         ``rollout.pipeline_mode=gathered``); ``gate`` is this one's."""
-        out = SpecStats(gate=dict(self.gate))
+        out = SpecStats(gate=dict(self.gate), segments=[list(x) for x in self.segments])
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "gate":
+            if f.name in ("gate", "segments", "_open"):  # this rank's
                 continue
             if isinstance(a, (int, float)):
                 setattr(out, f.name, a + b)
@@ -127,6 +191,99 @@ class SpecStats:
         self.declined += int(declined)
         self.probes += int(probe)
 
+    def costs(self) -> tuple:
+        """The decoder-recorded costs so far (``COSTS``), for ``record_kind``."""
+        return tuple(getattr(self, c) for c in COSTS)
+
+    def record_kind(self, kind: str, bucket: str, strategy: Strategy, *, probe: bool,
+                    rows: int, emitted: int, seconds: float,
+                    costs_before: tuple = ()) -> None:
+        """One decode step at or below the threshold where ``kind`` was chosen: plain
+        when ``strategy`` is 0_0_0 (declined), else speculative, ``emitted`` tokens by
+        ``rows`` rows in ``seconds``; the decoder's costs since ``costs_before``
+        (``costs()`` before the step) are that kind's."""
+        k = self.kinds.setdefault(kind, KindSteps())
+        k.chosen += 1
+        k.probes += int(probe)
+        k.arms[strategy.name] = k.arms.get(strategy.name, 0) + 1
+        arms = k.bucket_arms.setdefault(bucket, {})
+        arms[strategy.name] = arms.get(strategy.name, 0) + 1
+        if strategy.is_off:
+            k.declined += 1
+            return
+        k.steps += 1
+        k.rows += rows
+        k.emitted += emitted
+        k.spec_seconds += seconds
+        k.spec_tokens_per_row += emitted / rows
+        k.by_bucket.setdefault(bucket, Tally()).add(rows, emitted)
+        for name, before in zip(COSTS, costs_before):
+            setattr(k, name, getattr(k, name) + getattr(self, name) - before)
+
+    def mark(self, start: float, end: float, what: Optional[str]) -> None:
+        """The timeline: a decode step from ``start`` to ``end`` (seconds since the
+        call began) that ``what`` (a kind, "plain") decided; None: above the
+        threshold (it closes the open segment)."""
+        if what is None:
+            self._open = False
+            return
+        last = self.segments[-1] if self.segments else None
+        if self._open and last is not None and last[2] == what:
+            last[1] = end
+        else:
+            self.segments.append([start, end, what])
+        self._open = True
+
+    def segments_summary(self, limit: int = MAX_SEGMENTS) -> list[list]:
+        """``segments`` in at most ``limit`` pieces: where there are more, the call's
+        span is cut into ``limit`` equal bins, each labelled with what took most of
+        its time, and equal neighbours joined (a long tail that switches kinds often
+        still draws as a few bands)."""
+        segs = self.segments
+        if len(segs) <= limit:
+            return [[round(a, 4), round(b, 4), w] for a, b, w in segs]
+        lo, hi = segs[0][0], max(b for _, b, _ in segs)
+        width = (hi - lo) / limit or 1.0
+        bins: list[dict] = [{} for _ in range(limit)]
+        for a, b, w in segs:
+            for i in range(int((a - lo) / width), min(int((b - lo) / width), limit - 1) + 1):
+                x0, x1 = lo + i * width, lo + (i + 1) * width
+                t = min(b, x1) - max(a, x0)
+                if t > 0 or a == b:
+                    bins[i][w] = bins[i].get(w, 0.0) + max(t, 0.0)
+        out: list[list] = []
+        for i, time_by in enumerate(bins):
+            if not time_by:
+                continue
+            w = max(time_by, key=time_by.get)
+            x0, x1 = lo + i * width, lo + (i + 1) * width
+            if out and out[-1][2] == w and abs(out[-1][1] - x0) < 1e-9:
+                out[-1][1] = x1
+            else:
+                out.append([x0, x1, w])
+        return [[round(a, 4), round(b, 4), w] for a, b, w in out]
+
+    def bucket_choice(self) -> dict:
+        """Per bucket: the steps each kind speculated (``kinds``), the plain steps its
+        chosen kind declined (``plain``), and the most frequent choice (``choice``:
+        "kind arm", or "plain") with its share of the bucket's steps."""
+        out: dict = {}
+        for kind, k in self.kinds.items():
+            for label, arms in k.bucket_arms.items():
+                b = out.setdefault(label, {"kinds": {}, "plain": 0, "_pairs": {}})
+                off = arms.get(OFF.name, 0)
+                b["kinds"][kind] = b["kinds"].get(kind, 0) + sum(arms.values()) - off
+                b["plain"] += off
+                for arm, n in arms.items():
+                    key = "plain" if arm == OFF.name else f"{kind} {arm}"
+                    b["_pairs"][key] = b["_pairs"].get(key, 0) + n
+        for b in out.values():
+            pairs = b.pop("_pairs")
+            best = max(pairs, key=lambda x: (pairs[x], x))
+            b["choice"] = best
+            b["share"] = pairs[best] / sum(pairs.values())
+        return out
+
     def summary(self) -> dict:
         """JSON-able: mean acceptance length overall, per bucket and per depth, the
         rate at which the j-th draft token was accepted, times and chosen arms; how
@@ -161,17 +318,23 @@ class SpecStats:
             "probes": self.probes, "buckets": buckets,
             "drafter_refreshes": self.drafter_refreshes,
             "drafter_refresh_seconds": self.drafter_refresh_seconds,
+            # per drafter kind, per bucket the kinds' steps, the call's kind timeline
+            "kinds": {k: v.summary() for k, v in self.kinds.items()},
+            "bucket_choice": self.bucket_choice(),
+            "segments": self.segments_summary(),
         }
 
 
 def _add(a, b):
-    """Sum of two counters of one kind (a number, a list of numbers, a Tally, a
-    BucketSteps), either of them possibly None."""
+    """Sum of two counters of one kind (a number, a list of numbers, a dict of
+    counters, a Tally, a BucketSteps, a KindSteps), either of them possibly None."""
     if a is None or b is None:
         return a if b is None else b
     if isinstance(a, list):
         return [x + y for x, y in zip(a, b)]
-    if isinstance(a, (Tally, BucketSteps)):
-        return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name)
+    if isinstance(a, dict):
+        return {k: _add(a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a]}
+    if isinstance(a, (Tally, BucketSteps, KindSteps)):
+        return type(a)(**{f.name: _add(getattr(a, f.name), getattr(b, f.name))
                           for f in fields(a)})
     return a + b
