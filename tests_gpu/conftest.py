@@ -8,9 +8,10 @@ skipping, so a GPU run cannot pass vacuously. ``GPU_CHECK_COLLECT_ONLY=1`` lets
 
 ``tests/support/`` is on pytest's import path (pyproject's ``pythonpath``); the
 speculative-decoding helpers live in the CPU test module
-``tests/rollout/test_speculative.py`` itself, which is loaded here by file path under its
-module name (``pytest tests_gpu`` does not collect ``tests/``), so
-``from test_speculative import ...`` finds it.
+``tests/rollout/test_speculative.py`` itself (and the FP8 error bound in
+``tests/rollout/test_self_drafter_fp8.py``), which are loaded here by file path under
+their module names (``pytest tests_gpu`` does not collect ``tests/``), so
+``from test_speculative import ...`` finds them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ if not torch.cuda.is_available() and os.environ.get("GPU_CHECK_COLLECT_ONLY") !=
     raise RuntimeError("tests_gpu/ needs a CUDA device (torch reports none)")
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_HELPERS = {"test_speculative": REPO / "tests" / "rollout" / "test_speculative.py"}
+CPU_HELPERS = {"test_speculative": REPO / "tests" / "rollout" / "test_speculative.py",
+               "test_self_drafter_fp8": REPO / "tests" / "rollout" / "test_self_drafter_fp8.py"}
 
 
 def _load(name: str, path: Path) -> None:

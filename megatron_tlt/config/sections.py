@@ -104,6 +104,13 @@ class SpeculativeConfig:
     self_group: int = _help(
         "drafter=self: inputs per int8 scale of the copy's matrices (0 = one scale per "
         "output channel; e.g. 128 for groups of 128, a little closer to the policy).", 0)
+    self_format: str = _help(
+        "drafter=self: the copy's number format. int8 (int8 weights, activations as "
+        "self_act_block says; the CPU kernels' int8 GEMMs on CPU), fp8 (E4M3 weights, "
+        "one scale per output channel, and E4M3 activations scaled per row at every "
+        "call, self_act_block unused; multiplied by torch._scaled_mm on "
+        "CUDA GPUs of compute capability >= 8.9; emulated elsewhere), or auto (fp8 where "
+        "the GPU runs it natively and self_group is 0, else int8).", "auto")
     self_act_block: int = _help(
         "drafter=self: inputs per scale of the copy's dynamically quantized int8 "
         "activations (per row, per block: the CPU kernels' int8 dot products; SmolLM2 at "
@@ -172,6 +179,12 @@ class SpeculativeConfig:
         if self.self_group < 0:
             raise ConfigError("rollout.speculative.self_group must be >= 0 (0 = one scale "
                               f"per output channel), got {self.self_group}")
+        _choice("rollout.speculative", "self_format", self.self_format,
+                ("auto", "int8", "fp8"))
+        if self.self_format == "fp8" and self.self_group:
+            raise ConfigError("rollout.speculative.self_format=fp8 has one scale per output "
+                              f"channel; set self_group=0 (got {self.self_group}) or use "
+                              "self_format=int8 for grouped scales")
         if self.self_act_block < 0 or self.self_act_block % 4 or (
                 self.self_act_block and self.self_group % self.self_act_block):
             raise ConfigError("rollout.speculative.self_act_block must be 0 (float "

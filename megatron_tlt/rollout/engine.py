@@ -188,7 +188,8 @@ class RolloutEngine:
             from .speculative.self_drafter import SelfDrafter
 
             drafter = SelfDrafter(group=self.config.speculative.self_group,
-                                  act_block=self.config.speculative.self_act_block)
+                                  act_block=self.config.speculative.self_act_block,
+                                  format=self.config.speculative.self_format)
         elif drafter is None and self.config.speculative.drafter:
             from ..models.drafter import load_drafter
 
@@ -201,7 +202,8 @@ class RolloutEngine:
             attach_kinds(self, {"eagle": drafter,
                                 "self": SelfDrafter(
                                     group=self.config.speculative.self_group,
-                                    act_block=self.config.speculative.self_act_block)})
+                                    act_block=self.config.speculative.self_act_block,
+                                    format=self.config.speculative.self_format)})
         elif drafter is not None:
             self.attach_drafter(drafter)
 

@@ -45,17 +45,23 @@ class SelfDraftDecoder(SpeculativeDecoder):
     keeps_hidden = False  # no feature store: returned hidden states need their buffer
 
     def __init__(self, drafter: SelfDrafter, target: ModelRunner):
-        if target.pp_size > 1 or target.shares_prompts:
-            raise ValueError("the self-drafter runs at pipeline parallelism 1 for now; "
-                             "use rollout.speculative.drafter with an EAGLE checkpoint "
-                             "or parallel.pipeline_model_parallel_size=1")
+        if target.pp_size > 1:
+            raise ValueError(
+                "the self-drafter needs the whole model on every rank that drafts; at "
+                "parallel.pipeline_model_parallel_size > 1 use rollout.pipeline_mode="
+                "gathered (the default: each stage quantizes its gathered copy of the "
+                "model), not the stage-to-stage pipelined mode")
         self.drafter = drafter
         self.target = target
         self.draft = drafter.runner_for(target)
         if self.draft.kernels is not target.kernels:  # the panels follow the kernels
-            self.draft.kernels = target.kernels
+            self.draft.kernels = target.kernels  # (none for an FP8 copy)
             self.draft._fp = None
-        self.draft.pack_weights()  # quantize now (again only when the weights change)
+        # quantize now (again only when the weights change); at PP > 1 (gathered) only
+        # while the target holds its copies of the other stages' layers, else at the
+        # next generate, after they are received again
+        if getattr(target, "held_copy_bytes", 0) == getattr(target, "copy_bytes", 0):
+            self.draft.pack_weights()
         self.drafting = Drafting(self.draft, target)
         self.drafting.pos_offset = 1
         self.feature_layers = ()

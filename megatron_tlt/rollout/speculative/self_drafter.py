@@ -38,6 +38,7 @@ from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
 from ..quantize import QuantWeight, check_blocks, int8_linear, quantize_int8
+from ..quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
 @dataclass
@@ -46,16 +47,22 @@ class SelfDrafterConfig:
 
     group: int = 0  # inputs per int8 scale; 0 = one scale per output channel
     act_block: int = 32  # inputs per activation scale (int8 activations); 0 = float
+    # "int8", "fp8" (E4M3 through torch._scaled_mm, quantize_fp8.py: activations scaled
+    # per row, act_block unused) or "auto" (fp8 where the device multiplies it natively
+    # and group is 0, else int8)
+    format: str = "auto"
     feature_layers: tuple = field(default=(), init=False)  # no EAGLE features
 
     def __post_init__(self):
         check_blocks(self.group, self.act_block)
+        resolve_format(self.format, torch.device("cpu"), self.group)  # checks the pair
 
     def check_target(self, arch) -> None:
         """Any target: the copy is made from it."""
 
     def to_dict(self) -> dict:
-        return {"kind": "self", "group": self.group, "act_block": self.act_block}
+        return {"kind": "self", "group": self.group, "act_block": self.act_block,
+                "format": self.format}
 
 
 class SelfDrafter:
@@ -67,8 +74,9 @@ class SelfDrafter:
     kind = "self"
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
-                 source: Optional[ModelRunner] = None, act_block: int = 32):
-        self.config = SelfDrafterConfig(group=group, act_block=act_block)
+                 source: Optional[ModelRunner] = None, act_block: int = 32,
+                 format: str = "auto"):
+        self.config = SelfDrafterConfig(group=group, act_block=act_block, format=format)
         self.draft_vocab = None if draft_vocab is None else torch.sort(
             torch.as_tensor(draft_vocab, dtype=torch.long)).values
         self.source = source
@@ -100,6 +108,8 @@ class SelfDraftRunner(ModelRunner):
         self.target = target
         self.source = drafter.source or target
         self.config = drafter.config
+        # the copy's matrices: QuantWeight (int8) or Fp8Weight (E4M3)
+        self.format = resolve_format(drafter.config.format, target.device, drafter.config.group)
         self.model, self.arch = target.model, target.arch
         self.tp_size, self.tp_rank, self.tp_group = target.tp_size, target.tp_rank, target.tp_group
         self.groups, self.heads_per_group = target.groups, target.heads_per_group
@@ -149,12 +159,23 @@ class SelfDraftRunner(ModelRunner):
     def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
         """``w`` quantized, written into ``old``'s tensors when their shapes match (the
         copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
+        if self.format == "fp8":
+            return quantize_fp8(w, old if isinstance(old, Fp8Weight) else None)
         new = quantize_int8(w, self.config.group, self.config.act_block)
         if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
             return new
         old.q.copy_(new.q)
         old.scale.copy_(new.scale)
         return old
+
+    @property
+    def kernels(self):
+        """The CPU kernels (int8 copies only: an FP8 copy runs none, whoever sets them)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, k) -> None:
+        self._kernels = k if getattr(self, "format", "int8") == "int8" else None
 
     def set_layers(self, layers) -> None:  # the copy is made by refresh()
         raise TypeError("SelfDraftRunner quantizes its source's layers in refresh()")
@@ -247,9 +268,12 @@ class SelfDraftRunner(ModelRunner):
     def _lin(self, x: torch.Tensor, w: QuantWeight, b: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual + x @ dequantize(w).T + b``: the int8 panel GEMM of the CPU kernels
-        where built and packed, else the reference."""
+        where built and packed, else FP8 weights through ``torch._scaled_mm``
+        (``quantize_fp8``) or the int8 reference."""
         rows = x.numel() // x.shape[-1]
         if w.panel is None or not self.fused_ok("linear", rows):
+            if isinstance(w, Fp8Weight):
+                return fp8_linear(x, w, b, residual)
             return int8_linear(x, w, b, residual)
         lead = x.shape[:-1]
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
