@@ -23,6 +23,11 @@ numerics differ slightly from the engine's; a sequence may therefore leave the
 other's path only where the two candidate tokens are tied to within --tie-margin in
 transformers' own logits (checked with a full forward). Any other difference fails.
 
+It also times one GRPO step's prefill on the demo recipe (``grpo_prefill``: a step's
+prompts x group size, rollout.share_prefill off and on interleaved;
+``prefill_seconds_per_grpo_step`` is the shared one's median; ``--grpo-only`` runs only
+this).
+
 JSON summary keys: ``min_ratio`` (min over batch sizes of engine tok/s / transformers
 tok/s) and ``bound_ratio_bs1`` (engine batch-1 decode step time / weight-streaming
 floor, the floor re-measured next to each engine run; median over runs). ``config``
@@ -35,6 +40,7 @@ MEGATRON_TLT_CPU_ISA) and where it uses them (``kernel_policy``: rollout.cpu_ker
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -109,6 +115,56 @@ def compare(hf, prompts, ours, theirs, tie_margin: float) -> dict:
                       ("engine", "transformers"))
 
 
+def grpo_prefill(engine, pairs: int, new_tokens: int = 4,
+                 recipe: str = "examples/rl/smollm2_cpu.yaml") -> dict:
+    """Prefill per GRPO step on the demo recipe: one generate call over a step's
+    prompts (``grpo.prompts_per_step`` of the recipe's task, in its prompt format) x
+    ``grpo.group_size`` requests, with the RL rollout's request seeds, with
+    rollout.share_prefill off and on, interleaved (off, on, off, on, ...; ``pairs``
+    pairs after a warm-up pair). Responses are cut at ``new_tokens`` (the prefill is
+    what is timed). Returns the median prefill seconds and the prefill tokens of each."""
+    from megatron_tlt.config import load_config
+    from megatron_tlt.rl.data import build_prompt_sets
+    from megatron_tlt.rl.rollout import sample_seed, sampling_params
+
+    cfg = load_config([Path(__file__).resolve().parents[1] / recipe],
+                      ["data.eval_size=0", f"data.train_size={64}"])
+    g = cfg.grpo
+    train, _ = build_prompt_sets(cfg.data, engine.tokenizer)
+    step = list(train)[: g.prompts_per_step]
+    ids = [p.token_ids for p in step for _ in range(g.group_size)]
+    seeds = [sample_seed(0, i, j, g.group_size) for i in range(len(step))
+             for j in range(g.group_size)]
+    sp = dataclasses.replace(sampling_params(g, 0), max_new_tokens=new_tokens)
+    share, rows = engine.config.share_prefill, engine.config.max_batch_size
+    engine.config.max_batch_size = cfg.rollout.max_batch_size  # the recipe's
+    runs: dict[bool, list] = {False: [], True: []}
+    outs = {}
+    try:
+        for k in range(pairs + 1):
+            for on in (False, True):
+                engine.config.share_prefill = on
+                outs[on] = [o.token_ids for o in engine.generate(ids, sp, request_seeds=seeds)]
+                if k:  # the first pair warms up
+                    runs[on].append(engine.last_stats)
+    finally:
+        engine.config.share_prefill, engine.config.max_batch_size = share, rows
+    res = {}
+    for on, name in ((False, "unshared"), (True, "shared")):
+        st = runs[on]
+        res[name] = dict(prefill_seconds=statistics.median(s.prefill_seconds for s in st),
+                         prefill_seconds_all=[s.prefill_seconds for s in st],
+                         prefill_tokens=st[-1].prefill_tokens,
+                         prefill_shared_rows=st[-1].prefill_shared_rows)
+    return dict(recipe=recipe, prompts=len(step), group_size=g.group_size,
+                requests=len(ids), prompt_tokens=[len(p.token_ids) for p in step],
+                max_batch_size=cfg.rollout.max_batch_size, new_tokens=new_tokens,
+                pairs=pairs, **res,
+                tokens_ratio=res["shared"]["prefill_tokens"] / res["unshared"]["prefill_tokens"],
+                seconds_ratio=res["shared"]["prefill_seconds"] / res["unshared"]["prefill_seconds"],
+                identical=outs[False] == outs[True])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -125,6 +181,10 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "true", "false"),
                     help="rollout.cpu_kernels for the engine (default auto: where this "
                          "machine's calibration measured them faster)")
+    ap.add_argument("--grpo-pairs", type=int, default=5,
+                    help="off/on pairs of the GRPO-step prefill measurement (0: skip)")
+    ap.add_argument("--grpo-only", action="store_true",
+                    help="only the GRPO-step prefill measurement (no transformers runs)")
     ap.add_argument("--pp", type=int, default=1,
                     help="> 1: benchmark the pipeline-parallel engine (under torchrun "
                          "with this many processes; tools/bench_pipeline.py)")
@@ -164,7 +224,7 @@ def main() -> None:
         bench_pipeline.main(args)
         return
     if args.quick:
-        args.new_tokens, args.pairs = 32, 2
+        args.new_tokens, args.pairs, args.grpo_pairs = 32, 2, min(args.grpo_pairs, 2)
     silence_expected_warnings()
 
     import megatron.core
@@ -180,6 +240,26 @@ def main() -> None:
     engine = RolloutEngine.from_pretrained(
         src, RolloutConfig(cpu_kernels=args.cpu_kernels, cuda_graphs=args.cuda_graphs),
         dtype=args.dtype)
+    grpo = None
+    if args.grpo_pairs > 0:
+        grpo = grpo_prefill(engine, args.grpo_pairs)
+        print(f"GRPO step prefill ({grpo['prompts']} prompts x {grpo['group_size']}): "
+              f"unshared {grpo['unshared']['prefill_tokens']} tokens "
+              f"{grpo['unshared']['prefill_seconds'] * 1e3:.1f} ms, shared "
+              f"{grpo['shared']['prefill_tokens']} tokens "
+              f"{grpo['shared']['prefill_seconds'] * 1e3:.1f} ms (tokens x"
+              f"{grpo['tokens_ratio']:.3f}, seconds x{grpo['seconds_ratio']:.3f}, "
+              f"identical {grpo['identical']})", flush=True)
+    if args.grpo_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(
+                benchmark="rollout_grpo_prefill", date=str(date.today()),
+                config=dict(dtype=args.dtype, device=str(engine.device),
+                            threads=torch.get_num_threads(), **cpu_description(engine)),
+                grpo_prefill=grpo,
+                prefill_seconds_per_grpo_step=grpo and grpo["shared"]["prefill_seconds"]),
+                indent=2))
+        return
     # transformers on the engine's device (the same GPU on a CUDA machine)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)) \
         .to(engine.device).eval()
@@ -262,6 +342,10 @@ def main() -> None:
         results=rows,
         min_ratio=min(r["ratio"] for r in rows),
         bound_ratio_bs1=by_b[1]["step_over_floor"] if 1 in by_b else None,
+        # one GRPO step's prefill on the demo recipe (rollout.share_prefill on; the
+        # unshared engine's beside it in grpo_prefill)
+        grpo_prefill=grpo,
+        prefill_seconds_per_grpo_step=grpo and grpo["shared"]["prefill_seconds"],
         host_syncs_plain_step=syncs["host_syncs_plain_step"],
         host_syncs_spec_step=None,  # no drafter here: tools/bench_spec.py measures it
     )

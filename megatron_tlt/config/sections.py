@@ -223,6 +223,16 @@ class RolloutConfig:
     prefill_tokens: int = _help(
         "Prompt tokens (padded) processed per prefill forward; bounds prefill "
         "activation memory.", 4096)
+    share_prefill: bool = _help(
+        "Prefill each distinct prompt once per generate call: requests with the same "
+        "prompt tokens (a GRPO group's G responses) get a copy of its KV-cache rows "
+        "(and of the drafter's prompt features) and their first token is sampled from "
+        "its last hidden state, each with its own random stream. A copy comes from the "
+        "same admission or from a running row that holds the prompt; a prompt whose "
+        "rows have all finished is prefilled again. At PP > 1 in the gathered mode the "
+        "stages also split the prompts in contiguous blocks of the call's requests "
+        "grouped by prompt (instead of every stages-th request), so a group is "
+        "prefilled on one stage. false prefills every request.", True)
     attention: str = _help(
         "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
         "else torch scaled_dot_product_attention), sdpa, flash.", "auto")

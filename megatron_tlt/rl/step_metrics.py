@@ -40,11 +40,13 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
     n = len(samples)
     lengths = [len(s.response_ids) for s in samples]
     rewards = [s.reward for s in samples]
+    st = roll.stats or {}
     local = [n, sum(rewards), sum(r * r for r in rewards), sum(s.correct for s in samples),
              sum(lengths), sum(s.truncated for s in samples), zero_std,
-             roll.generated_tokens, replaced]
-    (N, rsum, rsq, correct, lsum, trunc, zstd, gen_tokens, repl) = collectives.sum_values(
-        local, group=dp)
+             roll.generated_tokens, replaced, st.get("prefill_tokens", 0),
+             st.get("prefill_seconds", 0.0), st.get("prefill_shared_rows", 0)]
+    (N, rsum, rsq, correct, lsum, trunc, zstd, gen_tokens, repl, pre_tokens, pre_seconds,
+     pre_shared) = collectives.sum_values(local, group=dp)
     all_lengths = sorted(x for part in collectives.all_gather_object(lengths, group=dp)
                          for x in part)
     # each replica's speculation summary and when its generate call started
@@ -92,6 +94,11 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         "timing": dict(timing, tail=last - first),
         "idle_replica_seconds": sum(last - f for f in finish_times),
         "rollout_tokens_per_second": gen_tokens / max(last, 1e-9),
+        # the rollout's prefill over the replicas (rollout.share_prefill: each distinct
+        # prompt once per replica; the other requests copy it)
+        "rollout/prefill_tokens": pre_tokens,
+        "rollout/prefill_seconds": pre_seconds,
+        "rollout/prefill_shared_rows": pre_shared,
         "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
     }
     if g.tis_cap > 0:

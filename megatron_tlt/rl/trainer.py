@@ -312,6 +312,8 @@ class Trainer:
                     roll.samples[start:start + g.group_size] = new
                     replaced += 1
             roll.generated_tokens += extra.generated_tokens
+            for k in ("prefill_tokens", "prefill_seconds", "prefill_shared_rows"):
+                roll.stats[k] = roll.stats.get(k, 0) + extra.stats.get(k, 0)
         return g.dynamic_sampling_rounds, replaced
 
     def _micro_batches(self, samples, indices, loss_mask, *, for_loss: bool):

@@ -13,7 +13,8 @@ layout at the start of every ``generate``). With P and N the KV cache is sized o
 them (``rollout.memory``); ``release_memory()`` frees it between rollouts.
 
 How a call runs: prompts queue; up to ``max_batch_size`` enter the running batch,
-are prefilled (in chunks of ``prefill_tokens``) and then decode one token per step.
+are prefilled (in chunks of ``prefill_tokens``; a prompt several requests share once,
+``rollout.share_prefill``, ``prefill.py``) and then decode one token per step.
 A sequence leaves the running batch the step it finishes (EOS, a stop token,
 ``max_new_tokens``, or the context limit) and the next queued prompt takes its row, so
 per-step compute follows the running batch down into the long tail.
@@ -34,6 +35,7 @@ from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
 from .memory import PromptError, RolloutMemory
 from .outputs import GenerateStats, RolloutOutput
+from .prefill import SharedPrompts, prefill
 from .runners import make_runner
 from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
                        seeded_generator)
@@ -235,8 +237,8 @@ class RolloutEngine:
 
         # the runner says which requests this rank decodes (PP > 1 gathered: a share,
         # then the stages' outputs exchanged) and hands back the call's outputs
-        outputs, self.last_stats = self.runner.run_call(prompts, decode, stats,
-                                                        self.hidden_dtype)
+        outputs, self.last_stats = self.runner.run_call(
+            prompts, decode, stats, self.hidden_dtype, grouped=self.config.share_prefill)
         return outputs
 
     def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], gens: list,
@@ -264,6 +266,8 @@ class RolloutEngine:
         retire = lambda: self._retire(cache, rows, outputs, hidden_buf, ctl,  # noqa: E731
                                       hidden_on_device)
 
+        # rollout.share_prefill: the prompts running rows hold (one prefill per prompt)
+        shared = SharedPrompts() if self.config.share_prefill else None
         outputs: list[Optional[RolloutOutput]] = [None] * n
         queue = deque(range(n))
         rows: list[_Row] = []
@@ -278,7 +282,8 @@ class RolloutEngine:
                     admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i],
                                          keys[i]))
                 t0 = time.perf_counter()
-                self._prefill(cache, rows, admitted, hidden_buf, stats, ctl)
+                admitted = prefill(self, cache, rows, admitted, hidden_buf, stats, ctl,
+                                   shared)
                 stats.prefill_seconds += time.perf_counter() - t0
                 rows.extend(admitted)
                 retire()
@@ -365,34 +370,6 @@ class RolloutEngine:
         return hidden, start
 
     # ------------------------------------------------------------------ steps
-    def _prefill(self, cache: KVCache, rows: list[_Row], admitted: list[_Row],
-                 hidden_buf: Optional[torch.Tensor], stats: GenerateStats,
-                 ctl: Optional[SpeculationController]) -> None:
-        """Prefill ``admitted`` into rows len(rows).. in chunks; sample their first token."""
-        chunks: list[list[_Row]] = [[]]
-        for r in admitted:  # greedy packing: padded tokens per chunk <= prefill_tokens
-            width = max([len(x.prompt) for x in chunks[-1]] + [len(r.prompt)])
-            if chunks[-1] and (len(chunks[-1]) + 1) * width > self.config.prefill_tokens:
-                chunks.append([])
-            chunks[-1].append(r)
-        lo = len(rows)
-        for chunk in chunks:
-            n, t = len(chunk), max(len(r.prompt) for r in chunk)
-            ids = torch.zeros(n, t, dtype=torch.long)
-            for j, r in enumerate(chunk):
-                ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-            ids = ids.to(self.device)
-            start = torch.zeros(n, dtype=torch.long, device=self.device)
-            hook, got = ctl.capture() if ctl is not None else (None, None)
-            hidden = self.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook,
-                                        span=t)
-            if ctl is not None:  # the drafter's inputs at every prompt position
-                ctl.store_prompts(lo, [len(r.prompt) for r in chunk], hidden, got)
-            last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=self.device)
-            stats.prefill_tokens += n * t
-            self._emit(chunk, lo, hidden[torch.arange(n, device=self.device), last], hidden_buf)
-            lo += n
-
     def _emit(self, rows: Sequence[_Row], first_row: int, hidden: torch.Tensor,
               hidden_buf: Optional[torch.Tensor]) -> None:
         """Sample one token for each of ``rows`` (cache rows first_row..) from ``hidden``."""

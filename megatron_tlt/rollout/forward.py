@@ -127,11 +127,12 @@ class ModelRunner:
         return max_batch
 
     def run_call(self, prompts: list, decode: Callable[[list[int], bool], list], stats,
-                 hidden_dtype: torch.dtype) -> tuple[list, object]:
+                 hidden_dtype: torch.dtype, grouped: bool = False) -> tuple[list, object]:
         """Decode one ``generate`` call: ``decode(indices, hidden_on_device)`` runs the
         generation loop over those requests and returns their ``RolloutOutput``s. Here
         this rank decodes every request. Returns the outputs in prompt order and the
-        call's ``GenerateStats`` (``stats``, which the loop filled)."""
+        call's ``GenerateStats`` (``stats``, which the loop filled). ``grouped``: keep a
+        prompt's requests on one rank where a runner splits them (share_prefill)."""
         return decode(list(range(len(prompts))), False), stats
 
     def _finish_init(self) -> None:

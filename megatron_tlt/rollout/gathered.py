@@ -5,7 +5,9 @@ each pipeline rank receives the other stages' decoder layers (this TP rank's sha
 the embedding, the final norm and the output layer from their owners by broadcasts
 over the pipeline group (``GatheredRunner.pack_weights``); its own stage's layers
 are read in place, as at PP = 1. Every pipeline rank then holds the whole model and
-decodes its own share of the call's prompts as a PP = 1 engine (with its TP group as
+decodes its own share of the call's prompts as a PP = 1 engine (a contiguous block of
+the requests grouped by prompt, so a GRPO group shares one prefill,
+``rollout.share_prefill``; without it every ``stages``-th request) (with its TP group as
 at PP = 1), and the outputs are exchanged over the pipeline group back into prompt
 order, so every stage returns the same outputs (``GatheredRunner.run_call``): small metadata
 (lengths, finish reasons, statistics) as objects, token ids, log-probs and hidden
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -169,16 +171,33 @@ class GatheredRunner(ModelRunner):
         return max(1, math.ceil(max_batch / self.stages))
 
     def run_call(self, prompts: list, decode: Callable[[list[int], bool], list],
-                 stats: GenerateStats, hidden_dtype: torch.dtype
+                 stats: GenerateStats, hidden_dtype: torch.dtype, grouped: bool = False
                  ) -> tuple[list[RolloutOutput], GenerateStats]:
-        """Decode this pipeline rank's share of the prompts (every ``stages``-th, from
-        its rank) as a PP = 1 engine, then exchange everyone's outputs
-        (``exchange_outputs``) in prompt order and merge the stages' stats."""
-        mine = list(range(self.pp_rank, len(prompts), self.stages))
+        """Decode this pipeline rank's share of the prompts (``share_of``) as a PP = 1
+        engine, then exchange everyone's outputs (``exchange_outputs``) in prompt order
+        and merge the stages' stats."""
+        mine = share_of(prompts, self.stages, self.pp_rank, grouped)
         local = decode(mine, True)
         outputs, parts = exchange_outputs(self.pp_group, self.pp_rank, prompts, mine, local,
                                           stats, (self.arch.hidden_size, hidden_dtype))
         return outputs, merge_stats(stats, parts)
+
+
+def share_of(prompts: Sequence[Sequence[int]], stages: int, rank: int,
+             grouped: bool) -> list[int]:
+    """The requests pipeline rank ``rank`` decodes: every ``stages``-th from its rank,
+    or (``grouped``, rollout.share_prefill) a contiguous block of the requests ordered
+    by prompt (first appearance), so the requests of a prompt run on one stage and share
+    its prefill there (a block boundary splits at most one group); the blocks' sizes
+    differ by at most one, as the strided split's do."""
+    n = len(prompts)
+    if not grouped:
+        return list(range(rank, n, stages))
+    first: dict[tuple, int] = {}
+    order = sorted(range(n), key=lambda i: first.setdefault(tuple(prompts[i]), i))
+    base, extra = divmod(n, stages)
+    start = rank * base + min(rank, extra)
+    return order[start: start + base + (1 if rank < extra else 0)]
 
 
 def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int],
@@ -235,12 +254,13 @@ def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStat
     ranks decode at the same time, so seconds are busy time, not wall time), per-step
     lists concatenated, speculation counts summed; this rank's KV cache size and the
     whole call's prompts and weight sync time."""
-    out = replace(base, generated_tokens=0, prefill_tokens=0, decode_steps=0,
+    out = replace(base, generated_tokens=0, prefill_tokens=0, prefill_shared_rows=0,
+                  decode_steps=0,
                   prefill_seconds=0.0, decode_seconds=0.0, batch_sizes=[],
                   step_seconds=[], step_speculative=[], spec=None)
     for p in parts:
-        for name in ("generated_tokens", "prefill_tokens", "decode_steps",
-                     "prefill_seconds", "decode_seconds"):
+        for name in ("generated_tokens", "prefill_tokens", "prefill_shared_rows",
+                     "decode_steps", "prefill_seconds", "decode_seconds"):
             setattr(out, name, getattr(out, name) + getattr(p, name))
         out.batch_sizes += p.batch_sizes
         out.step_seconds += p.step_seconds

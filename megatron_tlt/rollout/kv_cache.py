@@ -118,6 +118,18 @@ class KVCache:
             self.k[:, dst, :length] = self.k[:, src, :length]
             self.v[:, dst, :length] = self.v[:, src, :length]
 
+    def copy_row(self, src: int, dst: torch.Tensor, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into every row of ``dst``
+        (a tensor of row indices on the cache's device, ``src`` not among them): one
+        broadcast write per K and V, no temporary of the copies' size."""
+        if length <= 0 or dst.numel() == 0:
+            return
+        for c in (self.k, self.v):
+            if self.layout == "bgsd":
+                c[:, dst, :, :length] = c[:, src: src + 1, :, :length]
+            else:
+                c[:, dst, :length] = c[:, src: src + 1, :length]
+
 
 def reuse_or_make(cache: Optional[KVCache], *, max_batch: int, capacity: int,
                   **shape) -> KVCache:

@@ -43,7 +43,8 @@ class GenerateStats:
 
     prompts: int = 0
     generated_tokens: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens (padded) run through the model
+    prefill_shared_rows: int = 0  # requests that copied another's prefill (share_prefill)
     decode_steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -69,7 +70,9 @@ class GenerateStats:
     def summary(self) -> dict:
         """JSON-able digest for logs and benchmarks."""
         out = {"prompts": self.prompts, "generated_tokens": self.generated_tokens,
-               "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
+               "prefill_tokens": self.prefill_tokens,
+               "prefill_shared_rows": self.prefill_shared_rows,
+               "decode_steps": self.decode_steps,
                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
         if self.spec is not None:
             out["spec_fraction"] = self.spec_fraction

@@ -241,6 +241,29 @@ def test_dual_clip_fraction_and_tis_weight_are_reported():
                        {"step": 1.0}, upd, 0, 0, 0)
     assert out["clip_fraction/dual"] == 0.25
     assert out["tis/weight_mean"] == 0.75
+    assert out["rollout/prefill_tokens"] == out["rollout/prefill_shared_rows"] == 0
+
+
+def test_rollout_prefill_metrics_come_from_the_engine_stats():
+    """rollout/prefill_{tokens,seconds,shared_rows}: the replica's generate stats (one
+    prefill per prompt, rollout.share_prefill) in the step's record."""
+    from types import SimpleNamespace
+
+    from megatron_tlt.config import Config
+    from megatron_tlt.rl.rollout import ReplicaRollout
+    from megatron_tlt.rl.step_metrics import step_metrics
+
+    t = SimpleNamespace(cfg=Config(), layout=SimpleNamespace(dp_size=1, pp_size=1),
+                        dp_group=None, pp_group=None)
+    upd = {"sums": {"tokens": 1.0}, "maxes": {}, "grad_norm": [1.0], "lr": [1e-3],
+           "skipped": 0, "updates": 1, "loss_scale": 1.0}
+    roll = ReplicaRollout([], 0.0, 1.0, 0, stats={"prefill_tokens": 120,
+                                                  "prefill_seconds": 0.25,
+                                                  "prefill_shared_rows": 14})
+    out = step_metrics(t, [], roll, [1.0], {"step": 1.0}, upd, 0, 0, 0)
+    assert out["rollout/prefill_tokens"] == 120
+    assert out["rollout/prefill_seconds"] == 0.25
+    assert out["rollout/prefill_shared_rows"] == 14
 
 
 # ------------------------------------------------------------------ edge cases

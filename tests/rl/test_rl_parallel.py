@@ -128,6 +128,10 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert len(rec["timeline"]["replica_finish"]) == 2
     assert rec["spec"]["steps"] > 0
     assert rec["timing"]["tail"] >= 0 and rec["idle_replica_seconds"] >= 0
+    # one prefill per prompt: each replica's 1 prompt x 2 runs once, the other copies it
+    # (dynamic sampling's round adds its own)
+    assert rec["rollout/prefill_tokens"] > 0 and rec["rollout/prefill_seconds"] > 0
+    assert rec["rollout/prefill_shared_rows"] >= 2
     assert rec["dynamic_sampling/rounds"] <= 1
     assert 0 <= rec["dynamic_sampling/replaced"] <= 2  # at most every group of the step
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'pp'}",

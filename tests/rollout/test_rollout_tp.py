@@ -1,6 +1,7 @@
 """Rollout at TP=2 and at PP=2 under `torchrun --nproc_per_node 2` (gloo) equals the
 single-process engine's: tokens, log-probs, hidden states, speculation and coupled
-sampling."""
+sampling; and with one prefill per prompt (rollout.share_prefill) the same outputs as
+without it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from cli import run_script
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine
-from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES, SPEC_MODEL,
-                           case_prompts, spec_config)
+from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, GROUP_CASES, GROUP_SIZE,
+                           SPEC_CASES, SPEC_MODEL, case_prompts, group_prompts, spec_config)
 from tiny_models import TINY_CONFIGS
 
 pytestmark = pytest.mark.multiproc
@@ -51,6 +52,8 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
         _check_equals_single_process(
             {k.split("/", 1)[1]: v for k, v in results.items() if k.startswith(mode + "/")},
             names, tiny_hf_dirs, drafter_path)
+        _check_shared_prefill({k.split("/", 2)[2]: v for k, v in results.items()
+                               if k.startswith(f"{mode}/{SPEC_MODEL}/group_")}, pp)
     if pp == 2:  # the gathered copies follow the trained weights
         for r in ranks:
             sync = r["sync"]
@@ -105,6 +108,30 @@ def _check_equals_single_process(tp2, names, tiny_hf_dirs, drafter_path):
         got = tp2[f"{SPEC_MODEL}/{case}"]
         assert [g["tokens"] for g in got] == [o.token_ids for o in ref], case
         assert [g["tokens"] for g in got] == [g["tokens"] for g in plain], case
+
+
+def _check_shared_prefill(results: dict, pp: int) -> None:
+    """rollout.share_prefill on GROUP_CASES: the same outputs as without it, each
+    distinct prompt prefilled once (at PP = 2 gathered: the stages' sum, a group on one
+    stage), the other requests copies."""
+    cases = [c for c, (_, kind, _, _) in GROUP_CASES.items() if not (kind == "self" and pp > 1)]
+    assert sorted({k.rsplit("/", 1)[0] for k in results}) == sorted(cases)
+    prompts = group_prompts()
+    unique_tokens = sum(len(p) for p in {tuple(p) for p in prompts})
+    for case in cases:
+        off, on = results[f"{case}/False"], results[f"{case}/True"]
+        for a, b in zip(off["outputs"], on["outputs"]):
+            assert a["tokens"] == b["tokens"], case
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= 1e-4, case
+            if a["hidden"] is not None:
+                diff = (torch.tensor(a["hidden"]) - torch.tensor(b["hidden"])).abs().max()
+                assert diff.item() <= 1e-4, case
+        assert off["prefill_tokens"] == sum(len(p) for p in prompts), case
+        assert on["prefill_tokens"] == unique_tokens, case
+        assert on["prefill_tokens"] / off["prefill_tokens"] <= 1 / GROUP_SIZE + 0.05
+        assert on["shared_rows"] == len(prompts) - len(prompts) // GROUP_SIZE, case
+        if GROUP_CASES[case][0] is not None:
+            assert on["spec_steps"] > 0 and off["spec_steps"] > 0, case
 
 
 def _spec_drafter(model_dir, path):

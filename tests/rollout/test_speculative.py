@@ -461,7 +461,7 @@ def test_catch_up_apart_drafts_what_the_step_would(tiny, kernels, monkeypatch):
     got_drafts, got = _recorded_drafts(eng, prompts, params)
     st = eng.last_stats.spec
     assert st.catchup_seconds > 0 and st.catchup_tokens > 0
-    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats: 0)
+    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "catch_up", lambda self, rows, stats, *cache: 0)
     ref_eng = _spec_engine(model, arch, drafter, "3_1_3", threshold=2, max_batch_size=3,
                            cpu_kernels=kernels)
     ref_drafts, ref = _recorded_drafts(ref_eng, prompts, params)

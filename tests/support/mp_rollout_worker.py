@@ -7,7 +7,8 @@ engine at TP>1 or PP>1.
 For every tiny model under --models it runs the engine greedily and with sampling on
 the prompts of tests/rollout/test_rollout_tp.py and writes every rank's tokens, log-probs and
 hidden states (rank 0 writes the file); at PP>1 in both rollout.pipeline_mode values,
-and a check that the gathered mode's weight copies follow an optimizer step.
+and a check that the gathered mode's weight copies follow an optimizer step. With
+--drafter also speculation, coupled sampling and the shared-prefill group cases.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from megatron_tlt.models import load_model
 from megatron_tlt.parallel import initialize_model_parallel, layout
 from megatron_tlt.rollout import RolloutEngine
 from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
-from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, SPEC_CASES,
-                           SPEC_MODEL, case_prompts, spec_config)
+from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, GROUP_CASES, SPEC_CASES,
+                           SPEC_MODEL, case_prompts, group_prompts, group_request_seeds,
+                           spec_config)
 
 
 def main() -> None:
@@ -76,6 +78,7 @@ def main() -> None:
                 outs = eng.generate(case_prompts(), COUPLED_PARAMS)
                 results[f"{key}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
+            _group_cases(results, key, model, arch, drafter, mode, args.pp)
         if args.pp > 1 and folder.name == SPEC_MODEL:
             sync = _copies_follow_updates(model, arch)
     gathered = [None] * dist.get_world_size()
@@ -84,6 +87,33 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+
+
+def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: int) -> None:
+    """GROUP_CASES with rollout.share_prefill off and on: outputs and prefill counts,
+    keyed "mode/model/case/share" (the self-drafter at PP = 1 only)."""
+    from megatron_tlt.config import SpeculativeConfig
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+    for case, (strategy, kind, sampling, params) in GROUP_CASES.items():
+        if kind == "self" and pp > 1:
+            continue
+        for share in (False, True):
+            cfg = RolloutConfig(share_prefill=share, pipeline_mode=mode,
+                                sampling_mode=sampling)
+            if strategy is not None:
+                cfg.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
+                                                    threshold=64)
+            d = None if kind is None else drafter if kind == "eagle" else SelfDrafter()
+            eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[], drafter=d)
+            outs = eng.generate(group_prompts(), params, request_seeds=group_request_seeds())
+            st = eng.last_stats
+            results[f"{key}/{case}/{share}"] = dict(
+                outputs=[dict(tokens=o.token_ids, logprobs=o.logprobs,
+                              hidden=o.hidden_states.tolist()
+                              if o.hidden_states is not None else None) for o in outs],
+                prefill_tokens=st.prefill_tokens, shared_rows=st.prefill_shared_rows,
+                spec_steps=st.spec.steps if st.spec is not None else 0)
 
 
 def _copies_follow_updates(model, arch) -> dict:

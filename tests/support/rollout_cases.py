@@ -45,3 +45,36 @@ def spec_config(strategy: str, sampling_mode: str = "standard", mode: str = "gat
     sc = (SpeculativeConfig(threshold=64) if strategy == "tuned" else
           SpeculativeConfig(policy="fixed", strategy=strategy or "3_1_3", threshold=64))
     return RolloutConfig(sampling_mode=sampling_mode, speculative=sc, pipeline_mode=mode)
+
+
+# one prefill per prompt (rollout.share_prefill) at TP=2 and PP=2: GROUP prompts x
+# GROUP_SIZE requests each, run with and without sharing, on SPEC_MODEL; a case is
+# (strategy or None for plain decoding, drafter kind, sampling mode, params)
+GROUP_SIZE = 4
+GROUP_CASES = {
+    "group_greedy": (None, None, "standard",
+                     SamplingParams(temperature=0.0, max_new_tokens=8,
+                                    return_hidden_states=True)),
+    "group_sampled": (None, None, "standard",
+                      SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=2)),
+    "group_coupled": (None, None, "coupled",
+                      SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8, seed=9)),
+    "group_eagle_chain": ("3_1_3", "eagle", "standard",
+                          SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)),
+    "group_eagle_tree": ("3_2_5", "eagle", "standard",
+                         SamplingParams(temperature=0.0, max_new_tokens=8)),
+    "group_self_chain": ("3_1_3", "self", "standard",  # (the self-drafter: PP = 1 only)
+                         SamplingParams(temperature=1.0, max_new_tokens=8, seed=4)),
+}
+
+
+def group_prompts() -> list[list[int]]:
+    """4 prompts of one length (prefill tokens count no padding), each GROUP_SIZE times
+    in a row as the RL rollout asks for them."""
+    g = torch.Generator().manual_seed(11)
+    return [p for p in (torch.randint(0, VOCAB, (6,), generator=g).tolist() for _ in range(4))
+            for _ in range(GROUP_SIZE)]
+
+
+def group_request_seeds() -> list[int]:
+    return [100 + 3 * i for i in range(len(group_prompts()))]

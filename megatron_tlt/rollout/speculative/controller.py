@@ -5,9 +5,9 @@ decode step the engine makes one call, ``decode_step``, which asks the tuner for
 step's strategy (``StrategyTuner.decide``), runs either a speculative step (the
 drafter's catch-up, then ``SpeculativeDecoder.step``) or the engine's plain step
 (whose target features it keeps for the drafter), times it and reports it back
-(``StrategyTuner.record``) and into ``SpecStats``. Prefill and row moves go through it
-too (``capture`` / ``store_prompts``, ``move_row``), so the drafter's feature store is
-written only here and in the decoder.
+(``StrategyTuner.record``) and into ``SpecStats``. Prefill, shared prefills and row moves
+go through it too (``capture`` / ``store_prompts``, ``copy_prompt``, ``move_row``), so
+the drafter's feature store is written only here and in the decoder.
 
 Engine -> controller -> decoder: a decode step reads through these three files.
 """
@@ -99,6 +99,11 @@ class SpeculationController:
         for j, n in enumerate(prompt_lengths):
             self.decoder.new_row(first_row + j)
             self.decoder.store(first_row + j, 0, feats[j, :n])
+
+    def copy_prompt(self, src: int, dst: list[int], length: int) -> None:
+        """Rows ``dst`` got a copy of the ``length``-token prompt of row ``src`` (shared
+        prefill): the drafter's inputs at those positions too."""
+        self.decoder.copy_prompt(src, dst, length)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Cache row ``src`` (``length`` positions) moved to ``dst``."""

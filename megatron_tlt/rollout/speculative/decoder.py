@@ -139,6 +139,16 @@ class SpeculativeDecoder:
     def new_row(self, row: int) -> None:
         self.draft_len[row] = 0
 
+    def copy_prompt(self, src: int, dst: list[int], length: int) -> None:
+        """Rows ``dst`` start with the ``length``-token prompt that row ``src`` holds
+        (shared prefill): its features at those positions are copied; the drafter's
+        cache of each new row starts empty (its catch-up feeds the prompt)."""
+        if self.features is not None:
+            idx = torch.tensor(dst, device=self.features.device)
+            self.features[idx, :length] = self.features[src: src + 1, :length]
+        for row in dst:
+            self.new_row(row)
+
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.features[dst, :length] = self.features[src, :length]
         n = self.draft_len[src]

@@ -215,6 +215,10 @@ class KindDecoder:
         for d in self.decoders.values():
             d.move_row(src, dst, length)
 
+    def copy_prompt(self, src: int, dst: list[int], length: int) -> None:
+        for d in self.decoders.values():
+            d.copy_prompt(src, dst, length)
+
     def pending(self, rows: Sequence) -> int:
         return max(d.pending(rows) for d in self.decoders.values())
 
