@@ -8,23 +8,24 @@
    x the GRPO group's 8 responses at T=1, forward KL + TV against the target's T=1
    distribution; its held-out report prints the exact acceptance alpha by draft depth).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
-   rollout.speculative.drafter=<it> drafter_group.enable=true
-   tracking.on_existing_run=new_version` plus any overrides given here: a few GRPO
-   steps with the drafter group training the drafter in every step's tail, a per-step
-   summary table (acceptance, drafter steps, alpha, held-out accuracy before the first
-   step and after the last), and the paths of the W&B offline run, the JSONL, the plots
-   (the timeline shows the drafter training) and the policy exported as a Hugging Face
-   folder (docs/after-training.md). Every demo run is kept: the first writes
-   runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
+   rollout.speculative.drafter=<it> rollout.speculative.self_too=true
+   drafter_group.enable=true tracking.on_existing_run=new_version` plus any overrides
+   given here: a few GRPO steps with both drafter kinds, the one-layer drafter (trained
+   by the drafter group in every step's tail) and the policy's own int8 copy
+   (re-quantized after every update), the adaptive engine choosing the kind per
+   batch-size bucket; a per-step summary table (acceptance per kind, the drafter each
+   bucket chose, drafter steps, alpha, held-out accuracy before the first step and
+   after the last), and the paths of the W&B offline run, the JSONL, the plots (the
+   timeline shows which kind speculated when and the drafter training) and the policy
+   exported as a Hugging Face folder (docs/after-training.md). Every demo run is kept:
+   the first writes runs/demo/smollm2-grpo, later ones smollm2-grpo-1, -2, ...
 
 ``python tools/demo.py rollout.speculative.drafter=self`` (``make demo
 DEMO_ARGS=rollout.speculative.drafter=self``) speculates with the self-drafter instead:
 the policy's own int8 copy, re-quantized after every update; no warm-up, no drafter
-group. ``python tools/demo.py rollout.speculative.self_too=true`` keeps the one-layer
-drafter (and its training in the tail) and adds the int8 copy beside it: the adaptive
-engine picks the kind per batch-size bucket, and the summary table shows each kind's
-share of decode steps and acceptance and, per bucket, the drafter it chose (the
-timeline draws which kind speculated when).
+group. ``python tools/demo.py rollout.speculative.self_too=false`` runs the one-layer
+drafter alone (at T=1 on this model its acceptance is too low to pay: the break-even
+gate declines nearly every step).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
     drafter = demo_drafter()
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", RECIPE,
-                     f"rollout.speculative.drafter={drafter}", "drafter_group.enable=true",
+                     f"rollout.speculative.drafter={drafter}",
+                     "rollout.speculative.self_too=true", "drafter_group.enable=true",
                      "tracking.on_existing_run=new_version", *overrides], t0)
 
 
