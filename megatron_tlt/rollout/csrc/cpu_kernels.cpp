@@ -129,6 +129,24 @@ static constexpr int64_t kPrefetchK = (kPrefetchBytes + kPanel * 4 - 1) / (kPane
 static constexpr int kLinesPerK = (int)((kPanel * 4 + 63) / 64);
 static constexpr int64_t kKBlock = 64;
 
+// out[m, n0 + j] (+)= tot[m][j] (+ bias[n0 + j]) for m < MT, j < nvalid: a register
+// tile's totals written out (every panel GEMM's last step)
+template <int MT>
+static inline void store_tile(const vg (&tot)[MT][kPanelVecs], float* __restrict out,
+                              int64_t ldo, int64_t n0, int64_t nvalid,
+                              const float* __restrict bias, bool accumulate) {
+  for (int m = 0; m < MT; ++m) {
+    float s[kPanel];
+    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
+    float* o = out + m * ldo + n0;
+    for (int64_t j = 0; j < nvalid; ++j) {
+      float r = s[j];
+      if (bias) r += bias[n0 + j];
+      o[j] = accumulate ? o[j] + r : r;
+    }
+  }
+}
+
 // out[m, n0 + j] (+)= sum_k xt[k * ldx + m] * panel[k][j] (+ bias) for m < MT, j < nvalid.
 template <int MT>
 static inline void panel_tile(const float* __restrict xt, int64_t ldx, int64_t K,
@@ -160,16 +178,7 @@ static inline void panel_tile(const float* __restrict xt, int64_t ldx, int64_t K
     for (int m = 0; m < MT; ++m)
       for (int v = 0; v < kPanelVecs; ++v) tot[m][v] += acc[m][v];
   }
-  for (int m = 0; m < MT; ++m) {
-    float s[kPanel];
-    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
-    float* o = out + m * ldo + n0;
-    for (int64_t j = 0; j < nvalid; ++j) {
-      float r = s[j];
-      if (bias) r += bias[n0 + j];
-      o[j] = accumulate ? o[j] + r : r;
-    }
-  }
+  store_tile<MT>(tot, out, ldo, n0, nvalid, bias, accumulate);
 }
 
 // panel_tile<mt> for a runtime mt in 1..MT
@@ -865,16 +874,7 @@ static inline void panel_tile_i8(const float* __restrict xt, int64_t ldx, int64_
     }
     k0 = k1;
   }
-  for (int m = 0; m < MT; ++m) {
-    float s[kPanel];
-    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
-    float* o = out + m * ldo + n0;
-    for (int64_t j = 0; j < nvalid; ++j) {
-      float r = s[j];
-      if (bias) r += bias[n0 + j];
-      o[j] = accumulate ? o[j] + r : r;
-    }
-  }
+  store_tile<MT>(tot, out, ldo, n0, nvalid, bias, accumulate);
 }
 
 template <int MT>
@@ -1060,16 +1060,7 @@ static inline void panel_tile_i8a(const int32_t* __restrict xq, const float* __r
       for (int m = 0; m < MT; ++m) tot[m][v] += gacc[m][v] * sv;
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    float s[kPanel];
-    for (int v = 0; v < kPanelVecs; ++v) stg(s + kVL * v, tot[m][v]);
-    float* o = out + m * ldo + n0;
-    for (int64_t j = 0; j < nvalid; ++j) {
-      float r = s[j];
-      if (bias) r += bias[n0 + j];
-      o[j] = accumulate ? o[j] + r : r;
-    }
-  }
+  store_tile<MT>(tot, out, ldo, n0, nvalid, bias, accumulate);
 }
 
 template <int MT>
