@@ -118,6 +118,19 @@ class KVCache:
             self.k[:, dst, :length] = self.k[:, src, :length]
             self.v[:, dst, :length] = self.v[:, src, :length]
 
+    def span(self, which: str, row: int, lo: int, hi: int) -> torch.Tensor:
+        """A view of row ``row``'s keys (``which`` "k") or values ("v") at positions
+        lo..hi-1 as [layers, kv_heads, hi - lo, head_dim], whatever the layout."""
+        t = self.k if which == "k" else self.v
+        return t[:, row, :, lo:hi] if self.layout == "bgsd" else t[:, row, lo:hi].transpose(1, 2)
+
+    def copy_positions(self, other: "KVCache", row: int, lo: int, hi: int) -> None:
+        """Positions lo..hi-1 of ``other``'s row ``row`` (same layers, heads and head
+        size; either layout) into this cache's row ``row``."""
+        if hi > lo:
+            for which in ("k", "v"):
+                self.span(which, row, lo, hi).copy_(other.span(which, row, lo, hi))
+
     def copy_row(self, src: int, dst: torch.Tensor, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into every row of ``dst``
         (a tensor of row indices on the cache's device, ``src`` not among them): one

@@ -321,3 +321,21 @@ def test_cuda_graphs_follow_the_cache_lifecycle(tiny, monkeypatch):
     eng._graphs = graphs
     eng.release_memory()
     assert graphs.captured == 0 and graphs.cache is None and graphs.pool is None
+
+
+def test_copy_positions_between_cache_layouts():
+    """``KVCache.copy_positions`` copies a row's span between caches of either layout
+    (the self-drafter's cache takes the target's keys and values this way)."""
+    from megatron_tlt.rollout.kv_cache import KVCache
+
+    shape = dict(num_layers=2, max_batch=3, kv_heads=2, capacity=8, head_dim=4,
+                 dtype=torch.float32, device=torch.device("cpu"))
+    for src_layout in ("bgsd", "bsgd"):
+        for dst_layout in ("bgsd", "bsgd"):
+            src, dst = KVCache(layout=src_layout, **shape), KVCache(layout=dst_layout, **shape)
+            src.k.normal_(), src.v.normal_()
+            dst.copy_positions(src, 1, 2, 5)
+            for which in ("k", "v"):
+                assert torch.equal(dst.span(which, 1, 2, 5), src.span(which, 1, 2, 5))
+                assert dst.span(which, 1, 0, 2).abs().sum() == 0  # outside the span
+                assert dst.span(which, 0, 0, 8).abs().sum() == 0  # other rows

@@ -207,7 +207,7 @@ class Drafting:
         top = max(r.length for r in rows)  # the host's max of start
         drafted = []
         for j in range(depth):
-            tok = self._to_target(torch.softmax(logits.float(), dim=-1).max(dim=-1).indices)
+            tok = self._to_target(argmax_rows(logits.float(), self.draft.kernels))
             q_all = self._q(logits, rows) if coupled or standard else None
             if coupled:  # the drafter's coupled tokens: the target's noise at t0 + j
                 g = self.noise.rows([rows[i].key for i in coupled],

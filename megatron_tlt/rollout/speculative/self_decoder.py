@@ -53,9 +53,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.drafter = drafter
         self.target = target
         self.draft = drafter.runner_for(target)
-        if self.draft.kernels is not target.kernels:  # the panels follow the kernels
-            self.draft.kernels = target.kernels  # (none for an FP8 copy)
-            self.draft._fp = None
+        self.draft.kernels = target.kernels  # (none for an FP8 copy)
         # quantize now (again only when the weights change); at PP > 1 (gathered) only
         # while the target holds its copies of the other stages' layers, else at the
         # next generate, after they are received again
@@ -120,9 +118,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
         for i, r in enumerate(rows):
             lo, hi = self.target_len[i], r.length
             if hi > lo:
-                for mine, theirs in ((self.cache.k, target_cache.k),
-                                     (self.cache.v, target_cache.v)):
-                    mine[:, i, :, lo:hi].copy_(theirs[:, i, :, lo:hi])
+                self.cache.copy_positions(target_cache, i, lo, hi)
                 n += hi - lo
                 self.target_len[i] = hi
                 self.draft_len[i] = max(self.draft_len[i], hi)

@@ -175,7 +175,10 @@ class SelfDraftRunner(ModelRunner):
 
     @kernels.setter
     def kernels(self, k) -> None:
-        self._kernels = k if getattr(self, "format", "int8") == "int8" else None
+        k = k if getattr(self, "format", "int8") == "int8" else None
+        if k is not getattr(self, "_kernels", None):
+            self._fp = None  # the panels follow the kernels: re-pack at the next check
+        self._kernels = k
 
     def set_layers(self, layers) -> None:  # the copy is made by refresh()
         raise TypeError("SelfDraftRunner quantizes its source's layers in refresh()")
