@@ -12,7 +12,9 @@ per process) with a policy learning rate high enough that the policy drifts
 near-ties) and a fixed drafting strategy (``--strategy``, so every tail step measures
 the drafter's acceptance instead of the tuner declining a weak drafter):
 
-- ``frozen``: the warm-up drafter (``--drafter``, default the demo's), never trained;
+- ``frozen``: the warm-up drafter (``--drafter``, default the demo's), never trained: its
+  drafter group runs with ``drafter_group.train=false``, so the same after-update canary
+  measures its alpha each step and nothing trains in its tail;
 - ``online``: the same drafter, trained by the drafter group in the rollout tail;
 - ``cold``:   the drafter group from a random drafter.
 
@@ -27,7 +29,8 @@ Reported per step: acceptance length (``spec.accept_len``), the canary's alpha
   frozen, minus 1 (replicas that train share the CPU's cores and memory bandwidth with
   the replica still decoding; the online drafter's better acceptance works the other
   way, so this is an upper bound on neither: it is what the still-running replica saw);
-- ``cold_start_accept``: the cold arm's acceptance length at its last step.
+- ``cold_start_accept``: the cold arm's acceptance length at its last step;
+- ``drift_alpha_gain``: mean online / frozen canary alpha over the last 10 steps.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def arm_args(arm: str, drafter: Path, a) -> list[str]:
               f"tracking.output_dir={a.out_dir}", f"tracking.run_name={arm}"]
     if arm == "frozen":
         return common + [f"rollout.speculative.drafter={drafter}",
-                         "drafter_group.enable=false"]
+                         "drafter_group.enable=true", "drafter_group.train=false"]
     if arm == "online":
         return common + [f"rollout.speculative.drafter={drafter}",
                          "drafter_group.enable=true"]
@@ -102,6 +105,9 @@ def summarise(rows: dict[str, list[dict]]) -> dict:
     res: dict = {"per_step": rows}
     fro, onl = rows.get("frozen"), rows.get("online")
     if fro and onl:
+        last_on = _mean([r["alpha"] for r in onl[-10:]])
+        last_fr = _mean([r["alpha"] for r in fro[-10:]])
+        res["drift_alpha_gain"] = last_on / last_fr if last_on and last_fr else None
         half = len(onl) // 2
         a_on = _mean([r["accept_len"] for r in onl[half:]])
         a_fr = _mean([r["accept_len"] for r in fro[half:]])

@@ -258,6 +258,9 @@ class DrafterGroupConfig:
         "Train the drafter in the rollout tail. Needs rollout.speculative or starts from "
         "a random drafter when rollout.speculative.drafter is empty. At PP > 1 needs "
         "rollout.pipeline_mode=gathered (the default).", False)
+    train: bool = _help(
+        "false = the group keeps, synchronises and measures the drafter (the after-update "
+        "canary) but never trains it: a frozen baseline measured the same way.", True)
     min_idle_replicas: int = _help(
         "Replicas that must have finished before any of them trains (1 = each trains as "
         "soon as it finishes).", 1)

@@ -211,8 +211,9 @@ class DrafterGroup:
         code = STOP
         if self.mp_rank == 0:
             n = self.signal.finished(self.window)
-            code = (STOP if n >= self.dp_size or steps >= self.cfg.max_steps_per_window
-                    else WAIT if n < self.cfg.min_idle_replicas else TRAIN)
+            done = (n >= self.dp_size or steps >= self.cfg.max_steps_per_window
+                    or not self.cfg.train)
+            code = STOP if done else WAIT if n < self.cfg.min_idle_replicas else TRAIN
         return self._replica_value(code)
 
     def _replica_value(self, value: int) -> int:
