@@ -246,9 +246,14 @@ class RolloutConfig:
         "the batch sizes where they measured faster; true: at every size; false: never "
         "(also MEGATRON_TLT_NO_CPU_KERNELS=1). Eager torch ops if compiling fails.",
         "auto")
-    cuda_graphs: bool = _help(
-        "Capture decode steps in CUDA graphs (CUDA only; one graph per batch-size "
-        "bucket).", False)
+    cuda_graphs: str = _help(
+        "Capture the target's decode and speculative verification forwards in CUDA "
+        "graphs, one per (batch-size bucket, new tokens per row, chain or tree), "
+        "replayed at every step (padding rows attend over their own few tokens). auto: "
+        "on with CUDA, off on CPU and with rollout.pipeline_mode=pipelined or an EAGLE-3 "
+        "feature-layer drafter; true: on, an error where graphs are not supported; "
+        "false: eager steps. Prefill, logits, sampling, drafting and acceptance stay "
+        "eager.", "auto")
     release_memory: bool = _help(
         "Free the rollout's KV caches, the drafter's feature store and the CUDA graphs "
         "between the rollout and the policy update, so the update has that memory; the "
@@ -287,6 +292,8 @@ class RolloutConfig:
         # YAML / CLI booleans arrive as True / "False"; Python callers may pass bools
         self.cpu_kernels = str(self.cpu_kernels).strip().lower()
         _choice("rollout", "cpu_kernels", self.cpu_kernels, ("auto", "true", "false"))
+        self.cuda_graphs = str(self.cuda_graphs).strip().lower()
+        _choice("rollout", "cuda_graphs", self.cuda_graphs, ("auto", "true", "false"))
         _choice("rollout", "hidden_states_dtype", self.hidden_states_dtype,
                 ("auto", "float32", "bfloat16", "float16"))
         _choice("rollout", "sampling_mode", self.sampling_mode, ("standard", "coupled"))

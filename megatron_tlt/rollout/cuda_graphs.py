@@ -1,28 +1,54 @@
-"""CUDA graphs for decode steps (``rollout.cuda_graphs=true``; CUDA only).
+"""Fixed-shape target forwards, captured in CUDA graphs (``rollout.cuda_graphs``).
 
 A decode step at small batch is dominated by kernel-launch overhead on a GPU. This
-captures ``ModelRunner.extend`` for one new token per row, once per batch-size bucket
-(1, 2, 4, 8, ... up to the cache's rows), and replays it:
+captures ``ModelRunner.extend`` once per shape and replays it. A shape is a key
+(batch-size bucket, new tokens per row, tree mask or not):
+
+- the plain decode step: one new token per row (``run``);
+- a speculative step's verification (``verify``): a chain's root and drafts, causally
+  (the chain's width, at most depth + 1), or a tree's root and nodes with their
+  ancestor mask and depth-based rotary positions (verify_tokens + 1 per row).
+
+Buckets are batch sizes 1, 2, 4, 8, ... up to the cache's rows (``bucket_for``; the
+cache is made with a bucket's rows, ``rollout.memory``). The step is fixed-shape
+device code:
 
 - inputs are copied into static buffers; rows past the running batch are padding:
-  token 0 written at the cache's last position of a free row. The warm-up runs before
-  capture do the same for every row of the bucket, the running ones included, so they
-  must not write where a running row has keys: the last position is written by the
-  step that reaches it before anything reads it (and a free row is prefilled from
-  scratch before it runs);
+  token 0 at position 0 of a free row, attending over their own new tokens only
+  (length 0, a causal mask among their new tokens), so their attention is a few
+  keys; they write only their own row's first slots, which a free row's prefill
+  overwrites before anything reads them;
+- the warm-up runs before capture (and the capture itself) run every row of the
+  bucket, the running ones included, at the cache's last ``T`` positions: no running
+  row has keys there (a running row's length is below the cache's capacity less the
+  draft slack, and a verification's ``T`` is at most the slack; a plain step's ``T``
+  is 1), and whatever lands there is overwritten by the step that reaches it before
+  anything reads it;
 - attention reads a fixed span (the cache's whole capacity) with a length mask, so no
-  step depends on host-side values;
+  step depends on a host-side value; nothing inside the captured region reads the
+  device (the host's reads, sampling and acceptance stay outside, in the budget of
+  ``rollout.sync_budget``);
 - the graphs are tied to one allocation of the cache (its addresses): they are
   released with it (``release``, by ``rollout.memory.RolloutMemory.release`` before the
   policy update, which frees their memory pool too), and a re-made or new cache
-  re-captures each bucket at its first use.
+  re-captures each key at its first use.
 
-Sampling stays outside the graph (it is per-row and cheap).
+Outputs (final hidden states) are views of the graph's static output: valid until the
+next replay of the same key, which is the next step (the step reads them before).
+
+Not graphed: prefill, the LM head (logits), sampling, drafting and acceptance (eager
+batched device ops), EAGLE-3 feature-layer capture (refused with graphs).
+
+``GraphedDecoder(runner, capture=False)`` runs the same static-buffer code eagerly,
+warm-up included, without capturing: the CPU tests check that it decodes exactly like
+the engine's eager path (tests/rollout/test_graph_steps.py); tests_gpu replays the
+captured graphs against eager decoding.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -37,19 +63,63 @@ def bucket_for(b: int, max_rows: int) -> int:
     return min(size, max_rows)
 
 
+def resolve(choice, device: torch.device, supports_graphs: bool) -> bool:
+    """Whether an engine on ``device`` whose runner ``supports_graphs`` uses CUDA graphs
+    for ``rollout.cuda_graphs`` = ``choice`` ("auto": with CUDA wherever the runner
+    supports them; "true": required, a clear error elsewhere; "false": never)."""
+    choice = str(choice).strip().lower()
+    if choice == "false":
+        return False
+    ok = device.type == "cuda" and supports_graphs
+    if choice == "auto" or ok:
+        return ok
+    if device.type != "cuda":
+        raise ValueError(f"rollout.cuda_graphs=true needs CUDA; this engine runs on "
+                         f"{device.type}; set rollout.cuda_graphs=auto or false")
+    raise ValueError("rollout.cuda_graphs=true is not supported with "
+                     "rollout.pipeline_mode=pipelined (a forward passes activations "
+                     "stage to stage); use rollout.pipeline_mode=gathered (each stage "
+                     "decodes as a PP=1 engine, graphed) or rollout.cuda_graphs=auto "
+                     "or false")
+
+
+@dataclass
+class _Step:
+    """One key's static buffers and its captured graph (None: run eagerly)."""
+
+    tokens: torch.Tensor  # [bucket, T] long
+    start: torch.Tensor  # [bucket] long
+    rope: Optional[torch.Tensor]  # [bucket, T] long (trees)
+    mask: Optional[torch.Tensor]  # [bucket, T, T] bool (trees)
+    fn: Callable[[], torch.Tensor]
+    graph: Optional[object] = None
+    out: Optional[torch.Tensor] = None  # [bucket, T, hidden]
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        return self.out
+
+
 class GraphedDecoder:
-    def __init__(self, runner: ModelRunner):
-        if runner.device.type != "cuda":
+    """The target's fixed-shape forwards over one cache: captured (``capture``, CUDA)
+    or run eagerly through the same static buffers (``capture=False``, any device)."""
+
+    def __init__(self, runner: ModelRunner, capture: bool = True):
+        if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on CUDA")
         self.runner = runner
+        self.capture = capture
         self.cache: Optional[KVCache] = None
         self.generation = 0  # the cache allocation the graphs were captured on
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple, object] = {}
         self.pool = None
 
     @property
     def captured(self) -> int:
-        """Graphs held (one per batch-size bucket used since the last release)."""
+        """Graphs held (one per key used since the last release)."""
         return len(self.graphs)
 
     def release(self) -> None:
@@ -60,41 +130,98 @@ class GraphedDecoder:
     def _reset(self, cache: KVCache) -> None:
         self.release()
         self.cache, self.generation = cache, cache.generation
-        self.pool = torch.cuda.graph_pool_handle()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
         self.runner.rope_tables(cache.capacity)  # grown now: never during capture
 
-    def _capture(self, bucket: int) -> tuple:
-        cache, runner = self.cache, self.runner
-        tokens = torch.zeros(bucket, 1, dtype=torch.long, device=runner.device)
-        start = torch.full((bucket,), cache.capacity - 1, dtype=torch.long,
-                           device=runner.device)
+    # ---------------------------------------------------------------- building a key
+    def _buffers(self, bucket: int, t: int, masked: bool) -> _Step:
+        cache, runner, dev = self.cache, self.runner, self.runner.device
+        tokens = torch.zeros(bucket, t, dtype=torch.long, device=dev)
+        start = torch.zeros(bucket, dtype=torch.long, device=dev)
+        rope = torch.zeros(bucket, t, dtype=torch.long, device=dev) if masked else None
+        mask = (torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+                .expand(bucket, t, t).contiguous() if masked else None)
 
-        def step():
-            return runner.extend(cache, slice(0, bucket), tokens, start, span=cache.capacity)
+        def fn() -> torch.Tensor:
+            return runner.extend(cache, slice(0, bucket), tokens, start,
+                                 rope_positions=rope, new_token_mask=mask,
+                                 span=cache.capacity)
+        return _Step(tokens, start, rope, mask, fn)
 
+    def _warm_inputs(self, s: _Step) -> None:
+        """Every row of the bucket at the cache's last T positions (see the module
+        docstring: no running row has keys there)."""
+        t = s.tokens.shape[1]
+        last = self.cache.capacity - t
+        s.tokens.zero_()
+        s.start.fill_(last)
+        if s.rope is not None:
+            s.rope.copy_(last + torch.arange(t, device=s.rope.device))
+            s.mask.copy_(torch.ones(t, t, dtype=torch.bool, device=s.mask.device).tril())
+
+    def _capture(self, key: tuple) -> _Step:
+        bucket, t, masked = key
+        s = self._buffers(bucket, t, masked)
+        self._warm_inputs(s)
+        if not self.capture:  # the same writes as the warm-up, eagerly
+            s.fn()
+            return s
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, kernels, NCCL)
-                step()
+                s.fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
-        return graph, tokens, start, out
+            s.out = s.fn()
+        s.graph = graph
+        return s
 
-    def run(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [b, 1, hidden] for ``tokens`` [b, 1] at ``start`` [b]."""
+    # ---------------------------------------------------------------- a step
+    def forward(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, *,
+                rope_positions: Optional[torch.Tensor] = None,
+                new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``runner.extend(cache, rows 0..b-1, tokens [b, T], start [b], ...)`` through
+        the key's static buffers and graph: final hidden states [b, T, hidden].
+        ``new_token_mask`` [b, T, T] and ``rope_positions`` [b, T] come together (a
+        tree's verification)."""
         if cache is not self.cache or cache.generation != self.generation:
             self._reset(cache)
-        b = tokens.shape[0]
-        bucket = bucket_for(b, cache.max_batch)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        graph, s_tokens, s_start, out = self.graphs[bucket]
-        s_tokens.zero_()
-        s_start.fill_(cache.capacity - 1)  # padding rows: see the module docstring
-        s_tokens[:b].copy_(tokens)
-        s_start[:b].copy_(start)
-        graph.replay()
-        return out[:b]
+        b, t = tokens.shape
+        masked = new_token_mask is not None
+        if masked != (rope_positions is not None):
+            raise ValueError("a masked (tree) forward takes rope_positions and "
+                             "new_token_mask together")
+        key = (bucket_for(b, cache.max_batch), t, masked)
+        s = self.graphs.get(key)
+        if s is None:
+            s = self.graphs[key] = self._capture(key)
+        # padding rows: token 0 at position 0 of their own (free) row, causal among
+        # their own new tokens (module docstring)
+        s.tokens.zero_()
+        s.start.zero_()
+        s.tokens[:b].copy_(tokens)
+        s.start[:b].copy_(start)
+        if masked:
+            s.rope.copy_(torch.arange(t, device=s.rope.device).expand_as(s.rope))
+            s.mask.copy_(torch.ones(t, t, dtype=torch.bool, device=s.mask.device).tril()
+                         .expand_as(s.mask))
+            s.rope[:b].copy_(rope_positions)
+            s.mask[:b].copy_(new_token_mask.expand(b, t, t))
+        return s.replay()[:b]
+
+    def run(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The plain decode step: final hidden states [b, 1, hidden] for ``tokens``
+        [b, 1] at ``start`` [b]."""
+        return self.forward(cache, tokens, start)
+
+    def verify(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, *,
+               rope_positions: Optional[torch.Tensor] = None,
+               new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A speculative step's verification forward: ``tokens`` [b, T] (a chain's root
+        and drafts, causal; or a tree's nodes with ``new_token_mask`` and
+        ``rope_positions``) at ``start`` [b]. Returns hidden states [b, T, hidden]."""
+        return self.forward(cache, tokens, start, rope_positions=rope_positions,
+                            new_token_mask=new_token_mask)

@@ -99,16 +99,12 @@ class RolloutEngine:
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
         self._graphs = None
-        if self.config.cuda_graphs:
-            pp_one = self.runner.supports_graphs  # False for the PP > 1 runners
-            if self.device.type != "cuda" or not pp_one:
-                raise ValueError("rollout.cuda_graphs=true needs CUDA and pipeline "
-                                 "parallelism 1; this engine runs on "
-                                 f"{self.device.type} at PP{'=1' if pp_one else '>1'}; "
-                                 "set rollout.cuda_graphs=false")
-            from .cuda_graphs import GraphedDecoder
+        from .cuda_graphs import resolve
 
-            self._graphs = GraphedDecoder(self.runner)
+        # rollout.cuda_graphs: auto = with CUDA wherever the runner can be captured (not
+        # the pipelined PP mode, which true refuses with a clear error)
+        if resolve(self.config.cuda_graphs, self.device, self.runner.supports_graphs):
+            self._enable_graphs()
         self.memory = RolloutMemory(self, max_prompt_tokens=max_prompt_tokens,
                                     max_new_tokens=max_new_tokens, max_rows=max_rows)
         self.spec = None  # SpeculativeDecoder when a drafter is attached
@@ -151,8 +147,11 @@ class RolloutEngine:
 
         drafter.config.check_target(self.arch)
         if drafter.config.feature_layers and self._graphs is not None:
-            raise ValueError("EAGLE-3 feature layers need per-layer capture, which CUDA "
-                             "graphs do not support; use rollout.cuda_graphs=false")
+            if self.config.cuda_graphs != "auto":
+                raise ValueError("EAGLE-3 feature layers need per-layer capture, which "
+                                 "CUDA graphs do not support; use rollout.cuda_graphs="
+                                 "auto or false")
+            self._graphs = None  # auto: eager decoding for this drafter
         make = getattr(drafter, "make_decoder", None)  # the self-drafter (its own decoder)
         if make is None:
             self.runner.prepare_drafter(drafter)
@@ -161,6 +160,23 @@ class RolloutEngine:
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = (tuner if tuner is not None
                       else StrategyTuner.from_config(self.config.speculative))
+
+    def _enable_graphs(self, capture: bool = True) -> None:
+        """Run the target's decode and verification forwards through fixed-shape
+        static buffers (``cuda_graphs.GraphedDecoder``), captured in CUDA graphs, or
+        with ``capture=False`` the same code eagerly (any device: the CPU tests)."""
+        from .cuda_graphs import GraphedDecoder
+
+        if self._graphs is not None:
+            self._graphs.release()
+        self._graphs = GraphedDecoder(self.runner, capture=capture)
+
+    def _wire_graphs(self) -> None:
+        """The speculative decoders verify through the engine's graphs (or eagerly
+        without them); several drafter kinds each get them."""
+        spec = self.spec
+        for d in (spec.decoders.values() if hasattr(spec, "decoders") else [spec]):
+            d.graphs = self._graphs
 
     def detach_drafter(self) -> None:
         self.spec = None
@@ -259,6 +275,7 @@ class RolloutEngine:
                if self.spec is not None else None)
         cache = self.memory.kv_cache(max_batch, capacity, ctl.slack if ctl is not None else 0)
         if ctl is not None:
+            self._wire_graphs()
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity))
         stats.kv_cache_bytes = cache.nbytes
         # None where the drafter's feature store holds the hidden states (one copy)

@@ -52,7 +52,9 @@ class GatheredRunner(ModelRunner):
 
     pp_size = 1  # decodes with its TP group only; the stages split the prompts
     shares_prompts = True
-    supports_graphs = False  # not yet: the graphs' buckets assume one share per call
+    # each stage decodes its share as a PP = 1 engine over its own cache, so its decode
+    # and verification forwards are captured as at PP = 1 (its rows' buckets)
+    supports_graphs = True
 
     def __init__(self, model, arch: ModelArch):
         from megatron.core import parallel_state as ps

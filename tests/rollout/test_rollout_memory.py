@@ -292,7 +292,7 @@ def test_cuda_graphs_follow_the_cache_lifecycle(tiny, monkeypatch):
     """The graphs hold the cache's addresses: the same allocation replays them, a
     re-made one (after a release) re-captures, and the engine's release drops them.
     (The capture itself is stubbed on CPU; tests_gpu replays real graphs.)"""
-    from megatron_tlt.rollout.cuda_graphs import GraphedDecoder
+    from megatron_tlt.rollout.cuda_graphs import GraphedDecoder, _Step
     from megatron_tlt.rollout.kv_cache import KVCache
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
@@ -300,11 +300,13 @@ def test_cuda_graphs_follow_the_cache_lifecycle(tiny, monkeypatch):
     graphs = GraphedDecoder(runner)
     captured = []
 
-    def capture(bucket):
+    def capture(key):
+        bucket, t, _ = key
         captured.append(bucket)
-        return (types.SimpleNamespace(replay=lambda: None),
-                torch.zeros(bucket, 1, dtype=torch.long), torch.zeros(bucket, dtype=torch.long),
-                torch.zeros(bucket, 1, 4))
+        return _Step(torch.zeros(bucket, t, dtype=torch.long),
+                     torch.zeros(bucket, dtype=torch.long), None, None, fn=lambda: None,
+                     graph=types.SimpleNamespace(replay=lambda: None),
+                     out=torch.zeros(bucket, t, 4))
 
     monkeypatch.setattr(graphs, "_capture", capture)
     cache = KVCache(num_layers=1, max_batch=4, kv_heads=1, capacity=8, head_dim=4,

@@ -62,6 +62,10 @@ class SpeculativeDecoder:
     # the feature store holds the target's final hidden states when the drafter reads
     # no EAGLE-3 feature layers (``rollout.memory`` returns them from there)
     keeps_hidden = True
+    # the engine's fixed-shape target forwards (``cuda_graphs.GraphedDecoder``), set by
+    # the engine at every call when it decodes through them: verification replays a
+    # graph per (batch bucket, tokens per row, chain or tree); None: eager
+    graphs = None
 
     def __init__(self, drafter: EagleDrafter, target: ModelRunner):
         self.drafter = drafter
@@ -189,11 +193,16 @@ class SpeculativeDecoder:
             hidden, counts = self._verify_chains(target_cache, rows, drafts, hook)
         else:
             L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
-            h3 = self.target.extend(target_cache, slice(0, b), tree.verify_tokens, L,
-                                    rope_positions=L[:, None] + tree.depth,
-                                    new_token_mask=tree.mask, capture=hook,
-                                    span=max(r.length for r in rows)
-                                    + tree.verify_tokens.shape[1])
+            if self.graphs is not None and hook is None:  # a fixed-shape tree step
+                h3 = self.graphs.verify(target_cache, tree.verify_tokens, L,
+                                        rope_positions=L[:, None] + tree.depth,
+                                        new_token_mask=tree.mask)
+            else:
+                h3 = self.target.extend(target_cache, slice(0, b), tree.verify_tokens, L,
+                                        rope_positions=L[:, None] + tree.depth,
+                                        new_token_mask=tree.mask, capture=hook,
+                                        span=max(r.length for r in rows)
+                                        + tree.verify_tokens.shape[1])
             counts = [tree.verify_tokens.shape[1]] * b
             hidden = h3.reshape(b * counts[0], -1)
             if got:
@@ -332,7 +341,8 @@ class SpeculativeDecoder:
         counts = [len(d) + 1 for d in drafts]
         toks = [t for r, d in zip(rows, drafts) for t in [r.tokens[-1]] + list(d)]
         t = self.target
-        if t.kernels is not None and cache.layout == "bgsd":  # ragged, one kernel call
+        static = self.graphs is not None and hook is None  # a fixed-shape chain step
+        if not static and t.kernels is not None and cache.layout == "bgsd":  # ragged
             row_of, pos = ragged(counts, [r.length for r in rows], dev)
             x = t.embed(torch.tensor(toks, dtype=torch.long, device=dev))
             return t.extend_chains(cache, row_of, pos, x, hook), counts
@@ -347,8 +357,11 @@ class SpeculativeDecoder:
         L = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
         captured: dict[int, torch.Tensor] = {}
         sub = None if hook is None else (lambda i, x: captured.__setitem__(i, x))
-        h = t.extend(cache, slice(0, b), ids, L, capture=sub,
-                     span=max(r.length for r in rows) + width)
+        if static:  # the graph of (bucket, width): pads as above
+            h = self.graphs.verify(cache, ids, L)
+        else:
+            h = t.extend(cache, slice(0, b), ids, L, capture=sub,
+                         span=max(r.length for r in rows) + width)
         keep = torch.cat([torch.arange(c, device=dev) + i * width for i, c in enumerate(counts)])
         if hook is not None:
             for i, x in captured.items():

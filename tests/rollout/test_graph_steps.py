@@ -1,0 +1,224 @@
+"""The fixed-shape target steps that CUDA graphs capture (``rollout/cuda_graphs.py``),
+run on CPU through the same static buffers without capturing
+(``GraphedDecoder(capture=False)``, warm-up writes included): they decode like the
+engine's eager path, plain and speculative, greedy, standard and coupled, chains and
+trees; padding rows attend over their own few tokens and write only their own free
+row; nothing inside the step reads the device; ``rollout.cuda_graphs`` resolves auto /
+true / false. tests_gpu/test_graphs_spec_cuda.py replays the captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
+from megatron_tlt.models import load_model
+from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout.cuda_graphs import GraphedDecoder, _Step, resolve
+from megatron_tlt.rollout.kv_cache import KVCache
+from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure
+from tiny_models import VOCAB, save_tiny_hf
+
+MODES = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+    "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
+                               ignore_eos=True),
+    "coupled": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
+                              ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, single_process_parallel):
+    """A tiny two-layer model and a drafter that is its own first layer (drafts get
+    accepted, so acceptance and commit run over several tokens)."""
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("graph_steps"), seed=5,
+                          num_hidden_layers=2)
+    m, arch = load_model(folder, device=torch.device("cpu"), dtype="float32", impl="local")
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32,
+                     device="cpu")
+    with torch.no_grad():
+        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
+        h = arch.hidden_size
+        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        d.norm.copy_(m.decoder.final_layernorm.weight)
+    return m, arch, d
+
+
+def _prompts(lengths=(3, 9, 5, 1, 12)):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=3):
+    """An engine on the eager torch path (the one CUDA runs: no fused CPU kernels), or
+    with ``static`` through the fixed-shape steps run eagerly."""
+    m, arch, d = model
+    sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64,
+                            min_draft_prob=min_draft_prob)
+          if strategy else SpeculativeConfig())
+    cfg = RolloutConfig(speculative=sc, cpu_kernels="false", max_batch_size=max_batch,
+                        sampling_mode="coupled" if mode == "coupled" else "standard")
+    eng = RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[],
+                        drafter=d if strategy else None)
+    assert eng._graphs is None  # auto: off on CPU
+    if static:
+        eng._enable_graphs(capture=False)
+    return eng
+
+
+def _same(a, b, tol=1e-5):
+    """Tokens identical, log-probs equal up to the float32 rounding of a longer
+    attention span and a padded batch."""
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= tol
+
+
+# ----------------------------------------------------------------------------- outputs
+@pytest.mark.parametrize("mode", list(MODES))
+def test_static_plain_steps_decode_like_the_eager_path(model, mode):
+    prompts = _prompts()
+    eager = _engine(model, mode).generate(prompts, MODES[mode])
+    eng = _engine(model, mode, static=True)
+    static = eng.generate(prompts, MODES[mode])
+    _same(static, eager)
+    # 3 rows for 5 prompts: bucket 4 (a padding row), then the last 2 in bucket 2
+    assert {k[0] for k in eng._graphs.graphs} == {2, 4}
+    assert all(k[1:] == (1, False) for k in eng._graphs.graphs)
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5", "confident_4_1_4"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_static_speculative_steps_decode_like_the_eager_path(model, mode, strategy):
+    """Verification through the fixed-shape steps: chains (every row depth + 1 tokens),
+    chains cut by the confidence stop (a key per width), trees (mask and depth
+    positions); the draft and acceptance paths are the eager ones either way."""
+    prompts = _prompts()
+    stop = 0.01 if strategy.startswith("confident") else 0.0
+    strategy = strategy.split("_", 1)[1] if stop else strategy
+    eager = _engine(model, mode, strategy, min_draft_prob=stop)
+    want = eager.generate(prompts, MODES[mode])
+    eng = _engine(model, mode, strategy, static=True, min_draft_prob=stop)
+    got = eng.generate(prompts, MODES[mode])
+    _same(got, want)
+    assert eng.last_stats.spec.steps == eager.last_stats.spec.steps > 0
+    keys = set(eng._graphs.graphs)
+    tree = strategy == "3_2_5"
+    verify = {k for k in keys if k[1] > 1}
+    assert verify and all(k[2] == tree for k in verify)
+    if not tree and not stop:
+        assert {k[1] for k in verify} == {5}  # root + 4 drafts
+
+
+def test_gathered_runner_decodes_through_the_static_steps(model, monkeypatch):
+    """The gathered PP mode's runner (here at PP = 1: one stage, its own share) takes
+    the fixed-shape steps like the PP = 1 runner (tests_gpu captures them on CUDA;
+    the PP = 2 exchange is tests/rollout/test_rollout_tp.py's)."""
+    from megatron_tlt.rollout import engine as engine_module
+    from megatron_tlt.rollout.gathered import GatheredRunner
+
+    prompts = _prompts()
+    want = _engine(model, "greedy", "3_2_5").generate(prompts, MODES["greedy"])
+    monkeypatch.setattr(engine_module, "make_runner",
+                        lambda m, arch, mode: GatheredRunner(m, arch))
+    eng = _engine(model, "greedy", "3_2_5", static=True)
+    assert isinstance(eng.runner, GatheredRunner) and eng.runner.supports_graphs
+    got = eng.generate(prompts, MODES["greedy"])
+    _same(got, want)
+    assert any(k[2] for k in eng._graphs.graphs)
+
+
+# ----------------------------------------------------------------------------- padding rows
+def test_padding_rows_attend_over_their_own_length_and_touch_only_their_row(model):
+    """Three running rows in a bucket of four: the running rows' keys change only at
+    their new positions, the padding row's only at its first T slots (start 0), and
+    the running rows' hidden states are the eager forward's. The warm-up writes (the
+    cache's last T slots of every bucket row) land beyond every row's length."""
+    m, arch, _ = model
+    eng = _engine(model, "greedy")
+    runner = eng.runner
+    cap, t = 24, 3
+    cache = KVCache(num_layers=len(runner.layers), max_batch=4, kv_heads=runner.groups,
+                    capacity=cap, head_dim=arch.kv_channels, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    tokens = torch.randint(0, VOCAB, (3, t), generator=g)
+    start = torch.tensor([5, 11, 2])
+    graphs = GraphedDecoder(runner, capture=False)
+    got = graphs.verify(cache, tokens, start)
+    step = graphs.graphs[(4, t, False)]
+    assert step.start.tolist() == [5, 11, 2, 0]  # the padding row: its own length, 0
+    assert step.tokens[3].tolist() == [0] * t
+    written = torch.zeros(4, cap, dtype=torch.bool)
+    for row, s in enumerate([5, 11, 2, 0]):
+        written[row, s: s + t] = True
+    written[:, cap - t:] = True  # the warm-up's slots
+    for now, was in ((cache.k, before_k), (cache.v, before_v)):
+        changed = (now != was).any(dim=-1).any(dim=2).any(dim=0)  # [rows, positions]
+        assert not (changed & ~written).any()
+        assert changed[3, :t].all() and changed[:3, cap - t:].all()
+    # the eager forward on a copy of the cache as it was
+    ref = KVCache(num_layers=len(runner.layers), max_batch=4, kv_heads=runner.groups,
+                  capacity=cap, head_dim=arch.kv_channels, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    ref.k.copy_(before_k)
+    ref.v.copy_(before_v)
+    want = runner.extend(ref, slice(0, 3), tokens, start, span=int(start.max()) + t)
+    assert (got - want).abs().max() < 1e-5
+    # a padding row's attention: its T keys causally (finite hidden states, no NaN of
+    # an empty softmax)
+    assert torch.isfinite(step.out[3]).all()
+
+
+def test_the_static_step_reads_nothing_from_the_device(model, monkeypatch):
+    """Inside the region a graph captures nothing reads a device value (a read would
+    fail the capture), and the engine's per-step budgets hold on the static path."""
+    inside = HostSyncCounter()
+    replay = _Step.replay
+
+    def counted(self):
+        with inside:
+            return replay(self)
+
+    monkeypatch.setattr(_Step, "replay", counted)
+    for strategy in (None, "4_1_4", "3_2_5"):
+        eng = _engine(model, "standard", strategy, static=True)
+        steps = measure(eng, _prompts(), MODES["standard"])
+        assert inside.count == 0, inside.where
+        plain = [s.count for s in steps if not s.speculative]
+        spec = [s.count for s in steps if s.speculative]
+        assert (spec if strategy else plain) and not (strategy is None and spec)
+        assert max(plain, default=0) <= 1 and max(spec, default=0) <= 2
+    with inside:  # (the counter inside the step counts what it sees)
+        torch.zeros(2).tolist()
+    assert inside.count == 1
+
+
+# ----------------------------------------------------------------------------- the setting
+def test_cuda_graphs_setting_resolves_auto_true_false(model):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve("auto", cuda, True) and not resolve("auto", cpu, True)
+    assert not resolve("auto", cuda, False)  # the pipelined PP mode: eager
+    assert resolve("true", cuda, True) and not resolve("false", cuda, True)
+    with pytest.raises(ValueError, match="cuda_graphs=true needs CUDA"):
+        resolve("true", cpu, True)
+    with pytest.raises(ValueError, match="pipeline_mode=pipelined"):
+        resolve("true", cuda, False)
+    assert RolloutConfig().cuda_graphs == "auto"
+    assert RolloutConfig(cuda_graphs=True).cuda_graphs == "true"
+    assert RolloutConfig(cuda_graphs="False").cuda_graphs == "false"
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        RolloutConfig(cuda_graphs="sometimes")
+    m, arch, _ = model
+    assert RolloutEngine(m, None, RolloutConfig(), arch=arch, eos_token_ids=[])._graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs=true needs CUDA"):
+        RolloutEngine(m, None, RolloutConfig(cuda_graphs="true"), arch=arch,
+                      eos_token_ids=[])
