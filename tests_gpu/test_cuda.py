@@ -84,7 +84,8 @@ def test_cuda_graphs_match_eager_decoding(parallel, hf_dirs, dtype):
     eager engine's tokens; rows enter and leave mid-run (max_batch_size 4 < 6 prompts)."""
     model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype=dtype, impl="local")
     prompts = _prompts()
-    eager = _engine(model, arch, max_batch_size=4, attention="sdpa").generate(prompts, SP)
+    eager = _engine(model, arch, max_batch_size=4, attention="sdpa",
+                    cuda_graphs=False).generate(prompts, SP)  # (auto: on with CUDA)
     eng = _engine(model, arch, max_batch_size=4, attention="sdpa", cuda_graphs=True)
     graphed = eng.generate(prompts, SP)
     again = eng.generate(prompts, SP)  # replays the captured graphs
@@ -175,7 +176,7 @@ def test_greedy_speculation_equals_plain_on_cuda(parallel, hf_dirs, strategy, gr
     model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype="float32",
                              impl="local")
     prompts = _prompts()
-    plain = _engine(model, arch, max_batch_size=4).generate(prompts, SP)
+    plain = _engine(model, arch, max_batch_size=4, cuda_graphs=False).generate(prompts, SP)
     eng = _engine(model, arch, _random_drafter(arch, torch.float32), strategy,
                   max_batch_size=4, cuda_graphs=graphs)
     outs = eng.generate(prompts, SP)

@@ -9,9 +9,9 @@ captures ``ModelRunner.extend`` once per shape and replays it. A shape is a key
   (the chain's width, at most depth + 1), or a tree's root and nodes with their
   ancestor mask and depth-based rotary positions (verify_tokens + 1 per row).
 
-Buckets are batch sizes 1, 2, 4, 8, ... up to the cache's rows (``bucket_for``; the
-cache is made with a bucket's rows, ``rollout.memory``). The step is fixed-shape
-device code:
+Buckets are batch sizes 1, 2, 4, 8, ... below the cache's rows, then the cache's rows
+(``bucket_for``: 24 rows give 1, 2, 4, 8, 16, 24; the cache gets no extra rows). The
+step is fixed-shape device code:
 
 - inputs are copied into static buffers; rows past the running batch are padding:
   token 0 at position 0 of a free row, attending over their own new tokens only

@@ -108,11 +108,8 @@ class RolloutMemory:
         eng = self.engine
         if self.fixed:
             max_batch, capacity = self.rows, self.capacity
+        # (CUDA graphs' largest bucket is the cache's rows: no rows are added for them)
         rows, need = max_batch, capacity + slack
-        if eng._graphs is not None:  # room for the padded rows of the largest bucket
-            from .cuda_graphs import bucket_for
-
-            rows = bucket_for(rows, 1 << 30)
         c = self.cache
         if c is not None and c.fits(rows, need):
             if not c.allocated:

@@ -49,12 +49,12 @@ def model(tmp_path_factory, single_process_parallel):
     return m, arch, d
 
 
-def _prompts(lengths=(3, 9, 5, 1, 12)):
+def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=3):
+def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=4):
     """An engine on the eager torch path (the one CUDA runs: no fused CPU kernels), or
     with ``static`` through the fixed-shape steps run eagerly."""
     m, arch, d = model
@@ -87,8 +87,10 @@ def test_static_plain_steps_decode_like_the_eager_path(model, mode):
     eng = _engine(model, mode, static=True)
     static = eng.generate(prompts, MODES[mode])
     _same(static, eager)
-    # 3 rows for 5 prompts: bucket 4 (a padding row), then the last 2 in bucket 2
-    assert {k[0] for k in eng._graphs.graphs} == {2, 4}
+    # 4 rows for 7 prompts: the first 4 in bucket 4, then the last 3 in bucket 4 with a
+    # padding row (the cache's 4 rows; no more are made for the graphs)
+    assert set(eng._graphs.graphs) == {(4, 1, False)}
+    assert eng.memory.cache.max_batch == 4 and eng.last_stats.batch_sizes[-1] == 3
     assert all(k[1:] == (1, False) for k in eng._graphs.graphs)
 
 

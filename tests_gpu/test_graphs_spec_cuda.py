@@ -1,0 +1,185 @@
+"""Graph-ready speculative steps on CUDA (``rollout/cuda_graphs.py``): the target's
+verification forward captured per (batch bucket, tokens per row, chain or tree) and
+replayed like the plain decode step.
+
+Covered: graphed speculation equals eager speculation (greedy, standard and coupled
+sampling; chains, chains cut by the confidence stop, trees; the self-drafter), graphs
+in the gathered PP mode's runner (here one stage: NCCL at world size 1, its
+exchange collectives executed), the pipelined mode refused under ``true`` and eager
+under ``auto``, ``auto`` on with CUDA, and padding rows of a real capture attending
+over their own few slots without touching a running row's keys. The same static-buffer
+code runs eagerly on CPU in tests/rollout/test_graph_steps.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+from megatron_tlt.models import load_model
+from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout.cuda_graphs import GraphedDecoder
+from megatron_tlt.rollout.kv_cache import KVCache
+from tiny_models import VOCAB, save_tiny_hf
+
+CUDA = torch.device("cuda", 0)
+MODES = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+    "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
+                               ignore_eos=True),
+    "coupled": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
+                              ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def model(parallel, tmp_path_factory):
+    """A tiny two-layer fp32 model on CUDA and a drafter that is its own first layer
+    (drafts get accepted: acceptance and commit run over several tokens)."""
+    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("graphs_spec"), seed=5,
+                          num_hidden_layers=2)
+    m, arch = load_model(folder, device=CUDA, dtype="float32", impl="local")
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32, device=CUDA)
+    with torch.no_grad():
+        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
+        h = arch.hidden_size
+        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(CUDA))
+        d.norm.copy_(m.decoder.final_layernorm.weight)
+    return m, arch, d
+
+
+def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model, mode, strategy=None, graphs="true", min_draft_prob=0.0, drafter=None):
+    m, arch, d = model
+    sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64,
+                            min_draft_prob=min_draft_prob)
+          if strategy else SpeculativeConfig())
+    cfg = RolloutConfig(speculative=sc, max_batch_size=4, attention="sdpa",
+                        cuda_graphs=graphs,
+                        sampling_mode="coupled" if mode == "coupled" else "standard")
+    if strategy is None:
+        drafter = None
+    elif drafter is None:
+        drafter = d
+    return RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[], drafter=drafter)
+
+
+def _same(a, b, tol=1e-4):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < tol
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5", "confident_4_1_4"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_graphed_speculation_equals_eager_speculation_on_cuda(model, mode, strategy):
+    prompts = _prompts()
+    stop = 0.01 if strategy.startswith("confident") else 0.0
+    strategy = strategy.split("_", 1)[1] if stop else strategy
+    eager = _engine(model, mode, strategy, graphs="false", min_draft_prob=stop)
+    assert eager._graphs is None
+    want = eager.generate(prompts, MODES[mode])
+    eng = _engine(model, mode, strategy, min_draft_prob=stop)
+    got = eng.generate(prompts, MODES[mode])
+    again = eng.generate(prompts, MODES[mode])  # replays the captured graphs
+    _same(got, want)
+    for g, a in zip(got, again):
+        assert g.token_ids == a.token_ids and g.logprobs == a.logprobs
+    tree = strategy == "3_2_5"
+    verify = [k for k in eng._graphs.graphs if k[1] > 1]
+    assert verify and all(k[2] == tree for k in verify)
+    assert eng.last_stats.spec.steps > 0
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])
+def test_graphed_self_drafter_verification_equals_eager_on_cuda(model, strategy):
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+    prompts = _prompts()
+    want = _engine(model, "greedy", strategy, graphs="false",
+                   drafter=SelfDrafter()).generate(prompts, MODES["greedy"])
+    eng = _engine(model, "greedy", strategy, drafter=SelfDrafter())
+    _same(eng.generate(prompts, MODES["greedy"]), want)
+    assert any(k[1] > 1 for k in eng._graphs.graphs)
+
+
+def test_graphs_in_the_gathered_pp_mode_on_cuda(model, monkeypatch):
+    """The gathered mode's runner (one stage here: its weight broadcasts and output
+    exchange run at size 1 over NCCL) decodes through graphs, plain and speculative,
+    like the PP = 1 eager engine; the pipelined runner is refused under true and
+    decodes eagerly under auto."""
+    from megatron_tlt.rollout import engine as engine_module
+    from megatron_tlt.rollout.gathered import GatheredRunner
+    from megatron_tlt.rollout.pipeline import PipelinedRunner
+
+    prompts = _prompts()
+    want_plain = _engine(model, "greedy", graphs="false").generate(prompts, MODES["greedy"])
+    want_spec = _engine(model, "greedy", "3_2_5", graphs="false").generate(prompts,
+                                                                         MODES["greedy"])
+    monkeypatch.setattr(engine_module, "make_runner",
+                        lambda m, arch, mode: GatheredRunner(m, arch))
+    plain = _engine(model, "greedy")
+    spec = _engine(model, "greedy", "3_2_5")
+    assert isinstance(plain.runner, GatheredRunner) and plain._graphs is not None
+    _same(plain.generate(prompts, MODES["greedy"]), want_plain)
+    _same(spec.generate(prompts, MODES["greedy"]), want_spec)
+    assert plain._graphs.captured > 0 and any(k[2] for k in spec._graphs.graphs)
+
+    monkeypatch.setattr(engine_module, "make_runner",
+                        lambda m, arch, mode: PipelinedRunner(m, arch))
+    with pytest.raises(ValueError, match="pipeline_mode=pipelined"):
+        _engine(model, "greedy")
+    assert _engine(model, "greedy", graphs="auto")._graphs is None
+
+
+def test_cuda_graphs_auto_is_on_with_cuda(model):
+    m, arch, _ = model
+    eng = RolloutEngine(m, None, RolloutConfig(), arch=arch, eos_token_ids=[])
+    assert eng.config.cuda_graphs == "auto"
+    assert eng._graphs is not None and eng._graphs.capture
+
+
+def test_padding_rows_attend_over_their_own_length_on_cuda(model):
+    """A real capture and two replays, three running rows in a bucket of four: the
+    running rows' keys change only at their new positions (and the warm-up's last T
+    slots, beyond every length), the padding row's only at its first T slots; the
+    running rows' hidden states are the eager forward's."""
+    m, arch, _ = model
+    runner = _engine(model, "greedy", graphs="false").runner
+    cap, t = 24, 3
+    shape = dict(num_layers=len(runner.layers), max_batch=4, kv_heads=runner.groups,
+                 capacity=cap, head_dim=arch.kv_channels, dtype=torch.float32, device=CUDA)
+    cache = KVCache(**shape)
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g, device=CUDA))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g, device=CUDA))
+    graphs = GraphedDecoder(runner)
+    for start in ([5, 11, 2], [7, 3, 9]):
+        before_k, before_v = cache.k.clone(), cache.v.clone()
+        tokens = torch.randint(0, VOCAB, (3, t), generator=g, device=CUDA)
+        st = torch.tensor(start, device=CUDA)
+        got = graphs.verify(cache, tokens, st).clone()
+        torch.cuda.synchronize()
+        step = graphs.graphs[(4, t, False)]
+        assert step.graph is not None and step.start.tolist() == start + [0]
+        written = torch.zeros(4, cap, dtype=torch.bool, device=CUDA)
+        for row, s in enumerate(start + [0]):
+            written[row, s: s + t] = True
+        written[:, cap - t:] = True  # the warm-up's slots (first use only)
+        for now, was in ((cache.k, before_k), (cache.v, before_v)):
+            changed = (now != was).any(dim=-1).any(dim=2).any(dim=0)
+            assert not (changed & ~written).any()
+            assert changed[3, :t].all()
+        ref = KVCache(**shape)
+        ref.k.copy_(before_k)
+        ref.v.copy_(before_v)
+        want = runner.extend(ref, slice(0, 3), tokens, st, span=max(start) + t)
+        assert (got - want).abs().max() < 1e-4
+        assert torch.isfinite(step.out[3]).all()
+    assert graphs.captured == 1  # the second call replayed the first's graph
