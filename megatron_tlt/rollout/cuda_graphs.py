@@ -180,6 +180,7 @@ class GraphedDecoder:
         return s
 
     # ---------------------------------------------------------------- a step
+    @torch.no_grad()  # (capture and replay record no autograd graph)
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, *,
                 rope_positions: Optional[torch.Tensor] = None,
                 new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
