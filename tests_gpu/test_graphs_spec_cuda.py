@@ -1,9 +1,11 @@
 """Graph-ready speculative steps on CUDA (``rollout/cuda_graphs.py``): the target's
-verification forward captured per (batch bucket, tokens per row, chain or tree) and
-replayed like the plain decode step.
+verification forward captured per (batch bucket, tokens per row, tree mask width) and
+replayed like the plain decode step, and the one-layer drafter's forwards likewise over
+its cache.
 
 Covered: graphed speculation equals eager speculation (greedy, standard and coupled
-sampling; chains, chains cut by the confidence stop, trees; the self-drafter), graphs
+sampling; chains, chains cut by the confidence stop, trees; the one-layer drafter's
+own forwards graphed too; the self-drafter's verification), graphs
 in the gathered PP mode's runner (here one stage: NCCL at world size 1, its
 exchange collectives executed), the pipelined mode refused under ``true`` and eager
 under ``auto``, ``auto`` on with CUDA, and padding rows of a real capture attending
@@ -93,8 +95,12 @@ def test_graphed_speculation_equals_eager_speculation_on_cuda(model, mode, strat
         assert g.token_ids == a.token_ids and g.logprobs == a.logprobs
     tree = strategy == "3_2_5"
     verify = [k for k in eng._graphs.graphs if k[1] > 1]
-    assert verify and all(k[2] == tree for k in verify)
+    assert verify and all(k[2] == (k[1] if tree else 0) for k in verify)
     assert eng.last_stats.spec.steps > 0
+    # the one-layer drafter's catch-up, chain and tree steps replay graphs of their own
+    drafted = eng.spec.drafting.graphs
+    assert drafted.capture and drafted.captured and all(k[3] for k in drafted.graphs)
+    assert any(k[2] > k[1] for k in drafted.graphs) == tree
 
 
 @pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])
@@ -107,6 +113,7 @@ def test_graphed_self_drafter_verification_equals_eager_on_cuda(model, strategy)
     eng = _engine(model, "greedy", strategy, drafter=SelfDrafter())
     _same(eng.generate(prompts, MODES["greedy"]), want)
     assert any(k[1] > 1 for k in eng._graphs.graphs)
+    assert eng.spec.drafting.graphs is None  # the copy drafts eagerly
 
 
 def test_graphs_in_the_gathered_pp_mode_on_cuda(model, monkeypatch):
@@ -168,7 +175,7 @@ def test_padding_rows_attend_over_their_own_length_on_cuda(model):
         st = torch.tensor(start, device=CUDA)
         got = graphs.verify(cache, tokens, st).clone()
         torch.cuda.synchronize()
-        step = graphs.graphs[(4, t, False)]
+        step = graphs.graphs[(4, t, 0, False)]
         assert step.graph is not None and step.start.tolist() == start + [0]
         written = torch.zeros(4, cap, dtype=torch.bool, device=CUDA)
         for row, s in enumerate(start + [0]):

@@ -247,13 +247,14 @@ class RolloutConfig:
         "(also MEGATRON_TLT_NO_CPU_KERNELS=1). Eager torch ops if compiling fails.",
         "auto")
     cuda_graphs: str = _help(
-        "Capture the target's decode and speculative verification forwards in CUDA "
-        "graphs, one per (batch-size bucket, new tokens per row, chain or tree), "
-        "replayed at every step (padding rows attend over their own few tokens). auto: "
-        "on with CUDA, off on CPU and with rollout.pipeline_mode=pipelined or an EAGLE-3 "
-        "feature-layer drafter; true: on, an error where graphs are not supported; "
-        "false: eager steps. Prefill, logits, sampling, drafting and acceptance stay "
-        "eager.", "auto")
+        "Capture the target's decode and speculative verification forwards, and the "
+        "one-layer drafter's catch-up, chain and tree forwards, in CUDA graphs, one per "
+        "(batch-size bucket, new tokens per row, tree mask width), replayed at every "
+        "step (padding rows attend over their own few tokens). auto: on with CUDA, off "
+        "on CPU and with rollout.pipeline_mode=pipelined or an EAGLE-3 feature-layer "
+        "drafter; true: on, an error where graphs are not supported; false: eager "
+        "steps. Prefill, logits, sampling, acceptance and the self-drafter's drafting "
+        "stay eager.", "auto")
     release_memory: bool = _help(
         "Free the rollout's KV caches, the drafter's feature store and the CUDA graphs "
         "between the rollout and the policy update, so the update has that memory; the "

@@ -1,13 +1,20 @@
-"""Fixed-shape target forwards, captured in CUDA graphs (``rollout.cuda_graphs``).
+"""Fixed-shape forwards, captured in CUDA graphs (``rollout.cuda_graphs``).
 
 A decode step at small batch is dominated by kernel-launch overhead on a GPU. This
 captures ``ModelRunner.extend`` once per shape and replays it. A shape is a key
-(batch-size bucket, new tokens per row, tree mask or not):
+(batch-size bucket, new tokens per row T, tree mask width W or 0 for causal, inputs
+given as embeddings or not). On the target (the engine's ``GraphedDecoder``):
 
 - the plain decode step: one new token per row (``run``);
 - a speculative step's verification (``verify``): a chain's root and drafts, causally
   (the chain's width, at most depth + 1), or a tree's root and nodes with their
-  ancestor mask and depth-based rotary positions (verify_tokens + 1 per row).
+  ancestor mask and depth-based rotary positions (W = T = verify_tokens + 1).
+
+On the one-layer drafter (a ``GraphedDecoder`` over its runner and cache, held by its
+``Drafting``): the catch-up (one pending position per row in the steady state, the
+longest row's count after accepted runs), each chain step (one token per row) and each
+tree step (top-k nodes per row, W = the nodes fed so far), all with the drafter's
+fused inputs as embeddings.
 
 Buckets are batch sizes 1, 2, 4, 8, ... below the cache's rows, then the cache's rows
 (``bucket_for``: 24 rows give 1, 2, 4, 8, 16, 24; the cache gets no extra rows). The
@@ -20,10 +27,11 @@ step is fixed-shape device code:
   overwrites before anything reads them;
 - the warm-up runs before capture (and the capture itself) run every row of the
   bucket, the running ones included, at the cache's last ``T`` positions: no running
-  row has keys there (a running row's length is below the cache's capacity less the
-  draft slack, and a verification's ``T`` is at most the slack; a plain step's ``T``
-  is 1), and whatever lands there is overwritten by the step that reaches it before
-  anything reads it;
+  row has keys there (in the target's cache a running row's length is below the
+  capacity less the draft slack, and a verification's ``T`` is at most the slack; a
+  plain step's ``T`` is 1; the drafter's cache has a whole capacity beyond that
+  without the fused CPU kernels, the only case it is graphed), and whatever lands there is overwritten by the step that reaches it
+  before anything reads it;
 - attention reads a fixed span (the cache's whole capacity) with a length mask, so no
   step depends on a host-side value; nothing inside the captured region reads the
   device (the host's reads, sampling and acceptance stay outside, in the budget of
@@ -34,10 +42,12 @@ step is fixed-shape device code:
   re-captures each key at its first use.
 
 Outputs (final hidden states) are views of the graph's static output: valid until the
-next replay of the same key, which is the next step (the step reads them before).
+key's next replay (the next step, or the drafter's next chain depth; each caller reads
+them, or copies what it keeps, before).
 
-Not graphed: prefill, the LM head (logits), sampling, drafting and acceptance (eager
-batched device ops), EAGLE-3 feature-layer capture (refused with graphs).
+Not graphed: prefill, the LM heads (logits), sampling and acceptance (eager batched
+device ops), the self-drafter's copy and a Transformer Engine FP8 drafter (eager
+drafting), EAGLE-3 feature-layer capture (auto: eager steps; true: refused).
 
 ``GraphedDecoder(runner, capture=False)`` runs the same static-buffer code eagerly,
 warm-up included, without capturing: the CPU tests check that it decodes exactly like
@@ -90,10 +100,11 @@ class _Step:
     tokens: torch.Tensor  # [bucket, T] long
     start: torch.Tensor  # [bucket] long
     rope: Optional[torch.Tensor]  # [bucket, T] long (trees)
-    mask: Optional[torch.Tensor]  # [bucket, T, T] bool (trees)
+    mask: Optional[torch.Tensor]  # [bucket, T, W] bool (trees)
     fn: Callable[[], torch.Tensor]
     graph: Optional[object] = None
     out: Optional[torch.Tensor] = None  # [bucket, T, hidden]
+    embeds: Optional[torch.Tensor] = None  # [bucket, T, hidden] (drafter inputs)
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:
@@ -135,19 +146,29 @@ class GraphedDecoder:
         self.runner.rope_tables(cache.capacity)  # grown now: never during capture
 
     # ---------------------------------------------------------------- building a key
-    def _buffers(self, bucket: int, t: int, masked: bool) -> _Step:
+    def _buffers(self, bucket: int, t: int, w: int, embeds_like) -> _Step:
         cache, runner, dev = self.cache, self.runner, self.runner.device
         tokens = torch.zeros(bucket, t, dtype=torch.long, device=dev)
         start = torch.zeros(bucket, dtype=torch.long, device=dev)
-        rope = torch.zeros(bucket, t, dtype=torch.long, device=dev) if masked else None
-        mask = (torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-                .expand(bucket, t, t).contiguous() if masked else None)
+        rope = torch.zeros(bucket, t, dtype=torch.long, device=dev) if w else None
+        mask = torch.zeros(bucket, t, w, dtype=torch.bool, device=dev) if w else None
+        embeds = (None if embeds_like is None else
+                  torch.zeros(bucket, t, embeds_like.shape[-1], dtype=embeds_like.dtype,
+                              device=dev))
 
         def fn() -> torch.Tensor:
             return runner.extend(cache, slice(0, bucket), tokens, start,
                                  rope_positions=rope, new_token_mask=mask,
-                                 span=cache.capacity)
-        return _Step(tokens, start, rope, mask, fn)
+                                 span=cache.capacity, embeds=embeds)
+        return _Step(tokens, start, rope, mask, fn, embeds=embeds)
+
+    @staticmethod
+    def _own_tokens_mask(t: int, w: int, device) -> torch.Tensor:
+        """[T, W]: each new token sees the new tokens up to itself (the last T slots),
+        nothing earlier among the W (a padding or warm-up row's mask)."""
+        m = torch.zeros(t, w, dtype=torch.bool, device=device)
+        m[:, w - t:] = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        return m
 
     def _warm_inputs(self, s: _Step) -> None:
         """Every row of the bucket at the cache's last T positions (see the module
@@ -156,13 +177,15 @@ class GraphedDecoder:
         last = self.cache.capacity - t
         s.tokens.zero_()
         s.start.fill_(last)
+        if s.embeds is not None:
+            s.embeds.zero_()
         if s.rope is not None:
             s.rope.copy_(last + torch.arange(t, device=s.rope.device))
-            s.mask.copy_(torch.ones(t, t, dtype=torch.bool, device=s.mask.device).tril())
+            s.mask.copy_(self._own_tokens_mask(t, s.mask.shape[-1], s.mask.device))
 
-    def _capture(self, key: tuple) -> _Step:
-        bucket, t, masked = key
-        s = self._buffers(bucket, t, masked)
+    def _capture(self, key: tuple, embeds_like=None) -> _Step:
+        bucket, t, w, _ = key
+        s = self._buffers(bucket, t, w, embeds_like)
         self._warm_inputs(s)
         if not self.capture:  # the same writes as the warm-up, eagerly
             s.fn()
@@ -183,11 +206,14 @@ class GraphedDecoder:
     @torch.no_grad()  # (capture and replay record no autograd graph)
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, *,
                 rope_positions: Optional[torch.Tensor] = None,
-                new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                new_token_mask: Optional[torch.Tensor] = None,
+                embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``runner.extend(cache, rows 0..b-1, tokens [b, T], start [b], ...)`` through
         the key's static buffers and graph: final hidden states [b, T, hidden].
-        ``new_token_mask`` [b, T, T] and ``rope_positions`` [b, T] come together (a
-        tree's verification)."""
+        ``new_token_mask`` [b or 1, T, W] and ``rope_positions`` [b, T] come together
+        (a tree); ``embeds`` [b, T, hidden] replaces the embedding (the drafter's
+        inputs; ``tokens`` then only gives the shape). The key: (bucket, T, W or 0,
+        embeds or not)."""
         if cache is not self.cache or cache.generation != self.generation:
             self._reset(cache)
         b, t = tokens.shape
@@ -195,22 +221,25 @@ class GraphedDecoder:
         if masked != (rope_positions is not None):
             raise ValueError("a masked (tree) forward takes rope_positions and "
                              "new_token_mask together")
-        key = (bucket_for(b, cache.max_batch), t, masked)
+        w = new_token_mask.shape[-1] if masked else 0
+        key = (bucket_for(b, cache.max_batch), t, w, embeds is not None)
         s = self.graphs.get(key)
         if s is None:
-            s = self.graphs[key] = self._capture(key)
-        # padding rows: token 0 at position 0 of their own (free) row, causal among
-        # their own new tokens (module docstring)
-        s.tokens.zero_()
-        s.start.zero_()
+            s = self.graphs[key] = self._capture(key, embeds)
+        # padding rows: token 0 (zero inputs) at position 0 of their own (free) row,
+        # attending over their own new tokens only (module docstring)
+        s.tokens[b:].zero_()
+        s.start[b:].zero_()
         s.tokens[:b].copy_(tokens)
         s.start[:b].copy_(start)
+        if s.embeds is not None:
+            s.embeds[b:].zero_()
+            s.embeds[:b].copy_(embeds)
         if masked:
-            s.rope.copy_(torch.arange(t, device=s.rope.device).expand_as(s.rope))
-            s.mask.copy_(torch.ones(t, t, dtype=torch.bool, device=s.mask.device).tril()
-                         .expand_as(s.mask))
+            s.rope[b:].zero_()
+            s.mask[b:] = self._own_tokens_mask(t, w, s.mask.device)
             s.rope[:b].copy_(rope_positions)
-            s.mask[:b].copy_(new_token_mask.expand(b, t, t))
+            s.mask[:b].copy_(new_token_mask.expand(b, t, w))
         return s.replay()[:b]
 
     def run(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -222,7 +251,7 @@ class GraphedDecoder:
                rope_positions: Optional[torch.Tensor] = None,
                new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A speculative step's verification forward: ``tokens`` [b, T] (a chain's root
-        and drafts, causal; or a tree's nodes with ``new_token_mask`` and
+        and drafts, causal; or a tree's nodes with ``new_token_mask`` [b, T, T] and
         ``rope_positions``) at ``start`` [b]. Returns hidden states [b, T, hidden]."""
         return self.forward(cache, tokens, start, rope_positions=rope_positions,
                             new_token_mask=new_token_mask)

@@ -173,10 +173,21 @@ class RolloutEngine:
 
     def _wire_graphs(self) -> None:
         """The speculative decoders verify through the engine's graphs (or eagerly
-        without them); several drafter kinds each get them."""
-        spec = self.spec
+        without them); several drafter kinds each get them. The one-layer drafter's
+        forwards (catch-up, chain and tree steps) get their own, over its cache; the
+        self-drafter's copy and a Transformer Engine FP8 drafter draft eagerly."""
+        from .cuda_graphs import GraphedDecoder
+
+        spec, g = self.spec, self._graphs
         for d in (spec.decoders.values() if hasattr(spec, "decoders") else [spec]):
-            d.graphs = self._graphs
+            d.graphs = g
+            drafting = d.drafting
+            # (without the CPU kernels: its cache then has a capacity of room beyond
+            # the rows' drafts, where a capture's warm-up writes)
+            if g is None or d.kind != "eagle" or d.draft.fp8 or d.draft.kernels is not None:
+                drafting.graphs = None
+            elif drafting.graphs is None or drafting.graphs.capture != g.capture:
+                drafting.graphs = GraphedDecoder(d.draft, capture=g.capture)
 
     def detach_drafter(self) -> None:
         self.spec = None

@@ -89,9 +89,8 @@ def test_static_plain_steps_decode_like_the_eager_path(model, mode):
     _same(static, eager)
     # 4 rows for 7 prompts: the first 4 in bucket 4, then the last 3 in bucket 4 with a
     # padding row (the cache's 4 rows; no more are made for the graphs)
-    assert set(eng._graphs.graphs) == {(4, 1, False)}
+    assert set(eng._graphs.graphs) == {(4, 1, 0, False)}  # (bucket, T, W, embeds)
     assert eng.memory.cache.max_batch == 4 and eng.last_stats.batch_sizes[-1] == 3
-    assert all(k[1:] == (1, False) for k in eng._graphs.graphs)
 
 
 @pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5", "confident_4_1_4"])
@@ -99,7 +98,8 @@ def test_static_plain_steps_decode_like_the_eager_path(model, mode):
 def test_static_speculative_steps_decode_like_the_eager_path(model, mode, strategy):
     """Verification through the fixed-shape steps: chains (every row depth + 1 tokens),
     chains cut by the confidence stop (a key per width), trees (mask and depth
-    positions); the draft and acceptance paths are the eager ones either way."""
+    positions); and the one-layer drafter's catch-up, chain and tree forwards through
+    its own; acceptance is the eager one either way."""
     prompts = _prompts()
     stop = 0.01 if strategy.startswith("confident") else 0.0
     strategy = strategy.split("_", 1)[1] if stop else strategy
@@ -112,9 +112,15 @@ def test_static_speculative_steps_decode_like_the_eager_path(model, mode, strate
     keys = set(eng._graphs.graphs)
     tree = strategy == "3_2_5"
     verify = {k for k in keys if k[1] > 1}
-    assert verify and all(k[2] == tree for k in verify)
+    assert verify and all(k[2] == (k[1] if tree else 0) for k in verify)
     if not tree and not stop:
         assert {k[1] for k in verify} == {5}  # root + 4 drafts
+    # the drafter's forwards over its own cache: catch-up and chain steps (one token per
+    # row, its inputs as embeddings), tree steps (top-k per row, mask over the fed nodes)
+    drafted = set(eng.spec.drafting.graphs.graphs)
+    assert drafted and all(k[3] for k in drafted)
+    assert any(k[1:3] == (1, 0) for k in drafted)
+    assert any(k[2] > k[1] for k in drafted) == tree
 
 
 def test_gathered_runner_decodes_through_the_static_steps(model, monkeypatch):
@@ -156,7 +162,7 @@ def test_padding_rows_attend_over_their_own_length_and_touch_only_their_row(mode
     start = torch.tensor([5, 11, 2])
     graphs = GraphedDecoder(runner, capture=False)
     got = graphs.verify(cache, tokens, start)
-    step = graphs.graphs[(4, t, False)]
+    step = graphs.graphs[(4, t, 0, False)]
     assert step.start.tolist() == [5, 11, 2, 0]  # the padding row: its own length, 0
     assert step.tokens[3].tolist() == [0] * t
     written = torch.zeros(4, cap, dtype=torch.bool)

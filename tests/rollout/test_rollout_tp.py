@@ -54,6 +54,7 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
             names, tiny_hf_dirs, drafter_path)
         _check_shared_prefill({k.split("/", 2)[2]: v for k, v in results.items()
                                if k.startswith(f"{mode}/{SPEC_MODEL}/group_")}, pp)
+    _check_static_steps(results)
     if pp == 2:  # the gathered copies follow the trained weights
         for r in ranks:
             sync = r["sync"]
@@ -64,6 +65,19 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
             # generate makes the layer copies again (and they equal their owners')
             assert sync["held_after_release"] == sync["vocab_copy_bytes"] < \
                 sync["copy_bytes"] == sync["held_after_generate"], sync
+
+
+def _check_static_steps(results: dict) -> None:
+    """The fixed-shape steps CUDA graphs capture (run eagerly) decode like the eager
+    path in the gathered mode, at TP = 2 and at PP = 2 (each stage its own steps)."""
+    cases = [k.rsplit("/", 1)[0] for k in results if k.endswith("/static")]
+    assert len(cases) == 3, cases
+    for case in cases:
+        eager, static = results[case + "/eager"], results[case + "/static"]
+        assert any(k[1] > 1 for k in static["keys"]), case  # verification went through
+        for e, s in zip(eager["outputs"], static["outputs"]):
+            assert s["tokens"] == e["tokens"], case
+            assert max(abs(a - b) for a, b in zip(s["logprobs"], e["logprobs"])) <= 1e-5
 
 
 def _check_equals_single_process(tp2, names, tiny_hf_dirs, drafter_path):

@@ -8,7 +8,8 @@ For every tiny model under --models it runs the engine greedily and with samplin
 the prompts of tests/rollout/test_rollout_tp.py and writes every rank's tokens, log-probs and
 hidden states (rank 0 writes the file); at PP>1 in both rollout.pipeline_mode values,
 and a check that the gathered mode's weight copies follow an optimizer step. With
---drafter also speculation, coupled sampling and the shared-prefill group cases.
+--drafter also speculation, coupled sampling, the shared-prefill group cases and (the
+gathered mode) speculation through the fixed-shape steps that CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main() -> None:
                 results[f"{key}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
             _group_cases(results, key, model, arch, drafter, mode, args.pp)
+            if mode == "gathered":
+                _static_cases(results, key, model, arch, drafter)
         if args.pp > 1 and folder.name == SPEC_MODEL:
             sync = _copies_follow_updates(model, arch)
     gathered = [None] * dist.get_world_size()
@@ -87,6 +90,32 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+
+
+# speculative cases run again through the fixed-shape steps CUDA graphs capture
+# (rollout/cuda_graphs.py, run eagerly here), on the torch path both times
+STATIC_CASES = ("spec_greedy_tree", "spec_sampled_chain")
+
+
+def _static_cases(results: dict, key: str, model, arch, drafter) -> None:
+    """STATIC_CASES and coupled tree speculation eagerly and through the static steps
+    (``RolloutEngine._enable_graphs(capture=False)``), keyed "gathered/model/case/eager"
+    and ".../static": at TP = 2 the steps' all-reduces run inside them, at PP = 2 each
+    stage decodes its share through its own steps."""
+    runs = {c: (SPEC_CASES[c][0], "standard", SPEC_CASES[c][1]) for c in STATIC_CASES}
+    runs["coupled_tree"] = (COUPLED_CASES["coupled_tree"], "coupled", COUPLED_PARAMS)
+    for case, (strategy, sampling, params) in runs.items():
+        for how in ("eager", "static"):
+            cfg = spec_config(strategy, sampling)
+            cfg.cpu_kernels = "false"
+            eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[],
+                                drafter=drafter)
+            if how == "static":
+                eng._enable_graphs(capture=False)
+            outs = eng.generate(case_prompts(), params)
+            results[f"{key}/{case}/{how}"] = dict(
+                outputs=[dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs],
+                keys=sorted(map(list, eng._graphs.graphs)) if how == "static" else [])
 
 
 def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: int) -> None:

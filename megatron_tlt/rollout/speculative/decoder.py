@@ -110,6 +110,8 @@ class SpeculativeDecoder:
         next ``begin`` makes them again."""
         if self.cache is not None:
             self.cache.release()
+        if self.drafting.graphs is not None:  # they hold the drafter cache's addresses
+            self.drafting.graphs.release()
         self.features = None
 
     def capture_hook(self):
@@ -448,9 +450,8 @@ class SpeculativeDecoder:
             xp = self._padded(x, counts)
             b, t_max = xp.shape[:2]
             start = torch.tensor(starts, dtype=torch.long, device=dev)
-            self.draft.extend(self.cache, slice(0, b),
-                              torch.zeros(b, t_max, dtype=torch.long, device=dev), start,
-                              embeds=xp, span=max(starts) + t_max)
+            self.drafting.extend(b, torch.zeros(b, t_max, dtype=torch.long, device=dev),
+                                 start, embeds=xp, span=max(starts) + t_max)
         for i, (s, c) in enumerate(zip(starts, counts)):
             self.draft_len[i] = s + c
         stats.catchup_seconds += time.perf_counter() - t0
@@ -470,19 +471,17 @@ class SpeculativeDecoder:
             if self.draft.kernels is not None:
                 out = self.draft.extend_chains(self.cache, row_of, pos, x)
             else:  # one pending position per row: a plain one-token step
-                out = self.draft.extend(self.cache, slice(0, b),
-                                        torch.zeros(b, 1, dtype=torch.long, device=dev),
-                                        pos, embeds=x[:, None],
-                                        span=max(starts) + 1).reshape(b, -1)
+                out = self.drafting.extend(b, torch.zeros(b, 1, dtype=torch.long, device=dev),
+                                           pos, embeds=x[:, None],
+                                           span=max(starts) + 1).reshape(b, -1)
             last = torch.tensor(counts, device=dev).cumsum(0) - 1
         else:  # padded [B, T]: pad slots lie beyond each row's valid range (the cache
             # has a full capacity of slack for them, see ``begin``)
             xp = self._padded(x, counts)
             start = torch.tensor(starts, dtype=torch.long, device=dev)
-            out = self.draft.extend(self.cache, slice(0, b),
-                                    torch.zeros(b, t_max, dtype=torch.long, device=dev),
-                                    start, embeds=xp,
-                                    span=max(starts) + t_max).reshape(b * t_max, -1)
+            out = self.drafting.extend(b, torch.zeros(b, t_max, dtype=torch.long, device=dev),
+                                       start, embeds=xp,
+                                       span=max(starts) + t_max).reshape(b * t_max, -1)
             last = torch.arange(b, device=dev) * t_max + torch.tensor(counts, device=dev) - 1
         root_h = out.index_select(0, last)
         return root_h, self.draft.draft_logits(root_h)

@@ -74,6 +74,25 @@ class Drafting:
         # coupled noise rows of the current step, shared with verification (the decoder
         # clears it at the start of every step)
         self.noise = CoupledNoise(target.arch.vocab_size, target.device)
+        # the drafter's fixed-shape forwards over its cache (``cuda_graphs.
+        # GraphedDecoder`` on ``draft``), set by the engine where drafting is graphed
+        # (the one-layer drafter with CUDA graphs); None: eager
+        self.graphs = None
+
+    def extend(self, b: int, tokens: torch.Tensor, start: torch.Tensor, *, embeds,
+               span: int, rope_positions: Optional[torch.Tensor] = None,
+               new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The drafter's forward over rows 0..b-1 of its cache (``ModelRunner.extend``
+        with ``embeds`` as its inputs): through ``graphs`` when set (a key per
+        (bucket, tokens per row, tree mask width, embeds)), else eagerly over ``span``
+        positions."""
+        if self.graphs is not None:
+            return self.graphs.forward(self.cache, tokens, start, embeds=embeds,
+                                       rope_positions=rope_positions,
+                                       new_token_mask=new_token_mask)
+        return self.draft.extend(self.cache, slice(0, b), tokens, start, embeds=embeds,
+                                 rope_positions=rope_positions,
+                                 new_token_mask=new_token_mask, span=span)
 
     def _draft_noise(self, rows, offset: int):
         """Coupled rows' noise at response position len(tokens) + offset over the draft
@@ -184,9 +203,8 @@ class Drafting:
                                 device=dev)
             feed = torch.where(torch.tensor([bool(d) for d in drafts], device=dev), feed, last)
             x = self.draft.inputs(feed, h, target_features=False)
-            h = self.draft.extend(self.cache, slice(0, b), feed[:, None],
-                                  start + j + self.pos_offset, embeds=x[:, None],
-                                  span=top + j + self.pos_offset + 1)[:, 0]
+            h = self.extend(b, feed[:, None], start + j + self.pos_offset,
+                            embeds=x[:, None], span=top + j + self.pos_offset + 1)[:, 0]
             logits = self.draft.draft_logits(h)
         q_lp = None
         if any(sampled[i] and not coupled[i] for i in range(b)):
@@ -224,9 +242,8 @@ class Drafting:
             if j == depth - 1:
                 break
             x = self.draft.inputs(tok, h, target_features=False)
-            h = self.draft.extend(self.cache, slice(0, b), tok[:, None],
-                                  start + j + self.pos_offset, embeds=x[:, None],
-                                  span=top + j + self.pos_offset + 1)[:, 0]
+            h = self.extend(b, tok[:, None], start + j + self.pos_offset,
+                            embeds=x[:, None], span=top + j + self.pos_offset + 1)[:, 0]
             logits = self.draft.draft_logits(h)
         drafts = torch.stack(drafted, dim=1).tolist()  # the chain's one host read
         q_lp = [torch.stack(q) if q else None for q in q_rows] if standard else None
@@ -283,8 +300,8 @@ class Drafting:
             full_tok = self._to_target(pool.front_tok)
             x = self.draft.inputs(full_tok.reshape(-1), parent_h.reshape(b * k, -1),
                                   target_features=False).view(b, k, -1)
-            out = self.draft.extend(
-                self.cache, slice(0, b), full_tok, L + w,
+            out = self.extend(
+                b, full_tok, L + w,
                 rope_positions=(L + depth - 1)[:, None].expand(b, k), new_token_mask=anc[:, w:],
                 embeds=x, span=top + w + k)  # [B, K, H]
             # children predict response position t0 + depth
