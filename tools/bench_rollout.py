@@ -176,8 +176,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="rollout.cuda_graphs=true (CUDA: plain decode steps replayed "
-                         "from graphs)")
+                    help="rollout.cuda_graphs=true (CUDA: decode, verification and "
+                         "one-layer drafting steps replayed from graphs; without the "
+                         "flag the bench runs eager steps, cuda_graphs=false)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "true", "false"),
                     help="rollout.cpu_kernels for the engine (default auto: where this "
                          "machine's calibration measured them faster)")

@@ -322,8 +322,9 @@ def main(argv=None) -> int:
                     help="RL recipe (YAML): prompts of its task in its prompt format, drawn "
                          "with a seed its warm-up does not use (default: basic_arithmetic)")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="rollout.cuda_graphs=true (CUDA: plain decode steps replayed from "
-                         "graphs)")
+                    help="rollout.cuda_graphs=true (CUDA: decode, verification and "
+                         "one-layer drafting steps replayed from graphs; without the "
+                         "flag the bench runs eager steps, cuda_graphs=false)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:

@@ -105,6 +105,7 @@ class _Step:
     graph: Optional[object] = None
     out: Optional[torch.Tensor] = None  # [bucket, T, hidden]
     embeds: Optional[torch.Tensor] = None  # [bucket, T, hidden] (drafter inputs)
+    own_mask: Optional[torch.Tensor] = None  # [T, W] a padding row's mask (trees)
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:
@@ -160,7 +161,8 @@ class GraphedDecoder:
             return runner.extend(cache, slice(0, bucket), tokens, start,
                                  rope_positions=rope, new_token_mask=mask,
                                  span=cache.capacity, embeds=embeds)
-        return _Step(tokens, start, rope, mask, fn, embeds=embeds)
+        return _Step(tokens, start, rope, mask, fn, embeds=embeds,
+                     own_mask=self._own_tokens_mask(t, w, dev) if w else None)
 
     @staticmethod
     def _own_tokens_mask(t: int, w: int, device) -> torch.Tensor:
@@ -181,7 +183,7 @@ class GraphedDecoder:
             s.embeds.zero_()
         if s.rope is not None:
             s.rope.copy_(last + torch.arange(t, device=s.rope.device))
-            s.mask.copy_(self._own_tokens_mask(t, s.mask.shape[-1], s.mask.device))
+            s.mask.copy_(s.own_mask.expand_as(s.mask))
 
     def _capture(self, key: tuple, embeds_like=None) -> _Step:
         bucket, t, w, _ = key
@@ -237,7 +239,7 @@ class GraphedDecoder:
             s.embeds[:b].copy_(embeds)
         if masked:
             s.rope[b:].zero_()
-            s.mask[b:] = self._own_tokens_mask(t, w, s.mask.device)
+            s.mask[b:] = s.own_mask
             s.rope[:b].copy_(rope_positions)
             s.mask[:b].copy_(new_token_mask.expand(b, t, w))
         return s.replay()[:b]

@@ -46,7 +46,7 @@ def main() -> None:
     apply_cpu_redirection()
     # at PP > 1 both rollout.pipeline_mode values; results are keyed "mode/model/case"
     modes = ["gathered", "pipelined"] if args.pp > 1 else ["gathered"]
-    results, sync = {}, None
+    results, sync, static_keys = {}, None, {}
     for folder in sorted(Path(args.models).iterdir()):
         model, arch = load_model(folder, device=plat.device, dtype="float32")
         for mode in modes:
@@ -81,12 +81,13 @@ def main() -> None:
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
             _group_cases(results, key, model, arch, drafter, mode, args.pp)
             if mode == "gathered":
-                _static_cases(results, key, model, arch, drafter)
+                _static_cases(results, static_keys, key, model, arch, drafter)
         if args.pp > 1 and folder.name == SPEC_MODEL:
             sync = _copies_follow_updates(model, arch)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(tp_rank=layout().tp_rank, pp_rank=layout().pp_rank,
-                                          results=results, sync=sync))
+                                          results=results, sync=sync,
+                                          static_keys=static_keys))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
@@ -97,11 +98,13 @@ def main() -> None:
 STATIC_CASES = ("spec_greedy_tree", "spec_sampled_chain")
 
 
-def _static_cases(results: dict, key: str, model, arch, drafter) -> None:
+def _static_cases(results: dict, static_keys: dict, key: str, model, arch, drafter
+                  ) -> None:
     """STATIC_CASES and coupled tree speculation eagerly and through the static steps
     (``RolloutEngine._enable_graphs(capture=False)``), keyed "gathered/model/case/eager"
     and ".../static": at TP = 2 the steps' all-reduces run inside them, at PP = 2 each
-    stage decodes its share through its own steps."""
+    stage decodes its share through its own steps. ``static_keys``: this rank's step
+    keys per case (a stage's share has its own batch sizes)."""
     runs = {c: (SPEC_CASES[c][0], "standard", SPEC_CASES[c][1]) for c in STATIC_CASES}
     runs["coupled_tree"] = (COUPLED_CASES["coupled_tree"], "coupled", COUPLED_PARAMS)
     for case, (strategy, sampling, params) in runs.items():
@@ -113,9 +116,10 @@ def _static_cases(results: dict, key: str, model, arch, drafter) -> None:
             if how == "static":
                 eng._enable_graphs(capture=False)
             outs = eng.generate(case_prompts(), params)
-            results[f"{key}/{case}/{how}"] = dict(
-                outputs=[dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs],
-                keys=sorted(map(list, eng._graphs.graphs)) if how == "static" else [])
+            results[f"{key}/{case}/{how}"] = [dict(tokens=o.token_ids, logprobs=o.logprobs)
+                                              for o in outs]
+            if how == "static":
+                static_keys[f"{key}/{case}"] = sorted(map(list, eng._graphs.graphs))
 
 
 def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: int) -> None:
