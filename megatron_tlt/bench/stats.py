@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-__all__ = ["rate_ratio", "plain_step_medians", "declined_step_ratio", "median_or_none"]
+__all__ = ["rate_ratio", "plain_step_medians", "declined_step_ratio", "median_or_none",
+           "tail_speedup_bound"]
 
 
 def rate_ratio(tok_a, sec_a, tok_p, sec_p) -> float:
@@ -35,3 +36,30 @@ def median_or_none(values) -> Optional[float]:
     """Median of the values that are not None; None when there are none."""
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def tail_speedup_bound(plain_st, speedup_at: dict, threshold: int) -> Optional[dict]:
+    """An upper bound on what speculation can give a long-tail run, from plain decoding's
+    own steps (``plain_st``: each step's running batch and time, and the prefill) and
+    the best speedup measured at a few batch sizes (``speedup_at``: {batch: speedup}).
+
+    Each plain step at batch b <= ``threshold`` is taken as sped up by the speedup
+    measured at the largest measured batch <= b (never below 1: the gate can always
+    decline); steps above the threshold and the prefill stay as they are. Speedups
+    fall with the batch, so taking the smaller batch's is optimistic: no per-bucket
+    choice of strategy beats this bound with these measurements. Returns the bound
+    and each batch bucket's share of plain decoding's time, or None without steps."""
+    if not plain_st.step_seconds or not speedup_at:
+        return None
+    measured = sorted(speedup_at)
+    total = plain_st.prefill_seconds + sum(plain_st.step_seconds)
+    best, share = plain_st.prefill_seconds, {}
+    for b, sec in zip(plain_st.batch_sizes, plain_st.step_seconds):
+        under = [m for m in measured if m <= b]
+        s = max(1.0, speedup_at[under[-1]]) if under and b <= threshold else 1.0
+        best += sec / s
+        share[b] = share.get(b, 0.0) + sec / total
+    return {"bound": total / best,
+            "time_share_by_batch": {str(b): round(v, 4) for b, v in sorted(share.items())},
+            "prefill_share": plain_st.prefill_seconds / total,
+            "speedup_at": {str(b): speedup_at[b] for b in measured}}

@@ -215,16 +215,19 @@ def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
-                   device, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   device, token_ids: Optional[torch.Tensor] = None,
+                   kernels=None) -> torch.Tensor:
     """Gumbel noise g[i, v] for (keys[i], positions[i], v), [n, vocab] float32
     (``token_ids``: only those tokens' columns, [n, len(token_ids)]).
 
-    U = (h + 1/2) / 2**32 with h a 32-bit hash of (key, position, token id) computed in
-    integers, E = -log U in float64 (the tail of small E, where g is large and decides
-    rare tokens, keeps its 32 bits), g = -log E in float32: the same values on every
-    batch layout and TP size, and on every device up to the last bit of a float32 log
-    (a near-tie, like the logits' own device differences). Gumbel-max: argmax(log p + g)
-    is distributed as p."""
+    h is a 32-bit hash of (key, position, token id) computed in integers, U = (h + 1/2)
+    / 2**32, E = -log U and g = -log E, in float32: for U >= 1/2, E = -log1p(-V) with
+    V = 1 - U taken from the hash's distance to 2**32 (integers, exact), so the small
+    E where g is large and decides rare tokens keep their precision. Gumbel-max:
+    argmax(log p + g) is distributed as p. The same values on every batch layout and TP
+    size; on every device and through the CPU kernels (``kernels``: their
+    ``coupled_gumbel``, one pass without temporaries, several times faster) up to a
+    few ulp of a float32 log (a near-tie, like the logits' own device differences)."""
     device = torch.device(device)
     table = _token_hash(vocab, device)
     if token_ids is not None:
@@ -232,9 +235,22 @@ def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
     if not len(keys):
         return torch.zeros(0, table.shape[0], dtype=torch.float32, device=device)
     salt = torch.tensor(_salts(keys, positions), dtype=torch.int64, device=device)
-    h = _fmix32_t(table[None, :] ^ salt[:, None])
-    e = -torch.log((h.double() + 0.5) * (1.0 / 4294967296.0))
-    return -torch.log(e.float())
+    if kernels is not None and device.type == "cpu" and hasattr(kernels, "coupled_gumbel"):
+        return kernels.coupled_gumbel(salt, table)
+    return gumbel_of_hash(_fmix32_t(table[None, :] ^ salt[:, None]))
+
+
+def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """g = -log(-log U) of 32-bit hashes ``h`` (int64), U = (h + 1/2) / 2**32, float32
+    (``coupled_gumbel``; the CPU kernels compute the same steps)."""
+    lo = h < 2**31
+    t = torch.where(lo, h, _M32 - h)  # the distance to the nearer end, < 2**31
+    w0 = (t.float() + 0.5) * (1.0 / 4294967296.0)
+    w = torch.where(lo, w0, 1.0 - w0)  # U, or 1 - V rounded
+    log_w = torch.log(w)
+    # log1p(-V) = -V log(w) / (w - 1) for w = 1 - V rounded; w == 1: -V
+    hi_e = torch.where(w == 1.0, w0, w0 * log_w / (w - 1.0))
+    return -torch.log(torch.where(lo, -log_w, hi_e))
 
 
 class CoupledNoise:
@@ -243,8 +259,9 @@ class CoupledNoise:
     need the same positions' noise (drafting L+1..L+d, verification L+1..L+d+1), so the
     step computes d+1 rows instead of 2d+1. ``clear`` at the start of every step."""
 
-    def __init__(self, vocab: int, device):
+    def __init__(self, vocab: int, device, kernels=None):
         self.vocab, self.device = vocab, torch.device(device)
+        self.kernels = kernels  # the CPU kernels' coupled_gumbel when given
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
 
     def clear(self) -> None:
@@ -256,7 +273,7 @@ class CoupledNoise:
         missing = list(dict.fromkeys(p for p in pairs if p not in self._rows))
         if missing:
             g = coupled_gumbel([k for k, _ in missing], [t for _, t in missing], self.vocab,
-                               self.device)
+                               self.device, kernels=self.kernels)
             self._rows.update(zip(missing, g.unbind(0)))
         if not pairs:
             return torch.zeros(0, self.vocab, dtype=torch.float32, device=self.device)
@@ -267,7 +284,7 @@ def coupled_argmax(logprobs: torch.Tensor, keys: Sequence[int], positions: Seque
                    kernels=None) -> torch.Tensor:
     """The coupled token of each row of ``logprobs`` [rows, vocab] (processed
     log-probabilities; -inf for tokens top-k / top-p removed)."""
-    g = coupled_gumbel(keys, positions, logprobs.shape[-1], logprobs.device)
+    g = coupled_gumbel(keys, positions, logprobs.shape[-1], logprobs.device, kernels=kernels)
     return argmax_rows(logprobs.float() + g, kernels)
 
 

@@ -295,3 +295,24 @@ def test_format_length_stats():
 def test_bad_length_stats(lengths, cap, match):
     with pytest.raises(WorkloadError, match=match):
         length_stats(lengths, cap=cap)
+
+
+def test_tail_speedup_bound_speeds_up_only_the_steps_speculation_can_reach():
+    """The bound divides each plain step at batch b <= threshold by the speedup measured
+    at the largest measured batch <= b (at least 1), and leaves prefill and larger
+    batches alone."""
+    from megatron_tlt.bench.stats import tail_speedup_bound
+    from megatron_tlt.rollout.outputs import GenerateStats
+
+    st = GenerateStats(prefill_seconds=1.0, batch_sizes=[16, 8, 4, 2, 1, 1],
+                       step_seconds=[4.0, 2.0, 1.0, 1.0, 1.0, 1.0])
+    got = tail_speedup_bound(st, {1: 2.0, 4: 1.5, 8: 0.8}, threshold=8)
+    # prefill 1 + batch 16: 4 (above the threshold) + batch 8: 2 / 1 (0.8 -> declined)
+    # + batch 4: 1 / 1.5 + batch 2: 1 / 2 (the batch-1 speedup) + two batch-1 steps: 1 / 2 each
+    expect = 11.0 / (1 + 4 + 2 + 1 / 1.5 + 0.5 + 0.5 + 0.5)
+    assert abs(got["bound"] - expect) < 1e-12
+    assert abs(sum(got["time_share_by_batch"].values()) + got["prefill_share"] - 1) < 1e-3
+    assert tail_speedup_bound(GenerateStats(), {1: 2.0}, 8) is None
+    # nothing measured at or below a step's batch: that step is not sped up
+    assert tail_speedup_bound(st, {4: 3.0}, threshold=16)["bound"] < \
+        tail_speedup_bound(st, {1: 3.0}, threshold=16)["bound"]

@@ -192,9 +192,9 @@ def test_coupled_noise_rows_are_computed_once_and_equal_the_direct_noise(monkeyp
     calls = []
     real = sampling.coupled_gumbel
 
-    def counting(keys, positions, vocab, device, token_ids=None):
+    def counting(keys, positions, vocab, device, token_ids=None, kernels=None):
         calls.append(len(keys))
-        return real(keys, positions, vocab, device, token_ids)
+        return real(keys, positions, vocab, device, token_ids, kernels)
 
     monkeypatch.setattr(sampling, "coupled_gumbel", counting)
     noise = sampling.CoupledNoise(300, "cpu")
@@ -207,3 +207,16 @@ def test_coupled_noise_rows_are_computed_once_and_equal_the_direct_noise(monkeyp
     noise.rows([7], [3])
     assert calls == [3, 1, 1]
     assert noise.rows([], []).shape == (0, 300)
+
+
+def test_coupled_sampling_through_the_cpu_kernels_reproduces_the_distribution():
+    """The CPU kernels' noise (what the engine uses on CPU) samples exactly too."""
+    from megatron_tlt.rollout import cpu_kernels
+
+    kern = cpu_kernels.get()
+    assert kern is not None, "the CPU kernels did not build"
+    lp = processed_logprobs(_logits()[None], 1.0, 0, 1.0)[0]
+    probs = {v: float(p) for v, p in enumerate(lp.exp()) if p > 0}
+    keys = [request_seed(99, i) for i in range(DRAWS)]
+    tok = coupled_argmax(lp.expand(DRAWS, -1).contiguous(), keys, [5] * DRAWS, kern)
+    assert _chi2_pvalue(collections.Counter(tok.tolist()), probs, DRAWS) > P_MIN

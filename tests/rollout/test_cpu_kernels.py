@@ -280,3 +280,54 @@ def test_decode_layers_match_the_eager_path(kern):
         torch.testing.assert_close(fused, eager, rtol=0, atol=3e-5)
         torch.testing.assert_close(caches[0].k, caches[1].k, rtol=0, atol=1e-5)
         torch.testing.assert_close(caches[0].v, caches[1].v, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ coupled sampling noise
+def _unfmix32(h: int) -> int:
+    """The inverse of sampling._fmix32 (each step of the finaliser is a bijection)."""
+    m = 0xFFFFFFFF
+
+    def unshift(x, s):  # inverse of x ^= x >> s
+        y = x
+        for _ in range(32 // s + 1):
+            y = x ^ (y >> s)
+        return y & m
+
+    h = unshift(h, 16)
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & m
+    h = unshift(h, 13)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & m
+    return unshift(h, 16)
+
+
+def test_coupled_noise_kernel_matches_the_torch_form(kern):
+    """The kernel's Gumbel noise is sampling.coupled_gumbel's (the torch form) up to a few
+    ulp of a float32 log, on every row and column, the ragged end of a row included."""
+    from megatron_tlt.rollout.sampling import coupled_gumbel
+
+    keys, pos = [3, 2**40 + 7, 11, 11], [0, 5, 5, 6]
+    for vocab in (1, 15, 49152 + 7):
+        a = coupled_gumbel(keys, pos, vocab, "cpu")
+        b = coupled_gumbel(keys, pos, vocab, "cpu", kernels=kern)
+        assert b.shape == a.shape and b.dtype == torch.float32
+        assert torch.allclose(b, a, rtol=1e-6, atol=2e-6), (vocab, (a - b).abs().max())
+    # a subset of tokens (token_ids) gives the same columns
+    ids = torch.tensor([5, 0, 49000, 17])
+    sub = coupled_gumbel(keys, pos, 49152, "cpu", token_ids=ids, kernels=kern)
+    assert torch.equal(sub, coupled_gumbel(keys, pos, 49152, "cpu", kernels=kern)[:, ids])
+
+
+def test_coupled_noise_kernel_is_accurate_at_both_ends_of_the_hash(kern):
+    """Against float64's -log(-log U) where the float32 form is hardest: U near 0
+    (E large), near 1/2 (the switch to log1p) and near 1 (E tiny: the large g that decide
+    rare tokens). Token hashes are chosen through the finaliser's inverse so that the
+    kernel's hash lands on each target value."""
+    h = [*range(0, 300), *range(2**31 - 300, 2**31 + 300), *range(2**32 - 300, 2**32)]
+    salt = 0x5EED
+    table = torch.tensor([_unfmix32(x) ^ salt for x in h], dtype=torch.int64)
+    g = kern.coupled_gumbel(torch.tensor([salt]), table)[0].double()
+    hd = torch.tensor(h, dtype=torch.float64)
+    exact = -torch.log(-torch.log((hd + 0.5) / 2**32))
+    assert torch.all((g - exact).abs() <= 4e-7 * exact.abs().clamp_min(1.0)), \
+        (g - exact).abs().max()
+    assert g.max() > 22.0  # the Gumbel tail reaches -log(-log(1 - 2^-33))

@@ -698,6 +698,97 @@ torch::Tensor argmax_rows(torch::Tensor x, int64_t n) {
   return out;
 }
 
+// ---------------------------------------------------------------- coupled sampling noise
+// Natural log on kVL lanes of positive normal floats: x = 2^e * m with m in
+// [sqrt(1/2), sqrt(2)), log(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172, as
+// 2s (1 + z/3 + z^2/5 + ... + z^5/11), z = s^2 (truncation < 1e-9 relative); e ln2 in
+// two parts. About 2 ulp (sampling.coupled_gumbel's torch form agrees to a few ulp).
+static inline vg vlog_native(vg x) {
+  vgi xi;
+  std::memcpy(&xi, &x, sizeof xi);
+  vgi e = ((xi >> 23) & 0xff) - 127;
+  vgi mi = (xi & 0x7fffff) | 0x3f800000;
+  vg m;
+  std::memcpy(&m, &mi, sizeof m);
+  const vgi big = m > (vg{} + 1.41421356f);  // -1 where true
+  m = big ? m * 0.5f : m;
+  e -= big;
+  const vg f = m - 1.0f;  // exact (Sterbenz)
+  const vg s = f / (f + 2.0f);
+  const vg z = s * s;
+  vg p = vg{} + 1.f / 11.f;
+  p = p * z + 1.f / 9.f;
+  p = p * z + 1.f / 7.f;
+  p = p * z + 1.f / 5.f;
+  p = p * z + 1.f / 3.f;
+  const vg ef = __builtin_convertvector(e, vg);
+  const vg logm = 2.0f * s + 2.0f * s * (p * z);
+  return ef * 0.693145752f + (logm + ef * 1.42860677e-6f);
+}
+
+// Gumbel noise of the 32-bit hashes h (sampling.coupled_gumbel's definition): U = (h +
+// 1/2) / 2^32, E = -log U (for U >= 1/2 as -log1p(-V), V = 1 - U computed in integers,
+// so the small E that decide rare tokens keep their precision), g = -log E.
+static inline vg gumbel_of_hash(vgi h) {
+  // h holds 32 bits; as int32, h >= 2^31 reads negative
+  const vgi lo = h >= vgi{};
+  const vgi t = lo ? h : (vgi{} - 1) - h;  // the distance to the nearer end, < 2^31
+  const vg w0 = (__builtin_convertvector(t, vg) + 0.5f) * 2.3283064365386963e-10f;
+  const vg w = lo ? w0 : 1.0f - w0;        // U, or 1 - V rounded
+  const vg l = vlog_native(w);
+  // log1p(-V) = -V log(w) / (w - 1) for w = 1 - V rounded (Kahan); w == 1: -V
+  const vg hi_e = w == (vg{} + 1.0f) ? w0 : w0 * l / (w - 1.0f);
+  const vg e = lo ? (vg{} - l) : hi_e;
+  return vg{} - vlog_native(e);
+}
+
+static inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; return h ^ (h >> 16);
+}
+
+// out[i, v] = gumbel(fmix32(table[v] ^ salt[i])) for salts [n] and token hashes table [V]
+// (int64 holding 32-bit values): sampling.coupled_gumbel without its temporaries.
+torch::Tensor coupled_gumbel(torch::Tensor salt, torch::Tensor table) {
+  TORCH_CHECK(salt.device().is_cpu() && table.device().is_cpu() &&
+              salt.scalar_type() == torch::kLong && table.scalar_type() == torch::kLong &&
+              salt.dim() == 1 && table.dim() == 1,
+              "coupled_gumbel takes int64 CPU salts [n] and token hashes [V]");
+  salt = salt.contiguous();
+  table = table.contiguous();
+  const int64_t n = salt.size(0), V = table.size(0);
+  auto out = torch::empty({n, V}, salt.options().dtype(torch::kFloat));
+  const int64_t* sp = salt.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kChunk = 2048;  // columns per task
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n * V >= (1 << 15))
+  for (int64_t task = 0; task < n * chunks; ++task) {
+    const int64_t i = task / chunks, c0 = (task % chunks) * kChunk;
+    const int64_t c1 = std::min(V, c0 + kChunk);
+    const uint32_t s = (uint32_t)sp[i];
+    float* row = op + i * V;
+    int64_t v = c0;
+    for (; v + kVL <= c1; v += kVL) {
+      int32_t hb[kVL];
+      for (int k = 0; k < kVL; ++k) hb[k] = (int32_t)fmix32((uint32_t)tp[v + k] ^ s);
+      vgi h;
+      std::memcpy(&h, hb, sizeof h);
+      stg(row + v, gumbel_of_hash(h));
+    }
+    if (v < c1) {  // the ragged end, through one padded vector
+      int32_t hb[kVL] = {0};
+      for (int64_t k = 0; k < c1 - v; ++k) hb[k] = (int32_t)fmix32((uint32_t)tp[v + k] ^ s);
+      vgi h;
+      std::memcpy(&h, hb, sizeof h);
+      float tmp[kVL];
+      stg(tmp, gumbel_of_hash(h));
+      std::memcpy(row + v, tmp, (c1 - v) * sizeof(float));
+    }
+  }
+  return out;
+}
+
 // fc([embed(tok[n]); feat[n]]) for N rows -> out [N, H] (fc_w packed, H x 2H).
 static torch::Tensor draft_inputs(const int64_t* tok, const float* feat, int64_t N, int64_t H,
                                   const torch::Tensor& embed_w, const torch::Tensor& fc_w) {
@@ -1281,6 +1372,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kc"), py::arg("vc"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
         py::arg("D"), py::arg("scale"), py::arg("row_of") = py::none());
   m.def("argmax_rows", &argmax_rows, py::arg("x"), py::arg("n"));
+  m.def("coupled_gumbel", &coupled_gumbel, py::arg("salt"), py::arg("table"));
   m.def("draft_chain", &draft_chain, py::arg("tok"), py::arg("feat"), py::arg("row_of"),
         py::arg("pos"), py::arg("last"), py::arg("start"), py::arg("depth"), py::arg("vocab"),
         py::arg("d2t"), py::arg("embed_w"), py::arg("fc_w"), py::arg("ln1"), py::arg("qkv_w"),

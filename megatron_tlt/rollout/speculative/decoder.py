@@ -175,7 +175,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         b = len(rows)
         dev = self.target.device
-        self.drafting.noise.clear()
+        self.drafting.new_step()
         tree: Optional[DraftTree] = None
         q_lp = drafts = None
         if strategy.is_chain and self.drafting.fused(rows):  # catch-up + chain, one call

@@ -72,7 +72,7 @@ class Drafting:
         # one-layer drafter, whose root pair sits at L-1; 1: the self-drafter, fed x_L at L)
         self.pos_offset = 0
         # coupled noise rows of the current step, shared with verification (the decoder
-        # clears it at the start of every step)
+        # calls new_step at the start of every step)
         self.noise = CoupledNoise(target.arch.vocab_size, target.device)
         # the drafter's fixed-shape forwards over its cache (``cuda_graphs.
         # GraphedDecoder`` on ``draft``), set by the engine where drafting is graphed
@@ -94,6 +94,12 @@ class Drafting:
                                  rope_positions=rope_positions,
                                  new_token_mask=new_token_mask, span=span)
 
+    def new_step(self) -> None:
+        """Forget the last step's noise rows; the next are computed as the target's own
+        sampling computes them (its CPU kernels, when it has them)."""
+        self.noise.clear()
+        self.noise.kernels = self.target.kernels
+
     def _draft_noise(self, rows, offset: int):
         """Coupled rows' noise at response position len(tokens) + offset over the draft
         vocabulary, [B, V_draft] (zeros for other rows), and their mask [B]; None when
@@ -104,7 +110,8 @@ class Drafting:
         dev = self.target.device
         keys, pos = [rows[i].key for i in idx], [len(rows[i].tokens) + offset for i in idx]
         g = self.noise.rows(keys, pos) if self.draft.d2t is None else coupled_gumbel(
-            keys, pos, self.target.arch.vocab_size, dev, token_ids=self.draft.d2t)
+            keys, pos, self.target.arch.vocab_size, dev, token_ids=self.draft.d2t,
+            kernels=self.target.kernels)
         full = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32, device=dev)
         index = torch.tensor(idx, device=dev)
         full[index] = g
