@@ -11,10 +11,11 @@ given as embeddings or not). On the target (the engine's ``GraphedDecoder``):
   ancestor mask and depth-based rotary positions (W = T = verify_tokens + 1).
 
 On the one-layer drafter (a ``GraphedDecoder`` over its runner and cache, held by its
-``Drafting``): the catch-up (one pending position per row in the steady state, the
-longest row's count after accepted runs), each chain step (one token per row) and each
-tree step (top-k nodes per row, W = the nodes fed so far), all with the drafter's
-fused inputs as embeddings.
+``Drafting``): the catch-up (the roots, one per row; before them the positions a
+steady step accepted, the longest row's count, up to the draft slack; a longer
+catch-up, of positions decoded plainly, runs eagerly rather than capture a key per
+width), each chain step (one token per row) and each tree step (top-k nodes per row,
+W = the nodes fed so far), all with the drafter's fused inputs as embeddings.
 
 Buckets are batch sizes 1, 2, 4, 8, ... below the cache's rows, then the cache's rows
 (``bucket_for``: 24 rows give 1, 2, 4, 8, 16, 24; the cache gets no extra rows). The

@@ -54,12 +54,13 @@ def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=4):
+def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=4,
+            threshold=64):
     """An engine on the eager torch path (the one CUDA runs: no fused CPU kernels), or
     with ``static`` through the fixed-shape steps run eagerly."""
     m, arch, d = model
-    sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64,
-                            min_draft_prob=min_draft_prob)
+    sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold,
+                          min_draft_prob=min_draft_prob)
           if strategy else SpeculativeConfig())
     cfg = RolloutConfig(speculative=sc, cpu_kernels="false", max_batch_size=max_batch,
                         sampling_mode="coupled" if mode == "coupled" else "standard")
@@ -119,8 +120,32 @@ def test_static_speculative_steps_decode_like_the_eager_path(model, mode, strate
     # row, its inputs as embeddings), tree steps (top-k per row, mask over the fed nodes)
     drafted = set(eng.spec.drafting.graphs.graphs)
     assert drafted and all(k[3] for k in drafted)
+    # (a catch-up wider than the draft slack runs eagerly: no key per width)
+    assert all(k[1] <= eng.spec.drafting.static_tokens for k in drafted)
     assert any(k[1:3] == (1, 0) for k in drafted)
     assert any(k[2] > k[1] for k in drafted) == tree
+
+
+@pytest.mark.parametrize("mode", ["greedy", "standard"])
+def test_static_steps_when_speculation_switches_on_in_the_tail(model, mode):
+    """Speculation on below 2 rows: the drafter catches up on every position decoded
+    plainly (wider than the draft slack: eagerly, no key per width), then drafts and
+    verifies through the static steps; the outputs are the eager engine's."""
+    prompts = _prompts()[:4]
+    sp = [SamplingParams(**{**MODES[mode].__dict__, "max_new_tokens": n})
+          for n in (6, 8, 26, 30)]  # two rows run on alone for 18 tokens or more
+    eager = _engine(model, mode, "4_1_4", threshold=2)
+    want = eager.generate(prompts, sp)
+    eng = _engine(model, mode, "4_1_4", threshold=2, static=True)
+    got = eng.generate(prompts, sp)
+    _same(got, want)
+    st = eng.last_stats.spec
+    assert st.steps == eager.last_stats.spec.steps > 0 and st.catchup_tokens > 0
+    drafting = eng.spec.drafting
+    assert drafting.graphs.graphs
+    assert all(k[1] <= drafting.static_tokens < 20 for k in drafting.graphs.graphs)
+    # the switch-on catch-up fed more positions per row than any graphed width
+    assert st.catchup_tokens > 2 * drafting.static_tokens, st.catchup_tokens
 
 
 def test_gathered_runner_decodes_through_the_static_steps(model, monkeypatch):

@@ -98,6 +98,7 @@ class SpeculativeDecoder:
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
                                    device=self.draft.device)
         self.drafting.cache = self.cache
+        self.drafting.static_tokens = slack  # (graphed drafting: the widest key)
         f = self.features
         if f is None or f.shape[0] < max_batch or f.shape[1] < capacity + slack:
             self.features = None

@@ -76,17 +76,21 @@ class Drafting:
         self.noise = CoupledNoise(target.arch.vocab_size, target.device)
         # the drafter's fixed-shape forwards over its cache (``cuda_graphs.
         # GraphedDecoder`` on ``draft``), set by the engine where drafting is graphed
-        # (the one-layer drafter with CUDA graphs); None: eager
+        # (the one-layer drafter with CUDA graphs); None: eager. Only forwards of at
+        # most ``static_tokens`` tokens per row use them (the decoder sets it to the
+        # draft slack): drafting steps and a steady step's catch-up, not the catch-up
+        # of positions decoded plainly (any width: a key per width would be captured)
         self.graphs = None
+        self.static_tokens = 0
 
     def extend(self, b: int, tokens: torch.Tensor, start: torch.Tensor, *, embeds,
                span: int, rope_positions: Optional[torch.Tensor] = None,
                new_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The drafter's forward over rows 0..b-1 of its cache (``ModelRunner.extend``
-        with ``embeds`` as its inputs): through ``graphs`` when set (a key per
-        (bucket, tokens per row, tree mask width, embeds)), else eagerly over ``span``
-        positions."""
-        if self.graphs is not None:
+        with ``embeds`` as its inputs): through ``graphs`` when set and the rows take at
+        most ``static_tokens`` tokens (a key per (bucket, tokens per row, tree mask
+        width, embeds)), else eagerly over ``span`` positions."""
+        if self.graphs is not None and tokens.shape[1] <= self.static_tokens:
             return self.graphs.forward(self.cache, tokens, start, embeds=embeds,
                                        rope_positions=rope_positions,
                                        new_token_mask=new_token_mask)
