@@ -47,6 +47,16 @@ def test_canary_alpha_is_measure_alpha_at_the_recipes_sampling(results):
         assert u["alpha"] != u["alpha_t1"]  # the settings reach the measurement
 
 
+def test_a_frozen_group_trains_nothing_but_still_measures(results):
+    """drafter_group.train=false (bench_drift's frozen arm): an early replica does not
+    train while the other decodes, the drafter stays as it was on every replica, and
+    the canary measures it."""
+    for res in results:
+        f = res["frozen"]
+        assert f["steps"] == 0 and f["unchanged"] and f["identical"]
+        assert 0.0 <= f["alpha"] <= 1.0
+
+
 def test_uneven_finish_early_replica_trains_late_one_does_not(results):
     early, late = results[0]["uneven"], results[1]["uneven"]
     assert early["steps"] >= 3 and late["steps"] == 0

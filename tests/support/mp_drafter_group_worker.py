@@ -155,6 +155,23 @@ def main() -> None:
     group.overlap_sync = False
     res["schedules"] = sched
 
+    # ---- frozen (drafter_group.train=false): the same uneven finish, nothing trains,
+    # the window still synchronises and the canary still measures
+    import dataclasses
+
+    group.cfg = dataclasses.replace(cfg, train=False)
+    before = group._flat(create=True).clone()
+    version = group.version
+    if rank == 1:
+        time.sleep(0.3)  # replica 0 has time to train, and must not
+    rec = group.run_window(60, responses(60))
+    flats = all_flats()
+    res["frozen"] = {"steps": rec["steps"],
+                     "unchanged": bool(torch.equal(before, group._flat())),
+                     "identical": all(torch.equal(f, flats[0]) for f in flats),
+                     "alpha": group.canary_alpha(), "version": group.version - version}
+    group.cfg = cfg
+
     # ---- both trained (DP = 2 never does: the last finisher never trains; DP >= 3
     # does): 2 and 1 local steps on different data -> the 2:1 weighted average
     group.overlap_sync = True
