@@ -158,8 +158,8 @@ class RolloutEngine:
         self.spec = make(self.runner) if make is not None else SpeculativeDecoder(drafter,
                                                                                   self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
-        self.tuner = (tuner if tuner is not None
-                      else StrategyTuner.from_config(self.config.speculative))
+        self.tuner = (tuner if tuner is not None else StrategyTuner.from_config(
+            self.config.speculative.for_kind(self.spec.kind)))
 
     def _enable_graphs(self, capture: bool = True) -> None:
         """Run the target's decode and verification forwards through fixed-shape

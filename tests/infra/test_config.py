@@ -175,11 +175,29 @@ def test_strategy_strings_are_not_read_as_numbers():
     ("probe_budget=1.5", "probe_budget must be in \\[0, 1\\), got 1.5"),
     ("strategy=6_1_7", "rollout.speculative: .*verify_tokens=7"),
     ("arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
+    ("self_arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
 ])
 def test_speculation_settings_are_validated_once_here(override, match):
     """The tuner takes these as given: config/ is where they are checked."""
     with pytest.raises(ConfigError, match=match):
         _cfg(f"rollout.speculative.{override}")
+
+
+def test_the_self_drafters_arms_follow_arms_unless_both_are_defaults():
+    """self_arms=auto: the deeper self-drafter arms while `arms` is the default, else
+    `arms` (a user's arms apply to both kinds); set, it is the self kind's; the
+    one-layer drafter always uses `arms`."""
+    from megatron_tlt.config.sections import DEFAULT_ARMS, SELF_ARMS
+
+    sc = _cfg().rollout.speculative
+    assert sc.for_kind("self").arms == SELF_ARMS != DEFAULT_ARMS
+    assert sc.for_kind("eagle").arms == DEFAULT_ARMS
+    sc = _cfg("rollout.speculative.arms=*:2_1_2").rollout.speculative
+    assert sc.for_kind("self").arms == "*:2_1_2" == sc.for_kind("eagle").arms
+    sc = _cfg("rollout.speculative.self_arms=*:5_1_5").rollout.speculative
+    assert sc.for_kind("self").arms == "*:5_1_5" and sc.for_kind("eagle").arms == DEFAULT_ARMS
+    assert _cfg("rollout.speculative.self_arms=").rollout.speculative.for_kind(
+        "self").arms == DEFAULT_ARMS
 
 
 def test_empty_value_means_off_or_unset():

@@ -261,7 +261,7 @@ def attach_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
             decoders[kind] = make(engine.runner)
         decoders[kind].min_draft_prob = engine.config.speculative.min_draft_prob
     sc = engine.config.speculative
-    tuners = tuners or {k: StrategyTuner.from_config(sc) for k in decoders}
+    tuners = tuners or {k: StrategyTuner.from_config(sc.for_kind(k)) for k in decoders}
     tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed)
     engine.spec = KindDecoder(decoders, tuner)
     engine.tuner = tuner
