@@ -19,37 +19,20 @@ import pytest
 import torch
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
-from megatron_tlt.models import load_model
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
-from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout import RolloutEngine
 from megatron_tlt.rollout.cuda_graphs import GraphedDecoder
 from megatron_tlt.rollout.kv_cache import KVCache
-from tiny_models import VOCAB, save_tiny_hf
+from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
 CUDA = torch.device("cuda", 0)
-MODES = {
-    "greedy": SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
-    "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
-                               ignore_eos=True),
-    "coupled": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
-                              ignore_eos=True),
-}
+MODES = sampling_modes(12)
 
 
 @pytest.fixture(scope="module")
 def model(parallel, tmp_path_factory):
     """A tiny two-layer fp32 model on CUDA and a drafter that is its own first layer
     (drafts get accepted: acceptance and commit run over several tokens)."""
-    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("graphs_spec"), seed=5,
-                          num_hidden_layers=2)
-    m, arch = load_model(folder, device=CUDA, dtype="float32", impl="local")
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32, device=CUDA)
-    with torch.no_grad():
-        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
-        h = arch.hidden_size
-        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(CUDA))
-        d.norm.copy_(m.decoder.final_layernorm.weight)
-    return m, arch, d
+    return tiny_model_and_own_layer_drafter(tmp_path_factory.mktemp("graphs_spec"), CUDA)
 
 
 def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):

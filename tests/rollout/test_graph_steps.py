@@ -12,21 +12,13 @@ import pytest
 import torch
 
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
-from megatron_tlt.models import load_model
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.cuda_graphs import GraphedDecoder, _Step, resolve
 from megatron_tlt.rollout.kv_cache import KVCache
 from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure
-from tiny_models import VOCAB, save_tiny_hf
+from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
-MODES = {
-    "greedy": SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
-    "standard": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
-                               ignore_eos=True),
-    "coupled": SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3,
-                              ignore_eos=True),
-}
+MODES = sampling_modes(12)
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +28,7 @@ def model(tmp_path_factory, single_process_parallel):
     from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
-    folder = save_tiny_hf("llama_tied", tmp_path_factory.mktemp("graph_steps"), seed=5,
-                          num_hidden_layers=2)
-    m, arch = load_model(folder, device=torch.device("cpu"), dtype="float32", impl="local")
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32,
-                     device="cpu")
-    with torch.no_grad():
-        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
-        h = arch.hidden_size
-        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
-        d.norm.copy_(m.decoder.final_layernorm.weight)
-    return m, arch, d
+    return tiny_model_and_own_layer_drafter(tmp_path_factory.mktemp("graph_steps"), "cpu")
 
 
 def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):

@@ -60,3 +60,34 @@ def save_tiny_hf(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     folder = Path(folder)
     build_tiny_hf(name, seed, **overrides).save_pretrained(folder)
     return folder
+
+
+def sampling_modes(max_new_tokens: int) -> dict:
+    """Greedy, standard and coupled sampling settings (temperature 0.9, top-p 0.95,
+    seed 3, EOS ignored), for tests that run every mode."""
+    from megatron_tlt.rollout import SamplingParams
+
+    sampled = dict(temperature=0.9, top_p=0.95, max_new_tokens=max_new_tokens, seed=3,
+                   ignore_eos=True)
+    return {"greedy": SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                     ignore_eos=True),
+            "standard": SamplingParams(**sampled), "coupled": SamplingParams(**sampled)}
+
+
+def tiny_model_and_own_layer_drafter(folder: Path, device) -> tuple:
+    """A tiny two-layer llama_tied model (seed 5) saved in ``folder`` and loaded on
+    ``device`` in float32, and an EAGLE drafter that is the model's own first layer
+    (fc passes the embedding through): its drafts are often accepted, so acceptance
+    and commit run over several tokens. Returns (model, arch, drafter)."""
+    from megatron_tlt.models import load_model
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+
+    save_tiny_hf("llama_tied", folder, seed=5, num_hidden_layers=2)
+    m, arch = load_model(folder, device=torch.device(device), dtype="float32", impl="local")
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        d.layer.load_state_dict(m.decoder.layers[0].state_dict())
+        h = arch.hidden_size
+        d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(device))
+        d.norm.copy_(m.decoder.final_layernorm.weight)
+    return m, arch, d
