@@ -268,7 +268,8 @@ class CoupledNoise:
         self._rows.clear()
 
     def rows(self, keys: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """[n, vocab] float32, equal to ``coupled_gumbel(keys, positions, vocab, device)``."""
+        """[n, vocab] float32, equal to ``coupled_gumbel(keys, positions, vocab, device,
+        kernels=self.kernels)``."""
         pairs = [(int(k), int(t)) for k, t in zip(keys, positions)]
         missing = list(dict.fromkeys(p for p in pairs if p not in self._rows))
         if missing:
