@@ -768,22 +768,19 @@ torch::Tensor coupled_gumbel(torch::Tensor salt, torch::Tensor table) {
     const int64_t c1 = std::min(V, c0 + kChunk);
     const uint32_t s = (uint32_t)sp[i];
     float* row = op + i * V;
-    int64_t v = c0;
-    for (; v + kVL <= c1; v += kVL) {
-      int32_t hb[kVL];
-      for (int k = 0; k < kVL; ++k) hb[k] = (int32_t)fmix32((uint32_t)tp[v + k] ^ s);
-      vgi h;
-      std::memcpy(&h, hb, sizeof h);
-      stg(row + v, gumbel_of_hash(h));
-    }
-    if (v < c1) {  // the ragged end, through one padded vector
+    for (int64_t v = c0; v < c1; v += kVL) {
+      const int64_t m = std::min<int64_t>(kVL, c1 - v);  // fewer at the ragged end
       int32_t hb[kVL] = {0};
-      for (int64_t k = 0; k < c1 - v; ++k) hb[k] = (int32_t)fmix32((uint32_t)tp[v + k] ^ s);
+      for (int64_t k = 0; k < m; ++k) hb[k] = (int32_t)fmix32((uint32_t)tp[v + k] ^ s);
       vgi h;
       std::memcpy(&h, hb, sizeof h);
-      float tmp[kVL];
-      stg(tmp, gumbel_of_hash(h));
-      std::memcpy(row + v, tmp, (c1 - v) * sizeof(float));
+      if (m == kVL) {
+        stg(row + v, gumbel_of_hash(h));
+      } else {
+        float tmp[kVL];
+        stg(tmp, gumbel_of_hash(h));
+        std::memcpy(row + v, tmp, m * sizeof(float));
+      }
     }
   }
   return out;
