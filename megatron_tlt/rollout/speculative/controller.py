@@ -64,9 +64,12 @@ class SpeculationController:
         return max(max(a.verify_tokens, (a.depth - 1) * a.top_k)
                    for a in self.tuner.all_arms()) + 2
 
-    def begin(self, max_batch: int, capacity: int) -> SpecStats:
+    def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
-        ``max_batch`` rows of ``capacity`` positions. Returns the call's ``SpecStats``."""
+        ``max_batch`` rows of ``capacity`` positions, of which the call reaches
+        ``reach`` (zeroed; None: all). A drafter that only drafts keeps cache rows for
+        the batches that speculate: ``threshold`` rows at most. Returns the call's
+        ``SpecStats``."""
         self.t_begin = time.perf_counter()
         draft = self.decoder.draft
         before = getattr(draft, "refreshes", 0)  # the self-drafter re-quantizes here
@@ -74,7 +77,8 @@ class SpeculationController:
         if getattr(draft, "refreshes", 0) != before:
             self.stats.drafter_refreshes += 1
             self.stats.drafter_refresh_seconds += draft.refresh_seconds
-        self.decoder.begin(max_batch, capacity, self.slack)
+        self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
+                           draft_rows=min(max_batch, self.threshold))
         return self.stats
 
     def finish(self) -> None:

@@ -89,11 +89,16 @@ class SpeculativeDecoder:
         self.drafting.min_draft_prob = value
 
     # ---------------------------------------------------------------- state
-    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
-        """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack)."""
+    def begin(self, max_batch: int, capacity: int, slack: int, *,
+              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+        """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack),
+        zeroing what a call of ``reach`` positions can reach (None: all). Every row
+        keeps its features from its prefill on, so ``draft_rows`` is not used here."""
         extra = slack if self.draft.kernels is not None else capacity + slack
         need = capacity + extra
-        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch,
+        upto = None if reach is None else reach + (
+            slack if self.draft.kernels is not None else reach + slack)
+        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch, upto=upto,
                                    kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
                                    device=self.draft.device)

@@ -185,9 +185,10 @@ class KindDecoder:
             d.min_draft_prob = value
 
     # ---------------------------------------------------------------- all kinds
-    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
+    def begin(self, max_batch: int, capacity: int, slack: int, *,
+              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
         for d in self.decoders.values():
-            d.begin(max_batch, capacity, slack)
+            d.begin(max_batch, capacity, slack, reach=reach, draft_rows=draft_rows)
 
     def release(self) -> None:
         for d in self.decoders.values():
