@@ -138,7 +138,8 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         device=str(cfg.platform.device),
         cuda_graphs=on_gpu and r.cuda_graphs != "false"
         and not (pp > 1 and r.pipeline_mode == "pipelined"),
-        arms=_arms(r.speculative) if r.speculative.drafter else (),
+        arms=_arms(r.speculative) if r.speculative.drafter or cfg.drafter_group.enable
+        else (),
         spec_threshold=r.speculative.threshold,
         cut_chains=r.speculative.min_draft_prob > 0)
 
