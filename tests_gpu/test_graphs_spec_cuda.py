@@ -241,6 +241,9 @@ def test_graph_pool_memory_matches_the_dry_run_model(parallel, tmp_path):
             rope_positions=start[:, None] + torch.arange(6, device=CUDA),
             new_token_mask=tree_mask)),
     ]
+    # a first capture of another key: the one-time allocations (cuBLAS workspaces of
+    # the warm-up and capture streams) before anything is measured
+    graphs.run(cache, torch.ones(1, 1, dtype=torch.long, device=CUDA), start[:1])
     torch.cuda.synchronize()
     reserved0 = torch.cuda.memory_reserved()
     modelled = []
@@ -261,7 +264,7 @@ def test_graph_pool_memory_matches_the_dry_run_model(parallel, tmp_path):
                                                                           static)
         assert 0.5 * key.working <= working <= 2.5 * key.working, (bucket, t, w, working,
                                                                    key.working)
-    assert graphs.captured == 3
+    assert graphs.captured == 4
     pool, inputs = mm.graph_pool_bytes(modelled)
     grown = torch.cuda.memory_reserved() - reserved0
     assert grown <= 2 * (pool + inputs) + 4 * 2 ** 20 * len(calls), (grown, pool, inputs)

@@ -245,19 +245,22 @@ def graph_key_bytes(arch, *, tp: int, dtype_bytes: int, bucket: int, tokens: int
     attention mask [bucket, 1, tokens x query heads per group (tokens > 1), capacity]
     held through the forward, and at its peak either the mask's construction (int64
     relative indices [bucket, capacity], bools and a model-dtype [bucket, tokens,
-    capacity] before the per-head copy; a tree's gathered mask and its bounds) or one layer's temporaries for the n = bucket x
-    tokens new tokens: the residual, the norm and a spare of h, and the larger of
-    attention's (QKV, and three rotary temporaries of Q and K) and the MLP's (fc1's
-    2f, SiLU and the gated product) widths, with the rotary tables (3 x n x head_dim)."""
+    capacity] before the per-head copy; a tree's gathered mask and its bounds) or one
+    layer's temporaries for the n = bucket x tokens new tokens: the residual, the norm
+    and a spare of h, and the larger of attention's (QKV, and three rotary temporaries
+    of Q and K) and the MLP's (fc1's 2f, SiLU and the gated product) widths, with the
+    rotary tables (3 x n x head_dim)."""
     h, f, d, db = arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels, dtype_bytes
     q = arch.num_attention_heads * d / tp
     kvw = max(arch.num_query_groups // tp, 1) * d
     hpg = arch.num_attention_heads // max(arch.num_query_groups, 1)
     n = bucket * tokens
-    inputs = n * 8 + bucket * 8 + (n * 8 + n * width if width else 0)         + (n * h * db if embeds else 0)
+    inputs = n * 8 + bucket * 8 + (n * 8 + n * width if width else 0) \
+        + (n * h * db if embeds else 0)
     output = n * h * db
     bias = bucket * (tokens * hpg if tokens > 1 else 1) * capacity * db
-    building = bucket * capacity * 16 + bucket * tokens * capacity * (db + 3)         + (bucket * tokens * capacity * 2 if width else 0)
+    building = bucket * capacity * 16 + bucket * tokens * capacity * (db + 3) \
+        + (bucket * tokens * capacity * 2 if width else 0)
     layer = n * db * (3 * h + max(q + 2 * kvw + 3 * (q + kvw), 4 * f / tp) + 3 * d)
     return GraphKey(inputs, output, bias + max(building, layer))
 

@@ -122,6 +122,18 @@ def key_name(key: tuple) -> str:
     return f"b{bucket}_t{t}_w{w}" + ("_embeds" if embeds else "")
 
 
+_SIDE: dict = {}
+
+
+def _side_stream() -> "torch.cuda.Stream":
+    """The stream every capture's warm-up runs on (one per device: cuBLAS keeps a
+    workspace per stream it ran on, so a new stream per capture would hold one each)."""
+    dev = torch.cuda.current_device()
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream()
+    return _SIDE[dev]
+
+
 def bucket_for(b: int, max_rows: int) -> int:
     size = 1
     while size < b:
@@ -285,7 +297,7 @@ class GraphedDecoder:
     def _record(self, s: _Step) -> tuple:
         """Capture ``s``'s step in a CUDA graph on this decoder's pool: (graph, its
         static output)."""
-        side = torch.cuda.Stream()
+        side = _side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, kernels, NCCL)
