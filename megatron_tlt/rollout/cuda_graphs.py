@@ -43,8 +43,10 @@ step is fixed-shape device code:
   re-captures each key at its first use.
 
 Outputs (final hidden states) are views of the graph's static output: valid until the
-key's next replay (the next step, or the drafter's next chain depth; each caller reads
-them, or copies what it keeps, before).
+decoder's next replay of any key (the next step, or the drafter's next chain depth;
+each caller reads them, or copies what it keeps, before): the keys share a pool, so a
+key's output may lie in blocks an earlier-captured key's forward uses for its
+intermediates.
 
 Under ``rollout.cuda_graphs=auto`` a key's first capture is followed by a measurement:
 ``TIMED_RUNS`` replays of its graph against as many eager runs of the same step (the
@@ -60,8 +62,11 @@ Memory: each decoder's keys share one memory pool (``graph_pool_handle``): a key
 output [bucket, T, hidden] stays in it, and the blocks its forward's intermediates
 freed at the end of its capture serve the next key's capture, so the pool holds about
 the keys' outputs plus the largest key's working set (the dry run's model:
-``rl.memory_model.graph_keys``, ``graph_pool_bytes``). The static input buffers are
-ordinary allocations. The target and the one-layer drafter have a pool each.
+``rl.memory_model.graph_keys``, ``graph_pool_bytes``). Keys are captured at first use;
+a rollout's running batch starts at its largest bucket and shrinks into the tail, so
+the largest plain keys usually come first and the smaller ones fit in their freed
+blocks. The static input buffers are ordinary allocations. The target and the
+one-layer drafter have a pool each.
 
 Not graphed: prefill, the LM heads (logits), sampling and acceptance (eager batched
 device ops), the self-drafter's copy and a Transformer Engine FP8 drafter (eager
