@@ -5,14 +5,15 @@ A step has two phases that never overlap in time:
 
 - rollout: the engine decodes on the trained weights (read in place) with its KV cache,
   the logits of a decode step, a prefill chunk's working set, and with speculation the
-  drafter, its KV cache and the feature store; at PP > 1 in gathered mode copies of the
-  other stages' weights;
+  drafter, its KV cache and the feature store (the self-drafter: the KV cache of its
+  quantized copy); at PP > 1 in gathered mode copies of the other stages' weights;
 - update: forward/backward of one micro-batch at a time under the configured
   recomputation, plus the loss's vocabulary-sized temporaries on the last stage.
 
 What lives through both (weights, fp32 gradient buffers, optimizer state, the frozen
-reference model when ``grpo.kl_beta > 0``, the CPU kernels' packed weight copies, and
-the KV cache unless it is released before the update) is *resident*. The peak is
+reference model when ``grpo.kl_beta > 0``, the CPU kernels' packed weight copies, the
+self-drafter's quantized copy of the policy, and the KV caches unless they are released
+before the update) is *resident*. The peak is
 ``resident + max(rollout-only, update-only)``.
 
 Where each number comes from (``Term.basis``):
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..spec_strategy import Strategy, parse_arms
+from .memory_self_drafter import (draft_slack, self_copy_bytes, self_kv_positions,  # noqa: F401
+                                  self_kv_rows, self_matrices)
 
 GIB = 1024 ** 3
 GPU_BYTES = 80 * 10 ** 9          # an "80 GB" H100 / A100
@@ -49,6 +52,9 @@ CPU_PROCESS_BYTES = 64 * 1024 ** 2
 CPU_HEAP_RETENTION = 0.85
 GLIBC_MMAP_MAX = 32 * 1024 ** 2   # glibc's largest dynamic mmap threshold (64-bit)
 PHASES = ("resident", "rollout", "update")
+# the widest panel of the CPU kernels' GEMM (AVX-512: 48 output rows; AVX2 16, portable
+# 8): an int8 matrix packed for them has its rows padded to a multiple of it
+PANEL_ROWS_MAX = 48
 
 
 @dataclass
@@ -95,6 +101,15 @@ class Settings:
     arms: tuple = ()
     spec_threshold: int = 0
     cut_chains: bool = False
+    # the self-drafter (rollout.speculative.drafter=self or self_too): its matrices'
+    # format ("int8", "fp8"; "" = none), int8 scale group and activation block, the
+    # draft slack of its cache (every arm its controller's tuner may pick), and the
+    # CPU kernels' panel width its packed int8 matrices are padded to (1: unpadded)
+    self_drafter: str = ""
+    self_group: int = 0
+    self_act_block: int = 0
+    self_slack: int = 0
+    panel_rows: int = PANEL_ROWS_MAX
 
 
 def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
@@ -117,6 +132,15 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
     mini = max(per_replica * dp // gbs, 1)
     sp_mode = str(getattr(par, "sequence_parallel", "off"))
     chunk = int(getattr(t, "loss_chunk_tokens", 0) or 0) or rows * g.max_new_tokens
+    sc = r.speculative
+    self_kind = sc.drafter == "self" or bool(sc.self_too)
+    eagle = bool(sc.drafter) and sc.drafter != "self"  # a one-layer drafter checkpoint
+    kinds = [sc.for_kind(k) for k, on in (("eagle", eagle or cfg.drafter_group.enable),
+                                          ("self", self_kind)) if on]
+    # the copy's format: "auto" is FP8 where the GPU multiplies it natively (compute
+    # capability >= 8.9, taken as given on a GPU) with per-channel scales, else int8
+    fmt = sc.self_format if sc.self_format != "auto" else (
+        "fp8" if on_gpu and sc.self_group == 0 else "int8")
     return Settings(
         tp=tp, pp=pp, dp=dp, on_gpu=on_gpu, dtype_bytes=dtype_bytes, micro_batch=rows,
         seq=capacity, loss_tokens=rows * g.max_new_tokens,
@@ -129,8 +153,7 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         recompute_layers=int(getattr(t, "recompute_num_layers", 1)),
         loss_chunk=None if inline_loss else chunk,
         distributed_optimizer=on_gpu and t.optimizer in ("auto", "megatron"),
-        reference=g.kl_beta > 0, drafter=bool(r.speculative.drafter)
-        or bool(cfg.drafter_group.enable),
+        reference=g.kl_beta > 0, drafter=eagle or bool(cfg.drafter_group.enable),
         gathered=pp > 1 and r.pipeline_mode == "gathered",
         cpu_kernels=not on_gpu and dtype_bytes == 4 and r.cpu_kernels != "false",
         kv_released=bool(getattr(r, "release_memory", True)) if kv_released is None
@@ -138,10 +161,11 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         device=str(cfg.platform.device),
         cuda_graphs=on_gpu and r.cuda_graphs != "false"
         and not (pp > 1 and r.pipeline_mode == "pipelined"),
-        arms=_arms(r.speculative) if r.speculative.drafter or cfg.drafter_group.enable
-        else (),
-        spec_threshold=r.speculative.threshold,
-        cut_chains=r.speculative.min_draft_prob > 0)
+        arms=tuple(sorted({a for k in kinds for a in _arms(k)})),
+        spec_threshold=sc.threshold,
+        cut_chains=sc.min_draft_prob > 0,
+        self_drafter=fmt if self_kind else "", self_group=sc.self_group,
+        self_act_block=sc.self_act_block, self_slack=draft_slack(kinds) if self_kind else 0)
 
 
 def _arms(sc) -> tuple:
@@ -281,7 +305,8 @@ def graph_keys(arch, s: "Settings") -> dict[str, list]:
     depth + 1 tokens, every width up to it when the confidence stop cuts chains; a
     tree arm verify_tokens + 1 tokens and mask width); the one-layer drafter's catch-up
     and chain steps (every width up to the draft slack) and tree steps (top_k nodes
-    per row over the nodes fed so far), all with embeddings as inputs."""
+    per row over the nodes fed so far), all with embeddings as inputs (none for the
+    self-drafter alone)."""
     db, cap = s.dtype_bytes, s.capacity
     key = lambda b, t, w=0, e=False: graph_key_bytes(  # noqa: E731
         arch, tp=s.tp, dtype_bytes=db, bucket=b, tokens=t, width=w, capacity=cap, embeds=e)
@@ -299,6 +324,8 @@ def graph_keys(arch, s: "Settings") -> dict[str, list]:
                 target.add((b, verify + 1, verify + 1))
                 drafter |= {(b, top_k, 1 + top_k * dd) for dd in range(1, depth)}
         drafter |= {(b, t, 0) for t in range(1, slack + 1)}
+    if not s.drafter:  # the self-drafter's copy drafts eagerly: no graphs of its own
+        drafter = set()
     return {"target": [key(*k) for k in sorted(target)],
             "drafter": [key(*k, e=True) for k in sorted(drafter)]}
 
@@ -486,6 +513,15 @@ def estimate_settings(arch, s: Settings) -> Estimate:
         add(Term("drafter KV + features", kv_bytes(arch, tp, 1, rows, s.capacity, db)
                  + rows * s.capacity * h * db, "rollout" if s.kv_released else "resident",
                  "exact", "its KV cache, the feature store (the responses' hidden states)"))
+    if s.self_drafter:
+        add(Term("self-drafter copy", self_copy_bytes(arch, s), "resident", "exact",
+                 f"the policy's {s.self_drafter} copy, all layers and the LM head"
+                 + (" (CPU kernels' panels)" if s.cpu_kernels and s.self_drafter == "int8"
+                    else "") + "; kept through the update"))
+        rows, positions = self_kv_rows(s), self_kv_positions(s)
+        add(Term("self-drafter KV", kv_bytes(arch, tp, arch.num_layers, rows, positions, db),
+                 "rollout" if s.kv_released else "resident", "exact",
+                 f"all layers, {rows} rows (up to the threshold) x {positions} positions"))
     if s.cuda_graphs:
         keys = graph_keys(arch, s)
         pools = [graph_pool_bytes(k) for k in keys.values()]

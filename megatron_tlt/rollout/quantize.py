@@ -21,6 +21,11 @@ in the activations' dtype, x' = x, or x quantized and dequantized per block. The
 kernels (``cpu_kernels.linear_int8``) compute the same sums with the int8 weights in
 their panel layout: widened to float in registers (float activations), or as integer
 dot products scaled once per block (int8 activations).
+
+Where the kernels run, a weight keeps its int8 values only in their panel layout
+(``QuantWeight.packed``: ``q`` is dropped, one int8 copy of the matrix is held);
+``int8_values`` reads them back from the panels (``unpack_panel``, the inverse of
+``cpu_kernels.pack_int8``'s layout) for the reference path and for checks.
 """
 
 from __future__ import annotations
@@ -37,29 +42,81 @@ QMAX = 127
 @dataclass
 class QuantWeight:
     """An int8 weight [N, K] and its float32 scales [N, ceil(K / group)] (per channel:
-    [N, 1])."""
+    [N, 1]): the matrix ``q`` (row-major), or once ``packed`` only the CPU kernels' int8
+    panel copy (``panel``, ``panel_scale``) and ``scale``."""
 
-    q: torch.Tensor
+    q: Optional[torch.Tensor]  # None once packed (the panels hold the values)
     scale: torch.Tensor
     group: int  # inputs per scale (K when per output channel)
     act_block: int = 0  # inputs per activation scale (0: float activations)
     panel: Optional[torch.Tensor] = None  # the CPU kernels' int8 panel copy
     panel_scale: Optional[torch.Tensor] = None  # its scales, panel layout
+    size: tuple = ()  # (N, K): q's shape, kept when q is dropped
+    panel_offset: int = 0  # added to each stored panel byte (VNNI builds: 128, as uint8)
+
+    def __post_init__(self):
+        if not self.size:
+            self.size = tuple(self.q.shape)
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size(self.size)
+
+    @property
+    def packed(self) -> bool:
+        """Whether only the panel copy holds the int8 values (no ``q``)."""
+        return self.q is None
+
+    def pack(self, panel: torch.Tensor, panel_scale: torch.Tensor, offset: int = 0) -> None:
+        """Keep the kernels' panel copy (``cpu_kernels.pack_int8(q, scale, act_block)``,
+        whose stored bytes are the values + ``offset``) instead of ``q``."""
+        self.panel, self.panel_scale, self.panel_offset = panel, panel_scale, offset
+        self.q = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this weight holds."""
+        return [t for t in (self.q, self.scale, self.panel, self.panel_scale) if t is not None]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the quantized matrix and its scales (not the kernels' panel copy)."""
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        """Bytes of every tensor it holds: the int8 matrix (``q``, or the panel copy
+        with its padding), the scales, and the panel copy's scales."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def int8_values(self) -> torch.Tensor:
+        """The int8 matrix [N, K]: ``q``, or read back from the panel copy."""
+        if self.q is not None:
+            return self.q
+        return unpack_panel(self.panel, *self.size, self.act_block, self.panel_offset)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * s as a [N, K] matrix of ``dtype``."""
-        k = self.q.shape[1]
+        k = self.size[1]
         s = self.scale.repeat_interleave(self.group, dim=1)[:, :k]
-        return (self.q.float() * s).to(dtype)
+        return (self.int8_values().float() * s).to(dtype)
+
+
+def unpack_panel(panel: torch.Tensor, n: int, k: int, act_block: int = 0,
+                 offset: int = 0) -> torch.Tensor:
+    """The int8 matrix [n, k] of a ``cpu_kernels.pack_int8`` panel copy: panels of P
+    output rows, [ceil(n / P), k, P] (float activations) or, with an activation block,
+    groups of 4 inputs [ceil(n / P), ceil(k / 4), P, 4]; each stored byte is the value
+    + ``offset`` (mod 256: VNNI builds store them offset by 128 as unsigned bytes)."""
+    order = (0, 2, 1, 3) if act_block else (0, 2, 1)  # -> [panels, P, inputs(, 4)]
+    rows = panel.permute(*order).reshape(panel.shape[0] * panel.shape[2], -1)[:n, :k]
+    if offset:
+        rows = (rows.view(torch.uint8).to(torch.int16) - offset).to(torch.int8)
+    return rows.contiguous()
+
+
+def panel_byte_offset(kern, act_block: int) -> int:
+    """What ``kern.pack_int8`` (a CPU kernels module) adds to each stored byte: 128 in
+    builds whose int8 dot product takes unsigned weights (AVX-512 VNNI) when the
+    activations are int8, else 0. Read from a packed zero."""
+    if not act_block:
+        return 0
+    probe, _ = kern.pack_int8(torch.zeros(1, 4, dtype=torch.int8), torch.ones(1, 1), 4)
+    return int(probe.reshape(-1)[:1].view(torch.uint8)[0])
 
 
 def check_blocks(group: int, act_block: int) -> None:

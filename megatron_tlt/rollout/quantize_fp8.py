@@ -75,6 +75,10 @@ class Fp8Weight:
     def group(self) -> int:
         return self.k  # one scale per output channel
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this weight holds."""
+        return [self.q, self.scale]
+
     @property
     def nbytes(self) -> int:
         """Bytes of the (padded) FP8 matrix and its scales."""

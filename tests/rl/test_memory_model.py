@@ -188,7 +188,7 @@ def test_graph_keys_follow_buckets_and_arms():
     plain = _settings(rollout_rows=24, arms=(), spec_threshold=8)
     keys = mm.graph_keys(arch, plain)
     assert len(keys["target"]) == 6 and not keys["drafter"]  # 1, 2, 4, 8, 16, 24
-    spec = dataclasses.replace(plain, arms=((4, 1, 4), (3, 2, 5)))
+    spec = dataclasses.replace(plain, arms=((4, 1, 4), (3, 2, 5)), drafter=True)
     keys = mm.graph_keys(arch, spec)
     # per bucket up to the threshold (1, 2, 4, 8): a chain of 5 and a tree of 6 x 6
     assert len(keys["target"]) == 6 + 4 * 2
@@ -196,6 +196,9 @@ def test_graph_keys_follow_buckets_and_arms():
     assert len(cut["target"]) == 6 + 4 * (4 + 1)  # chains of 2..5 tokens
     slack = max(5, (3 - 1) * 2) + 2
     assert len(keys["drafter"]) == 4 * (slack + 2)  # widths 1..slack, two tree steps
+    # the self-drafter alone: the target's verifications, no drafter graphs
+    alone = mm.graph_keys(arch, dataclasses.replace(spec, drafter=False, self_drafter="fp8"))
+    assert len(alone["target"]) == len(keys["target"]) and not alone["drafter"]
 
 
 def test_graph_pools_in_the_estimate():
@@ -212,3 +215,94 @@ def test_graph_pools_in_the_estimate():
     assert not mm.settings(cpu, 1).cuda_graphs
     kept = mm.estimate_settings(arch, _settings(kv_released=False))
     assert any(t.name == "CUDA graph pools" and t.phase == "resident" for t in kept.terms)
+
+
+# ----------------------------------------------------------------------------- self-drafter
+def test_self_drafter_terms_follow_the_config():
+    """drafter=self: the copy (resident, no one-layer drafter terms) and its KV cache
+    (all layers, rows up to the threshold, released with the others); FP8 on a GPU
+    (auto, per-channel scales), int8 with groups; self_too adds it to the one-layer
+    drafter's terms."""
+    arch = _arch(vocab_size=49152, hidden_size=576, intermediate_size=1536,  # SmolLM2-135M
+                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                 tie_word_embeddings=True)
+    base = ["model.hf_path=x", "grpo.prompts_per_step=4", "grpo.group_size=8",
+            "grpo.max_new_tokens=256", "data.max_prompt_tokens=128",
+            "rollout.max_batch_size=32", "rollout.speculative.threshold=8"]
+    cpu = load_config(overrides=base + ["platform.device=cpu", "model.dtype=float32",
+                                        "rollout.speculative.drafter=self"])
+    s = mm.settings(cpu, 1)
+    assert (s.self_drafter, s.drafter, s.cpu_kernels) == ("int8", False, True)
+    terms = {t.name: t for t in mm.estimate_settings(arch, s).terms}
+    assert "drafter" not in terms and "drafter KV + features" not in terms
+    copy, kv = terms["self-drafter copy"], terms["self-drafter KV"]
+    assert copy.phase == "resident" and kv.phase == "rollout"
+    policy = terms["weights"].nbytes  # fp32, tied embedding
+    assert 0.2 * policy < copy.nbytes <= 0.3 * policy
+    positions = 384 + s.self_slack + 1  # capacity + slack + root (CPU kernels)
+    assert s.self_slack == 10  # SELF_ARMS' 8_1_8 and the fixed 7_1_7: max(8, 7) + 2
+    assert kv.nbytes == mm.kv_bytes(arch, 1, arch.num_layers, 8, positions, 4)
+    # no kernels: q instead of panels (no padding), a capacity more of cache
+    off = dataclasses.replace(s, cpu_kernels=False)
+    d = mm.estimate_settings(arch, off).as_dict()
+    assert d["self-drafter KV"] == mm.kv_bytes(arch, 1, arch.num_layers, 8,
+                                               positions + 384, 4)
+    assert d["self-drafter copy"] < copy.nbytes  # the panel scales and padding go
+    kept = mm.estimate_settings(arch, dataclasses.replace(s, kv_released=False))
+    assert {t.name: t.phase for t in kept.terms}["self-drafter KV"] == "resident"
+    # a GPU: FP8 by default, int8 with groups (q and scales, no panels)
+    gpu = ["platform.device=cuda", "model.dtype=bfloat16", "rollout.speculative.drafter=self"]
+    g = mm.settings(load_config(overrides=base + gpu), 1)
+    assert g.self_drafter == "fp8" and not g.cpu_kernels
+    g8 = mm.settings(load_config(overrides=base + gpu + ["rollout.speculative.self_group=64"]), 1)
+    assert g8.self_drafter == "int8"
+    mats = mm.self_matrices(arch, 1)
+    int8 = sum(n * k + 4 * n * -(-k // 64) for n, k in mats)
+    small = (arch.num_layers * 2 + 1) * arch.hidden_size + arch.kv_channels
+    assert mm.self_copy_bytes(arch, g8) == int8 + 2 * small
+    # self_too: the one-layer drafter's terms and the copy's
+    both = mm.settings(load_config(overrides=base + [
+        "platform.device=cpu", "model.dtype=float32", "rollout.speculative.drafter=/d",
+        "rollout.speculative.self_too=true"]), 1)
+    names = {t.name for t in mm.estimate_settings(arch, both).terms}
+    assert {"drafter", "drafter KV + features", "self-drafter copy",
+            "self-drafter KV"} <= names
+    assert "self-drafter copy" in "\n".join(mm.report_lines(mm.estimate_settings(arch, s)))
+
+
+@pytest.mark.parametrize("kernels", ["true", "false"])
+def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_process_parallel,
+                                                      kernels):
+    """A tiny model with QKV biases, the engine the trainer builds from the same config,
+    after a generate: the copy's bytes (``SelfDraftRunner.nbytes``, every tensor it
+    holds: tests/rollout/test_self_drafter_memory.py) and its KV cache's equal the
+    model's terms exactly (with the CPU kernels, given their panel width)."""
+    import torch
+
+    from megatron_tlt.models import load_model
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = tiny_hf_dirs["qwen2"]
+    model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
+    cfg = load_config(overrides=[
+        f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
+        "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.max_new_tokens=6",
+        "data.max_prompt_tokens=12", "rollout.max_batch_size=8",
+        "rollout.speculative.drafter=self", "rollout.speculative.threshold=4",
+        f"rollout.cpu_kernels={kernels}"])
+    s = mm.settings(cfg, 1)
+    eng = RolloutEngine(model, None, cfg.rollout, arch=arch, eos_token_ids=[],
+                        max_prompt_tokens=12, max_new_tokens=6, max_rows=s.rollout_rows)
+    prompts = [[3, 5, 7, 11, 2], [2, 4], [9] * 12, [1, 2, 3], [8, 8], [5]]
+    eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6))
+    draft = eng.spec.draft
+    assert draft._int8_kernels() == (kernels == "true") == s.cpu_kernels
+    if s.cpu_kernels:
+        s = dataclasses.replace(s, panel_rows=draft.kernels.PANEL)
+    est = mm.estimate_settings(arch, s).as_dict()
+    assert est["self-drafter copy"] == draft.nbytes
+    assert est["self-drafter KV"] == eng.spec.cache.nbytes
+    assert eng.spec.cache.max_batch == 4  # min(6 rows, threshold 4)
+    assert eng.spec.cache.capacity == mm.self_kv_positions(s)

@@ -15,7 +15,8 @@ from megatron_tlt.rollout import cpu_kernels
 from megatron_tlt.rollout.forward import ModelRunner, _Layer
 from megatron_tlt.rollout.kv_cache import KVCache
 from megatron_tlt.rollout.quantize import (dequantize_activations, int8_linear,
-                                            quantize_activations, quantize_int8)
+                                            panel_byte_offset, quantize_activations,
+                                            quantize_int8, unpack_panel)
 
 
 @pytest.fixture(scope="module", params=cpu_kernels.available_isas())
@@ -93,6 +94,43 @@ def test_activation_quantization_bounds_its_error():
     assert a.abs().max() == 127 and (a[1, 32:64] == 0).all() and s[1, 1] == 1
     err = (dequantize_activations(a, s, 32) - x).abs()
     assert (err <= 0.5 * s.repeat_interleave(32, dim=1)[:, :70] * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("group,act_block", [(0, 0), (40, 0), (0, 32), (64, 8)])
+def test_a_packed_weight_keeps_one_int8_copy_and_reads_it_back(kern, group, act_block):
+    """``unpack_panel`` inverts ``pack_int8``'s layout (partial panels, K not a multiple
+    of 4, VNNI's byte offset where the build has one), so a weight that keeps only its
+    panels (``QuantWeight.pack``) still dequantizes to the same matrix; its bytes are
+    the panels and both scales, not q besides."""
+    g = torch.Generator().manual_seed(group + act_block)
+    n, k = 2 * kern.PANEL + 3, 202
+    qw = quantize_int8(torch.randn(n, k, generator=g), group, act_block)
+    ref, want = qw.q.clone(), qw.dequantize()
+    wp, sp = kern.pack_int8(qw.q, qw.scale, act_block)
+    off = panel_byte_offset(kern, act_block)
+    assert off in (0, 128) and (off == 128) == (act_block > 0 and kern.INT8_ACT == "avx512-vnni")
+    assert torch.equal(unpack_panel(wp, n, k, act_block, off), ref)
+    qw.pack(wp, sp, off)
+    assert qw.packed and qw.q is None and qw.shape == (n, k)
+    assert torch.equal(qw.int8_values(), ref) and torch.equal(qw.dequantize(), want)
+    assert qw.nbytes == wp.numel() + 4 * (sp.numel() + qw.scale.numel())
+
+
+@pytest.mark.parametrize("act_block", [0, 32])
+def test_linear_int8_in_chunks_of_rows_equals_one_call(kern, act_block):
+    """Rows are independent in the int8 GEMM: 150 rows in chunks of MAX_FUSED_ROWS give
+    bitwise the one call's result (the self-drafter's path beyond that many rows)."""
+    g = torch.Generator().manual_seed(act_block)
+    n, k, m = kern.PANEL + 7, 96, 150
+    qw = quantize_int8(torch.randn(n, k, generator=g), 0, act_block)
+    wp, sp = kern.pack_int8(qw.q, qw.scale, act_block)
+    x, b, res = torch.randn(m, k, generator=g), torch.randn(n, generator=g), \
+        torch.randn(m, n, generator=g)
+    whole = kern.linear_int8(x, wp, sp, n, qw.group, act_block, b, res)
+    step = cpu_kernels.MAX_FUSED_ROWS
+    parts = torch.cat([kern.linear_int8(x[i:i + step], wp, sp, n, qw.group, act_block, b,
+                                        res[i:i + step]) for i in range(0, m, step)])
+    assert torch.equal(parts, whole)
 
 
 def test_int8_kernels_check_their_inputs(kern):

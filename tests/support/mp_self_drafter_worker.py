@@ -51,7 +51,7 @@ def _engine(model, arch, strategy, mode="standard", drafter=None, pipeline="gath
 def _copy_hash(draft) -> str:
     h = hashlib.sha256()
     for w in draft.quant_weights():
-        h.update(w.q.numpy().tobytes())
+        h.update(w.int8_values().numpy().tobytes())
         h.update(w.scale.numpy().tobytes())
     for lw in draft.layers:
         h.update(lw.ln1.numpy().tobytes())
@@ -94,10 +94,10 @@ def _pp2(model, arch, prompts) -> dict:
         prompts, COUPLED)]
     res["after"] = _copy_hash(draft)
     res["requantized"] = all(
-        torch.equal(getattr(m, n).q, quantize_int8(getattr(lw, n)).q)
+        torch.equal(getattr(m, n).int8_values(), quantize_int8(getattr(lw, n)).q)
         for m, lw in zip(draft.layers, runner.layers)
         for n in ("qkv_w", "proj_w", "fc1_w", "fc2_w")) and torch.equal(
-        draft.output_w.q, quantize_int8(runner.output_w).q)
+        draft.output_w.int8_values(), quantize_int8(runner.output_w).q)
     # attached while the gathered copies are released: quantized at the next generate
     eng.release_memory()
     eng.attach_drafter(SelfDrafter())
@@ -141,7 +141,7 @@ def main() -> None:
             # this rank's copy is its own shards quantized
             d, t = eng.spec.draft, eng.runner
             res[case + "/shards"] = all(
-                torch.equal(getattr(m, n).q, quantize_int8(getattr(lw, n)).q)
+                torch.equal(getattr(m, n).int8_values(), quantize_int8(getattr(lw, n)).q)
                 for m, lw in zip(d.layers, t.layers)
                 for n in ("qkv_w", "proj_w", "fc1_w", "fc2_w"))
         res["coupled_plain"] = [o.token_ids for o in _engine(model, arch, "3_1_3", "coupled")

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
-from ..quantize import QuantWeight, check_blocks, int8_linear, quantize_int8
+from ..quantize import (QuantWeight, check_blocks, int8_linear, panel_byte_offset,
+                        quantize_int8)
 from ..quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
@@ -120,6 +121,7 @@ class SelfDraftRunner(ModelRunner):
         self.layers: list[_Layer] = []
         self.final_norm = self.output_w = None
         self._fp: Optional[list] = None  # source fingerprints at the last quantization
+        self._offset = 0  # the kernels' panel byte offset (``quantize.panel_byte_offset``)
         self.refreshes = 0
         self.refresh_seconds = 0.0  # the last refresh's time
         self._finish_init()
@@ -139,6 +141,8 @@ class SelfDraftRunner(ModelRunner):
         t0 = time.perf_counter()
         s = self.source
         old = self.layers if len(self.layers) == len(s.layers) else [None] * len(s.layers)
+        k = self._packer()
+        self._offset = 0 if k is None else panel_byte_offset(k, self.config.act_block)
         with torch.no_grad():  # matrix by matrix, into the existing copy's tensors
             self.layers = [_Layer(
                 ln1=_copy(o and o.ln1, lw.ln1), qkv_w=self._quant(o and o.qkv_w, lw.qkv_w),
@@ -151,21 +155,29 @@ class SelfDraftRunner(ModelRunner):
             head = s.output_w if self.d2t is None else self._head_rows(s, self.d2t)
             self.output_w = self._quant(self.output_w, head)
         self.embed_w, self.vocab_start = self.target.embed_w, self.target.vocab_start
-        self._pack()
         self._packed_stack = None
         self.refreshes += 1
         self.refresh_seconds = time.perf_counter() - t0
 
     def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
         """``w`` quantized, written into ``old``'s tensors when their shapes match (the
-        copy's memory is allocated once; a refresh holds one matrix's temporaries)."""
+        copy's memory is allocated once; a refresh holds one matrix's temporaries). With
+        the CPU kernels only their int8 panel copy is kept (``QuantWeight.pack``: one
+        int8 copy of each matrix, not the row-major ``q`` beside it)."""
         if self.format == "fp8":
             return quantize_fp8(w, old if isinstance(old, Fp8Weight) else None)
         new = quantize_int8(w, self.config.group, self.config.act_block)
-        if old is None or old.q.shape != new.q.shape or old.scale.shape != new.scale.shape:
+        k = self._packer()
+        if k is not None:
+            new.pack(*k.pack_int8(new.q, new.scale, new.act_block), self._offset)
+        mine, fresh = ([] if old is None else old.tensors()), new.tensors()
+        if (not isinstance(old, QuantWeight) or old.packed != new.packed
+                or old.shape != new.shape
+                or [t.shape for t in mine] != [t.shape for t in fresh]):
             return new
-        old.q.copy_(new.q)
-        old.scale.copy_(new.scale)
+        for dst, src in zip(mine, fresh):
+            dst.copy_(src)
+        old.panel_offset = new.panel_offset
         return old
 
     @property
@@ -200,14 +212,22 @@ class SelfDraftRunner(ModelRunner):
         return [w for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)
                 ] + [self.output_w]
 
+    def own_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the copy holds: its matrices' tensors (int8 ``q`` or the
+        kernels' panel copy, scales, panel scales; FP8 matrices and scales), the norms,
+        the QKV biases, the draft vocabulary's ids and RoPE's sign vector. Not the
+        target's embedding and rotary tables, which it reads."""
+        out = [t for lw in self.layers for t in (lw.ln1, lw.ln2, lw.qkv_b) if t is not None]
+        out += [t for w in self.quant_weights() for t in w.tensors()]
+        return out + [t for t in (self.final_norm, self.d2t, self._sin_sign) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the copy's own weights (int8 matrices, scales, norms and bias; the
-        embedding is the target's)."""
-        small = [lw.ln1 for lw in self.layers] + [lw.ln2 for lw in self.layers] + [
-            lw.qkv_b for lw in self.layers if lw.qkv_b is not None] + [self.final_norm]
-        return (sum(w.nbytes for w in self.quant_weights())
-                + sum(t.numel() * t.element_size() for t in small))
+        """Bytes the copy holds (``own_tensors``, each storage once): its resident
+        memory, beside the policy's weights."""
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in self.own_tensors()}
+        return sum(held.values())
 
     def pack_weights(self) -> None:
         """Re-quantize when the source's weights changed since the last quantization
@@ -234,16 +254,14 @@ class SelfDraftRunner(ModelRunner):
                 and self.dtype == torch.float32 and self.output_w is not None
                 and self.output_w.panel is not None)
 
-    def _pack(self) -> None:
-        """The kernels' int8 panel copies of every matrix (none without the kernels)."""
-        mats = self.quant_weights()
+    def _packer(self):
+        """The kernels that pack the int8 matrices into their panel layout (CPU float32
+        int8 copies with the int8 kernels built), else None (the matrices stay ``q``)."""
         k = self.kernels
-        if k is None or not hasattr(k, "linear_int8") or self.dtype != torch.float32:
-            for w in mats:
-                w.panel = w.panel_scale = None
-            return
-        for w in mats:
-            w.panel, w.panel_scale = self.kernels.pack_int8(w.q, w.scale, w.act_block)
+        if (k is None or not hasattr(k, "linear_int8") or self.dtype != torch.float32
+                or self.device.type != "cpu"):
+            return None
+        return k
 
     def kernel_weights(self) -> list[torch.Tensor]:
         return []  # no float panel copies: the int8 ones are made by refresh()
@@ -271,18 +289,27 @@ class SelfDraftRunner(ModelRunner):
     def _lin(self, x: torch.Tensor, w: QuantWeight, b: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual + x @ dequantize(w).T + b``: the int8 panel GEMM of the CPU kernels
-        where built and packed, else FP8 weights through ``torch._scaled_mm``
-        (``quantize_fp8``) or the int8 reference."""
+        where built and packed (more than MAX_FUSED_ROWS rows in chunks of that many:
+        each row's sums are computed alone, so a chunk's rows come out as in one call),
+        else FP8 weights through ``torch._scaled_mm`` (``quantize_fp8``) or the int8
+        reference (which reads a packed matrix back from its panels)."""
         rows = x.numel() // x.shape[-1]
-        if w.panel is None or not self.fused_ok("linear", rows):
+        if w.panel is None or not self._int8_kernels():
             if isinstance(w, Fp8Weight):
                 return fp8_linear(x, w, b, residual)
             return int8_linear(x, w, b, residual)
-        lead = x.shape[:-1]
+        lead, n, lin = x.shape[:-1], w.shape[0], self.kernels.linear_int8
+        flat = x.reshape(rows, -1).contiguous()
         res = None if residual is None else residual.reshape(rows, -1).contiguous()
-        out = self.kernels.linear_int8(x.reshape(rows, -1).contiguous(), w.panel,
-                                       w.panel_scale, w.shape[0], w.group, w.act_block, b, res)
-        return out.view(*lead, out.shape[-1])
+        if rows <= MAX_FUSED_ROWS:
+            out = lin(flat, w.panel, w.panel_scale, n, w.group, w.act_block, b, res)
+        else:
+            out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+            for i in range(0, rows, MAX_FUSED_ROWS):
+                j = min(rows, i + MAX_FUSED_ROWS)
+                out[i:j] = lin(flat[i:j], w.panel, w.panel_scale, n, w.group, w.act_block, b,
+                               None if res is None else res[i:j])
+        return out.view(*lead, n)
 
     def fused_ok(self, family: str, rows: int) -> bool:
         """"decode" (the per-layer kernel path, ``extend_chains``) and "linear" run the
