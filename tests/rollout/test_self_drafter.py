@@ -220,7 +220,10 @@ def test_refresh_follows_weight_updates(tiny_hf_dirs, single_process_parallel, k
             assert torch.equal(got.int8_values(), want.q) and torch.equal(got.scale, want.scale)
         assert torch.equal(mine.ln1, lw.ln1) and torch.equal(mine.ln2, lw.ln2)
     assert torch.equal(draft.output_w.int8_values(), quantize_int8(target.output_w).q)
-    assert draft.nbytes < 0.3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    # a quarter of the float32 bytes and the scales (with the kernels the tiny matrices'
+    # rows are padded to whole panels; SmolLM2's 0.3x: test_self_drafter_memory.py)
+    bound = 0.3 if kernels == "false" else 0.35
+    assert draft.nbytes < bound * sum(p.numel() * p.element_size() for p in model.parameters())
     # released before an update: the copy's cache goes, the copy stays and is reused
     cache = eng.spec.cache
     eng.release_memory()
