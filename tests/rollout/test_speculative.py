@@ -22,8 +22,8 @@ from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.sampling import processed_logprobs
 from megatron_tlt.rollout.speculative import decoder as decoder_mod
-from megatron_tlt.rollout.speculative.acceptance import (accept_chain, accept_chain_sampled,
-                                                         accept_tree, accept_tree_sampled)
+from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative.acceptance_batched import accept_chains, accept_trees
 from megatron_tlt.rollout.speculative.stats import SpecStats
 from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
 
@@ -120,20 +120,32 @@ def _wrong_accept_chain(p, q, drafts, gen, greedy, kernels=None):
     return len(drafts), int(torch.multinomial(p[len(drafts)].exp(), 1, generator=gen))
 
 
-def _wrong_accept_chain_sampled(p, q, drafts, gen):
-    """``_wrong_accept_chain`` in the form the batched step calls (device tensors)."""
-    k = drafts.shape[0]
-    ar = torch.arange(k)
-    u = torch.rand(k, generator=gen)
-    a = (u * q[ar, drafts].exp() < p[ar, drafts].exp()).long().cumprod(0).sum()
-    pa = p.index_select(0, a.view(1))[0].exp()
-    return a, torch.multinomial(pa / pa.sum(), 1, generator=gen)[0]
+def _wrong_accept_chains(p, q, drafts, counts, e, g, kernels=None):
+    """``_wrong_accept_chain`` in the form the batched step calls (every row at once)."""
+    b, k = drafts.shape
+    lp = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    lq = q[:, :k].gather(2, drafts[..., None])[..., 0]
+    ok = (e[:, :k] > lq - lp) & (torch.arange(k)[None, :] < counts[:, None])
+    a = ok.long().cumprod(1).sum(1)
+    pa = p.gather(1, a[:, None, None].expand(b, 1, p.shape[2]))[:, 0]
+    return a, (pa + g).argmax(-1)
+
+
+def _torch_noise(gen, slots, vocab):
+    """Exp(1) draws [1, slots] and a Gumbel row [1, vocab] from a torch generator (the
+    batched rules' math checked apart from the streams)."""
+    e = torch.empty(1, slots).exponential_(generator=gen)
+    g = -torch.empty(1, vocab).exponential_(generator=gen).log()
+    return e, g
 
 
 def _device_accept_chain(p, q, drafts, gen, greedy, kernels=None):
-    """The batched step's rule (on the device, k uniforms drawn at once)."""
-    a, nxt = accept_chain_sampled(p, q, torch.tensor(drafts, dtype=torch.long), gen)
-    return int(a), int(nxt)
+    """The batched step's rule (``accept_chains``) on one row."""
+    k = len(drafts)
+    e, g = _torch_noise(gen, k, p.shape[-1])
+    a, nxt = accept_chains(p[None], q[None], torch.tensor([drafts], dtype=torch.long),
+                           torch.tensor([k]), e, g)
+    return int(a[0]), int(nxt[0])
 
 
 @pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
@@ -169,7 +181,7 @@ def test_chain_rule_reproduces_target_distribution(rule):
 
 
 def _device_accept_tree(p, tokens, children, gen, greedy):
-    """The batched step's tree rule (on the device, one uniform per node at once)."""
+    """The batched step's tree rule (``accept_trees``) on one row."""
     width = max(1, max(len(c) for c in children))
     kids = torch.tensor([c + [-1] * (width - len(c)) for c in children])
     tok = torch.tensor([0 if t is None else t for t in tokens])
@@ -177,8 +189,9 @@ def _device_accept_tree(p, tokens, children, gen, greedy):
     while any(children[c] for c in frontier):
         depth += 1
         frontier = [k for c in frontier for k in children[c]]
-    path, nxt = accept_tree_sampled(p, tok, kids, depth, gen)
-    return [int(c) for c in path if c >= 0], int(nxt)
+    e, g = _torch_noise(gen, len(tokens), p.shape[-1])
+    path, nxt = accept_trees(p[None], tok[None], kids[None], depth, e, g)
+    return [int(c) for c in path[0] if c >= 0], int(nxt[0])
 
 
 @pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
@@ -341,7 +354,7 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     (chi-square 363 on 72 d.o.f. at 2,500 draws: p ~ 2e-40; the critical value at 1e-8
     is 161, missed with probability ~6e-12 by ncx2)."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(decoder_mod, "accept_chain_sampled", _wrong_accept_chain_sampled)
+    monkeypatch.setattr(decoder_mod, "accept_chains", _wrong_accept_chains)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
@@ -880,8 +893,8 @@ def test_fp8_training_pads_positions_without_changing_outputs(tiny, monkeypatch)
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"])
 def test_standard_speculation_is_reproducible_per_request(one_layer, strategy):
     """Standard sampling with speculation: a request's tokens depend on its own seed
-    only, not on the batch it runs in (each row's acceptance draws from its own
-    generator, a fixed number of draws per step), and a rerun gives the same ones."""
+    only, not on the batch it runs in (each row's draws come from its own stream,
+    keyed by its seed and response position), and a rerun gives the same ones."""
     model, arch, good, _ = one_layer
     eng = _spec_engine(model, arch, good, strategy)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True)
