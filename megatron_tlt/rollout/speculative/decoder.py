@@ -24,6 +24,7 @@ its own position L, its last sampled token x_L not yet in the target's cache:
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -317,7 +318,7 @@ class SpeculativeDecoder:
         if s == len(rows) and all(c == n for c in counts):  # the usual case: no gather
             pl, lg = plp.view(s, n, vocab), logits.view(s, n, vocab)
         else:  # rows' nodes padded to n (a padding node repeats the row's last)
-            first = [sum(counts[:i]) for i in range(len(rows))]
+            first = [0, *itertools.accumulate(counts)]
             at = torch.tensor([first[i] + min(j, counts[i] - 1) for i in idx for j in range(n)],
                               dtype=torch.long, device=dev)
             pl = plp.index_select(0, at).view(s, n, vocab)
