@@ -318,18 +318,18 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
     With a near-oracle drafter and with a confident random one.
 
     Power, measured at 2,500 draws with these seeds for each case under a lossy rule
-    (chains: _wrong_accept_chain, the rejection resampled from p instead of the
+    (chains: _wrong_accept_chains, the rejection resampled from p instead of the
     residual; trees: the fallback drawn from p instead of p with the rejected siblings
-    removed), and computed with scipy.stats.ncx2. Chi-square / d.o.f.:
-    chain-good 363 / 72, chain-bad 699 / 39, tree-good 1,093 / 39, tree-bad 685 / 72,
-    chain-stop 316 / 63, i.e. non-centralities of at least ~250 (chain-stop; ~290 for
+    removed), and computed with scipy.stats.ncx2. Chi-square / d.o.f. on the
+    counter-based streams: chain-good 336 / 72, chain-bad 771 / 39, chain-stop 229 / 63;
+    trees (measured with the earlier per-request generators): tree-good 1,093 / 39,
+    tree-bad 685 / 72; i.e. non-centralities of at least ~165 (chain-stop; ~264 for
     chain-good, the rule of test_wrong_rule_fails_the_end_to_end_test). The critical
     value at P_MIN is 125 on 72 d.o.f. (114 on 63), so each lossy rule is missed with
-    probability < 1e-13, and any bias with a non-centrality of 110 at this size (under
-    half of the least visible rule's) is caught with probability >= 0.99. The exact rule
-    passes every case (p 0.24-0.92 here); its false-positive rate is P_MIN per case,
-    as at 10,000 draws, which bought power only against biases under half that size,
-    at four times the time."""
+    probability < 1e-6, and any bias with a non-centrality of 110 at this size is
+    caught with probability >= 0.99. The exact rule passes every case (p 0.30-0.85 on
+    the streams); its false-positive rate is P_MIN per case, as at 10,000 draws, which
+    bought power only against biases under half that size, at four times the time."""
     model, arch, good, bad = one_layer
     strategy = "3_2_5" if kind == "tree" else "3_1_3"
     eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
@@ -351,8 +351,8 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
 
 def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     """The same end-to-end test catches a lossy acceptance rule at its sample size
-    (chi-square 363 on 72 d.o.f. at 2,500 draws: p ~ 2e-40; the critical value at 1e-8
-    is 161, missed with probability ~6e-12 by ncx2)."""
+    (chi-square 336 on 72 d.o.f. at 2,500 draws on the streams: p ~ 1e-35; the critical
+    value at 1e-8 is 161, missed with probability ~8e-10 by ncx2)."""
     model, arch, good, _ = one_layer
     monkeypatch.setattr(decoder_mod, "accept_chains", _wrong_accept_chains)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
