@@ -176,3 +176,96 @@ def test_padding_rows_attend_over_their_own_length_on_cuda(model):
         assert (got - want).abs().max() < 1e-4
         assert torch.isfinite(step.out[3]).all()
     assert graphs.captured == 1  # the second call replayed the first's graph
+
+
+def test_cuda_graphs_auto_measures_each_key_once_and_equals_eager(model):
+    """rollout.cuda_graphs=auto on CUDA: every key captured is timed against its eager
+    step once (real CUDA events), the decision and both times are in the call's stats,
+    a key measured slower holds no graph, and the outputs are the eager engine's."""
+    from megatron_tlt.rollout.cuda_graphs import key_name
+
+    prompts = _prompts()
+    want = _engine(model, "greedy", "3_2_5", graphs="false").generate(prompts,
+                                                                       MODES["greedy"])
+    eng = _engine(model, "greedy", "3_2_5", graphs="auto")
+    assert eng._graphs is not None and eng._graphs.measure
+    _same(eng.generate(prompts, MODES["greedy"]), want)
+    stats = eng.last_stats.graphs
+    for prefix, g in (("target", eng._graphs), ("eagle", eng.spec.drafting.graphs)):
+        assert g.graphs and set(g.decided) == set(g.graphs)
+        for key, step in g.graphs.items():
+            d = g.decided[key]
+            assert d.graph_seconds > 0 and d.eager_seconds > 0
+            assert d.graphed == (d.graph_seconds < d.eager_seconds)
+            assert (step.graph is not None) == d.graphed
+            assert stats[f"{prefix}/{key_name(key)}"]["graphed"] == d.graphed
+    before = {k: v for k, v in eng._graphs.decided.items()}
+    _same(eng.generate(prompts, MODES["greedy"]), want)  # replays, nothing re-measured
+    assert eng._graphs.decided == before
+
+
+def test_graph_pool_memory_matches_the_dry_run_model(parallel, tmp_path):
+    """The dry run's model of a decoder's graphs (``rl.memory_model.graph_key_bytes``,
+    ``graph_pool_bytes``) against CUDA's allocator around real captures of a plain, a
+    chain and a tree key on one pool: the bytes held after capture (static inputs and
+    outputs) within 10 % plus 512 B per tensor (the allocator's rounding); each
+    capture's peak working set within 0.5-2.5x of the modelled one; the reserved growth
+    over the three captures at most twice the modelled pool and inputs plus 4 MiB per
+    key (2 MiB segments of small blocks, the pool's and the eager warm-ups')."""
+    from megatron_tlt.models import load_model
+    from megatron_tlt.rl import memory_model as mm
+    from tiny_models import save_tiny_hf
+
+    folder = save_tiny_hf("llama_tied", tmp_path / "m", seed=2, hidden_size=256,
+                          intermediate_size=512, num_hidden_layers=2)
+    m, arch = load_model(folder, device=CUDA, dtype="float32", impl="local")
+    eng = RolloutEngine(m, None, RolloutConfig(max_batch_size=8, attention="sdpa",
+                                               cuda_graphs="false"),
+                        arch=arch, eos_token_ids=[])
+    runner, cap = eng.runner, 256
+    cache = KVCache(num_layers=len(runner.layers), max_batch=8, kv_heads=runner.groups,
+                    capacity=cap, head_dim=arch.kv_channels, dtype=torch.float32,
+                    device=CUDA)
+    graphs = GraphedDecoder(runner)  # (true: no measurement)
+    graphs._reset(cache)  # the rotary tables grown before anything is measured
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    start = torch.randint(0, 100, (8,), generator=g, device=CUDA)
+    tree_mask = torch.ones(6, 6, dtype=torch.bool, device=CUDA).tril()[None]
+    calls = [  # (key, forward): plain 3 rows (bucket 4), chain 8 x 5, tree 8 x 6 x 6
+        ((4, 1, 0), lambda: graphs.run(cache, torch.ones(3, 1, dtype=torch.long,
+                                                         device=CUDA), start[:3])),
+        ((8, 5, 0), lambda: graphs.verify(cache, torch.ones(8, 5, dtype=torch.long,
+                                                            device=CUDA), start)),
+        ((8, 6, 6), lambda: graphs.verify(
+            cache, torch.ones(8, 6, dtype=torch.long, device=CUDA), start,
+            rope_positions=start[:, None] + torch.arange(6, device=CUDA),
+            new_token_mask=tree_mask)),
+    ]
+    # a first capture of another key: the one-time allocations (cuBLAS workspaces of
+    # the warm-up and capture streams) before anything is measured
+    graphs.run(cache, torch.ones(1, 1, dtype=torch.long, device=CUDA), start[:1])
+    torch.cuda.synchronize()
+    reserved0 = torch.cuda.memory_reserved()
+    modelled = []
+    for (bucket, t, w), forward in calls:
+        key = mm.graph_key_bytes(arch, tp=1, dtype_bytes=4, bucket=bucket, tokens=t,
+                                 width=w, capacity=cap)
+        modelled.append(key)
+        torch.cuda.synchronize()
+        a0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - a0
+        working = torch.cuda.max_memory_allocated() - a0 - held
+        tensors = 5 if w else 3  # tokens, start, output (+ rope, mask); own_mask below
+        static = key.inputs + key.output + (t * w if w else 0)
+        assert abs(held - static) <= 0.1 * static + 512 * (tensors + 1), (bucket, t, w, held,
+                                                                          static)
+        assert 0.5 * key.working <= working <= 2.5 * key.working, (bucket, t, w, working,
+                                                                   key.working)
+    assert graphs.captured == 4
+    pool, inputs = mm.graph_pool_bytes(modelled)
+    grown = torch.cuda.memory_reserved() - reserved0
+    assert grown <= 2 * (pool + inputs) + 4 * 2 ** 20 * len(calls), (grown, pool, inputs)
+    graphs.release()

@@ -66,6 +66,24 @@ MINI_NOTE = ("random Llama, SmolLM2's tokenizer and vocabulary (49,152, tied), "
              + ", ".join(f"{k}={v}" for k, v in MINI.items()))
 
 
+def _step_ms(stats, rows: int):
+    """Median decode step (ms) of ``stats`` over its steps at ``rows`` running rows
+    (None: no such step)."""
+    got = [t for b, t in zip(stats.batch_sizes, stats.step_seconds) if b == rows]
+    return 1e3 * statistics.median(got) if got else None
+
+
+def _prefill_ms_per_token(stats):
+    """Prefill time per prompt token (ms): summed over ranks when merged, as the
+    ranks' prefills run at the same time, each on its own prompts."""
+    return 1e3 * stats.prefill_seconds / stats.prefill_tokens if stats.prefill_tokens else None
+
+
+def _median_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def _mini_model(smollm2: Path, rank: int) -> Path:
     """``--model mini``: a random 8-layer, 256-wide Llama with SmolLM2's tokenizer (for
     machines too loaded to time SmolLM2 in reasonable time); built by rank 0."""
@@ -267,10 +285,18 @@ def main(args) -> None:
         ratios, aa, t1s, t2s, same_here = [], [], [], [], 0
         other = {m: [] for m in modes[1:]}  # the other modes' ratios to PP = 1
         packs, alt_ratios = [], []
+        steps1, steps2, pre1, pre2 = [], [], [], []
         for _ in range(args.pairs):
             o1, s1 = run_pp1(prompts, params)
+            if rank == 0:
+                steps1.append(_step_ms(pp1.last_stats, len(prompts)))
+                pre1.append(_prefill_ms_per_token(pp1.last_stats))
             o2, s2 = run_pp2(prompts, params)
             packs.append(pp2.last_stats.pack_seconds)
+            # each rank's own decode steps at its full share of the batch (the merged
+            # stats hold every rank's steps): two 1-thread engines side by side
+            steps2.append(_step_ms(pp2.last_stats, -(-len(prompts) // args.pp)))
+            pre2.append(_prefill_ms_per_token(pp2.last_stats))
             o1b, s1b = run_pp1(prompts, params)  # A/A: PP=1 against itself
             if alt:  # PP = 1 at another thread count (a loaded machine punishes threads)
                 _, sa = run_pp1(prompts, params, alt)
@@ -299,6 +325,14 @@ def main(args) -> None:
                        identical=same_here / (len(prompts) * args.pairs),
                        pp2_kv_cache_bytes_per_stage=pp2.last_stats.kv_cache_bytes,
                        pp2_pack_seconds=statistics.median(packs),
+                       # per decode step of one engine at its running batch: PP = 1 at
+                       # the whole batch, and a PP = 2 rank at its share beside the other
+                       # rank (the planner's co-run table); prefill per prompt token
+                       pp1_step_ms=_median_or_none(steps1),
+                       pp2_rows_per_rank=-(-len(prompts) // args.pp),
+                       pp2_step_ms=_median_or_none(steps2),
+                       pp1_prefill_ms_per_token=_median_or_none(pre1),
+                       pp2_prefill_ms_per_token=_median_or_none(pre2),
                        **{f"ratio_{m}": statistics.median(v) for m, v in other.items()},
                        **({f"ratio_vs_pp1_{alt}_threads": statistics.median(alt_ratios)}
                           if alt else {}))

@@ -308,6 +308,7 @@ def main() -> None:
                    ratio_min=min(ratios), ratio_max=max(ratios),
                    engine_step_ms=statistics.median(steps) * 1e3,
                    floor_ms=floors.get(b, float("nan")) * 1e3,
+                   graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
                    step_over_floor=statistics.median(bounds),
                    step_over_floor_min=min(bounds), step_over_floor_max=max(bounds),
                    **check)

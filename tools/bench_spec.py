@@ -514,6 +514,7 @@ def main(argv=None) -> int:
                          aa_s=out["aa"][0], aa_ratio=run_ratio(out["aa"], out["plain"]),
                          declined_step_ratio=declined_step_ratio(st, pst), fixed=fixed,
                          **tuned_summary(st), **c, spec=st.spec.summary(),
+                         graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
                          bound=tail_speedup_bound(pst, speedup_at, cfg.threshold)))
         lengths = sorted(map(len, ref))
         ident = (f"identical {c['identical']}/{len(tail_prompts)}" if greedy or coupled

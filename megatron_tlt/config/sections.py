@@ -279,9 +279,11 @@ class RolloutConfig:
         "(batch-size bucket, new tokens per row, tree mask width), replayed at every "
         "step (padding rows attend over their own few tokens). auto: on with CUDA, off "
         "on CPU and with rollout.pipeline_mode=pipelined or an EAGLE-3 feature-layer "
-        "drafter; true: on, an error where graphs are not supported; false: eager "
-        "steps. Prefill, logits, sampling, acceptance and the self-drafter's drafting "
-        "stay eager.", "auto")
+        "drafter, and per key only where its graph measured faster than the same step "
+        "run eagerly (3 replays against 3 eager runs at its first capture; the choices "
+        "and times are in the rollout stats' graphs); true: every key graphed, an "
+        "error where graphs are not supported; false: eager steps. Prefill, logits, "
+        "sampling, acceptance and the self-drafter's drafting stay eager.", "auto")
     release_memory: bool = _help(
         "Free the rollout's KV caches, the drafter's feature store and the CUDA graphs "
         "between the rollout and the policy update, so the update has that memory; the "

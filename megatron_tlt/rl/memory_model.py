@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..spec_strategy import Strategy, parse_arms
+
 GIB = 1024 ** 3
 GPU_BYTES = 80 * 10 ** 9          # an "80 GB" H100 / A100
 GPU_USABLE = 0.95                 # the CUDA context, NCCL buffers, fragmentation
@@ -86,6 +88,13 @@ class Settings:
     cpu_kernels: bool             # CPU float32 packed weight copies
     kv_released: bool             # the KV cache is freed before the update
     device: str = "cuda"          # platform.device as configured
+    cuda_graphs: bool = False     # rollout.cuda_graphs captures decode steps (GPU)
+    # speculation's arms as (depth, top_k, verify_tokens), the running batch it
+    # speculates at (rollout.speculative.threshold) and whether the confidence stop
+    # cuts chains (a verification key per width)
+    arms: tuple = ()
+    spec_threshold: int = 0
+    cut_chains: bool = False
 
 
 def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
@@ -126,7 +135,21 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         cpu_kernels=not on_gpu and dtype_bytes == 4 and r.cpu_kernels != "false",
         kv_released=bool(getattr(r, "release_memory", True)) if kv_released is None
         else kv_released,
-        device=str(cfg.platform.device))
+        device=str(cfg.platform.device),
+        cuda_graphs=on_gpu and r.cuda_graphs != "false"
+        and not (pp > 1 and r.pipeline_mode == "pipelined"),
+        arms=_arms(r.speculative) if r.speculative.drafter or cfg.drafter_group.enable
+        else (),
+        spec_threshold=r.speculative.threshold,
+        cut_chains=r.speculative.min_draft_prob > 0)
+
+
+def _arms(sc) -> tuple:
+    """Every speculative strategy the tuner may pick, as (depth, top_k, verify_tokens)."""
+    arms = [a for bucket in parse_arms(sc.arms, sc.buckets).values() for a in bucket]
+    if sc.policy == "fixed":
+        arms.append(Strategy.parse(sc.strategy))
+    return tuple(sorted({(a.depth, a.top_k, a.verify_tokens) for a in arms if not a.is_off}))
 
 
 # ----------------------------------------------------------------------- weights
@@ -187,6 +210,97 @@ def rollout_stages(arch, tp: int, pp: int, dtype_bytes: int, seqs: int, capacity
 def kv_bytes(arch, tp: int, layers: int, rows: int, capacity: int, dtype_bytes: int) -> float:
     return (2 * layers * rows * max(arch.num_query_groups // tp, 1) * capacity
             * arch.kv_channels * dtype_bytes)
+
+
+# ----------------------------------------------------------------------- CUDA graphs
+def graph_buckets(rows: int) -> list[int]:
+    """The batch-size buckets graphs are captured at (``rollout.cuda_graphs.bucket_for``):
+    1, 2, 4, ... below ``rows``, then ``rows``."""
+    out, b = [], 1
+    while b < rows:
+        out.append(b)
+        b *= 2
+    return out + [rows]
+
+
+@dataclass
+class GraphKey:
+    """One captured forward's memory (``rollout/cuda_graphs.py``): its static input
+    buffers (ordinary allocations), its static output (held in the pool) and its
+    forward's working set at the peak (in the pool during capture, then free there for
+    the next key's capture)."""
+
+    inputs: float
+    output: float
+    working: float
+
+
+def graph_key_bytes(arch, *, tp: int, dtype_bytes: int, bucket: int, tokens: int,
+                    width: int, capacity: int, embeds: bool = False) -> GraphKey:
+    """The memory of the key (``bucket`` rows, ``tokens`` new tokens per row, tree mask
+    ``width`` or 0, the drafter's inputs as ``embeds``) over a cache of ``capacity``
+    positions (the span a graphed step attends over), on one TP rank.
+
+    Working set (the torch path with SDPA, ``ModelRunner.extend``): the additive
+    attention mask [bucket, 1, tokens x query heads per group (tokens > 1), capacity]
+    held through the forward, and at its peak either the mask's construction (int64
+    relative indices [bucket, capacity], bools and a model-dtype [bucket, tokens,
+    capacity] before the per-head copy; a tree's gathered mask and its bounds) or one
+    layer's temporaries for the n = bucket x tokens new tokens: the residual, the norm
+    and a spare of h, and the larger of attention's (QKV, and three rotary temporaries
+    of Q and K) and the MLP's (fc1's 2f, SiLU and the gated product) widths, with the
+    rotary tables (3 x n x head_dim)."""
+    h, f, d, db = arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels, dtype_bytes
+    q = arch.num_attention_heads * d / tp
+    kvw = max(arch.num_query_groups // tp, 1) * d
+    hpg = arch.num_attention_heads // max(arch.num_query_groups, 1)
+    n = bucket * tokens
+    inputs = n * 8 + bucket * 8 + (n * 8 + n * width if width else 0) \
+        + (n * h * db if embeds else 0)
+    output = n * h * db
+    bias = bucket * (tokens * hpg if tokens > 1 else 1) * capacity * db
+    building = bucket * capacity * 16 + bucket * tokens * capacity * (db + 3) \
+        + (bucket * tokens * capacity * 2 if width else 0)
+    layer = n * db * (3 * h + max(q + 2 * kvw + 3 * (q + kvw), 4 * f / tp) + 3 * d)
+    return GraphKey(inputs, output, bias + max(building, layer))
+
+
+def graph_pool_bytes(keys: list) -> tuple[float, float]:
+    """(pool, static inputs) of one decoder's keys (``GraphKey``s) sharing one pool:
+    the keys' outputs and the largest working set (a capture reuses the blocks the
+    earlier captures' intermediates freed), and the input buffers beside it."""
+    if not keys:
+        return 0.0, 0.0
+    return (sum(k.output for k in keys) + max(k.working for k in keys),
+            sum(k.inputs for k in keys))
+
+
+def graph_keys(arch, s: "Settings") -> dict[str, list]:
+    """The keys a rollout may capture, by decoder: the target's plain step per bucket
+    and, with a drafter, its verifications per bucket up to the threshold (a chain arm
+    depth + 1 tokens, every width up to it when the confidence stop cuts chains; a
+    tree arm verify_tokens + 1 tokens and mask width); the one-layer drafter's catch-up
+    and chain steps (every width up to the draft slack) and tree steps (top_k nodes
+    per row over the nodes fed so far), all with embeddings as inputs."""
+    db, cap = s.dtype_bytes, s.capacity
+    key = lambda b, t, w=0, e=False: graph_key_bytes(  # noqa: E731
+        arch, tp=s.tp, dtype_bytes=db, bucket=b, tokens=t, width=w, capacity=cap, embeds=e)
+    buckets = graph_buckets(max(s.rollout_rows, 1))
+    target = {(b, 1, 0) for b in buckets}
+    drafter = set()
+    spec = [b for b in buckets if b <= max(s.spec_threshold, 1)] if s.arms else []
+    slack = max([max(v, (dp - 1) * k) for dp, k, v in s.arms] or [0]) + 2
+    for b in spec:
+        for depth, top_k, verify in s.arms:
+            if top_k == 1:
+                lo = 2 if s.cut_chains else depth + 1
+                target |= {(b, t, 0) for t in range(lo, depth + 2)}
+            else:
+                target.add((b, verify + 1, verify + 1))
+                drafter |= {(b, top_k, 1 + top_k * dd) for dd in range(1, depth)}
+        drafter |= {(b, t, 0) for t in range(1, slack + 1)}
+    return {"target": [key(*k) for k in sorted(target)],
+            "drafter": [key(*k, e=True) for k in sorted(drafter)]}
 
 
 # ----------------------------------------------------------------------- activations
@@ -372,6 +486,13 @@ def estimate_settings(arch, s: Settings) -> Estimate:
         add(Term("drafter KV + features", kv_bytes(arch, tp, 1, rows, s.capacity, db)
                  + rows * s.capacity * h * db, "rollout" if s.kv_released else "resident",
                  "exact", "its KV cache, the feature store (the responses' hidden states)"))
+    if s.cuda_graphs:
+        keys = graph_keys(arch, s)
+        pools = [graph_pool_bytes(k) for k in keys.values()]
+        add(Term("CUDA graph pools", sum(p + i for p, i in pools),
+                 "rollout" if s.kv_released else "resident", "gpu-model",
+                 f"{len(keys['target'])} target + {len(keys['drafter'])} drafter keys: "
+                 "outputs + largest working set per pool, static inputs"))
 
     # update
     layers = arch.num_layers // pp

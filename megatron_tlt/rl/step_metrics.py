@@ -101,6 +101,8 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         "rollout/prefill_shared_rows": pre_shared,
         "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
     }
+    if st.get("graphs"):  # rollout.cuda_graphs=auto's choice per key (this replica's)
+        out["graphs"] = st["graphs"]
     if g.tis_cap > 0:
         out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
     if any(x is not None for x in spec):

@@ -43,8 +43,30 @@ step is fixed-shape device code:
   re-captures each key at its first use.
 
 Outputs (final hidden states) are views of the graph's static output: valid until the
-key's next replay (the next step, or the drafter's next chain depth; each caller reads
-them, or copies what it keeps, before).
+decoder's next replay of any key (the next step, or the drafter's next chain depth;
+each caller reads them, or copies what it keeps, before): the keys share a pool, so a
+key's output may lie in blocks an earlier-captured key's forward uses for its
+intermediates.
+
+Under ``rollout.cuda_graphs=auto`` a key's first capture is followed by a measurement:
+``TIMED_RUNS`` replays of its graph against as many eager runs of the same step (the
+static buffers at the warm-up inputs, each side after one untimed run, timed on the
+device with CUDA events, ``device_seconds``; at TP > 1 TP rank 0's times decide for
+all ranks). Where the graph is not faster the key runs that step eagerly from then on
+(its graph dropped); ``decisions()`` reports each key's choice and times (the
+engine's ``GenerateStats.graphs``). A decision holds for the decoder's life: a key
+re-captured after a release is not measured again. Under ``true`` every key is
+graphed, unmeasured.
+
+Memory: each decoder's keys share one memory pool (``graph_pool_handle``): a key's
+output [bucket, T, hidden] stays in it, and the blocks its forward's intermediates
+freed at the end of its capture serve the next key's capture, so the pool holds about
+the keys' outputs plus the largest key's working set (the dry run's model:
+``rl.memory_model.graph_keys``, ``graph_pool_bytes``). Keys are captured at first use;
+a rollout's running batch starts at its largest bucket and shrinks into the tail, so
+the largest plain keys usually come first and the smaller ones fit in their freed
+blocks. The static input buffers are ordinary allocations. The target and the
+one-layer drafter have a pool each.
 
 Not graphed: prefill, the LM heads (logits), sampling and acceptance (eager batched
 device ops), the self-drafter's copy and a Transformer Engine FP8 drafter (eager
@@ -65,6 +87,56 @@ import torch
 
 from .forward import ModelRunner
 from .kv_cache import KVCache
+
+
+# replays and eager runs timed per key at its first capture under auto
+TIMED_RUNS = 3
+
+
+def device_seconds(fn: Callable[[], object], runs: int) -> float:
+    """Seconds per call of ``fn`` on the current CUDA stream, by CUDA events: one
+    untimed call (a graph's first replay uploads it), the stream drained, then ``runs``
+    calls between two events (a launch-bound eager step leaves the device idle between
+    its kernels: the gaps are timed too)."""
+    stream = torch.cuda.current_stream()
+    fn()
+    stream.synchronize()
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    begin.record(stream)
+    for _ in range(runs):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / runs
+
+
+@dataclass
+class Decision:
+    """Graph or eager for one key (``rollout.cuda_graphs=auto``) and the times it was
+    decided on (seconds per step)."""
+
+    graphed: bool
+    graph_seconds: float
+    eager_seconds: float
+
+
+def key_name(key: tuple) -> str:
+    """A key as metrics name it: b<bucket>_t<tokens per row>_w<tree width>[_embeds]."""
+    bucket, t, w, embeds = key
+    return f"b{bucket}_t{t}_w{w}" + ("_embeds" if embeds else "")
+
+
+_SIDE: dict = {}
+
+
+def _side_stream() -> "torch.cuda.Stream":
+    """The stream every capture's warm-up runs on (one per device: cuBLAS keeps a
+    workspace per stream it ran on, so a new stream per capture would hold one each)."""
+    dev = torch.cuda.current_device()
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream()
+    return _SIDE[dev]
 
 
 def bucket_for(b: int, max_rows: int) -> int:
@@ -120,20 +192,35 @@ class GraphedDecoder:
     """The target's fixed-shape forwards over one cache: captured (``capture``, CUDA)
     or run eagerly through the same static buffers (``capture=False``, any device)."""
 
-    def __init__(self, runner: ModelRunner, capture: bool = True):
+    def __init__(self, runner: ModelRunner, capture: bool = True, *, measure: bool = False,
+                 timer: Callable[[Callable[[], object], int], float] = device_seconds):
+        """``measure``: keep a key's graph only where it measured faster than the same
+        step run eagerly (``rollout.cuda_graphs=auto``; ``timer(fn, runs)`` gives
+        seconds per call, on the device)."""
         if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on CUDA")
         self.runner = runner
         self.capture = capture
+        self.measure = measure
+        self.timer = timer
         self.cache: Optional[KVCache] = None
         self.generation = 0  # the cache allocation the graphs were captured on
         self.graphs: dict[tuple, object] = {}
         self.pool = None
+        self.decided: dict[tuple, Decision] = {}  # kept through releases
 
     @property
     def captured(self) -> int:
-        """Graphs held (one per key used since the last release)."""
+        """Keys held (one per key used since the last release; a key measured slower
+        holds its static buffers without a graph)."""
         return len(self.graphs)
+
+    def decisions(self) -> dict[str, dict]:
+        """Per measured key (``key_name``): whether it replays a graph, and the graph's
+        and the eager step's measured seconds."""
+        return {key_name(k): dict(graphed=d.graphed, graph_seconds=d.graph_seconds,
+                                  eager_seconds=d.eager_seconds)
+                for k, d in self.decided.items()}
 
     def release(self) -> None:
         """Drop the graphs, their static buffers and memory pool (re-captured on use)."""
@@ -190,10 +277,32 @@ class GraphedDecoder:
         bucket, t, w, _ = key
         s = self._buffers(bucket, t, w, embeds_like)
         self._warm_inputs(s)
-        if not self.capture:  # the same writes as the warm-up, eagerly
-            s.fn()
+        decided = self.decided.get(key)
+        if not self.capture or (decided is not None and not decided.graphed):
+            s.fn()  # the same writes as the warm-up, eagerly
             return s
-        side = torch.cuda.Stream()
+        s.graph, s.out = self._record(s)
+        if self.measure and decided is None:
+            self._decide(key, s)
+        return s
+
+    def _decide(self, key: tuple, s: _Step) -> None:
+        """Time the key's graph against the same step run eagerly (at the warm-up
+        inputs: the cache's last T slots); keep the graph only if it is faster."""
+        graph_s = self.timer(s.graph.replay, TIMED_RUNS)
+        eager_s = self.timer(s.fn, TIMED_RUNS)
+        if not self.runner.decides_alone:  # TP ranks take one decision: rank 0's times
+            times = torch.tensor([graph_s, eager_s], dtype=torch.float64,
+                                 device=self.runner.device)
+            graph_s, eager_s = self.runner.agree(times).tolist()
+        d = self.decided[key] = Decision(graph_s < eager_s, graph_s, eager_s)
+        if not d.graphed:  # its pool blocks serve later captures
+            s.graph, s.out = None, None
+
+    def _record(self, s: _Step) -> tuple:
+        """Capture ``s``'s step in a CUDA graph on this decoder's pool: (graph, its
+        static output)."""
+        side = _side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, kernels, NCCL)
@@ -201,9 +310,8 @@ class GraphedDecoder:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            s.out = s.fn()
-        s.graph = graph
-        return s
+            out = s.fn()
+        return graph, out
 
     # ---------------------------------------------------------------- a step
     @torch.no_grad()  # (capture and replay record no autograd graph)

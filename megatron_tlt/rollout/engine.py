@@ -168,7 +168,9 @@ class RolloutEngine:
 
         if self._graphs is not None:
             self._graphs.release()
-        self._graphs = GraphedDecoder(self.runner, capture=capture)
+        # auto: each key keeps its graph only where it measured faster than eager
+        self._graphs = GraphedDecoder(self.runner, capture=capture,
+                                      measure=self.config.cuda_graphs == "auto")
 
     def _wire_graphs(self) -> None:
         """The speculative decoders verify through the engine's graphs (or eagerly
@@ -186,7 +188,8 @@ class RolloutEngine:
             if g is None or d.kind != "eagle" or d.draft.fp8 or d.draft.kernels is not None:
                 drafting.graphs = None
             elif drafting.graphs is None or drafting.graphs.capture != g.capture:
-                drafting.graphs = GraphedDecoder(d.draft, capture=g.capture)
+                drafting.graphs = GraphedDecoder(d.draft, capture=g.capture,
+                                                 measure=g.measure, timer=g.timer)
 
     def detach_drafter(self) -> None:
         self.spec = None
@@ -286,7 +289,9 @@ class RolloutEngine:
         cache = self.memory.kv_cache(max_batch, capacity, ctl.slack if ctl is not None else 0)
         if ctl is not None:
             self._wire_graphs()
-            stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity))
+            # (the drafters' caches zero what this call can reach, as the target's)
+            reach = capacity if self.memory.reach(capacity, 0) is not None else None
+            stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity), reach=reach)
         stats.kv_cache_bytes = cache.nbytes
         # None where the drafter's feature store holds the hidden states (one copy)
         hidden_buf = self.memory.hidden_buffer(plist, max_batch)
@@ -317,6 +322,7 @@ class RolloutEngine:
                 continue
             self._decode_step(cache, rows, hidden_buf, stats, ctl, retire)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
+        stats.graphs = self._graph_decisions()
         if ctl is not None:
             ctl.finish()
         return outputs  # type: ignore[return-value]
@@ -335,48 +341,69 @@ class RolloutEngine:
         else:
             ctl.decode_step(
                 cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
-                lambda *verified: self._commit(rows, hidden_buf, *verified),
+                lambda *step: self._commit(rows, hidden_buf, *step),
                 stats.record_step)
         retire()
 
-    def _commit(self, rows: list[_Row], hidden_buf, emissions, hidden, logits, plp
-                ) -> list[int]:
+    def _commit(self, rows: list[_Row], hidden_buf, emissions, verified) -> list[int]:
         """Emit a speculative step's tokens (``SpeculationController``'s commit): per
         row its accepted drafts and next token, with log-probs and hidden states as
         plain decoding emits them, cut at a stop token or length limit. Returns how
-        many tokens each row kept."""
-        emitted, per_row = [], []
-        for i, (r, e) in enumerate(zip(rows, emissions)):
-            if e.logprobs is not None:  # read with the acceptance (greedy verification)
-                continue
-            idx = torch.tensor(e.nodes, device=self.device)
-            tok = torch.tensor(e.tokens, device=self.device)[:, None]
-            node_logits = logits[i].index_select(0, idx).float()
-            raw = torch.log_softmax(node_logits, dim=-1).gather(-1, tok)[:, 0]
-            processed = raw if r.params.greedy else \
-                plp[i].index_select(0, idx).gather(-1, tok)[:, 0]
-            per_row.append(requested_logprobs(node_logits, tok[:, 0],
-                                              [r.params] * len(e.tokens), raw, processed))
-        # the other rows' log-probs in one host read
-        chosen = torch.cat(per_row).tolist() if per_row else []
-        off = 0
-        for i, (r, e) in enumerate(zip(rows, emissions)):
+        many tokens each row kept.
+
+        The cut needs only the tokens (host ints), so the host appends them first; the
+        device work is then one batch over all rows, its size independent of the row
+        count: one gather of the emitted nodes' logits for the rows whose log-probs the
+        acceptance did not read, with one host read of them, and one scatter of the
+        kept tokens' hidden states into ``hidden_buf``."""
+        firsts = [len(r.tokens) for r in rows]  # each row's first response slot now
+        emitted = []
+        for r, e in zip(rows, emissions):
             L, m = r.length, 0
-            lps = e.logprobs
-            if lps is None:
-                lps = chosen[off: off + len(e.tokens)]
-                off += len(e.tokens)
-            for j, t in enumerate(e.tokens):
-                if hidden_buf is not None:
-                    hidden_buf[i, len(r.tokens)] = hidden[i][e.nodes[j]].to(hidden_buf.dtype)
+            for t in e.tokens:
                 r.tokens.append(t)
-                r.logprobs.append(lps[j])
                 m += 1
                 r.length = L + m
                 if self._finish_reason(r) is not None:
                     break
             emitted.append(m)
+        lps = self._emitted_logprobs(rows, emissions, verified)
+        for r, lp, m in zip(rows, lps, emitted):
+            r.logprobs.extend(lp[:m])
+        if hidden_buf is not None and rows:
+            off = verified.offsets
+            where = [(i, firsts[i] + j, off[i] + n) for i, (e, m) in
+                     enumerate(zip(emissions, emitted)) for j, n in enumerate(e.nodes[:m])]
+            row, pos, src = torch.tensor(where, device=self.device).unbind(1)
+            hidden_buf[row, pos] = verified.hidden.index_select(0, src).to(hidden_buf.dtype)
         return emitted
+
+    def _emitted_logprobs(self, rows: list[_Row], emissions, verified) -> list[list[float]]:
+        """Per row, its emitted tokens' log-probs as its request asks: the acceptance's
+        where it read them (greedy verification), else computed here from the verify
+        forward's logits in one gather over every such row's nodes and one host read."""
+        need = [i for i, e in enumerate(emissions) if e.logprobs is None]
+        out = [e.logprobs for e in emissions]
+        if not need:
+            return out
+        off = verified.offsets
+        picked = [(off[i] + n, t) for i in need
+                  for n, t in zip(emissions[i].nodes, emissions[i].tokens)]
+        params = [rows[i].params for i in need for _ in emissions[i].tokens]
+        idx, tok = torch.tensor(picked, device=self.device).unbind(1)
+        x = verified.logits.index_select(0, idx).float()
+        raw = torch.log_softmax(x, dim=-1).gather(-1, tok[:, None])[:, 0]
+        # greedy rows: the raw log-prob (their "processed" rows are the logits)
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        processed = torch.where(greedy, raw,
+                                verified.plp.index_select(0, idx).gather(-1, tok[:, None])[:, 0])
+        chosen = requested_logprobs(x, tok, params, raw, processed).tolist()  # one read
+        k = 0
+        for i in need:
+            n = len(emissions[i].tokens)
+            out[i] = chosen[k: k + n]
+            k += n
+        return out
 
     def _plain_step(self, cache: KVCache, rows: list[_Row], hidden_buf, capture):
         """One plain decode step: the target over every row's last token, one token
@@ -456,6 +483,20 @@ class RolloutEngine:
             rows.pop()
 
     # ------------------------------------------------------------------ helpers
+    def _graph_decisions(self) -> dict[str, dict]:
+        """``rollout.cuda_graphs=auto``'s measured choice per key: the target's
+        ("target/<key>") and each one-layer drafter's ("eagle/<key>")."""
+        out = {}
+        if self._graphs is not None:
+            out.update({f"target/{k}": v for k, v in self._graphs.decisions().items()})
+        spec = self.spec
+        for d in (spec.decoders.values() if hasattr(spec, "decoders") else
+                  [spec] if spec is not None else []):
+            g = getattr(d.drafting, "graphs", None)
+            if g is not None:
+                out.update({f"{d.kind}/{k}": v for k, v in g.decisions().items()})
+        return out
+
     def _from_tp_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as TP rank 0 (of the last stage) holds it, on every rank (in place)."""
         return self.runner.agree(tensor)

@@ -13,7 +13,14 @@ Lifecycle: the cache object outlives its memory. ``release()`` frees the K and V
 tensors (the rollout engine does so before the policy update, ``rollout.memory``) and
 ``allocate()`` makes them again, zeroed, with the same shape; ``generation`` counts the
 allocations, so whatever holds addresses inside the cache (CUDA graphs) can tell a
-re-made cache from the one it captured.
+re-made cache from the one it captured. ``allocate(upto)`` zeroes only positions
+0..upto-1 of every row (``zeroed``), the span a call can reach; a later call that
+reaches further zeroes the rest of its span first. On the CPU the positions beyond are
+then never touched, so the operating system never maps their pages: a cache sized for
+the configured longest prompt costs what this rollout's sequences reach (re-making a
+released 1 GB cache page by page took seconds per rollout on the 2-core machine). Every
+read stays below the zeroed span, so the cache never holds a non-finite value that a
+masked position could turn into a NaN.
 
 Layouts: "bgsd" (batch, kv heads, positions, head dim) for torch scaled_dot_product
 attention; "bsgd" (batch, positions, kv heads, head dim) for flash-attn's KV-cache
@@ -32,7 +39,7 @@ LAYOUTS = ("bgsd", "bsgd")
 class KVCache:
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 layout: str = "bgsd"):
+                 layout: str = "bgsd", upto: Optional[int] = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.layout = layout
@@ -45,24 +52,36 @@ class KVCache:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.generation = 0  # allocations so far
-        self.allocate()
+        self.zeroed = 0  # positions 0..zeroed-1 of every row hold finite values
+        self.allocate(upto)
 
     # ---------------------------------------------------------------- lifecycle
     @property
     def allocated(self) -> bool:
         return self.k is not None
 
-    def allocate(self) -> "KVCache":
-        """Make the K and V tensors (zeroed) if released; nothing if they exist."""
+    def allocate(self, upto: Optional[int] = None) -> "KVCache":
+        """Make the K and V tensors if released, zeroed at positions 0..upto-1 of every
+        row (all positions without ``upto``); on an allocated cache, zero the positions
+        of that span not zeroed yet."""
+        want = self.capacity if upto is None else max(0, min(int(upto), self.capacity))
         if self.k is None:
-            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            make = torch.zeros if want >= self.capacity else torch.empty
+            self.k = make(self.shape, dtype=self.dtype, device=self.device)
+            self.v = make(self.shape, dtype=self.dtype, device=self.device)
+            self.zeroed = self.capacity if make is torch.zeros else 0
             self.generation += 1
+        if want > self.zeroed:
+            lo = self.zeroed
+            for c in (self.k, self.v):
+                (c[:, :, :, lo:want] if self.layout == "bgsd" else c[:, :, lo:want]).zero_()
+            self.zeroed = want
         return self
 
     def release(self) -> None:
         """Free the K and V tensors; ``allocate`` makes them again."""
         self.k = self.v = None
+        self.zeroed = 0
 
     @staticmethod
     def bytes_needed(*, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
@@ -145,12 +164,13 @@ class KVCache:
 
 
 def reuse_or_make(cache: Optional[KVCache], *, max_batch: int, capacity: int,
-                  **shape) -> KVCache:
+                  upto: Optional[int] = None, **shape) -> KVCache:
     """``cache`` (re-allocated if it was released) when it holds ``max_batch`` rows of
     ``capacity`` positions; otherwise its tensors are freed first and a new cache of that
-    size is made (``shape``: KVCache's other arguments)."""
+    size is made (``shape``: KVCache's other arguments). ``upto``: the positions this
+    call can reach, zeroed (``KVCache.allocate``; None: all)."""
     if cache is not None and cache.fits(max_batch, capacity):
-        return cache.allocate()
+        return cache.allocate(upto)
     if cache is not None:
         cache.release()
-    return KVCache(max_batch=max_batch, capacity=capacity, **shape)
+    return KVCache(max_batch=max_batch, capacity=capacity, upto=upto, **shape)

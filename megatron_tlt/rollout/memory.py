@@ -7,7 +7,8 @@ What a rollout holds on its device beyond the model's weights:
 - with a drafter attached: the drafter's KV cache and its feature store (the target's
   hidden state at every cache row and position, ``SpeculativeDecoder.features``);
 - with ``rollout.cuda_graphs``: the decode graphs captured on the cache and their
-  memory pool;
+  memory pool (one per decoder, shared by its keys: the keys' outputs and the largest
+  key's working set; the dry run models it, ``rl.memory_model.graph_keys``);
 - at PP > 1 in the gathered mode, the copies of the other stages' layers
   (``GatheredRunner``, re-sent from their owners at every ``generate``);
 - the hidden states a call returns (``SamplingParams.return_hidden_states``: the drafter
@@ -106,6 +107,7 @@ class RolloutMemory:
         """The target's cache for a call of ``max_batch`` rows and ``capacity``
         positions (+ ``slack`` for drafts): the configured one, (re-)made if released."""
         eng = self.engine
+        upto = self.reach(capacity, slack)
         if self.fixed:
             max_batch, capacity = self.rows, self.capacity
         # (CUDA graphs' largest bucket is the cache's rows: no rows are added for them)
@@ -114,7 +116,7 @@ class RolloutMemory:
         if c is not None and c.fits(rows, need):
             if not c.allocated:
                 self.allocations += 1
-            return c.allocate()
+            return c.allocate(upto)
         if c is not None:  # a larger call (or a drafter needing more slack): grow
             rows, need = max(rows, c.max_batch), max(need, c.capacity)
             self._release_target()  # free the old one first
@@ -122,9 +124,20 @@ class RolloutMemory:
         self.cache = KVCache(
             num_layers=len(eng.runner.layers), max_batch=rows, kv_heads=eng.runner.groups,
             capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
-            device=eng.device, layout="bsgd" if eng.attention == "flash" else "bgsd")
+            device=eng.device, layout="bsgd" if eng.attention == "flash" else "bgsd",
+            upto=upto)
         self.allocations += 1
         return self.cache
+
+    def reach(self, capacity: int, slack: int) -> Optional[int]:
+        """The positions a call of ``capacity`` positions (+ ``slack``) can reach, which
+        its caches zero (``KVCache.allocate``); None (zero them whole) where fixed-shape
+        steps read the whole capacity (CUDA graphs and their static path), or off the
+        CPU, where zeroing is a memset of memory the allocator already holds."""
+        eng = self.engine
+        if eng._graphs is not None or eng.device.type != "cpu":
+            return None
+        return capacity + slack
 
     def features_serve(self) -> bool:
         """Whether the returned hidden states are read from the drafter's feature store

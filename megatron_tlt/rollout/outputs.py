@@ -54,6 +54,9 @@ class GenerateStats:
     kv_cache_bytes: int = 0
     pack_seconds: float = 0.0  # weights made ready (kernel panels; PP > 1 gathered: sync)
     spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
+    # rollout.cuda_graphs=auto: per measured key ("target/b4_t1_w0"), graph or eager and
+    # the times that decided it (``cuda_graphs.GraphedDecoder.decisions``)
+    graphs: dict = field(default_factory=dict)
 
     def record_step(self, seconds: float, speculative: bool) -> None:
         """Count one decode step (the running batch size is recorded before it runs)."""
@@ -74,6 +77,8 @@ class GenerateStats:
                "prefill_shared_rows": self.prefill_shared_rows,
                "decode_steps": self.decode_steps,
                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+        if self.graphs:
+            out["graphs"] = self.graphs
         if self.spec is not None:
             out["spec_fraction"] = self.spec_fraction
             out["spec"] = self.spec.summary()

@@ -44,10 +44,11 @@ def test_peak_is_resident_plus_the_larger_phase():
         rollout, update = est.total("rollout"), est.total("update")
         assert est.peak == pytest.approx(est.resident + max(rollout, update))
         assert est.peak_phase == ("rollout" if rollout >= update else "update")
-    # a KV cache that is not released before the update is resident through both
+    # a KV cache that is not released before the update is resident through both (and
+    # the CUDA graphs captured on it with it)
     kept = mm.estimate_settings(arch, _settings(kv_released=False))
     freed = mm.estimate_settings(arch, _settings(kv_released=True))
-    kv = freed.as_dict()["KV cache"]
+    kv = freed.as_dict()["KV cache"] + freed.as_dict()["CUDA graph pools"]
     assert kept.resident == pytest.approx(freed.resident + kv)
     assert kept.update_total == pytest.approx(freed.update_total + kv)
     assert kept.rollout_total == pytest.approx(freed.rollout_total)
@@ -143,3 +144,71 @@ def test_cpu_measurement_agrees_with_the_model(tmp_path):
     none, full = cells["none"], cells["full"]
     assert full["predicted"]["update"] < none["predicted"]["update"]
     assert full["measured"]["update"] < none["measured"]["update"]
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def test_graph_buckets_are_the_engines():
+    from megatron_tlt.rollout.cuda_graphs import bucket_for
+
+    for rows in (1, 2, 3, 8, 24, 33):
+        assert mm.graph_buckets(rows) == sorted({bucket_for(b, rows)
+                                                 for b in range(1, rows + 1)})
+
+
+def test_graph_key_and_pool_arithmetic():
+    """A key's static tensors are their sizes; its working set grows with the span it
+    attends over and its new tokens; one pool holds the outputs and the largest
+    working set (the captures reuse each other's freed intermediates)."""
+    arch = _arch(num_key_value_heads=4)  # 16 heads, 4 groups: 4 query heads per group
+    h, db = arch.hidden_size, 2
+    k = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=5, width=5,
+                           capacity=100, embeds=True)
+    n = 4 * 5
+    assert k.output == n * h * db
+    assert k.inputs == n * 8 + 4 * 8 + n * 8 + n * 5 + n * h * db
+    plain = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
+                               capacity=100)
+    assert plain.inputs == 4 * 8 + 4 * 8 and plain.output == 4 * h * db
+    longer = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
+                                capacity=1000)
+    assert longer.working > plain.working and longer.output == plain.output
+    # the mask held through the forward: [4, 1, 5 x 4 query heads per group, 100]
+    assert k.working >= 4 * 5 * 4 * 100 * db
+    assert mm.graph_key_bytes(arch, tp=2, dtype_bytes=db, bucket=4, tokens=5, width=5,
+                              capacity=100).working < k.working
+    pool, inputs = mm.graph_pool_bytes([k, plain, longer])
+    assert pool == k.output + plain.output + longer.output + max(
+        k.working, plain.working, longer.working)
+    assert inputs == k.inputs + plain.inputs + longer.inputs
+    assert mm.graph_pool_bytes([]) == (0.0, 0.0)
+
+
+def test_graph_keys_follow_buckets_and_arms():
+    arch = _arch()
+    plain = _settings(rollout_rows=24, arms=(), spec_threshold=8)
+    keys = mm.graph_keys(arch, plain)
+    assert len(keys["target"]) == 6 and not keys["drafter"]  # 1, 2, 4, 8, 16, 24
+    spec = dataclasses.replace(plain, arms=((4, 1, 4), (3, 2, 5)))
+    keys = mm.graph_keys(arch, spec)
+    # per bucket up to the threshold (1, 2, 4, 8): a chain of 5 and a tree of 6 x 6
+    assert len(keys["target"]) == 6 + 4 * 2
+    cut = mm.graph_keys(arch, dataclasses.replace(spec, cut_chains=True))
+    assert len(cut["target"]) == 6 + 4 * (4 + 1)  # chains of 2..5 tokens
+    slack = max(5, (3 - 1) * 2) + 2
+    assert len(keys["drafter"]) == 4 * (slack + 2)  # widths 1..slack, two tree steps
+
+
+def test_graph_pools_in_the_estimate():
+    arch = _arch()
+    on = mm.estimate_settings(arch, _settings(cuda_graphs=True)).as_dict()
+    off = mm.estimate_settings(arch, _settings(cuda_graphs=False)).as_dict()
+    assert on["CUDA graph pools"] > 0 and "CUDA graph pools" not in off
+    s = _settings()
+    assert s.cuda_graphs  # the config's auto on a GPU
+    cfg_off = load_config(overrides=["model.hf_path=x", "platform.device=cuda",
+                                     "rollout.cuda_graphs=false"])
+    assert not mm.settings(cfg_off, 1).cuda_graphs
+    cpu = load_config(overrides=["model.hf_path=x", "platform.device=cpu"])
+    assert not mm.settings(cpu, 1).cuda_graphs
+    kept = mm.estimate_settings(arch, _settings(kv_released=False))
+    assert any(t.name == "CUDA graph pools" and t.phase == "resident" for t in kept.terms)

@@ -218,6 +218,103 @@ def test_the_static_step_reads_nothing_from_the_device(model, monkeypatch):
     assert inside.count == 1
 
 
+# ----------------------------------------------------------------------------- auto's measurement
+class _Graph:
+    """A stand-in for a captured graph on CPU: its replay runs the static step."""
+
+    replays = 0
+
+    def __init__(self, step: _Step):
+        self.step = step
+
+    def replay(self) -> None:
+        _Graph.replays += 1
+        self.step.out = self.step.fn()
+
+
+class _StubCapture(GraphedDecoder):
+    """``GraphedDecoder`` with its capture stubbed (CPU): everything else, the auto
+    measurement included, is the real code."""
+
+    recorded: list = []
+
+    def __init__(self, runner, capture=True, **kw):
+        super().__init__(runner, capture=False, **kw)
+        self.capture = capture
+
+    def _record(self, s: _Step):
+        _StubCapture.recorded.append(tuple(s.tokens.shape))
+        return _Graph(s), s.fn()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "standard"])
+def test_auto_keeps_a_graph_only_where_it_measured_faster(model, monkeypatch, mode):
+    """rollout.cuda_graphs=auto times each key's graph against the eager step once, at
+    its first capture, through the injected timer (here: one token per row measures
+    slower as a graph, wider steps faster); the slower keys run eagerly, the decisions
+    and times are in the call's stats, nothing is measured again (a later call, a
+    re-capture after a release), and the outputs are the eager engine's."""
+    from megatron_tlt.rollout import cuda_graphs
+
+    prompts = _prompts()
+    want = _engine(model, mode, "3_2_5").generate(prompts, MODES[mode])
+    timed = []
+
+    def timer(fn, runs):
+        assert runs == cuda_graphs.TIMED_RUNS
+        graph = getattr(fn, "__self__", None)
+        if isinstance(graph, _Graph):
+            timed.append(tuple(graph.step.tokens.shape))
+            return 1.0 if graph.step.tokens.shape[1] == 1 else 0.5
+        return 0.8  # the eager step
+
+    monkeypatch.setattr(cuda_graphs, "GraphedDecoder", _StubCapture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    _StubCapture.recorded = []
+    eng = _engine(model, mode, "3_2_5")
+    eng._enable_graphs()
+    assert isinstance(eng._graphs, _StubCapture) and eng._graphs.measure  # auto
+    eng._graphs.timer = timer
+    got = eng.generate(prompts, MODES[mode])
+    _same(got, want)
+    decoders = [eng._graphs, eng.spec.drafting.graphs]
+    assert all(isinstance(g, _StubCapture) for g in decoders)
+    stats = eng.last_stats.graphs
+    for prefix, g in zip(("target", "eagle"), decoders):
+        assert g.graphs and set(g.decided) == set(g.graphs)  # every key measured
+        for key, step in g.graphs.items():
+            d = g.decided[key]
+            assert d.graphed == (key[1] > 1)
+            assert (step.graph is not None) == d.graphed
+            name = f"{prefix}/{cuda_graphs.key_name(key)}"
+            assert stats[name] == dict(graphed=d.graphed, graph_seconds=d.graph_seconds,
+                                       eager_seconds=0.8)
+    assert eng.last_stats.summary()["graphs"] == stats
+    assert sorted(timed) == sorted(_StubCapture.recorded)  # once per key
+    assert _Graph.replays > len(timed)  # the faster keys replayed their graphs
+    # a later call and a re-capture after the release: no new measurement, and the
+    # keys measured slower are not captured again
+    n_timed, graphed = len(timed), sum(d.graphed for g in decoders for d in g.decided.values())
+    _same(eng.generate(prompts, MODES[mode]), want)
+    eng.release_memory()
+    _same(eng.generate(prompts, MODES[mode]), want)
+    assert len(timed) == n_timed
+    assert len(_StubCapture.recorded) == n_timed + graphed
+
+
+def test_true_graphs_every_key_unmeasured(model, monkeypatch):
+    from megatron_tlt.rollout import cuda_graphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    eng = _engine(model, "greedy")
+    eng._graphs = _StubCapture(eng.runner, measure=False,
+                               timer=lambda fn, runs: pytest.fail("timed under true"))
+    eng.generate(_prompts(), MODES["greedy"])
+    assert eng._graphs.graphs and not eng._graphs.decided and not eng.last_stats.graphs
+    assert all(s.graph is not None for s in eng._graphs.graphs.values())
+    assert cuda_graphs.key_name((4, 5, 5, True)) == "b4_t5_w5_embeds"
+
+
 # ----------------------------------------------------------------------------- the setting
 def test_cuda_graphs_setting_resolves_auto_true_false(model):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -341,3 +341,48 @@ def test_copy_positions_between_cache_layouts():
                 assert torch.equal(dst.span(which, 1, 2, 5), src.span(which, 1, 2, 5))
                 assert dst.span(which, 1, 0, 2).abs().sum() == 0  # outside the span
                 assert dst.span(which, 0, 0, 8).abs().sum() == 0  # other rows
+
+
+# ------------------------------------------------------------------ zeroed as reached
+def test_a_cache_zeroes_only_the_positions_a_call_reaches():
+    """``allocate(upto)`` zeroes positions 0..upto-1 of every row and leaves the rest
+    unwritten (on the CPU its pages are never mapped); a later call reaching further
+    zeroes the difference first, whatever the positions held; ``release`` starts over."""
+    from megatron_tlt.rollout.kv_cache import KVCache, reuse_or_make
+
+    for layout in ("bgsd", "bsgd"):
+        c = KVCache(num_layers=2, max_batch=3, kv_heads=2, capacity=20, head_dim=4,
+                    dtype=torch.float32, device=torch.device("cpu"), layout=layout, upto=6)
+        pos = (lambda t, lo, hi: t[:, :, :, lo:hi]) if layout == "bgsd" else \
+            (lambda t, lo, hi: t[:, :, lo:hi])
+        assert c.zeroed == 6 and (pos(c.k, 0, 6) == 0).all() and (pos(c.v, 0, 6) == 0).all()
+        for t in (c.k, c.v):
+            pos(t, 6, 20).fill_(float("nan"))  # what unwritten memory may hold
+        assert reuse_or_make(c, max_batch=3, capacity=20, upto=11) is c
+        assert c.zeroed == 11 and (pos(c.k, 0, 11) == 0).all() and (pos(c.v, 0, 11) == 0).all()
+        assert pos(c.k, 11, 20).isnan().all()  # beyond the reach: untouched
+        c.allocate(4)  # a shorter call: nothing to do
+        assert c.zeroed == 11
+        c.release()
+        assert c.zeroed == 0 and not c.allocated
+        c.allocate()  # no reach given: all of it, as before
+        assert c.zeroed == 20 and (c.k == 0).all() and (c.v == 0).all()
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "speculative"])
+def test_nothing_reads_past_the_zeroed_positions(tiny, spec):
+    """A sized engine on the CPU zeroes only what its calls reach. Poison everything
+    beyond (NaN) in the target's cache and the drafter's: the next calls, which reach no
+    further, decode exactly as before, so no step reads a position it did not reach."""
+    prompts = _prompts()
+    eng = _engine(tiny, spec=spec)
+    for params in (SP, SAMPLED):
+        first = eng.generate(prompts, params)
+        caches = [eng.memory.cache] + ([eng.spec.cache] if spec else [])
+        for c in caches:
+            assert 0 < c.zeroed < c.capacity  # the call reaches 12 + 10 (+ slack) of 26
+            for t in (c.k, c.v):
+                t[:, :, :, c.zeroed:].fill_(float("nan"))
+        again = eng.generate(prompts, params)
+        _same_outputs(first, again)
+        assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in again)

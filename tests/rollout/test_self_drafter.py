@@ -159,6 +159,36 @@ def test_coupled_self_speculation_equals_plain_coupled_decoding(tiny, strategy):
     assert eng.last_stats.spec.summary()["accept_rate_at_position"]["1"] > 0.5
 
 
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_the_copy_keeps_cache_rows_only_up_to_the_threshold(tiny, mode):
+    """Only batches of ``threshold`` rows or fewer speculate, and running rows are the
+    first ones, so the copy's cache has ``threshold`` rows, not the target's: rows past
+    them carry no copy state and take the target's keys and values from their first
+    position when a finished row's place brings them below (here 6 requests of uneven
+    lengths through 4 running rows retire in every order). Outputs stay plain
+    decoding's."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts()
+    lens = [14, 3, 9, 5, 12, 7]
+    coupled = mode == "coupled"
+    sps = [SamplingParams(temperature=1.0 if coupled else 0.0, top_p=0.95, max_new_tokens=n,
+                          seed=9) for n in lens]
+    seeds = list(range(100, 100 + len(prompts)))
+    cfg = dict(max_batch_size=4, sampling_mode="coupled" if coupled else "standard")
+    plain = RolloutEngine(model, None, RolloutConfig(**cfg), arch=arch,
+                          eos_token_ids=[]).generate(prompts, sps, request_seeds=seeds)
+    sc = SpeculativeConfig(policy="fixed", strategy="3_1_3", threshold=2)
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
+                        eos_token_ids=[])
+    eng.attach_drafter(SelfDrafter())
+    outs = eng.generate(prompts, sps, request_seeds=seeds)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
+    assert eng.spec.cache.max_batch == 2 and eng.memory.cache.max_batch == 4
+    st = eng.last_stats
+    assert 0 < st.spec_fraction < 1  # plain above 2 rows, speculative below
+    assert st.spec.summary()["accept_rate_at_position"]["1"] > 0.5
+
+
 # ------------------------------------------------------------------------- refresh
 @pytest.mark.parametrize("kernels", ["true", "false"])
 def test_refresh_follows_weight_updates(tiny_hf_dirs, single_process_parallel, kernels):

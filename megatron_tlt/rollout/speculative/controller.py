@@ -23,7 +23,7 @@ from ...spec_strategy import Strategy
 from .. import position_accept
 from ..kv_cache import KVCache
 from .decision import Outcome
-from .decoder import Emission, SpeculativeDecoder
+from .decoder import Emission, SpeculativeDecoder, Verified
 from .stats import SpecStats
 from .tuner import StrategyTuner
 
@@ -32,11 +32,11 @@ from .tuner import StrategyTuner
 # emits one token per row, and returns the target's hidden states [B, 1, H] and the
 # positions they were computed at [B].
 PlainStep = Callable[[Optional[Callable]], tuple[torch.Tensor, torch.Tensor]]
-# The engine's commit of a speculative step: given the decoder's emissions and, per row,
-# the verify forward's hidden states, logits and processed log-probs, it emits each
-# row's tokens (stop tokens and length limits cut the run) and returns how many each
-# row kept.
-Commit = Callable[[list[Emission], list, list, list], list[int]]
+# The engine's commit of a speculative step: given the decoder's emissions and the
+# verify forward's outputs over every row's nodes (hidden states, logits, processed
+# log-probs), it emits each row's tokens (stop tokens and length limits cut the run)
+# and returns how many each row kept.
+Commit = Callable[[list[Emission], Verified], list[int]]
 
 
 class SpeculationController:
@@ -64,9 +64,12 @@ class SpeculationController:
         return max(max(a.verify_tokens, (a.depth - 1) * a.top_k)
                    for a in self.tuner.all_arms()) + 2
 
-    def begin(self, max_batch: int, capacity: int) -> SpecStats:
+    def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
-        ``max_batch`` rows of ``capacity`` positions. Returns the call's ``SpecStats``."""
+        ``max_batch`` rows of ``capacity`` positions, of which the call reaches
+        ``reach`` (zeroed; None: all). A drafter that only drafts keeps cache rows for
+        the batches that speculate: ``threshold`` rows at most. Returns the call's
+        ``SpecStats``."""
         self.t_begin = time.perf_counter()
         draft = self.decoder.draft
         before = getattr(draft, "refreshes", 0)  # the self-drafter re-quantizes here
@@ -74,7 +77,8 @@ class SpeculationController:
         if getattr(draft, "refreshes", 0) != before:
             self.stats.drafter_refreshes += 1
             self.stats.drafter_refresh_seconds += draft.refresh_seconds
-        self.decoder.begin(max_batch, capacity, self.slack)
+        self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
+                           draft_rows=min(max_batch, self.threshold))
         return self.stats
 
     def finish(self) -> None:
@@ -173,8 +177,8 @@ class SpeculationController:
         the number of tokens emitted and each row's accepted draft count."""
         lengths = [r.length for r in rows]
         positions = [len(r.tokens) for r in rows]  # response tokens so far
-        emissions, hidden, logits, plp = self.decoder.step(cache, rows, strategy, self.stats)
-        emitted = commit(emissions, hidden, logits, plp)
+        emissions, verified = self.decoder.step(cache, rows, strategy, self.stats)
+        emitted = commit(emissions, verified)
         for i, (length, e, m) in enumerate(zip(lengths, emissions, emitted)):
             self.decoder.compact(cache, i, length, e.nodes[1:m])
         accepted = [len(e.tokens) - 1 for e in emissions]

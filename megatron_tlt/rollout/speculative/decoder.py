@@ -56,6 +56,28 @@ class Emission:
     logprobs: Optional[list[float]] = None
 
 
+@dataclass
+class Verified:
+    """A speculative step's verification forward over every row's nodes, the rows one
+    after another (row i's nodes at ``offsets[i]`` .. ``offsets[i] + counts[i] - 1``):
+    the target's final hidden states [N, H], its float32 logits [N, V] and the
+    processed log-probs the acceptance used [N, V] (greedy rows: the logits). The
+    hidden states may be a graph's static output: valid until its next replay."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    plp: torch.Tensor
+    counts: list[int]  # nodes per row (host ints)
+
+    @property
+    def offsets(self) -> list[int]:
+        out, off = [], 0
+        for c in self.counts:
+            out.append(off)
+            off += c
+        return out
+
+
 class SpeculativeDecoder:
     """Drafter state for a running batch (drafter KV cache, per-position target
     features) and the speculative step. The engine owns the rows and the target cache;
@@ -93,11 +115,16 @@ class SpeculativeDecoder:
         self.drafting.min_draft_prob = value
 
     # ---------------------------------------------------------------- state
-    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
-        """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack)."""
+    def begin(self, max_batch: int, capacity: int, slack: int, *,
+              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+        """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack),
+        zeroing what a call of ``reach`` positions can reach (None: all). Every row
+        keeps its features from its prefill on, so ``draft_rows`` is not used here."""
         extra = slack if self.draft.kernels is not None else capacity + slack
         need = capacity + extra
-        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch,
+        upto = None if reach is None else reach + (
+            slack if self.draft.kernels is not None else reach + slack)
+        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch, upto=upto,
                                    kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
                                    device=self.draft.device)
@@ -169,13 +196,13 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
-             stats: SpecStats) -> tuple[list[Emission], list, list, list]:
+             stats: SpecStats) -> tuple[list[Emission], Verified]:
         """Draft and verify for running rows 0..len(rows)-1 (``rows[i]`` has
         ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.stream``, ``.key``).
 
-        Returns per-row emissions and, per row, the verify forward's hidden states
-        [nodes, H], float32 logits [nodes, V] and the processed log-probs the acceptance
-        used (greedy rows: the logits); the caller emits from them and commits.
+        Returns per-row emissions and the verify forward's outputs over every row's
+        nodes (``Verified``: hidden states, float32 logits, the processed log-probs the
+        acceptance used); the caller emits from them and commits.
         """
         t0 = time.perf_counter()
         b = len(rows)
@@ -220,7 +247,7 @@ class SpeculativeDecoder:
         per_query = [r for r, c in zip(rows, counts) for _ in range(c)]
         plp = processed_rows(logits, per_query)
         split = lambda t: list(torch.split(t, counts))  # noqa: E731
-        hidden_r, logits_r, plp_r, feats_r = split(hidden), split(logits), split(plp), split(feats)
+        logits_r, plp_r, feats_r = split(logits), split(plp), split(feats)
 
         noisy = self._verify_noise(rows, counts, tree)
         scores = [plp_r[i] + noisy[i] if noisy[i] is not None else plp_r[i]
@@ -234,7 +261,7 @@ class SpeculativeDecoder:
             self.store(i, r.length, feats_r[i].index_select(0, idx))
             self.draft_len[i] = r.length  # drafted positions >= L are stale now
         stats.verify_seconds += time.perf_counter() - t1
-        return emissions, hidden_r, logits_r, plp_r
+        return emissions, Verified(hidden, logits, plp, list(counts))
 
 
     def _accept(self, rows, scores: list, noisy: list, logits: list, plp: list,

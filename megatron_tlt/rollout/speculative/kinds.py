@@ -185,9 +185,10 @@ class KindDecoder:
             d.min_draft_prob = value
 
     # ---------------------------------------------------------------- all kinds
-    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
+    def begin(self, max_batch: int, capacity: int, slack: int, *,
+              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
         for d in self.decoders.values():
-            d.begin(max_batch, capacity, slack)
+            d.begin(max_batch, capacity, slack, reach=reach, draft_rows=draft_rows)
 
     def release(self) -> None:
         for d in self.decoders.values():
@@ -231,14 +232,15 @@ class KindDecoder:
         the accepted nodes at positions L.. (their features there)."""
         active = self._active()
         lengths = [r.length for r in rows]
-        emissions, hidden, logits, plp = active.step(target_cache, rows, strategy, stats)
+        emissions, verified = active.step(target_cache, rows, strategy, stats)
+        offsets, hidden = verified.offsets, verified.hidden
         for d in self.decoders.values():
             if d is active or not d.keeps_hidden:
                 continue
             for i, (length, e) in enumerate(zip(lengths, emissions)):
-                idx = torch.tensor(e.nodes, device=hidden[i].device)
-                d.store(i, length, hidden[i].index_select(0, idx))
-        return emissions, hidden, logits, plp
+                idx = torch.tensor([offsets[i] + n for n in e.nodes], device=hidden.device)
+                d.store(i, length, hidden.index_select(0, idx))
+        return emissions, verified
 
     def compact(self, target_cache, row: int, length: int, slots) -> None:
         self._active().compact(target_cache, row, length, slots)

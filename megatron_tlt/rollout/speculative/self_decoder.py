@@ -64,21 +64,35 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.feature_layers = ()
         self.feature_width = 0
         self.cache = None
+        self.rows = 0  # the copy's cache rows (``begin``)
         self.features = None
         self.draft_len: list[int] = []
         self.target_len: list[int] = []  # per row, positions holding the target's K/V
 
     # ---------------------------------------------------------------- state
-    def begin(self, max_batch: int, capacity: int, slack: int) -> None:
-        """The copy's cache for ``max_batch`` rows of ``capacity`` positions (+ draft
-        slack; without the kernels the padded catch-up needs a capacity more)."""
+    def begin(self, max_batch: int, capacity: int, slack: int, *,
+              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+        """The copy's cache for ``draft_rows`` rows (default ``max_batch``) of
+        ``capacity`` positions (+ draft slack; without the kernels the padded catch-up
+        needs a capacity more), zeroed where a call of ``reach`` positions can reach
+        (None: all). The copy is fed only while the batch speculates, and speculating
+        rows are the first ones (running rows are contiguous), so it needs no rows
+        beyond the speculation threshold: a row past them has no copy state, and its
+        catch-up takes the target's keys and values from its first position when it
+        moves into them (``move_row``). Half the rows of a recipe with 16 responses per
+        replica and a threshold of 8; every row of the target's cache would be a second
+        target-sized cache."""
+        rows = max(1, min(max_batch, draft_rows or max_batch))
         extra = slack + 1 if self.draft.kernels is not None else capacity + slack + 1
         need = capacity + extra
-        self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers), max_batch=max_batch,
-                                   kv_heads=self.draft.groups, capacity=need,
+        upto = None if reach is None else reach + (
+            slack + 1 if self.draft.kernels is not None else reach + slack + 1)
+        self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers),
+                                   max_batch=rows, kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                   device=self.draft.device)
+                                   device=self.draft.device, upto=upto)
         self.drafting.cache = self.cache
+        self.rows = rows
         self.draft_len = [0] * max_batch
         self.target_len = [0] * max_batch
 
@@ -102,10 +116,18 @@ class SelfDraftDecoder(SpeculativeDecoder):
         pass
 
     def move_row(self, src: int, dst: int, length: int) -> None:
+        if src >= self.rows or dst >= self.rows:  # no copy state there (``begin``)
+            self.draft_len[dst] = self.target_len[dst] = 0
+            return
         n = self.draft_len[src]
         self.cache.move_row(src, dst, n)
         self.draft_len[dst] = n
         self.target_len[dst] = min(self.target_len[src], n)
+
+    def _check_rows(self, rows: Sequence) -> None:
+        if len(rows) > self.rows:
+            raise RuntimeError(f"the self-drafter's cache holds {self.rows} rows (the "
+                               f"speculation threshold), but {len(rows)} rows speculate")
 
     def new_row(self, row: int) -> None:
         self.draft_len[row] = self.target_len[row] = 0
@@ -114,6 +136,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
         """The target's keys and values at positions target_len .. L-1 of every row
         (everything the target has processed since) into the copy's cache: the copy is
         then fed only its root. Returns the positions copied."""
+        self._check_rows(rows)
         n = 0
         for i, r in enumerate(rows):
             lo, hi = self.target_len[i], r.length
