@@ -180,8 +180,9 @@ def test_chain_rule_reproduces_target_distribution(rule):
         assert pval < 1e-8
 
 
-def _device_accept_tree(p, tokens, children, gen, greedy):
-    """The batched step's tree rule (``accept_trees``) on one row."""
+def _device_accept_trees(p, tokens, children, gen, n):
+    """The batched step's tree rule (``accept_trees``) on n rows at once, with noise
+    from a torch generator: per row (accepted path, next token)."""
     width = max(1, max(len(c) for c in children))
     kids = torch.tensor([c + [-1] * (width - len(c)) for c in children])
     tok = torch.tensor([0 if t is None else t for t in tokens])
@@ -189,9 +190,12 @@ def _device_accept_tree(p, tokens, children, gen, greedy):
     while any(children[c] for c in frontier):
         depth += 1
         frontier = [k for c in frontier for k in children[c]]
-    e, g = _torch_noise(gen, len(tokens), p.shape[-1])
-    path, nxt = accept_trees(p[None], tok[None], kids[None], depth, e, g)
-    return [int(c) for c in path[0] if c >= 0], int(nxt[0])
+    e = torch.empty(n, len(tokens)).exponential_(generator=gen)
+    g = -torch.empty(n, p.shape[-1]).exponential_(generator=gen).log()
+    path, nxt = accept_trees(p.expand(n, *p.shape), tok.expand(n, -1),
+                             kids.expand(n, -1, -1), depth, e, g)
+    return [([int(c) for c in row if c >= 0], int(x))
+            for row, x in zip(path.tolist(), nxt.tolist())]
 
 
 @pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
@@ -207,11 +211,12 @@ def test_tree_rule_reproduces_target_distribution(rule):
     tokens = [None, 2, 5, 0]
     children = [[1, 2, 3], [], [], []]
     counts = collections.Counter()
-    for _ in range(n):
+    batched = _device_accept_trees(p, tokens, children, g, n) if rule == "device" else None
+    for i in range(n):
         if rule == "exact":
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
         elif rule == "device":
-            path, nxt = _device_accept_tree(p, tokens, children, g, greedy=False)
+            path, nxt = batched[i]
         else:  # wrong: reject siblings but then sample from the unmodified p
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
             if not path:
@@ -233,10 +238,11 @@ def test_two_level_tree_rule_reproduces_target_distribution(rule):
     p = torch.log_softmax(torch.randn(6, V, generator=g) * 1.5, -1)
     tokens = [None, 2, 5, 1, 4]
     children = [[1, 2], [3, 4], [], [], []]
-    fn = accept_tree if rule == "exact" else _device_accept_tree
+    batched = _device_accept_trees(p, tokens, children, g, n) if rule == "device" else None
     counts = collections.Counter()
-    for _ in range(n):
-        path, nxt = fn(p, tokens, children, g, greedy=False)
+    for i in range(n):
+        path, nxt = (accept_tree(p, tokens, children, g, greedy=False) if batched is None
+                     else batched[i])
         out = [tokens[c] for c in path] + [nxt]
         if len(out) < 2:  # ended after one token: the next one from that token's node
             row = {2: 1, 5: 2}.get(out[0], 5)
