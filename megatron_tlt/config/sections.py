@@ -293,8 +293,10 @@ class RolloutConfig:
         "dtype of returned hidden states (kept on CPU): auto (model dtype), float32, "
         "bfloat16, float16.", "auto")
     sampling_mode: str = _help(
-        "How sampled (temperature > 0) tokens are drawn. standard: per-request random "
-        "generators; speculative decoding accepts drafts by rejection sampling (exact in "
+        "How sampled (temperature > 0) tokens are drawn. standard: counter-based "
+        "per-request random streams (a hash of the request seed, the response position "
+        "and the draw's purpose; no generator state); "
+        "speculative decoding accepts drafts by rejection sampling (exact in "
         "distribution). coupled: every token is argmax(log p + Gumbel noise) with the "
         "noise a hash of (request seed, position in the response, token id), so a "
         "request's response is the same token for token whatever its batch, whether "

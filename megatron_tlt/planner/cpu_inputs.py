@@ -11,19 +11,26 @@ are marked ``modelled``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from statistics import median
+from typing import Optional
 
 import numpy as np
 
-from .inputs import (NOISY_STEP_OVER_FLOOR, Acceptance, StepCost, TrainCost, _interp_log,
-                     cpu_of, load_json, spec_slopes)
+from .inputs import (NOISY_STEP_OVER_FLOOR, RESULTS, Acceptance, StepCost, TrainCost,
+                     _interp_log, cpu_of, load_json, spec_slopes)
 
 DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
 DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
 CORUN = "bench_rollout_pp2_quiet_cpu.json"  # AVX2: 2 x 1-thread engines vs 1 x 2 threads
+# AVX-512: each PP = 2 rank's own decode steps at its share of the batch, beside the other
+# rank (two 1-thread engines side by side: exactly a bench_e2e replica's situation)
+CORUN_MEASURED = {"avx512": "bench_rollout_pp2_corun_avx512_cpu.json"}
+CORUN_PROMPT_TOKENS = 58.0  # the bench's reasoning-gym prompts: 48-68 tokens
 SPEC_TABLE = "bench_spec_1k_drafter_cpu.json"  # AVX-512, 2 threads, fixed arms
 DEMO_ALPHA = "bench_spec_T1_demo_drafter_cpu.json"  # the demo drafter's alpha at T = 1
-E2E_FILES = ("bench_e2e_quick_cpu.json", "bench_e2e_g8_cpu.json")  # 2 x 1-thread replicas
+E2E_FILES = ("bench_e2e_quick_avx512_cpu.json", "bench_e2e_g8_avx512_cpu.json")  # 2 x 1-thread
+# replicas, measured on the same machine and day as the co-run table (CORUN_MEASURED)
 PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
 # instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
 # do not record prompt lengths)
@@ -62,8 +69,61 @@ def corun_factors() -> tuple[tuple, tuple, str]:
     return tuple(out_b), tuple(out_f), f"co-run factors from {CORUN} and {DECODE_TABLE_AVX2}"
 
 
+def measured_corun_table(name: str) -> StepCost:
+    """Decode steps of one 1-thread engine beside another, as measured: each PP = 2
+    rank's median step at its share of the batch (``pp2_step_ms``), the resident
+    context's cost from the batch-1 length scaling, prefill per prompt token as the
+    ranks measured it side by side."""
+    doc = load_json(name)
+    pts = sorted((int(r["pp2_rows_per_rank"]), float(r["pp2_step_ms"]) / 1000)
+                 for r in doc["results"] if r.get("pp2_step_ms") and r["case"].startswith("batch"))
+    length = doc["length"]
+    lo, hi = min(length, key=int), max(length, key=int)
+    kv = ((length[hi]["pp2_ms_per_token"] - length[lo]["pp2_ms_per_token"]) / 1000
+          / (int(hi) - int(lo)))
+    pre = [r["pp2_prefill_ms_per_token"] for r in doc["results"]
+           if r.get("pp2_prefill_ms_per_token")]
+    sb, ss = spec_slopes(load_json(SPEC_TABLE))
+    # each row holds its prompt and on average half the new tokens during the run
+    ref = CORUN_PROMPT_TOKENS + doc["config"]["new_tokens"] / 2
+    return StepCost(tuple(b for b, _ in pts), tuple(t for _, t in pts), ref_ctx=ref,
+                    kv_seconds_per_token=max(kv, 0.0), spec_batches=sb, spec_slope=ss,
+                    prefill_seconds_per_token=float(np.max(pre)) / 1000 if pre else 0.0,
+                    source=(f"{name} ({cpu_of(doc)}, {doc['date']}): two 1-thread engines "
+                            f"side by side, each rank's median decode step at rows "
+                            f"{[b for b, _ in pts]}; speculative step costs from "
+                            f"{SPEC_TABLE}"))
+
+
+def measured_alone_table(name: str) -> Optional[StepCost]:
+    """Decode steps of one 1-thread engine with the machine to itself: the same run's
+    PP = 1 engine when it ran with one thread (``pp1_step_ms``, from 2 rows; the other
+    rank waits). None when that run's PP = 1 engine had more threads."""
+    doc = load_json(name)
+    if doc["config"].get("pp1_threads") != 1:
+        return None
+    pts = {int(r["case"].split()[1]): float(r["pp1_step_ms"]) / 1000
+           for r in doc["results"] if r.get("pp1_step_ms") and r["case"].startswith("batch")}
+    co = measured_corun_table(name)
+    bs = sorted(pts)
+    return replace(co, batches=tuple(bs), seconds=tuple(pts[b] for b in bs),
+                   source=f"{name}: one 1-thread engine alone, rows {bs}")
+
+
+def cpu_1t_alone_table(avx: str = "avx512") -> Optional[StepCost]:
+    """The 1-thread replica's steps once the other replica finished (None: not
+    measured for this ISA)."""
+    if avx in CORUN_MEASURED and (RESULTS / CORUN_MEASURED[avx]).exists():
+        return measured_alone_table(CORUN_MEASURED[avx])
+    return None
+
+
 def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
-    """Decode steps of one 1-thread replica beside another on the 2-core machine."""
+    """Decode steps of one 1-thread replica beside another on the 2-core machine: the
+    measured co-run table where there is one for this ISA, else the 2-thread table
+    converted by the co-run factors."""
+    if avx in CORUN_MEASURED and (RESULTS / CORUN_MEASURED[avx]).exists():
+        return measured_corun_table(CORUN_MEASURED[avx])
     doc = load_json(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
     two = _steps_ms(doc)
     fb, ff, fsrc = corun_factors()

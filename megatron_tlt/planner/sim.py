@@ -24,6 +24,7 @@ see the same responses.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -143,10 +144,13 @@ def _decide(cost: StepCost, eng: EngineSettings, alpha: Optional[list], b: int,
 def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
                eng: EngineSettings, alpha: Optional[list],
                decisions: Optional[dict] = None,
-               acc: Optional[Acceptance] = None) -> EngineRun:
+               acc: Optional[Acceptance] = None, alone: Optional[StepCost] = None,
+               alone_after: float = math.inf) -> EngineRun:
     """Continuous batching of ``lengths`` (in queue order) on one engine;
     ``decisions`` caches the gate's choices for this cost and alpha; ``acc`` adds its
-    acceptance-by-bucket factors."""
+    acceptance-by-bucket factors. ``alone``: the plain step costs once the engine has
+    the machine to itself, from time ``alone_after`` on (replicas sharing a machine:
+    the others finished; the gate's decisions stay those of ``cost``)."""
     out = EngineRun()
     queue = list(lengths)
     qi, progress, t = 0, 0.0, 0.0
@@ -175,6 +179,10 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
             k, tok, rel = dec
             steps = delta / tok
             dt = steps * rel * cost.plain(b, ctx_mid)
+            if alone is not None and t + dt > alone_after:
+                # the part of the segment after the others finished runs alone
+                before = max(0.0, alone_after - t)
+                dt = before + (dt - before) * alone.plain(b, ctx_mid) / cost.plain(b, ctx_mid)
             t += dt
             out.decode += dt
             out.steps += steps

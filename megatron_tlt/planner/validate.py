@@ -22,8 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-from .cpu_inputs import (E2E_FILES, PROMPT_TOKENS, cpu_1t_corun_table, demo_drafter_alpha,
-                         e2e_records, fit_update, summary_lengths)
+from .cpu_inputs import (E2E_FILES, PROMPT_TOKENS, cpu_1t_alone_table, cpu_1t_corun_table,
+                         demo_drafter_alpha, e2e_records, fit_update, summary_lengths)
 from .inputs import (RESULTS, Acceptance, DrafterGroup, LengthModel, ModelShape, accept_length,
                      load_json, roofline)
 from .sim import EngineSettings, Layout, Scenario, run_engine, simulate_arm
@@ -36,16 +36,25 @@ PHASES = ("rollout", "tail", "update", "step", "rollout_fraction")
 DEALS = 32  # random deals of the responses over the replicas averaged per step
 
 
-def predict_record(rec: dict, table, alpha: Optional[list], upd: dict) -> dict:
+def predict_record(rec: dict, table, alpha: Optional[list], upd: dict,
+                   alone=None) -> dict:
     """A bench_e2e-shaped step: each replica decodes its share of the responses; the
     lengths come from the record's summary, and since which replica held which is not
-    recorded, the times are the mean over ``DEALS`` seeded random deals."""
+    recorded, the times are the mean over ``DEALS`` seeded random deals. ``alone``: the
+    step costs of a replica once the others finished (they share the machine's cores
+    and memory bandwidth until then); the last replica to finish runs alone after the
+    one before it finished."""
     eng = EngineSettings(max_batch_size=32, threshold=rec["threshold"])
     rollouts, tails, spec_tok, tok = [], [], 0.0, 0.0
     for seed in range(DEALS):
         per_rep = summary_lengths(rec["responses"], rec["tokens"], rec["longest"],
                                   rec["at_cap"], rec["dp"], deal_seed=seed)
         runs = [run_engine(lens, PROMPT_TOKENS, table, eng, alpha) for lens in per_rep]
+        if alone is not None and len(runs) > 1:
+            last = max(range(len(runs)), key=lambda i: runs[i].finish)
+            others = max(r.finish for i, r in enumerate(runs) if i != last)
+            runs[last] = run_engine(per_rep[last], PROMPT_TOKENS, table, eng, alpha,
+                                    alone=alone, alone_after=others)
         fin = [r.finish for r in runs]
         rollouts.append(max(fin))
         tails.append(max(fin) - min(fin))
@@ -78,17 +87,19 @@ def _phase_errors(rows: list[dict]) -> dict:
 
 
 def validate_e2e() -> dict:
-    table = cpu_1t_corun_table()
+    table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     alpha = demo_drafter_alpha().at(0)
     docs = {f: load_json(f) for f in E2E_FILES}
     recs = {f: e2e_records(d) for f, d in docs.items()}
-    out = {"table": table.source, "alpha": alpha, "files": {}}
+    out = {"table": table.source, "alone_table": alone.source if alone else None,
+           "alpha": alpha, "files": {}}
     for f in E2E_FILES:
         other = [r for g, rs in recs.items() if g != f for r in rs]
         upd = fit_update(other)
         rows = []
         for rec in recs[f]:
-            pred = predict_record(rec, table, alpha if rec["arm"] == "tlt" else None, upd)
+            pred = predict_record(rec, table, alpha if rec["arm"] == "tlt" else None, upd,
+                                  alone)
             rows.append({k: rec[k] for k in ("mode", "step", "arm")} |
                         {"predicted": pred, "measured": rec["measured"]})
         speed_p = _mean_ratio(rows, "off", "tlt", "predicted")
@@ -292,7 +303,8 @@ def validate_published() -> dict:
 
 def validate_all() -> dict:
     """The whole validation, JSON-able (``tools/plan_tlt.py --validate --json``)."""
-    from .cpu_inputs import CORUN, DECODE_TABLE, DECODE_TABLE_AVX2, DEMO_ALPHA, SPEC_TABLE
+    from .cpu_inputs import (CORUN, CORUN_MEASURED, DECODE_TABLE, DECODE_TABLE_AVX2,
+                             DEMO_ALPHA, SPEC_TABLE)
     from .recipe import DEFAULT_ALPHA_GPU
 
     cpu, pub = validate_cpu(), validate_published()
@@ -300,7 +312,8 @@ def validate_all() -> dict:
     nemo = pub["nemo_rl_qwen3_8b_generation"]["points"]
     return {
         "benchmark": "planner_validation",
-        "config": {"measured_inputs": [DECODE_TABLE, DECODE_TABLE_AVX2, CORUN, SPEC_TABLE,
+        "config": {"measured_inputs": [*CORUN_MEASURED.values(), DECODE_TABLE,
+                                       DECODE_TABLE_AVX2, CORUN, SPEC_TABLE,
                                        DEMO_ALPHA, *E2E_FILES, DEMO_RUN,
                                        "drafter_alpha_curves_t1_cpu.json"],
                    "measured_in_docs": "CPU prefill: docs/benchmarks.md (no JSON)",

@@ -37,8 +37,7 @@ from .memory import PromptError, RolloutMemory
 from .outputs import GenerateStats, RolloutOutput
 from .prefill import SharedPrompts, prefill
 from .runners import make_runner
-from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
-                       seeded_generator)
+from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
 from .speculative.controller import SpeculationController
 
 
@@ -51,7 +50,7 @@ class GenerationInterrupted(Exception):
 class _Row:
     request: int
     params: SamplingParams
-    generator: Optional[torch.Generator]
+    stream: Optional[int]  # standard sampling: the request's stream key (else None)
     length: int  # positions held in the cache
     prompt: list[int]
     key: Optional[int] = None  # coupled sampling: the request's noise key (else None)
@@ -254,7 +253,7 @@ class RolloutEngine:
         self.last_stats = stats
         if request_seeds is not None and len(request_seeds) != n:
             raise ValueError(f"got {len(request_seeds)} request seeds for {n} prompts")
-        gens, keys = self._generators(plist, request_seeds)
+        streams, keys = self._keys(plist, request_seeds)
         t0 = time.perf_counter()
         self.runner.pack_weights()  # the kernels' weight copies, from the current parameters
         stats.pack_seconds = time.perf_counter() - t0
@@ -262,7 +261,7 @@ class RolloutEngine:
 
         def decode(idx: list[int], hidden_on_device: bool) -> list[RolloutOutput]:
             return self._run([prompts[i] for i in idx], [plist[i] for i in idx],
-                             [gens[i] for i in idx], [keys[i] for i in idx], stats,
+                             [streams[i] for i in idx], [keys[i] for i in idx], stats,
                              max_batch, hidden_on_device)
 
         # the runner says which requests this rank decodes (PP > 1 gathered: a share,
@@ -271,10 +270,10 @@ class RolloutEngine:
             prompts, decode, stats, self.hidden_dtype, grouped=self.config.share_prefill)
         return outputs
 
-    def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], gens: list,
+    def _run(self, prompts: list[list[int]], plist: Sequence[SamplingParams], streams: list,
              keys: list, stats: GenerateStats, max_batch: int,
              hidden_on_device: bool = False) -> list[RolloutOutput]:
-        """The decode loop over these requests (their generators and noise keys made)
+        """The decode loop over these requests (their stream and noise keys made)
         with at most ``max_batch`` rows running; returned hidden states stay on the
         device with ``hidden_on_device`` (the gathered mode exchanges them there)."""
         n = len(prompts)
@@ -312,7 +311,7 @@ class RolloutEngine:
                 admitted = []
                 while queue and len(rows) + len(admitted) < max_batch:
                     i = queue.popleft()
-                    admitted.append(_Row(i, plist[i], gens[i], len(prompts[i]), prompts[i],
+                    admitted.append(_Row(i, plist[i], streams[i], len(prompts[i]), prompts[i],
                                          keys[i]))
                 t0 = time.perf_counter()
                 admitted = prefill(self, cache, rows, admitted, hidden_buf, stats, ctl,
@@ -431,9 +430,9 @@ class RolloutEngine:
         logits = self.runner.logits(hidden)
         coupled = ([None if r.key is None else (r.key, len(r.tokens)) for r in rows]
                    if self.coupled else None)
+        streams = [None if r.stream is None else (r.stream, len(r.tokens)) for r in rows]
         tokens, raw, processed = choose_tokens(
-            logits, [r.params for r in rows], [r.generator for r in rows],
-            self.runner.kernels, coupled=coupled)
+            logits, [r.params for r in rows], streams, self.runner.kernels, coupled=coupled)
         tokens = self._from_tp_rank0(tokens)  # ranks agree already; this makes it certain
         if hidden_buf is not None:
             pos = torch.tensor([len(r.tokens) for r in rows], device=self.device)
@@ -510,16 +509,17 @@ class RolloutEngine:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self._from_tp_rank0(t).tolist()
 
-    def _generators(self, plist: Sequence[SamplingParams],
-                    request_seeds: Optional[Sequence[int]] = None):
-        """Per request: its generator (standard sampling) and its coupled-noise key
-        (coupled sampling); None for greedy requests and for the unused one."""
-        gens: list[Optional[torch.Generator]] = []
+    def _keys(self, plist: Sequence[SamplingParams],
+              request_seeds: Optional[Sequence[int]] = None):
+        """Per request: its random stream's key (standard sampling) and its
+        coupled-noise key (coupled sampling), both its own seed (``own_seed``); None
+        for greedy requests and for the unused one."""
+        streams: list[Optional[int]] = []
         keys: list[Optional[int]] = []
         drawn = None
         for i, sp in enumerate(plist):
             if sp.greedy:
-                gens.append(None)
+                streams.append(None)
                 keys.append(None)
                 continue
             seed = sp.seed
@@ -529,12 +529,12 @@ class RolloutEngine:
                 seed = drawn
             rs = own_seed(seed, i, request_seeds)
             if self.coupled:
-                gens.append(None)
+                streams.append(None)
                 keys.append(rs)
             else:
-                gens.append(seeded_generator(rs, self.device))
+                streams.append(rs)
                 keys.append(None)
-        return gens, keys
+        return streams, keys
 
     def _shared_seed(self) -> int:
         """A fresh seed, the same on every rank of the model-parallel group."""

@@ -15,7 +15,7 @@ verification: ``extend`` / ``extend_chains``) goes stage to stage:
   inference engine broadcasts its logits from the last stage).
 
 So every stage holds the same final hidden states and logits and runs the engine's
-control logic (admission, sampling with the same generators or coupled noise,
+control logic (admission, sampling with the same random streams or coupled noise,
 retirement, the tuner's choices on the last stage's times) on identical values:
 ``RolloutEngine.generate`` runs unchanged on top, and its outputs (tokens, log-probs,
 hidden states for the drafter buffer) are the same on every stage and equal the PP = 1

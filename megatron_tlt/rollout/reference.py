@@ -15,8 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .outputs import RolloutOutput
-from .sampling import (SamplingParams, choose_tokens, own_seed, requested_logprobs,
-                       seeded_generator)
+from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
 
 
 @torch.no_grad()
@@ -27,8 +26,8 @@ def recompute_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     """Sampling one sequence at a time, recomputing the full sequence per token through
     megatron-core's own forward (its pipeline schedule at PP > 1; no KV cache). Every
     rank of the model-parallel group calls it with the same arguments and gets the same
-    outputs: the last stage samples (``choose_tokens``, per-request generators as the
-    engine seeds them) and broadcasts each token along the pipeline. Log-probs as
+    outputs: the last stage samples (``choose_tokens``, per-request streams keyed as
+    the engine keys them) and broadcasts each token along the pipeline. Log-probs as
     ``params.logprobs`` asks, as the engine's. ``request_seeds`` and ``sampling_mode``
     as ``RolloutEngine.generate`` and ``rollout.sampling_mode``."""
     from megatron.core import parallel_state as ps
@@ -48,7 +47,6 @@ def recompute_generate(model, arch, eos_token_ids: Sequence[int], context: int,
     for i, prompt in enumerate(prompts):
         rs = None if params.greedy else own_seed(seed, i, request_seeds)
         coupled = sampling_mode == "coupled" and not params.greedy
-        gen = None if params.greedy or coupled else seeded_generator(rs, device)
         seq = list(prompt)
         tokens, logprobs, reason = [], [], "length"
         while len(tokens) < params.max_new_tokens and len(seq) < context:
@@ -57,7 +55,9 @@ def recompute_generate(model, arch, eos_token_ids: Sequence[int], context: int,
             msg = torch.zeros(2, dtype=torch.float64, device=device)
             if local is not None:
                 logits = gather_logits(local[:, -1:], arch)[:, -1].float()
-                tok, raw, proc = choose_tokens(logits, [params], [gen],
+                standard = not (params.greedy or coupled)
+                tok, raw, proc = choose_tokens(logits, [params],
+                                               [(rs, len(tokens)) if standard else None],
                                                coupled=[(rs, len(tokens))] if coupled else None)
                 lp = requested_logprobs(logits, tok, [params], raw, proc)
                 msg[0], msg[1] = float(tok[0]), float(lp[0])

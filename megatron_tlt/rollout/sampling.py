@@ -6,10 +6,35 @@ Plain decoding samples from it; speculative decoding (accept/reject) compares th
 target's and the drafter's processed distributions produced by this same function, so
 both paths see the same distribution by construction.
 
-Randomness comes from one ``torch.Generator`` per sequence, seeded from
-``SamplingParams.seed`` and the request's index, so a request's tokens do not depend on
-which other requests share its batch (up to floating-point batch effects), and every
-tensor-parallel rank draws the same token from the same (all-gathered) logits.
+All randomness is counter-based: every random number is a pure function (a 32-bit
+hash, MurmurHash3's finaliser in int64 tensor arithmetic, exact on every device) of the
+request's key (its request seed: ``own_seed``), a counter and an index. No generator
+state: a batch's draws are one tensor computation whatever its rows (no loop over
+rows), capturable in a CUDA graph, the same on every TP rank and independent of which
+other requests share the batch.
+
+Standard sampling (``rollout.sampling_mode=standard``) draws from per-request streams
+(``stream_salts``): the salt of a draw is hash(key, t0, tag), with t0 the row's
+response position at the start of the step (``len(tokens)``: the token the step
+emits first) and ``tag`` what the draw is for; the index is the token id (a Gumbel
+row, ``stream_gumbel``) or a slot (``stream_exponential``). Allocation:
+
+- a plain step (and the prefill's first token) at t0: one Gumbel row, ``STREAM_SAMPLE``;
+- a speculative step at t0: the chain draft at depth j, one Gumbel row over the draft
+  vocabulary, ``STREAM_DRAFT + j``; the acceptance tests, one exponential per chain
+  depth j or tree node id, ``STREAM_ACCEPT`` (slot = j or the node id, each tried at
+  most once); the step's last token (the residual after a rejection, the bonus, or a
+  tree's fallback), one Gumbel row, ``STREAM_FINAL``.
+
+Every step of a row emits at least one token, so t0 strictly grows from step to step
+and no two draws of a row share a (t0, tag, index): the draws are independent (up to
+the hash: distinct salts of one request coincide with probability ~n^2 / 2^33 for n
+salts, the same 32-bit salts as coupled noise). The consumption is fixed per step and
+depends only on host-known integers (t0, the strategy's depth and tree size). A
+request's plain-step token at t0 depends on its key and its logits only; a
+speculative step draws differently (the same distribution, another realisation), so
+a response depends on which steps speculated (the tuner's decisions), as with any
+exact speculative sampler.
 
 Coupled sampling (``rollout.sampling_mode=coupled``) draws token t of a request as
 argmax_v(log p~[v] + g[v]) (the Gumbel-max form of sampling from p~) with the noise
@@ -119,15 +144,18 @@ def requested_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     are ``choose_tokens``' (or the speculative verifier's) log-probs of the same tokens;
     "tempered" rows are computed here, one call per temperature (at temperature 1 it
     is the raw log-prob; without top-k / top-p, the processed one)."""
-    out = torch.where(torch.tensor([p.logprobs == "processed" and not p.greedy
-                                    for p in params], device=raw.device), processed, raw)
+    def untruncated_tempered(p: SamplingParams) -> bool:
+        return (p.logprobs == "tempered" and not p.greedy and p.temperature != 1.0
+                and p.top_k == 0 and p.top_p == 1.0)
+
+    out = torch.where(torch.tensor([(p.logprobs == "processed" and not p.greedy)
+                                    or untruncated_tempered(p) for p in params],
+                                   device=raw.device), processed, raw)
     by_t: dict[float, list[int]] = {}
     for r, p in enumerate(params):
         if p.logprobs != "tempered" or p.greedy or p.temperature == 1.0:
             continue  # raw
-        if p.top_k == 0 and p.top_p == 1.0:
-            out[r] = processed[r]
-        else:
+        if not untruncated_tempered(p):
             by_t.setdefault(p.temperature, []).append(r)
     for t, idx in by_t.items():
         index = torch.tensor(idx, device=logits.device)
@@ -136,23 +164,9 @@ def requested_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return out
 
 
-def make_generators(seed: Optional[int], n: int, device: torch.device,
-                    offset: int = 0) -> list[torch.Generator]:
-    """One generator per request; request i's stream depends only on (seed, offset+i)."""
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    return [seeded_generator(request_seed(seed, offset + i), device) for i in range(n)]
-
-
-def seeded_generator(seed: int, device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed) % (2**63 - 1))
-    return g
-
-
 def request_seed(seed: int, index: int) -> int:
-    """Request ``index``'s own seed under call seed ``seed``: its generator's seed
-    (``make_generators``) and its coupled-noise key."""
+    """Request ``index``'s own seed under call seed ``seed``: the key of its random
+    stream (standard sampling, ``stream_salts``) or of its coupled noise."""
     return (int(seed) * 1_000_003 + int(index)) % (2**63 - 1)
 
 
@@ -243,6 +257,14 @@ def coupled_gumbel(keys: Sequence[int], positions: Sequence[int], vocab: int,
 def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
     """g = -log(-log U) of 32-bit hashes ``h`` (int64), U = (h + 1/2) / 2**32, float32
     (``coupled_gumbel``; the CPU kernels compute the same steps)."""
+    return -torch.log(exponential_of_hash(h))
+
+
+def exponential_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """E = -log U > 0 of 32-bit hashes ``h`` (int64), U = (h + 1/2) / 2**32, float32: an
+    Exp(1) draw, exact at both ends (U < 1/2: -log of U; U >= 1/2: -log1p(-V) with
+    V = 1 - U from the hash in integers, so the small E of U near 1 keep their
+    precision; U never rounds to 0 or 1)."""
     lo = h < 2**31
     t = torch.where(lo, h, _M32 - h)  # the distance to the nearer end, < 2**31
     w0 = (t.float() + 0.5) * (1.0 / 4294967296.0)
@@ -250,7 +272,7 @@ def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
     log_w = torch.log(w)
     # log1p(-V) = -V log(w) / (w - 1) for w = 1 - V rounded; w == 1: -V
     hi_e = torch.where(w == 1.0, w0, w0 * log_w / (w - 1.0))
-    return -torch.log(torch.where(lo, -log_w, hi_e))
+    return torch.where(lo, -log_w, hi_e)
 
 
 class CoupledNoise:
@@ -289,18 +311,58 @@ def coupled_argmax(logprobs: torch.Tensor, keys: Sequence[int], positions: Seque
     return argmax_rows(logprobs.float() + g, kernels)
 
 
-def sample_rows(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Draw one token per row of ``logprobs`` [rows, vocab] with each row's generator.
+# ------------------------------------------------------- standard sampling's streams
+STREAM_SAMPLE = 1  # a plain step's token (one Gumbel row)
+STREAM_ACCEPT = 2  # a speculative step's acceptance tests (one exponential per slot)
+STREAM_FINAL = 3  # a speculative step's last token (one Gumbel row)
+STREAM_DRAFT = 16  # + j: a speculative step's chain draft at depth j (one Gumbel row)
 
-    Uses the exponential-race form of sampling (argmax of p / E, E ~ Exp(1)), which
-    draws exactly from p and consumes a fixed amount of randomness per token.
-    """
-    probs = logprobs.exp()
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for r, g in enumerate(generators):
-        e = torch.empty_like(probs[r]).exponential_(generator=g)
-        out[r] = torch.argmax(probs[r] / e)
-    return out
+
+def stream_salts(keys: torch.Tensor, positions: torch.Tensor, tags) -> torch.Tensor:
+    """32-bit salts of standard sampling's draws (module docstring), int64 on the keys'
+    device: ``keys`` [n] (request seeds, 0 <= key < 2**63), ``positions`` [n] (each
+    row's t0), ``tags`` an int or a [T] tensor (then [n, T]). Device arithmetic only:
+    no host read, a fixed number of operations for any n."""
+    k = keys.to(torch.int64)
+    a = _fmix32_t((k & _M32) ^ 0x243F6A88)
+    a = _fmix32_t(a ^ ((k >> 32) & _M32) ^ 0x85A308D3)
+    base = _fmix32_t(a ^ ((positions.to(torch.int64) * 0x9E3779B9 + 0x13198A2E) & _M32))
+    if isinstance(tags, torch.Tensor):
+        base, tags = base[:, None], tags.to(device=base.device, dtype=torch.int64)
+    return _fmix32_t(base ^ ((tags * 0x632BE5AB + 0x3C6EF372) & _M32))
+
+
+def stream_salts_of(keys: Sequence[int], positions: Sequence[int], tags,
+                    device) -> torch.Tensor:
+    """``stream_salts`` of host integers (one host-to-device copy)."""
+    kp = torch.tensor([[int(k), int(t)] for k, t in zip(keys, positions)],
+                      dtype=torch.int64, device=device).view(-1, 2)
+    return stream_salts(kp[:, 0], kp[:, 1], tags)
+
+
+def stream_gumbel(salt: torch.Tensor, vocab: int, kernels=None) -> torch.Tensor:
+    """Gumbel rows g[i, v] of salts ``salt`` [n] over indices 0..vocab-1, [n, vocab]
+    float32: the coupled noise's hash and logs (``coupled_gumbel``), through the CPU
+    kernels' one-pass form when given on the CPU."""
+    table = _token_hash(vocab, salt.device)
+    if kernels is not None and salt.device.type == "cpu":
+        return kernels.coupled_gumbel(salt.contiguous(), table)
+    return gumbel_of_hash(_fmix32_t(table[None, :] ^ salt[:, None]))
+
+
+def stream_exponential(salt: torch.Tensor, slots: int) -> torch.Tensor:
+    """Exp(1) draws E[..., j] = -log U of salts ``salt`` [...] at slots 0..slots-1,
+    [..., slots] float32 (U < x  <=>  E > -log x: acceptance tests in log space)."""
+    table = _token_hash(max(slots, 1), salt.device)[:slots]
+    return exponential_of_hash(_fmix32_t(table ^ salt[..., None]))
+
+
+def sample_rows(logprobs: torch.Tensor, salt: torch.Tensor, kernels=None) -> torch.Tensor:
+    """One token per row of ``logprobs`` [rows, vocab] (processed; -inf for removed
+    tokens), each row from its own stream (``salt`` [rows]): the Gumbel-max form
+    argmax(log p + g), an exact draw from p, all rows at once."""
+    g = stream_gumbel(salt, logprobs.shape[-1], kernels)
+    return argmax_rows(logprobs.float() + g, kernels)
 
 
 def argmax_rows(x: torch.Tensor, kernels=None) -> torch.Tensor:
@@ -318,16 +380,18 @@ def argmax_rows(x: torch.Tensor, kernels=None) -> torch.Tensor:
 
 
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]], kernels=None,
+                  streams: Sequence[Optional[tuple[int, int]]], kernels=None,
                   coupled: Optional[Sequence[Optional[tuple[int, int]]]] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick the next token for each row of ``logits`` [rows, vocab].
 
     Returns (tokens [rows] long, raw log-prob [rows], processed log-prob [rows]).
     Rows are grouped by their processing key so a uniform batch costs one call.
-    ``kernels``: the fused CPU kernels, for greedy rows' argmax (``argmax_rows``).
-    ``coupled``: per row, (request key, position in the response) for coupled sampling
-    (``coupled_argmax``) or None (the row's generator samples).
+    ``kernels``: the fused CPU kernels, for greedy rows' argmax (``argmax_rows``) and
+    the noise rows. ``streams``: per row, (request key, position in the response) of
+    standard sampling's stream (``sample_rows`` with ``STREAM_SAMPLE``; None for
+    greedy and coupled rows). ``coupled``: per row, (request key, position in the
+    response) for coupled sampling (``coupled_argmax``) or None.
     """
     rows = logits.shape[0]
     if all(p.greedy for p in params):  # the common benchmark / eval case: no grouping
@@ -356,7 +420,10 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                 raise ValueError("coupled and standard sampled rows share a setting; "
                                  "one sampling mode per call")
             else:
-                tok = sample_rows(lps, [generators[r] for r in idx])
+                salt = stream_salts_of([streams[r][0] for r in idx],
+                                       [streams[r][1] for r in idx], STREAM_SAMPLE,
+                                       logits.device)
+                tok = sample_rows(lps, salt, kernels)
             lp = lps.gather(-1, tok[:, None])[:, 0]
         tokens[index] = tok
         processed[index] = lp

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron_tlt.rollout.sampling import (SamplingParams, choose_tokens, make_generators,
-                                           processed_logprobs, sample_rows)
+from megatron_tlt.rollout.sampling import (STREAM_SAMPLE, SamplingParams, choose_tokens,
+                                           processed_logprobs, sample_rows, stream_salts)
 
 
 def test_temperature_topk_topp():
@@ -43,18 +43,21 @@ def test_rows_in_any_order_are_processed_alike():
     assert torch.equal(lp, flipped)
 
 
-def test_samples_follow_the_processed_distribution():
-    """40,000 draws: chi-square goodness of fit at the 0.1 % level."""
+@pytest.mark.parametrize("streams", ["keys", "positions"])
+def test_samples_follow_the_processed_distribution(streams):
+    """40,000 draws, all rows at once: 40,000 requests' streams at one position, or one
+    request's stream at 40,000 positions; chi-square goodness of fit at the 0.1 %
+    level."""
     from scipy.stats import chisquare
 
     logits = torch.tensor([[1.5, 1.0, 0.2, 0.0, -0.5, -3.0]])
     lp = processed_logprobs(logits, 0.8, top_k=5, top_p=0.95)
     p = lp.exp()[0]
-    gen = make_generators(0, 1, torch.device("cpu"))[0]
-    counts = torch.zeros(6)
-    for _ in range(40):
-        toks = sample_rows(lp.expand(1000, -1), [gen] * 1000)
-        counts += torch.bincount(toks, minlength=6).float()
+    n = torch.arange(40_000)
+    keys, pos = (n * 7919 + 3, torch.zeros_like(n)) if streams == "keys" else \
+        (torch.full_like(n, 12345), n)
+    toks = sample_rows(lp.expand(40_000, -1), stream_salts(keys, pos, STREAM_SAMPLE))
+    counts = torch.bincount(toks, minlength=6).float()
     support = p > 0
     assert counts[~support].sum() == 0  # truncated tokens are never drawn
     expected = p[support] * counts.sum()
@@ -66,20 +69,28 @@ def test_choose_tokens_mixes_greedy_and_sampled_rows():
     logits = torch.randn(3, 30, generator=g)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.0)]
-    gens = [None, make_generators(3, 1, torch.device("cpu"))[0], None]
-    tokens, raw, processed = choose_tokens(logits, params, gens)
+    tokens, raw, processed = choose_tokens(logits, params, [None, (3, 0), None])
     assert torch.equal(tokens, logits.argmax(-1))  # top_k=1 sampling is greedy too
     ref = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     assert torch.allclose(raw, ref)
     assert processed[1].item() == pytest.approx(0.0, abs=1e-6)  # top-1: probability 1
 
 
-def test_generators_depend_on_seed_and_index_only():
-    a = make_generators(5, 3, torch.device("cpu"))
-    b = make_generators(5, 2, torch.device("cpu"), offset=1)
-    draw = [torch.rand(4, generator=g) for g in a]
-    assert torch.equal(draw[1], torch.rand(4, generator=b[0]))
-    assert not torch.equal(draw[0], draw[1])
+def test_streams_depend_on_key_position_and_tag_only():
+    """A stream's salt is a function of (key, position, tag): the same in any batch and
+    from host integers; any change of one of them gives another salt."""
+    from megatron_tlt.rollout.sampling import STREAM_DRAFT, stream_salts_of
+
+    keys = torch.tensor([5, 2**62 + 17, 5, 6])
+    pos = torch.tensor([0, 3, 1, 0])
+    a = stream_salts(keys, pos, STREAM_SAMPLE)
+    assert torch.equal(a[1:2], stream_salts(keys[1:2], pos[1:2], STREAM_SAMPLE))
+    assert torch.equal(a, stream_salts_of(keys.tolist(), pos.tolist(), STREAM_SAMPLE, "cpu"))
+    assert len(set(a.tolist())) == 4
+    tags = torch.tensor([STREAM_SAMPLE, STREAM_DRAFT])
+    both = stream_salts(keys, pos, tags)
+    assert torch.equal(both[:, 0], a) and not (both[:, 1] == a).any()
+    assert ((0 <= a) & (a < 2**32)).all()
 
 
 @pytest.mark.parametrize("kwargs,match", [

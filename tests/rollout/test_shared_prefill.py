@@ -144,7 +144,7 @@ def test_interleaved_duplicates_and_distinct_prompts(tiny):
 @pytest.mark.parametrize("mode", ["seed", "request_seeds", "coupled"])
 def test_sampled_groups_keep_each_request_its_own_stream(tiny, mode):
     """Sampled responses of one prompt differ from each other (each copy samples with
-    its own generator or noise key) and equal the unshared engine's, token for token."""
+    its own random stream or noise key) and equal the unshared engine's, token for token."""
     model, arch = tiny["llama_tied"]
     prompts = _groups(_unique((6, 6, 6), seed=3))
     sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=7)

@@ -22,8 +22,8 @@ from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.sampling import processed_logprobs
 from megatron_tlt.rollout.speculative import decoder as decoder_mod
-from megatron_tlt.rollout.speculative.acceptance import (accept_chain, accept_chain_sampled,
-                                                         accept_tree, accept_tree_sampled)
+from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
+from megatron_tlt.rollout.speculative.acceptance_batched import accept_chains, accept_trees
 from megatron_tlt.rollout.speculative.stats import SpecStats
 from tiny_models import TINY_CONFIGS, VOCAB, save_tiny_hf
 
@@ -120,20 +120,32 @@ def _wrong_accept_chain(p, q, drafts, gen, greedy, kernels=None):
     return len(drafts), int(torch.multinomial(p[len(drafts)].exp(), 1, generator=gen))
 
 
-def _wrong_accept_chain_sampled(p, q, drafts, gen):
-    """``_wrong_accept_chain`` in the form the batched step calls (device tensors)."""
-    k = drafts.shape[0]
-    ar = torch.arange(k)
-    u = torch.rand(k, generator=gen)
-    a = (u * q[ar, drafts].exp() < p[ar, drafts].exp()).long().cumprod(0).sum()
-    pa = p.index_select(0, a.view(1))[0].exp()
-    return a, torch.multinomial(pa / pa.sum(), 1, generator=gen)[0]
+def _wrong_accept_chains(p, q, drafts, counts, e, g, kernels=None):
+    """``_wrong_accept_chain`` in the form the batched step calls (every row at once)."""
+    b, k = drafts.shape
+    lp = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    lq = q[:, :k].gather(2, drafts[..., None])[..., 0]
+    ok = (e[:, :k] > lq - lp) & (torch.arange(k)[None, :] < counts[:, None])
+    a = ok.long().cumprod(1).sum(1)
+    pa = p.gather(1, a[:, None, None].expand(b, 1, p.shape[2]))[:, 0]
+    return a, (pa + g).argmax(-1)
+
+
+def _torch_noise(gen, slots, vocab):
+    """Exp(1) draws [1, slots] and a Gumbel row [1, vocab] from a torch generator (the
+    batched rules' math checked apart from the streams)."""
+    e = torch.empty(1, slots).exponential_(generator=gen)
+    g = -torch.empty(1, vocab).exponential_(generator=gen).log()
+    return e, g
 
 
 def _device_accept_chain(p, q, drafts, gen, greedy, kernels=None):
-    """The batched step's rule (on the device, k uniforms drawn at once)."""
-    a, nxt = accept_chain_sampled(p, q, torch.tensor(drafts, dtype=torch.long), gen)
-    return int(a), int(nxt)
+    """The batched step's rule (``accept_chains``) on one row."""
+    k = len(drafts)
+    e, g = _torch_noise(gen, k, p.shape[-1])
+    a, nxt = accept_chains(p[None], q[None], torch.tensor([drafts], dtype=torch.long),
+                           torch.tensor([k]), e, g)
+    return int(a[0]), int(nxt[0])
 
 
 @pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
@@ -168,8 +180,9 @@ def test_chain_rule_reproduces_target_distribution(rule):
         assert pval < 1e-8
 
 
-def _device_accept_tree(p, tokens, children, gen, greedy):
-    """The batched step's tree rule (on the device, one uniform per node at once)."""
+def _device_accept_trees(p, tokens, children, gen, n):
+    """The batched step's tree rule (``accept_trees``) on n rows at once, with noise
+    from a torch generator: per row (accepted path, next token)."""
     width = max(1, max(len(c) for c in children))
     kids = torch.tensor([c + [-1] * (width - len(c)) for c in children])
     tok = torch.tensor([0 if t is None else t for t in tokens])
@@ -177,8 +190,12 @@ def _device_accept_tree(p, tokens, children, gen, greedy):
     while any(children[c] for c in frontier):
         depth += 1
         frontier = [k for c in frontier for k in children[c]]
-    path, nxt = accept_tree_sampled(p, tok, kids, depth, gen)
-    return [int(c) for c in path if c >= 0], int(nxt)
+    e = torch.empty(n, len(tokens)).exponential_(generator=gen)
+    g = -torch.empty(n, p.shape[-1]).exponential_(generator=gen).log()
+    path, nxt = accept_trees(p.expand(n, *p.shape), tok.expand(n, -1),
+                             kids.expand(n, -1, -1), depth, e, g)
+    return [([int(c) for c in row if c >= 0], int(x))
+            for row, x in zip(path.tolist(), nxt.tolist())]
 
 
 @pytest.mark.parametrize("rule", ["exact", "device", "wrong"])
@@ -194,11 +211,12 @@ def test_tree_rule_reproduces_target_distribution(rule):
     tokens = [None, 2, 5, 0]
     children = [[1, 2, 3], [], [], []]
     counts = collections.Counter()
-    for _ in range(n):
+    batched = _device_accept_trees(p, tokens, children, g, n) if rule == "device" else None
+    for i in range(n):
         if rule == "exact":
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
         elif rule == "device":
-            path, nxt = _device_accept_tree(p, tokens, children, g, greedy=False)
+            path, nxt = batched[i]
         else:  # wrong: reject siblings but then sample from the unmodified p
             path, nxt = accept_tree(p, tokens, children, g, greedy=False)
             if not path:
@@ -220,10 +238,11 @@ def test_two_level_tree_rule_reproduces_target_distribution(rule):
     p = torch.log_softmax(torch.randn(6, V, generator=g) * 1.5, -1)
     tokens = [None, 2, 5, 1, 4]
     children = [[1, 2], [3, 4], [], [], []]
-    fn = accept_tree if rule == "exact" else _device_accept_tree
+    batched = _device_accept_trees(p, tokens, children, g, n) if rule == "device" else None
     counts = collections.Counter()
-    for _ in range(n):
-        path, nxt = fn(p, tokens, children, g, greedy=False)
+    for i in range(n):
+        path, nxt = (accept_tree(p, tokens, children, g, greedy=False) if batched is None
+                     else batched[i])
         out = [tokens[c] for c in path] + [nxt]
         if len(out) < 2:  # ended after one token: the next one from that token's node
             row = {2: 1, 5: 2}.get(out[0], 5)
@@ -305,18 +324,18 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
     With a near-oracle drafter and with a confident random one.
 
     Power, measured at 2,500 draws with these seeds for each case under a lossy rule
-    (chains: _wrong_accept_chain, the rejection resampled from p instead of the
+    (chains: _wrong_accept_chains, the rejection resampled from p instead of the
     residual; trees: the fallback drawn from p instead of p with the rejected siblings
-    removed), and computed with scipy.stats.ncx2. Chi-square / d.o.f.:
-    chain-good 363 / 72, chain-bad 699 / 39, tree-good 1,093 / 39, tree-bad 685 / 72,
-    chain-stop 316 / 63, i.e. non-centralities of at least ~250 (chain-stop; ~290 for
+    removed), and computed with scipy.stats.ncx2. Chi-square / d.o.f. on the
+    counter-based streams: chain-good 336 / 72, chain-bad 771 / 39, chain-stop 229 / 63;
+    trees (measured with the earlier per-request generators): tree-good 1,093 / 39,
+    tree-bad 685 / 72; i.e. non-centralities of at least ~165 (chain-stop; ~264 for
     chain-good, the rule of test_wrong_rule_fails_the_end_to_end_test). The critical
     value at P_MIN is 125 on 72 d.o.f. (114 on 63), so each lossy rule is missed with
-    probability < 1e-13, and any bias with a non-centrality of 110 at this size (under
-    half of the least visible rule's) is caught with probability >= 0.99. The exact rule
-    passes every case (p 0.24-0.92 here); its false-positive rate is P_MIN per case,
-    as at 10,000 draws, which bought power only against biases under half that size,
-    at four times the time."""
+    probability < 1e-6, and any bias with a non-centrality of 110 at this size is
+    caught with probability >= 0.99. The exact rule passes every case (p 0.30-0.85 on
+    the streams); its false-positive rate is P_MIN per case, as at 10,000 draws, which
+    bought power only against biases under half that size, at four times the time."""
     model, arch, good, bad = one_layer
     strategy = "3_2_5" if kind == "tree" else "3_1_3"
     eng = _spec_engine(model, arch, good if drafter == "good" else bad, strategy,
@@ -338,10 +357,10 @@ def test_sampled_speculation_reproduces_target_distribution(one_layer, kind, dra
 
 def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     """The same end-to-end test catches a lossy acceptance rule at its sample size
-    (chi-square 363 on 72 d.o.f. at 2,500 draws: p ~ 2e-40; the critical value at 1e-8
-    is 161, missed with probability ~6e-12 by ncx2)."""
+    (chi-square 336 on 72 d.o.f. at 2,500 draws on the streams: p ~ 1e-35; the critical
+    value at 1e-8 is 161, missed with probability ~8e-10 by ncx2)."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(decoder_mod, "accept_chain_sampled", _wrong_accept_chain_sampled)
+    monkeypatch.setattr(decoder_mod, "accept_chains", _wrong_accept_chains)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]
@@ -880,8 +899,8 @@ def test_fp8_training_pads_positions_without_changing_outputs(tiny, monkeypatch)
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"])
 def test_standard_speculation_is_reproducible_per_request(one_layer, strategy):
     """Standard sampling with speculation: a request's tokens depend on its own seed
-    only, not on the batch it runs in (each row's acceptance draws from its own
-    generator, a fixed number of draws per step), and a rerun gives the same ones."""
+    only, not on the batch it runs in (each row's draws come from its own stream,
+    keyed by its seed and response position), and a rerun gives the same ones."""
     model, arch, good, _ = one_layer
     eng = _spec_engine(model, arch, good, strategy)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True)

@@ -5,6 +5,11 @@ sample from norm(max(0, p - q)); trees (deterministic drafts) try a node's child
 draft order, accept child x with probability p'(x) where p' is p with rejected siblings
 removed and renormalised, and sample from p' when none is accepted; greedy requests
 follow argmax p. One more token (the bonus) is always emitted.
+
+Here the rules for one row on the host: greedy rows' acceptance in the step, and the
+sampled rules with a ``torch.Generator``, the readable reference that the batched
+device rules the step uses for standard rows (``acceptance_batched.py``, on the rows'
+counter-based streams) are tested against.
 """
 
 from __future__ import annotations
@@ -25,12 +30,6 @@ def sample(probs: torch.Tensor, gen: Optional[torch.Generator]) -> int:
     if not bool(total > 0):
         raise RuntimeError("speculative sampling hit an empty distribution")
     return int(torch.multinomial(probs / total, 1, generator=gen))
-
-
-def draw(probs: torch.Tensor, gen: Optional[torch.Generator]) -> torch.Tensor:
-    """``sample`` kept on the device ([1] long, the same draw from ``gen``) for a
-    distribution known to have mass (a processed one keeps its most likely token)."""
-    return torch.multinomial(probs / probs.sum(), 1, generator=gen)
 
 
 def accept_chain(p_logprobs: torch.Tensor, q_logprobs: Optional[torch.Tensor],
@@ -59,32 +58,6 @@ def accept_chain(p_logprobs: torch.Tensor, q_logprobs: Optional[torch.Tensor],
             residual = p_logprobs[i].exp()
         return i, sample(residual, gen)
     return k, sample(p_logprobs[k].exp(), gen)
-
-
-def accept_chain_sampled(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor,
-                         drafts: torch.Tensor, gen: Optional[torch.Generator]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``accept_chain``'s sampled rule on the device, without a host read: p_logprobs
-    [k+1, V], q_logprobs [k, V], drafts [k] (long). The k uniforms are drawn at once
-    from ``gen`` (then the emitted token, from the same generator), so the row's stream
-    is consumed the same way whatever is accepted. Returns (accepted count a, next
-    token) as 0-dim long tensors: the tokens emitted are drafts[:a] then the next."""
-    k = drafts.shape[0]
-    dev = p_logprobs.device
-    a = torch.zeros((), dtype=torch.long, device=dev)
-    if k:
-        ar = torch.arange(k, device=dev)
-        px = p_logprobs[ar, drafts].exp()
-        qx = q_logprobs[ar, drafts].exp()
-        u = torch.rand(k, generator=gen, device=dev)
-        a = (u * qx < px).long().cumprod(0).sum()  # drafts accepted before the first no
-    pa = p_logprobs.index_select(0, a.view(1))[0].exp()  # p at the first rejection (or k)
-    if k:  # a rejection samples from norm(max(0, p - q)), p itself if that has no mass
-        qa = q_logprobs.index_select(0, a.clamp(max=k - 1).view(1))[0].exp()
-        res = (pa - qa).clamp_min(0.0)
-        res = torch.where(res.sum() > 0, res, pa)
-        pa = torch.where(a < k, res, pa)
-    return a, torch.multinomial(pa / pa.sum(), 1, generator=gen)[0]
 
 
 def accept_tree(p_logprobs: torch.Tensor, tokens: Sequence[int], children: Sequence[list[int]],
@@ -121,51 +94,6 @@ def accept_tree(p_logprobs: torch.Tensor, tokens: Sequence[int], children: Seque
             return path, sample(probs, gen)
         node = accepted
         path.append(node)
-
-
-def accept_tree_sampled(p_logprobs: torch.Tensor, tokens: torch.Tensor, kids: torch.Tensor,
-                        depth: int, gen: Optional[torch.Generator]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``accept_tree``'s sampled rule on the device, without a host read: p_logprobs
-    [n+1, V] at each node, ``tokens`` [n+1] the nodes' tokens, ``kids`` [n+1, K] each
-    node's children in trial order (-1 padding), ``depth`` the tree's depth. One uniform
-    per node is drawn at once from ``gen`` (each is used at most once, by the trial of
-    its node), then the emitted token, so the row's stream is consumed the same way
-    whatever is accepted. Returns the accepted path [depth] (node ids, -1 padding) and
-    the next token (0-dim long)."""
-    dev = p_logprobs.device
-    n1, width = kids.shape
-    u = torch.rand(n1, generator=gen, device=dev)
-    cur = torch.zeros((), dtype=torch.long, device=dev)
-    going = torch.ones((), dtype=torch.bool, device=dev)
-    final = p_logprobs[0].exp()
-    path = []
-    earlier = torch.ones(width, width, dtype=torch.bool, device=dev).tril(-1)
-    for _ in range(depth + 1):
-        k = kids.index_select(0, cur.view(1))[0]  # [K] the current node's children
-        valid = k >= 0
-        kc = k.clamp_min(0)
-        x = tokens.index_select(0, kc)
-        probs = p_logprobs.index_select(0, cur.view(1))[0].exp()
-        px = torch.where(valid, probs.index_select(0, x), 0.0)
-        # a token tried before among the siblings has probability 0 now
-        seen = ((x[:, None] == x[None, :]) & earlier & valid[None, :]).any(dim=1)
-        px = torch.where(seen, 0.0, px)
-        mass = probs.sum() - (px.cumsum(0) - px)  # rejected siblings removed
-        ok = valid & (u.index_select(0, kc) * mass < px)
-        hit = ok.any()
-        first = kc.gather(0, ok.long().argmax().view(1))[0]  # the first accepted child
-        # where the walk ends here: p with every tried child removed (a padding entry
-        # keeps its token: the smallest factor wins where a child shares it)
-        keep = torch.ones_like(probs).scatter_reduce(
-            0, x, torch.where(valid, 0.0, 1.0).to(probs.dtype), reduce="amin")
-        final = torch.where(going & ~hit, probs * keep, final)
-        step = going & hit
-        path.append(torch.where(step, first, -1))
-        cur = torch.where(step, first, cur)
-        going = step
-    nxt = torch.multinomial(final / final.sum(), 1, generator=gen)[0]
-    return torch.stack(path[:depth]), nxt
 
 
 def processed_rows(logits: torch.Tensor, rows: Sequence) -> torch.Tensor:

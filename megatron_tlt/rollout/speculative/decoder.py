@@ -11,8 +11,10 @@ its own position L, its last sampled token x_L not yet in the target's cache:
 3. Verification: one target forward over [x_L, drafts...] (chains causally, trees
    with an ancestor mask and depth-based RoPE positions) gives p at every node from
    the same ``processed_logprobs`` as plain decoding.
-4. Acceptance (``acceptance.py``, exact; coupled rows: greedy verification of
-   log p~ + g_t, so the output is the plain coupled sample whatever the drafter).
+4. Acceptance (exact; standard rows: ``acceptance_batched.py``, all rows at once on
+   their random streams; greedy rows: ``acceptance.py``; coupled rows: greedy
+   verification of log p~ + g_t, so the output is the plain coupled sample whatever
+   the drafter).
 5. Commit: features of accepted nodes are stored; the engine emits the tokens, log-probs
    and hidden states exactly as plain decoding emits them (stop tokens and length
    limits cut the accepted run) and accepted tree nodes' keys/values move to
@@ -22,6 +24,7 @@ its own position L, its last sampled token x_L not yet in the target's cache:
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -33,10 +36,11 @@ from ...spec_strategy import Strategy
 from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
 from ..sampling import argmax_rows, requested_logprobs
-from .acceptance import (accept_chain, accept_chain_sampled, accept_tree,
-                         accept_tree_sampled, processed_rows)
+from .acceptance import accept_chain, accept_tree, processed_rows
+from .acceptance_batched import (accept_chains, accept_trees, chain_emits, step_noise,
+                                 tree_emits)
 from .draft_runner import DraftRunner
-from .drafting import DraftTree, Drafting, is_coupled, ragged
+from .drafting import DraftTree, Drafting, is_coupled, is_standard, ragged
 from .stats import SpecStats
 
 
@@ -194,7 +198,7 @@ class SpeculativeDecoder:
     def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
              stats: SpecStats) -> tuple[list[Emission], Verified]:
         """Draft and verify for running rows 0..len(rows)-1 (``rows[i]`` has
-        ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.generator``).
+        ``.length``, ``.prompt``, ``.tokens``, ``.params``, ``.stream``, ``.key``).
 
         Returns per-row emissions and the verify forward's outputs over every row's
         nodes (``Verified``: hidden states, float32 logits, the processed log-probs the
@@ -248,7 +252,8 @@ class SpeculativeDecoder:
         noisy = self._verify_noise(rows, counts, tree)
         scores = [plp_r[i] + noisy[i] if noisy[i] is not None else plp_r[i]
                   for i in range(b)]  # coupled: greedy verification of log p~ + noise
-        emissions = self._accept(rows, scores, noisy, logits_r, plp_r, drafts, q_lp, tree)
+        emissions = self._accept(rows, scores, noisy, logits_r, plp_r, drafts, q_lp, tree,
+                                 (logits, plp, counts), strategy)
         emissions = self._agree(emissions, max(counts))
         # features of accepted nodes go to positions L.. (compaction happens in commit)
         for i, (r, e) in enumerate(zip(rows, emissions)):
@@ -260,31 +265,23 @@ class SpeculativeDecoder:
 
 
     def _accept(self, rows, scores: list, noisy: list, logits: list, plp: list,
-                drafts, q_lp, tree: Optional[DraftTree]) -> list[Emission]:
-        """Every row's emission, with one host read for the rows decided on the device:
-        greedily verified rows (greedy and coupled: every node's argmax, the token such
-        a row emits at that node, an accepted draft being equal to it) and standard
-        chains (``accept_chain_sampled``); with them, the emitted tokens' log-probs as
-        each request asks (``requested_logprobs``), so the commit reads nothing more.
-        and standard trees (``accept_tree_sampled``)."""
-        dev = self.target.device
+                drafts, q_lp, tree: Optional[DraftTree], flat,
+                strategy: Optional[Strategy] = None) -> list[Emission]:
+        """Every row's emission, with one host read: greedily verified rows (greedy and
+        coupled: every node's argmax, the token such a row emits at that node, an
+        accepted draft being equal to it) and standard rows (``_accept_standard``, all
+        at once), each with the emitted tokens' log-probs as its request asks
+        (``requested_logprobs``), so the commit reads nothing more. ``flat``: the
+        verification's logits and processed log-probs [nodes of every row, V] and the
+        node counts per row; ``strategy``: the step's (a tree's depth and width)."""
         k = self.target.kernels
-        b = len(rows)
-        parts, kind = [], [None] * b  # per row: "greedy", "chain" or "tree"
+        standard = [i for i, r in enumerate(rows) if is_standard(r)]
+        parts = []
         for i, r in enumerate(rows):
+            if is_standard(r):
+                continue
             sp = r.params
-            if sp.greedy or noisy[i] is not None:
-                tok = argmax_rows(scores[i], k)
-                kind[i] = "greedy"
-            elif tree is None:
-                d = torch.tensor(drafts[i], dtype=torch.long, device=dev)
-                a, nxt = accept_chain_sampled(scores[i], q_lp[i], d, r.generator)
-                # node j emits drafts[j] below a, the next token at a (later: unused)
-                tok = torch.cat([d, d.new_zeros(1)]).scatter(0, a.view(1), nxt.view(1))
-                kind[i] = "chain"
-            else:
-                tok, path = self._tree_sampled(tree, i, scores[i], r.generator)
-                kind[i] = "tree"
+            tok = argmax_rows(scores[i], k)
             x = logits[i].float()
             # the same formulas as plain decoding's (``sampling.choose_tokens``)
             if sp.greedy:
@@ -293,26 +290,23 @@ class SpeculativeDecoder:
                 raw = torch.log_softmax(x, dim=-1).gather(-1, tok[:, None])[:, 0]
                 processed = plp[i].gather(-1, tok[:, None])[:, 0]
             lp = requested_logprobs(x, tok, [sp] * x.shape[0], raw, processed)
-            extra = ([a.double().view(1)] if kind[i] == "chain" else
-                     [path.double()] if kind[i] == "tree" else [])
-            parts.append(torch.cat([tok.double(), lp.double()] + extra))
-        flat = torch.cat(parts).tolist() if parts else []  # the step's acceptance read
-        out, off = [], 0
+            parts.append(torch.cat([tok.double(), lp.double()]))
+        width = extra = 0
+        if standard:
+            block, width, extra = self._accept_standard(rows, standard, *flat, drafts, q_lp,
+                                                        tree, strategy)
+            parts.append(block)
+        flat_l = torch.cat(parts).tolist() if parts else []  # the step's acceptance read
+        out: list = [None] * len(rows)
+        off = 0
         for i, r in enumerate(rows):
+            if is_standard(r):
+                continue
             n = scores[i].shape[0]
-            best = [int(t) for t in flat[off: off + n]]
-            lps = flat[off + n: off + 2 * n]
+            best = [int(t) for t in flat_l[off: off + n]]
+            lps = flat_l[off + n: off + 2 * n]
             off += 2 * n
-            if kind[i] == "chain":
-                a = int(flat[off])
-                off += 1
-                toks, nodes = list(drafts[i][:a]) + [best[a]], list(range(a + 1))
-            elif kind[i] == "tree":  # best: the token each node emits
-                d = max(tree.depths[i])
-                nodes = [0] + [int(c) for c in flat[off: off + d] if c >= 0]
-                off += d
-                toks = [best[m] for m in nodes]
-            elif tree is None:
+            if tree is None:
                 a, nxt = accept_chain(scores[i], None, drafts[i], None, greedy=True,
                                       best=best)
                 toks, nodes = list(drafts[i][:a]) + [nxt], list(range(a + 1))
@@ -320,28 +314,72 @@ class SpeculativeDecoder:
                 path, nxt = accept_tree(scores[i], tree.tokens[i], tree.children[i], None,
                                         greedy=True, best=best)
                 toks, nodes = [tree.tokens[i][c] for c in path] + [nxt], [0] + path
-            out.append(Emission(toks, nodes, [lps[j] for j in nodes]))
+            out[i] = Emission(toks, nodes, [lps[j] for j in nodes])
+        for i in standard:  # per row: node tokens, their log-probs, then a or the path
+            row = flat_l[off: off + 2 * width + extra]
+            off += 2 * width + extra
+            emit = [int(t) for t in row[:width]]
+            lps = row[width: 2 * width]
+            if tree is None:
+                a = int(row[2 * width])
+                toks, nodes = list(drafts[i][:a]) + [emit[a]], list(range(a + 1))
+            else:  # emit: the token each node emits
+                nodes = [0] + [int(c) for c in row[2 * width:] if c >= 0]
+                toks = [emit[m] for m in nodes]
+            out[i] = Emission(toks, nodes, [lps[j] for j in nodes])
         return out
 
-    @staticmethod
-    def _tree_sampled(tree: DraftTree, i: int, scores: torch.Tensor, gen):
-        """Row i's standard tree acceptance on the device (``accept_tree_sampled``).
-        Returns the token each node emits [n+1] (its accepted child's token; the next
-        token at the path's end; unused elsewhere) and the path [depth] (-1 padded)."""
-        kids_l = tree.children[i]
-        width = max(1, max(len(c) for c in kids_l))
-        node_tok = tree.verify_tokens[i]
-        kids = torch.tensor([c + [-1] * (width - len(c)) for c in kids_l], dtype=torch.long,
-                            device=node_tok.device)
-        path, nxt = accept_tree_sampled(scores, node_tok, kids, max(tree.depths[i]), gen)
-        seq = torch.cat([path.new_zeros(1), path])  # root, then the accepted nodes
-        child = seq[1:]
-        n1 = node_tok.shape[0]
-        emit = node_tok.new_zeros(n1 + 1)  # slot n1 takes the writes of unused depths
-        emit = emit.scatter(0, torch.where(child >= 0, seq[:-1], n1),
-                            node_tok.index_select(0, child.clamp_min(0)))
-        last = seq.index_select(0, (child >= 0).sum().view(1))  # the path's last node
-        return emit.scatter(0, last, nxt.view(1))[:n1], path
+    def _accept_standard(self, rows, idx: list[int], logits: torch.Tensor,
+                         plp: torch.Tensor, counts: Sequence[int], drafts, q_lp,
+                         tree: Optional[DraftTree], strategy: Optional[Strategy]
+                         ) -> tuple[torch.Tensor, int, int]:
+        """Standard rows ``idx`` accepted at once (``acceptance_batched``) on their
+        streams at the step's t0. Returns the flat block [per row: the token each of
+        its N nodes emits, their log-probs, then the accepted count (chains) or the
+        path (trees, D entries, D the strategy's depth: fixed shapes and a fixed number
+        of rounds whatever the trees drawn)], N and the entries after the log-probs
+        (1 or D)."""
+        dev = self.target.device
+        s, vocab = len(idx), plp.shape[-1]
+        n = max(counts[i] for i in idx)
+        if s == len(rows) and all(c == n for c in counts):  # the usual case: no gather
+            pl, lg = plp.view(s, n, vocab), logits.view(s, n, vocab)
+        else:  # rows' nodes padded to n (a padding node repeats the row's last)
+            first = [0, *itertools.accumulate(counts)]
+            at = torch.tensor([first[i] + min(j, counts[i] - 1) for i in idx for j in range(n)],
+                              dtype=torch.long, device=dev)
+            pl = plp.index_select(0, at).view(s, n, vocab)
+            lg = logits.index_select(0, at).view(s, n, vocab)
+        kt = torch.tensor([[rows[i].stream, len(rows[i].tokens)] for i in idx],
+                          dtype=torch.int64, device=dev)
+        e, g = step_noise(kt[:, 0], kt[:, 1], n, vocab, self.target.kernels)
+        if tree is None:
+            d = torch.tensor([list(drafts[i]) + [0] * (n - 1 - len(drafts[i])) for i in idx],
+                             dtype=torch.long, device=dev).view(s, n - 1)
+            q = q_lp if s == len(rows) else q_lp.index_select(
+                0, torch.tensor(idx, device=dev))
+            got = torch.tensor([counts[i] - 1 for i in idx], dtype=torch.long, device=dev)
+            a, nxt = accept_chains(pl, q, d, got, e, g, self.target.kernels)
+            tok, extra = chain_emits(d, a, nxt), a[:, None]
+        else:
+            width = max([1, strategy.top_k if strategy is not None else 1]
+                        + [len(c) for i in idx for c in tree.children[i]])
+            kids = torch.tensor([[c + [-1] * (width - len(c)) for c in tree.children[i]]
+                                 for i in idx], dtype=torch.long, device=dev)
+            node_tok = tree.verify_tokens if s == len(rows) else \
+                tree.verify_tokens.index_select(0, torch.tensor(idx, device=dev))
+            depth = max([strategy.depth if strategy is not None else 0]
+                        + [max(tree.depths[i]) for i in idx])
+            extra, nxt = accept_trees(pl, node_tok, kids, depth, e, g, self.target.kernels)
+            tok = tree_emits(node_tok, extra, nxt)
+        x = lg.reshape(s * n, vocab).float()
+        t = tok.reshape(-1)
+        raw = torch.log_softmax(x, dim=-1).gather(-1, t[:, None])[:, 0]
+        processed = pl.reshape(s * n, vocab).gather(-1, t[:, None])[:, 0]
+        lp = requested_logprobs(x, t, [rows[i].params for i in idx for _ in range(n)],
+                                raw, processed).view(s, n)
+        block = torch.cat([tok.double(), lp.double(), extra.double()], 1)
+        return block.reshape(-1), n, extra.shape[1]
 
     def _verify_noise(self, rows, counts: Sequence[int], tree: Optional[DraftTree]) -> list:
         """Per row, the coupled noise of each verified node [nodes, V] (a node at
@@ -416,7 +454,7 @@ class SpeculativeDecoder:
     def _agree(self, emissions: list[Emission], n: int) -> list[Emission]:
         """Every rank of the group that decodes together (TP and, at PP > 1, the
         pipeline stages) takes the deciding rank's emissions (``ModelRunner.agree``;
-        they agree already: same logits, same generators; this makes it certain)."""
+        they agree already: same logits, same streams; this makes it certain)."""
         if self.target.decides_alone:
             return emissions
         width = n + 1

@@ -11,7 +11,10 @@ outputs of the drafter's catch-up (its hidden state ĥ and draft logits per row)
 
 Coupled rows (a noise ``key``) draft argmax(log q~ + g_t) with the target's noise at
 their response position; trees rank children by their perturbed processed score, so
-the drafter's own coupled token is always the first child.
+the drafter's own coupled token is always the first child. Standard rows (a stream
+key) draw chain drafts from q~ by Gumbel-max on their streams, all rows at once
+(``STREAM_DRAFT + j`` at the step's t0 for depth j, over the draft vocabulary); trees
+draw nothing (deterministic drafts).
 """
 
 from __future__ import annotations
@@ -26,14 +29,20 @@ from ..draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_
                           row_layout)
 from ..forward import ModelRunner
 from ..kv_cache import KVCache
-from ..sampling import CoupledNoise, argmax_rows, coupled_gumbel
-from .acceptance import draw, processed_rows, sample
+from ..sampling import (STREAM_DRAFT, CoupledNoise, argmax_rows, coupled_gumbel,
+                        stream_gumbel, stream_salts_of)
+from .acceptance import processed_rows
 from .draft_runner import DraftRunner
 
 
 def is_coupled(r) -> bool:
     """Whether row ``r`` samples under coupled sampling (it has a noise key)."""
     return getattr(r, "key", None) is not None and not r.params.greedy
+
+
+def is_standard(r) -> bool:
+    """Whether row ``r`` samples under standard sampling (neither greedy nor coupled)."""
+    return not r.params.greedy and not is_coupled(r)
 
 
 def ragged(counts: Sequence[int], starts: Sequence[int], device):
@@ -142,7 +151,10 @@ class Drafting:
     def _q(self, logits: torch.Tensor, rows) -> torch.Tensor:
         """Drafter's sampling distributions over the FULL vocabulary, [B, V] log-probs
         (each row processed with its request's settings, like the target's p)."""
-        lp = processed_rows(logits, rows)
+        return self._full(processed_rows(logits, rows))
+
+    def _full(self, lp: torch.Tensor) -> torch.Tensor:
+        """Processed draft log-probs [..., V_draft] over the full vocabulary."""
         if self.draft.d2t is None:
             return lp
         full = torch.full((*lp.shape[:-1], self.target.arch.vocab_size), float("-inf"),
@@ -157,8 +169,9 @@ class Drafting:
         where acceptance is likely. The rule never looks at the token about to be drawn,
         so every kept draft still follows q and acceptance stays exact (a rule that
         dropped unlikely draws would bias them; the distribution test catches that).
-        Returns per-row draft token lists and, for
-        sampled rows, the drafter's sampling distributions [n_i, V] (None for greedy)."""
+        Returns per-row draft token lists and, with standard rows, the drafter's
+        sampling distributions at each drafted depth [B, depth', V] (every row; None
+        without standard rows)."""
         if self.min_draft_prob <= 0:  # no stop rule: the whole chain on the device
             return self._full_chain(rows, depth, h, logits)
         dev = self.target.device
@@ -167,7 +180,10 @@ class Drafting:
         sampled = [not r.params.greedy for r in rows]
         any_sampled = any(sampled)
         min_prob = self.min_draft_prob
-        q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        standard = [i for i, r in enumerate(rows) if is_standard(r)]
+        std_pos = {i: n for n, i in enumerate(standard)}
+        salts, std_index = self._standard_salts(rows, standard, depth)
+        q_steps: list[torch.Tensor] = []
         drafts: list[list[int]] = [[] for _ in range(b)]
         alive, cum = [True] * b, [1.0] * b
         start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
@@ -176,8 +192,20 @@ class Drafting:
         for j in range(depth):
             top_p, top_id = torch.softmax(logits.float(), dim=-1).max(dim=-1)
             full_tok = self._to_target(top_id)
-            q_all = self._q(logits, rows) if any_sampled else None
-            tok_l, conf_l = full_tok.tolist(), top_p.tolist()
+            lp_d = processed_rows(logits, rows) if any_sampled else None
+            q_all = self._full(lp_d) if any_sampled else None
+            reads = [full_tok.double(), top_p.double()]
+            if standard:  # every standard row's draw, its probability and q's largest
+                pick = self._draw(lp_d, salts[:, j], std_index)
+                qs = q_all if std_index is None else q_all.index_select(0, std_index)
+                reads += [pick.double(), qs.max(-1).values.exp().double(),
+                          qs.gather(1, pick[:, None])[:, 0].exp().double()]
+                q_steps.append(q_all)
+            host = torch.cat(reads).tolist()
+            tok_l, conf_l = [int(t) for t in host[:b]], host[b: 2 * b]
+            n = len(standard)
+            std_tok = [int(t) for t in host[2 * b: 2 * b + n]]
+            std_best, std_q = host[2 * b + n: 2 * b + 2 * n], host[2 * b + 2 * n:]
             coupled_tok = {}
             idx = [i for i in range(b) if coupled[i] and alive[i]]
             if idx:  # the drafter's coupled tokens: the target's noise at position t0 + j
@@ -191,22 +219,23 @@ class Drafting:
                     continue
                 # decide to stop BEFORE drawing: a draw kept only when its own probability
                 # is high would no longer follow q, and the acceptance ratio would be wrong
-                best = float(q_all[i].max().exp()) if sampled[i] else conf_l[i]
+                if i in std_pos:
+                    best = std_best[std_pos[i]]
+                else:
+                    best = float(q_all[i].max().exp()) if sampled[i] else conf_l[i]
                 if min_prob > 0 and cum[i] * best < min_prob:
                     alive[i] = False
                     continue
                 if coupled[i]:
                     tok = coupled_tok[i]
                     cum[i] *= float(q_all[i, tok].exp())
-                elif sampled[i]:
-                    tok = sample(q_all[i].exp(), r.generator)
-                    cum[i] *= float(q_all[i, tok].exp())
+                elif i in std_pos:
+                    tok = std_tok[std_pos[i]]
+                    cum[i] *= std_q[std_pos[i]]
                 else:
                     tok = tok_l[i]
                     cum[i] *= best
                 drafts[i].append(tok)
-                if sampled[i] and not coupled[i]:
-                    q_rows[i].append(q_all[i])
             if j == depth - 1 or not any(alive):
                 break
             # next drafter step for every row (stopped rows feed a placeholder; ignored)
@@ -217,27 +246,50 @@ class Drafting:
             h = self.extend(b, feed[:, None], start + j + self.pos_offset,
                             embeds=x[:, None], span=top + j + self.pos_offset + 1)[:, 0]
             logits = self.draft.draft_logits(h)
-        q_lp = None
-        if any(sampled[i] and not coupled[i] for i in range(b)):
-            q_lp = [torch.stack(q) if q else None for q in q_rows]
-        return drafts, q_lp
+        return drafts, torch.stack(q_steps, 1) if standard else None
+
+    def _standard_salts(self, rows, standard: list[int], depth: int):
+        """The standard rows' draft salts [S, depth] (``STREAM_DRAFT + j`` at their t0)
+        and their row index (None when every row is standard); (None, None) without
+        standard rows."""
+        if not standard:
+            return None, None
+        dev = self.target.device
+        tags = torch.arange(depth, dtype=torch.int64, device=dev) + STREAM_DRAFT
+        salts = stream_salts_of([rows[i].stream for i in standard],
+                                [len(rows[i].tokens) for i in standard], tags, dev)
+        index = None if len(standard) == len(rows) else torch.tensor(standard, device=dev)
+        return salts, index
+
+    def _draw(self, lp: torch.Tensor, salt: torch.Tensor,
+              index: Optional[torch.Tensor]) -> torch.Tensor:
+        """Standard rows' drafts (target ids), one Gumbel-max draw per row from the
+        processed draft log-probs ``lp`` [B, V_draft] (rows ``index``; all when None)
+        with the noise of ``salt`` [S] over the draft vocabulary."""
+        x = lp if index is None else lp.index_select(0, index)
+        g = stream_gumbel(salt.contiguous(), x.shape[-1], self.target.kernels)
+        return self._to_target(argmax_rows(x.float() + g, self.draft.kernels))
 
     def _full_chain(self, rows, depth: int, h: torch.Tensor, logits: torch.Tensor):
         """``chain`` without a stop rule: every row drafts ``depth`` tokens, each depth's
         tokens stay on the device (greedy: the drafter's argmax; coupled: argmax of
-        log q~ + g_t; standard: a draw from q with the row's generator, in the same
-        order as the step-by-step rule), and the drafts reach the host in one read."""
+        log q~ + g_t; standard: a Gumbel-max draw from q~ on the row's stream, every
+        row at once), and the drafts reach the host in one read."""
         dev = self.target.device
         b = len(rows)
         coupled = [i for i, r in enumerate(rows) if is_coupled(r)]
-        standard = [i for i, r in enumerate(rows) if not r.params.greedy and not is_coupled(r)]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        standard = [i for i, r in enumerate(rows) if is_standard(r)]
+        salts, std_index = self._standard_salts(rows, standard, depth)
+        q_steps: list[torch.Tensor] = []
         start = torch.tensor([r.length for r in rows], dtype=torch.long, device=dev)
         top = max(r.length for r in rows)  # the host's max of start
         drafted = []
         for j in range(depth):
-            tok = self._to_target(argmax_rows(logits.float(), self.draft.kernels))
-            q_all = self._q(logits, rows) if coupled or standard else None
+            tok = None
+            if len(standard) < b:  # greedy rows' drafts (coupled rows' replaced below)
+                tok = self._to_target(argmax_rows(logits.float(), self.draft.kernels))
+            lp_d = processed_rows(logits, rows) if coupled or standard else None
+            q_all = self._full(lp_d) if coupled or standard else None
             if coupled:  # the drafter's coupled tokens: the target's noise at t0 + j
                 g = self.noise.rows([rows[i].key for i in coupled],
                                     [len(rows[i].tokens) + j for i in coupled])
@@ -245,10 +297,9 @@ class Drafting:
                 tok = tok.index_copy(0, index, argmax_rows(q_all.index_select(0, index) + g,
                                                            self.draft.kernels))
             if standard:
-                draws = [draw(q_all[i].exp(), rows[i].generator) for i in standard]
-                tok = tok.index_copy(0, torch.tensor(standard, device=dev), torch.cat(draws))
-                for i in standard:
-                    q_rows[i].append(q_all[i])
+                pick = self._draw(lp_d, salts[:, j], std_index)
+                tok = pick if std_index is None else tok.index_copy(0, std_index, pick)
+                q_steps.append(q_all)
             drafted.append(tok)
             if j == depth - 1:
                 break
@@ -257,8 +308,7 @@ class Drafting:
                             embeds=x[:, None], span=top + j + self.pos_offset + 1)[:, 0]
             logits = self.draft.draft_logits(h)
         drafts = torch.stack(drafted, dim=1).tolist()  # the chain's one host read
-        q_lp = [torch.stack(q) if q else None for q in q_rows] if standard else None
-        return drafts, q_lp
+        return drafts, torch.stack(q_steps, 1) if standard else None
 
     def fused(self, rows) -> bool:
         """Whether ``fused_chain`` drafts this batch: greedy rows, no confidence stop,
