@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
@@ -16,6 +15,7 @@ from megatron_tlt.rollout.engine import _Row
 from megatron_tlt.rollout.sampling import requested_logprobs
 from megatron_tlt.rollout.speculative.acceptance import processed_rows
 from megatron_tlt.rollout.speculative.decoder import Emission, Verified
+from op_counter import OpCounter
 from tiny_models import VOCAB, tiny_model_and_own_layer_drafter
 
 STOP = 7
@@ -101,23 +101,11 @@ def test_commit_cuts_rows_and_emits_like_the_per_row_formula(engine):
                 assert not got.any()  # nothing written beyond the kept tokens
 
 
-class _Ops(TorchFunctionMode):
-    """Counts torch calls (the outermost ones)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_commit_device_work_does_not_grow_with_the_rows(engine):
     counts = {}
     for b in (2, 8):
         rows, emissions, verified, hidden_buf = _step(engine, b)
-        with _Ops() as ops:
+        with OpCounter() as ops:
             engine._commit(rows, hidden_buf, emissions, verified)
         counts[b] = ops.count
         assert ops.count > 0

@@ -11,7 +11,6 @@ import collections
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
@@ -22,6 +21,7 @@ from megatron_tlt.rollout.speculative.acceptance_batched import (accept_chains, 
                                                                  chain_emits, step_noise,
                                                                  tree_emits)
 from test_speculative import P_MIN, _chi2_pvalue
+from op_counter import OpCounter
 from tiny_models import VOCAB, tiny_model_and_own_layer_drafter
 
 
@@ -177,24 +177,12 @@ def test_same_seeds_same_responses_other_seeds_other_streams(model, strategy):
     assert len({tuple(o.token_ids) for o in same}) == 4
 
 
-class _OpCounter(TorchFunctionMode):
-    """Counts torch function and tensor method calls (the outermost ones)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counts_per_call(eng, methods, prompts, params) -> dict[str, list[int]]:
     """Torch operations inside each call of the methods ``methods`` ((object, name)
     pairs) during ``eng.generate``, per name (after a first call: tables made once
     per size, e.g. the noise's hash table, are not the step's)."""
     eng.generate(prompts, params)
-    counter = _OpCounter()
+    counter = OpCounter()
     calls: dict[str, list[int]] = {name: [] for _, name in methods}
 
     def wrap(name, inner):
