@@ -290,8 +290,8 @@ class RolloutEngine:
         if ctl is not None:
             self._wire_graphs()
             # (the drafters' caches zero what this call can reach, as the target's)
-            reach = capacity if self.memory.reach(capacity, 0) is not None else None
-            stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity), reach=reach)
+            stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
+                                   reach=capacity if self.memory.zeroes_reach else None)
         stats.kv_cache_bytes = cache.nbytes
         # None where the drafter's feature store holds the hidden states (one copy)
         hidden_buf = self.memory.hidden_buffer(plist, max_batch)

@@ -129,15 +129,19 @@ class RolloutMemory:
         self.allocations += 1
         return self.cache
 
+    @property
+    def zeroes_reach(self) -> bool:
+        """Whether a call's caches zero only the positions it can reach
+        (``KVCache.allocate(upto)``): not where fixed-shape steps read the whole
+        capacity (CUDA graphs and their static path), nor off the CPU, where zeroing is
+        a memset of memory the allocator already holds."""
+        eng = self.engine
+        return eng._graphs is None and eng.device.type == "cpu"
+
     def reach(self, capacity: int, slack: int) -> Optional[int]:
         """The positions a call of ``capacity`` positions (+ ``slack``) can reach, which
-        its caches zero (``KVCache.allocate``); None (zero them whole) where fixed-shape
-        steps read the whole capacity (CUDA graphs and their static path), or off the
-        CPU, where zeroing is a memset of memory the allocator already holds."""
-        eng = self.engine
-        if eng._graphs is not None or eng.device.type != "cpu":
-            return None
-        return capacity + slack
+        its caches zero; None: all of them (``zeroes_reach``)."""
+        return capacity + slack if self.zeroes_reach else None
 
     def features_serve(self) -> bool:
         """Whether the returned hidden states are read from the drafter's feature store

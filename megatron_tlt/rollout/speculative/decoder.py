@@ -120,10 +120,10 @@ class SpeculativeDecoder:
         """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack),
         zeroing what a call of ``reach`` positions can reach (None: all). Every row
         keeps its features from its prefill on, so ``draft_rows`` is not used here."""
-        extra = slack if self.draft.kernels is not None else capacity + slack
-        need = capacity + extra
-        upto = None if reach is None else reach + (
-            slack if self.draft.kernels is not None else reach + slack)
+        def span(positions: int) -> int:  # + slack (+ a capacity for the padded catch-up)
+            return positions + slack + (0 if self.draft.kernels is not None else positions)
+
+        need, upto = span(capacity), None if reach is None else span(reach)
         self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch, upto=upto,
                                    kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,

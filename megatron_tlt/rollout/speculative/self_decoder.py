@@ -64,7 +64,6 @@ class SelfDraftDecoder(SpeculativeDecoder):
         self.feature_layers = ()
         self.feature_width = 0
         self.cache = None
-        self.rows = 0  # the copy's cache rows (``begin``)
         self.features = None
         self.draft_len: list[int] = []
         self.target_len: list[int] = []  # per row, positions holding the target's K/V
@@ -83,16 +82,16 @@ class SelfDraftDecoder(SpeculativeDecoder):
         replica and a threshold of 8; every row of the target's cache would be a second
         target-sized cache."""
         rows = max(1, min(max_batch, draft_rows or max_batch))
-        extra = slack + 1 if self.draft.kernels is not None else capacity + slack + 1
-        need = capacity + extra
-        upto = None if reach is None else reach + (
-            slack + 1 if self.draft.kernels is not None else reach + slack + 1)
+
+        def span(positions: int) -> int:  # + slack (+ a capacity for the padded catch-up)
+            return positions + slack + 1 + (0 if self.draft.kernels is not None else positions)
+
+        need, upto = span(capacity), None if reach is None else span(reach)
         self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers),
                                    max_batch=rows, kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
                                    device=self.draft.device, upto=upto)
         self.drafting.cache = self.cache
-        self.rows = rows
         self.draft_len = [0] * max_batch
         self.target_len = [0] * max_batch
 
@@ -114,6 +113,11 @@ class SelfDraftDecoder(SpeculativeDecoder):
 
     def store_step(self, start: torch.Tensor, feats: torch.Tensor) -> None:
         pass
+
+    @property
+    def rows(self) -> int:
+        """The copy's cache rows (``begin``; 0 before it)."""
+        return 0 if self.cache is None else self.cache.max_batch
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         if src >= self.rows or dst >= self.rows:  # no copy state there (``begin``)
