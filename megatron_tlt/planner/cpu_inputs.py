@@ -23,14 +23,23 @@ from .inputs import (NOISY_STEP_OVER_FLOOR, RESULTS, Acceptance, StepCost, Train
 DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
 DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
 CORUN = "bench_rollout_pp2_quiet_cpu.json"  # AVX2: 2 x 1-thread engines vs 1 x 2 threads
-# AVX-512: each PP = 2 rank's own decode steps at its share of the batch, beside the other
-# rank (two 1-thread engines side by side: exactly a bench_e2e replica's situation)
-CORUN_MEASURED = {"avx512": "bench_rollout_pp2_corun_avx512_cpu.json"}
+# AVX-512: each PP = 2 rank's own decode steps at its share of the batch, beside the
+# other rank (two 1-thread engines side by side: exactly a bench_e2e replica's
+# situation), measured just before and just after the validated runs (E2E_RUNS and the
+# demo run, one measurement window): the tables are their mean
+CORUN_MEASURED = {"avx512": ("bench_rollout_pp2_corun_avx512_cpu.json",
+                             "bench_rollout_pp2_corun_avx512_after_cpu.json")}
 CORUN_PROMPT_TOKENS = 58.0  # the bench's reasoning-gym prompts: 48-68 tokens
 SPEC_TABLE = "bench_spec_1k_drafter_cpu.json"  # AVX-512, 2 threads, fixed arms
 DEMO_ALPHA = "bench_spec_T1_demo_drafter_cpu.json"  # the demo drafter's alpha at T = 1
-E2E_FILES = ("bench_e2e_quick_avx512_cpu.json", "bench_e2e_g8_avx512_cpu.json")  # 2 x 1-thread
-# replicas, measured on the same machine and day as the co-run table (CORUN_MEASURED)
+# bench_e2e runs (2 x 1-thread replicas) between the two co-run tables
+# (CORUN_MEASURED), each command run twice with the same code: the repeat measures how
+# much this machine's speed moves between runs of the same work
+E2E_RUNS = {
+    "quick": ("bench_e2e_quick_avx512_cpu.json", "bench_e2e_quick_avx512_repeat_cpu.json"),
+    "g8": ("bench_e2e_g8_avx512_cpu.json", "bench_e2e_g8_avx512_repeat_cpu.json"),
+}
+E2E_FILES = tuple(f for runs in E2E_RUNS.values() for f in runs)
 PROMPT_TOKENS = 66.0  # a chain_sum prompt with the chat template and the recipe's
 # instruction: the mean over 16 prompts counted with the SmolLM2 tokenizer (the JSONs
 # do not record prompt lengths)
@@ -110,20 +119,42 @@ def measured_alone_table(name: str) -> Optional[StepCost]:
                    source=f"{name}: one 1-thread engine alone, rows {bs}")
 
 
+def mean_table(tables: list[StepCost]) -> StepCost:
+    """The mean of step tables measured at the same rows (the same command run before
+    and after the runs it predicts: this machine's speed moves over minutes)."""
+    if len(tables) == 1:
+        return tables[0]
+    first = tables[0]
+    if any(t.batches != first.batches for t in tables):
+        raise ValueError("step tables to average must be measured at the same rows")
+    return replace(first, seconds=tuple(float(np.mean(x)) for x in
+                                        zip(*(t.seconds for t in tables))),
+                   kv_seconds_per_token=float(np.mean([t.kv_seconds_per_token
+                                                       for t in tables])),
+                   prefill_seconds_per_token=float(np.mean([t.prefill_seconds_per_token
+                                                            for t in tables])),
+                   source=f"the mean of {len(tables)} runs: " + "; ".join(
+                       t.source for t in tables))
+
+
+def _measured(avx: str) -> tuple:
+    names = CORUN_MEASURED.get(avx, ())
+    return names if names and all((RESULTS / n).exists() for n in names) else ()
+
+
 def cpu_1t_alone_table(avx: str = "avx512") -> Optional[StepCost]:
     """The 1-thread replica's steps once the other replica finished (None: not
     measured for this ISA)."""
-    if avx in CORUN_MEASURED and (RESULTS / CORUN_MEASURED[avx]).exists():
-        return measured_alone_table(CORUN_MEASURED[avx])
-    return None
+    tables = [measured_alone_table(n) for n in _measured(avx)]
+    return mean_table(tables) if tables and all(tables) else None
 
 
 def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
     """Decode steps of one 1-thread replica beside another on the 2-core machine: the
     measured co-run table where there is one for this ISA, else the 2-thread table
     converted by the co-run factors."""
-    if avx in CORUN_MEASURED and (RESULTS / CORUN_MEASURED[avx]).exists():
-        return measured_corun_table(CORUN_MEASURED[avx])
+    if _measured(avx):
+        return mean_table([measured_corun_table(n) for n in _measured(avx)])
     doc = load_json(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
     two = _steps_ms(doc)
     fb, ff, fsrc = corun_factors()
@@ -199,6 +230,7 @@ def e2e_records(doc: dict) -> list[dict]:
                 "at_cap": round(v["truncated_fraction"] * n),
                 "backward": v["groups_zero_std"] < c["prompts_per_step"],
                 "accept_len": v.get("accept_len"),
+                "work": v.get("update_work"),
                 "measured": {"rollout": v["rollout"], "tail": v["tail"], "update": v["update"],
                              "step": v["step"], "rollout_fraction": v["rollout"] / v["step"]},
                 "threshold": c["speculative"]["threshold"],
@@ -207,23 +239,59 @@ def e2e_records(doc: dict) -> list[dict]:
 
 
 def fit_update(records: list[dict]) -> dict:
-    """The update phase as measured in ``records``: the median update of a step where
-    some replica ran a backward (a fixed cost here: it does not follow the token count
-    over these runs), and the median forward-only seconds per token otherwise."""
-    bwd = [r["measured"]["update"] for r in records if r["backward"]]
-    fwd = [r["measured"]["update"] / (r["tokens"] + r["responses"] * PROMPT_TOKENS)
-           for r in records if not r["backward"]]
-    return {"backward_step_s": median(bwd) if bwd else 0.0,
-            "forward_s_per_token": median(fwd) if fwd else 0.0,
-            "from_records": len(records)}
+    """The update phase's costs from ``records`` whose steps recorded each replica's
+    work (``update_work``: padded tokens with a backward and forward-only, and the
+    seconds of each part):
+
+    - seconds per padded token with a backward (forward + backward) and forward only:
+      the medians over every (step, replica) that ran that part;
+    - the gradient reduction + optimizer step: per step the smallest over the replicas
+      (the slowest replica's, without waiting for another), median over steps, the
+      first step of a run apart (it allocates the optimizer's state);
+    - the rest (collation, the loss denominators' and metrics' collectives): the
+      measured update less the slowest replica's parts, median over steps."""
+    per_b, per_f, step_s, first_s, rest = [], [], [], [], []
+    used = [r for r in records if r.get("work")]
+    for r in used:
+        w = r["work"]
+        for b, f, bs, fs in zip(w["backward_tokens"], w["forward_tokens"],
+                                w["backward_seconds"], w["forward_seconds"]):
+            if b:
+                per_b.append(bs / b)
+            if f:
+                per_f.append(fs / f)
+        st = min(w["step_seconds"])
+        (first_s if r["step"] == 1 else step_s).append(st)
+        compute = max(bs + fs for bs, fs in zip(w["backward_seconds"], w["forward_seconds"]))
+        rest.append(r["measured"]["update"] - compute - st)
+    step = median(step_s) if step_s else (median(first_s) if first_s else 0.0)
+    return {"backward_s_per_token": median(per_b) if per_b else 0.0,
+            "forward_s_per_token": median(per_f) if per_f else 0.0,
+            "step_s": step,
+            "first_step_extra_s": max(median(first_s) - step, 0.0) if first_s else 0.0,
+            "other_s": median(rest) if rest else 0.0,
+            "from_records": len(used)}
 
 
+def predict_update(rec: dict, upd: dict) -> float:
+    """A step's update from its replicas' recorded work and ``fit_update``'s costs: the
+    slowest replica's forwards and backwards, then the reduction + optimizer step."""
+    w = rec["work"]
+    compute = max(upd["backward_s_per_token"] * b + upd["forward_s_per_token"] * f
+                  for b, f in zip(w["backward_tokens"], w["forward_tokens"]))
+    return compute + upd["step_s"] + upd["other_s"] + \
+        (upd["first_step_extra_s"] if rec["step"] == 1 else 0.0)
 
 
 def cpu_train_cost(files=E2E_FILES) -> TrainCost:
-    """The update phase of the 2-core machine from bench_e2e's measured updates: a
-    backward step's fixed cost per optimizer step, forward-only seconds per token."""
+    """The update phase of the 2-core machine from bench_e2e's recorded update work:
+    seconds per padded token with a backward, and per optimizer step (reduction +
+    step + the rest; the first step's optimizer-state allocation apart)."""
     upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
-    return TrainCost(update_per_token=0.0, update_fixed=upd["backward_step_s"],
-                     source=f"update: {upd['backward_step_s']:.1f} s per optimizer step with "
-                     f"a backward (median of {', '.join(files)})")
+    fixed = upd["step_s"] + upd["other_s"]
+    return TrainCost(update_per_token=upd["backward_s_per_token"], update_fixed=fixed,
+                     first_step_extra=upd["first_step_extra_s"],
+                     source=f"update: {1e3 * upd['backward_s_per_token']:.1f} ms per padded "
+                     f"token (forward + backward) + {fixed:.1f} s per optimizer step "
+                     f"(+{upd['first_step_extra_s']:.1f} s the first), every response "
+                     f"trained (medians of {', '.join(files)})")

@@ -66,6 +66,7 @@ class EngineSettings:
     arms: tuple = ((1, (6, 7, 8)), (2, (4, 5, 6)), (4, (3, 4, 5)), (8, (2, 3, 4)),
                    (10 ** 9, (1, 2)))  # (upper bound of the batch sizes, chain depths)
     probe_budget: float = 0.01
+    share_prefill: bool = True  # rollout.share_prefill: a GRPO group's prompt once
 
     def depths(self, b: int) -> tuple:
         for bound, depths in self.arms:
@@ -84,7 +85,7 @@ class EngineSettings:
         arms = tuple((bound, tuple(sorted({a.depth for a in table.get(i, []) if a.depth})))
                      for i, bound in enumerate(bounds))
         return cls(rollout.max_batch_size, s.threshold, tuple(bounds), arms,
-                   s.probe_budget)
+                   s.probe_budget, bool(rollout.share_prefill))
 
 
 @dataclass
@@ -145,24 +146,34 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
                eng: EngineSettings, alpha: Optional[list],
                decisions: Optional[dict] = None,
                acc: Optional[Acceptance] = None, alone: Optional[StepCost] = None,
-               alone_after: float = math.inf) -> EngineRun:
+               alone_after: float = math.inf, group: int = 1) -> EngineRun:
     """Continuous batching of ``lengths`` (in queue order) on one engine;
     ``decisions`` caches the gate's choices for this cost and alpha; ``acc`` adds its
     acceptance-by-bucket factors. ``alone``: the plain step costs once the engine has
     the machine to itself, from time ``alone_after`` on (replicas sharing a machine:
-    the others finished; the gate's decisions stay those of ``cost``)."""
+    the others finished; the gate's decisions stay those of ``cost``). ``group``:
+    consecutive requests sharing a prompt (a GRPO group); with
+    ``eng.share_prefill`` a prompt is prefilled once while any of its rows runs, as
+    the engine does, else every request is."""
     out = EngineRun()
     queue = list(lengths)
     qi, progress, t = 0, 0.0, 0.0
-    heap: list[tuple[float, float]] = []  # (progress at which the row ends, at entry)
+    # (progress at which the row ends, at entry, its prompt)
+    heap: list[tuple[float, float, int]] = []
+    running: dict[int, int] = {}  # prompt -> its running rows
     entered = 0.0  # sum over running rows of the progress at their entry
     decisions = {} if decisions is None else decisions
+    share = eng.share_prefill and group > 1
     while qi < len(queue) or heap:
         if qi < len(queue) and len(heap) < eng.max_batch_size:
             n = min(eng.max_batch_size - len(heap), len(queue) - qi)
-            t += cost.prefill(n * prompt_tokens)
-            for length in queue[qi:qi + n]:  # the prefill samples each row's first token
-                heapq.heappush(heap, (progress + float(length) - 1.0, progress))
+            prompts = [i // group if share else i for i in range(qi, qi + n)]
+            fresh = len({p for p in prompts if not running.get(p)})
+            t += cost.prefill(fresh * prompt_tokens)
+            # the prefill samples each row's first token
+            for length, p in zip(queue[qi:qi + n], prompts):
+                heapq.heappush(heap, (progress + float(length) - 1.0, progress, p))
+                running[p] = running.get(p, 0) + 1
                 entered += progress
             out.tokens += n
             qi += n
@@ -196,7 +207,9 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
                 out.probe_seconds += dt * eng.probe_budget / (1 + eng.probe_budget)
             progress = target
         while heap and heap[0][0] <= progress + 1e-9:
-            entered -= heapq.heappop(heap)[1]
+            _, at, p = heapq.heappop(heap)
+            entered -= at
+            running[p] -= 1
     out.finish = t
     return out
 
@@ -240,7 +253,7 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
             lens = np.concatenate([lengths[p * g:(p + 1) * g] for p in ep]) if ep else \
                 np.zeros(0)
             r = run_engine(lens, sc.prompt_tokens, sc.cost, sc.engine, alpha, decisions,
-                           sc.acceptance)
+                           sc.acceptance, group=g)
             r.finish += sc.train.reward_per_sample * len(lens)
             runs.append(r)
             fin = max(fin, r.finish)

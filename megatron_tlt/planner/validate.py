@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from statistics import median
 from typing import Optional
 
 import numpy as np
 
-from .cpu_inputs import (E2E_FILES, PROMPT_TOKENS, cpu_1t_alone_table, cpu_1t_corun_table,
-                         demo_drafter_alpha, e2e_records, fit_update, summary_lengths)
+from .cpu_inputs import (E2E_FILES, E2E_RUNS, PROMPT_TOKENS, cpu_1t_alone_table,
+                         cpu_1t_corun_table, demo_drafter_alpha, e2e_records, fit_update,
+                         predict_update, summary_lengths)
 from .inputs import (RESULTS, Acceptance, DrafterGroup, LengthModel, ModelShape, accept_length,
                      load_json, roofline)
 from .sim import EngineSettings, Layout, Scenario, run_engine, simulate_arm
 
-DEMO_RUN = "rl_smollm2_chain_sum_30steps_cpu.jsonl"
+# the demo recipe (examples/rl/smollm2_cpu.yaml: 4 prompts x 8, cap 256, 2 replicas)
+# with TLT off, on a quiet machine: torchrun ... train.steps=8 (docs/benchmarks.md)
+DEMO_RUN = "rl_smollm2_demo_recipe_8steps_cpu.jsonl"
+DEMO_RESPONSES, DEMO_GROUP = 32, 8
 PHASES = ("rollout", "tail", "update", "step", "rollout_fraction")
 
 
@@ -49,19 +54,20 @@ def predict_record(rec: dict, table, alpha: Optional[list], upd: dict,
     for seed in range(DEALS):
         per_rep = summary_lengths(rec["responses"], rec["tokens"], rec["longest"],
                                   rec["at_cap"], rec["dp"], deal_seed=seed)
-        runs = [run_engine(lens, PROMPT_TOKENS, table, eng, alpha) for lens in per_rep]
+        g = rec["group_size"]
+        runs = [run_engine(lens, PROMPT_TOKENS, table, eng, alpha, group=g)
+                for lens in per_rep]
         if alone is not None and len(runs) > 1:
             last = max(range(len(runs)), key=lambda i: runs[i].finish)
             others = max(r.finish for i, r in enumerate(runs) if i != last)
             runs[last] = run_engine(per_rep[last], PROMPT_TOKENS, table, eng, alpha,
-                                    alone=alone, alone_after=others)
+                                    alone=alone, alone_after=others, group=g)
         fin = [r.finish for r in runs]
         rollouts.append(max(fin))
         tails.append(max(fin) - min(fin))
         spec_tok += sum(r.spec_tokens for r in runs)
         tok += sum(r.tokens for r in runs)
-    tokens = rec["tokens"] + rec["responses"] * PROMPT_TOKENS
-    update = upd["backward_step_s"] if rec["backward"] else upd["forward_s_per_token"] * tokens
+    update = predict_update(rec, upd)
     rollout = float(np.mean(rollouts))
     return {"rollout": rollout, "tail": float(np.mean(tails)), "update": update,
             "step": rollout + update, "rollout_fraction": rollout / (rollout + update),
@@ -87,31 +93,57 @@ def _phase_errors(rows: list[dict]) -> dict:
 
 
 def validate_e2e() -> dict:
+    """Each bench_e2e command's steps (all its runs pooled) predicted from the co-run
+    and alone tables and each step's recorded workload; the update fitted on the other
+    command's runs. Per run as well: the spread between runs of the same work is this
+    machine's, not the model's."""
     table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     alpha = demo_drafter_alpha().at(0)
     docs = {f: load_json(f) for f in E2E_FILES}
     recs = {f: e2e_records(d) for f, d in docs.items()}
     out = {"table": table.source, "alone_table": alone.source if alone else None,
-           "alpha": alpha, "files": {}}
-    for f in E2E_FILES:
-        other = [r for g, rs in recs.items() if g != f for r in rs]
-        upd = fit_update(other)
-        rows = []
-        for rec in recs[f]:
-            pred = predict_record(rec, table, alpha if rec["arm"] == "tlt" else None, upd,
-                                  alone)
-            rows.append({k: rec[k] for k in ("mode", "step", "arm")} |
-                        {"predicted": pred, "measured": rec["measured"]})
-        speed_p = _mean_ratio(rows, "off", "tlt", "predicted")
-        speed_m = _mean_ratio(rows, "off", "tlt", "measured")
-        c = docs[f]["config"]
-        out["files"][f] = {
-            "cpu": f"{c.get('cpu')} ({c.get('cpu_best_isa')}), {c.get('date', docs[f].get('date'))}",
-            "update_model": upd | {"fitted_on": [g for g in E2E_FILES if g != f]},
+           "alpha": alpha, "commands": {}}
+    for name, files in E2E_RUNS.items():
+        fitted_on = [g for other, fs in E2E_RUNS.items() if other != name for g in fs]
+        upd = fit_update([r for g in fitted_on for r in recs[g]])
+        rows, runs = [], {}
+        for f in files:
+            mine = []
+            for rec in recs[f]:
+                pred = predict_record(rec, table, alpha if rec["arm"] == "tlt" else None,
+                                      upd, alone)
+                mine.append({k: rec[k] for k in ("mode", "step", "arm")} |
+                            {"run": f, "predicted": pred, "measured": rec["measured"]})
+            c = docs[f]["config"]
+            runs[f] = {"cpu": f"{c.get('cpu')} ({c.get('cpu_best_isa')}), "
+                              f"{docs[f].get('date')}",
+                       "phases": _phase_errors(mine)}
+            rows += mine
+        out["commands"][name] = {
+            "runs": runs,
+            "update_model": upd | {"fitted_on": fitted_on},
             "phases": _phase_errors(rows),
-            "step_speedup": {"predicted": speed_p, "measured": speed_m},
+            "run_to_run": _run_spread(rows),
+            "step_speedup": {"predicted": _mean_ratio(rows, "off", "tlt", "predicted"),
+                             "measured": _mean_ratio(rows, "off", "tlt", "measured")},
             "steps": rows,
         }
+    return out
+
+
+def _run_spread(rows: list[dict]) -> dict:
+    """Per phase, the largest |run / mean of runs - 1| of a (mode, step, arm) measured
+    in every run: how far the machine alone moves the same work (coupled mode: the
+    same responses in every run)."""
+    by_key: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["mode"] == "coupled":
+            by_key.setdefault((r["step"], r["arm"]), []).append(r["measured"])
+    out = {}
+    for ph in ("rollout", "update", "step"):
+        dev = [abs(m[ph] / float(np.mean([x[ph] for x in ms])) - 1.0)
+               for ms in by_key.values() if len(ms) > 1 for m in ms]
+        out[ph] = max(dev) if dev else None
     return out
 
 
@@ -124,31 +156,39 @@ def _mean_ratio(rows: list[dict], a: str, b: str, key: str) -> float:
 
 
 # ---------------------------------------------------------------------- CPU: the demo run
+def demo_records(path) -> list[dict]:
+    """One record per step of a demo-recipe run's metrics.jsonl (TLT off): its workload
+    (responses, lengths, each replica's update work) and its measured phases."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        m = json.loads(line)
+        if "timing" not in m or "update_work" not in m:
+            continue
+        n = DEMO_RESPONSES
+        t, rollout = m["timing"], max(m["timeline"]["replica_finish"])
+        out.append({"step": m["step"], "responses": n, "group_size": DEMO_GROUP,
+                    "tokens": m["response_length/mean"] * n,
+                    "longest": m["response_length/max"],
+                    "at_cap": round(m["truncated_fraction"] * n),
+                    "dp": len(m["timeline"]["replica_finish"]), "threshold": 8,
+                    "work": m["update_work"],
+                    "measured": {"rollout": rollout, "tail": t["tail"],
+                                 "update": t["update"], "step": t["step"],
+                                 "rollout_fraction": rollout / t["step"]}})
+    return out
+
+
 def validate_demo(upd: Optional[dict] = None) -> dict:
-    """The demo recipe's 30-step run (4 prompts x 8, 2 replicas, cap 256, TLT off),
-    each step predicted from its own length summary; the update from bench_e2e."""
-    table = cpu_1t_corun_table()
+    """The demo recipe run with TLT off (``DEMO_RUN``: 4 prompts x 8, 2 replicas, cap
+    256), each step predicted from its own workload; the update fitted on both
+    bench_e2e files."""
+    table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     if upd is None:
         upd = fit_update([r for f in E2E_FILES for r in e2e_records(load_json(f))])
-    rows = []
-    for line in (RESULTS / DEMO_RUN).read_text().splitlines():
-        m = json.loads(line)
-        if "timing" not in m:
-            continue
-        n = 32
-        rec = {"responses": n, "tokens": m["response_length/mean"] * n,
-               "longest": m["response_length/max"],
-               "at_cap": round(m["truncated_fraction"] * n), "dp": 2, "threshold": 8,
-               "backward": m["groups_zero_std"] < 4}
-        pred = predict_record(rec, table, None, upd)
-        t = m["timing"]
-        meas = {"rollout": t["rollout"], "tail": t["tail"], "update": t["update"],
-                "step": t["step"], "rollout_fraction": t["rollout"] / t["step"]}
-        rows.append({"step": m["step"], "predicted": pred, "measured": meas})
+    rows = [{"step": rec["step"], "predicted": predict_record(rec, table, None, upd, alone),
+             "measured": rec["measured"]} for rec in demo_records(RESULTS / DEMO_RUN)]
     return {"run": DEMO_RUN, "update_model": upd | {"fitted_on": list(E2E_FILES)},
-            "phases": _phase_errors(rows), "steps": rows,
-            "note": "measured 2026-11-23 with the machine shared (load average 10-40; "
-                    "docs/benchmarks.md: times inflated ~2x and noisy)"}
+            "phases": _phase_errors(rows), "steps": rows}
 
 
 def validate_cpu() -> dict:
@@ -156,15 +196,16 @@ def validate_cpu() -> dict:
     demo = validate_demo()
     headline = {}
     for ph in PHASES:
-        errs = [abs(v["phases"][ph]["error_of_mean"]) for v in e2e["files"].values()
-                if v["phases"][ph]["error_of_mean"] is not None]
+        errs = [abs(v["phases"][ph]["error_of_mean"]) for v in
+                [*e2e["commands"].values(), demo] if v["phases"][ph]["error_of_mean"] is not None]
         headline[ph] = max(errs) if errs else None
-    return {"bench_e2e": e2e, "demo_30_steps": demo,
+    return {"bench_e2e": e2e, "demo": demo,
             "cpu_validation_error": headline | {
-                "definition": "per phase, the largest over the two bench_e2e files of "
-                              "|mean predicted / mean measured - 1| over the file's steps "
-                              "(both arms, both sampling modes); the demo run's errors "
-                              "are under demo_30_steps.phases"}}
+                "definition": "per phase, the largest over the three workloads (the two "
+                              "bench_e2e commands, each over its runs pooled, and the "
+                              "demo recipe's run) of |mean predicted / mean measured - 1| "
+                              "over the steps (bench_e2e: both arms, both sampling "
+                              "modes); single runs under bench_e2e.commands.*.runs"}}
 
 
 # ---------------------------------------------------------------------- published points
@@ -312,7 +353,8 @@ def validate_all() -> dict:
     nemo = pub["nemo_rl_qwen3_8b_generation"]["points"]
     return {
         "benchmark": "planner_validation",
-        "config": {"measured_inputs": [*CORUN_MEASURED.values(), DECODE_TABLE,
+        "config": {"measured_inputs": [*(n for names in CORUN_MEASURED.values()
+                                          for n in names), DECODE_TABLE,
                                        DECODE_TABLE_AVX2, CORUN, SPEC_TABLE,
                                        DEMO_ALPHA, *E2E_FILES, DEMO_RUN,
                                        "drafter_alpha_curves_t1_cpu.json"],
@@ -331,18 +373,25 @@ def validate_all() -> dict:
 
 def summary_lines(v: dict) -> list[str]:
     """The validation as a readable table."""
-    out = ["CPU: bench_e2e (predicted / measured, mean over the file's steps; error)"]
-    for f, x in v["cpu"]["bench_e2e"]["files"].items():
-        out.append(f"  {f} ({x['cpu']}):")
+    out = ["CPU: bench_e2e (predicted / measured, mean over the command's steps in all "
+           "its runs; error; each run's error)"]
+    for name, x in v["cpu"]["bench_e2e"]["commands"].items():
+        out.append(f"  {name}: {', '.join(x['runs'])}:")
         for ph, e in x["phases"].items():
+            each = ", ".join(f"{r['phases'][ph]['error_of_mean']:+.0%}"
+                             for r in x["runs"].values())
             out.append(f"    {ph:17s} {e['predicted_mean']:8.3f} / {e['measured_mean']:8.3f}"
-                       f"  {e['error_of_mean']:+.1%}  (single steps: median |error| "
-                       f"{e['median_abs_error_per_step']:.0%})")
-    d = v["cpu"]["demo_30_steps"]
-    out.append(f"  {d['run']} ({d['note']}):")
+                       f"  {e['error_of_mean']:+.1%}  (runs: {each}; single steps: median "
+                       f"|error| {e['median_abs_error_per_step']:.0%})")
+        spread = x["run_to_run"]
+        out.append("    the same work between runs (coupled): up to " + ", ".join(
+            f"{k} {val:.0%}" for k, val in spread.items() if val is not None))
+    d = v["cpu"]["demo"]
+    out.append(f"  {d['run']} (the demo recipe, TLT off):")
     for ph, e in d["phases"].items():
         out.append(f"    {ph:17s} {e['predicted_mean']:8.3f} / {e['measured_mean']:8.3f}"
-                   f"  {e['error_of_mean']:+.1%}")
+                   f"  {e['error_of_mean']:+.1%}  (single steps: median |error| "
+                   f"{e['median_abs_error_per_step']:.0%})")
     head = v["cpu"]["cpu_validation_error"]
     out.append("  cpu_validation_error: " + ", ".join(
         f"{k} {val:.1%}" for k, val in head.items() if isinstance(val, float)))

@@ -27,6 +27,7 @@ float32 have no scaler (scale 1).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -47,6 +48,10 @@ class StepResult:
     lr: float
     updated: bool  # False when the step was skipped (non-finite gradients)
     loss_scale: float = 1.0  # the float16 loss scale after this step (1 otherwise)
+    # seconds in the micro-batches' forward + backward, and in the gradient reduction
+    # + optimizer step (which includes waiting for the slowest replica at DP > 1)
+    compute_seconds: float = 0.0
+    step_seconds: float = 0.0
 
 
 def _megatron_ddp(model, *, use_distributed_optimizer: bool):
@@ -237,14 +242,25 @@ class Policy:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        t0 = self.clock()
         metrics = self._schedule(micro_batches, forward_only=False, loss_fn=loss_fn,
                                  interrupt=interrupt if self.pp_size == 1 else None)
+        compute = self.clock() - t0
         if before_step is not None:
             before_step()
+        t0 = self.clock()
         with cuda_placements_on_cpu():
             finalize_model_grads([self.ddp], None)  # DP all-reduce, tied embeddings (PP)
             result = self._optimizer_step()
+        result.compute_seconds, result.step_seconds = compute, self.clock() - t0
         return result, (list(metrics) if self.is_last_stage else [])
+
+    def clock(self) -> float:
+        """Seconds for timing the update's parts: on CUDA after the device finished
+        what was queued (a few times per optimizer step, never in a decode loop)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _optimizer_step(self) -> StepResult:
         clip = self.cfg.clip_grad

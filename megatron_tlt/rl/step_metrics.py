@@ -53,8 +53,11 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
     gathered = collectives.all_gather_object(
         (roll.stats.get("spec") if roll.stats else None, roll.started_at), group=dp)
     spec = [s for s, _ in gathered]
-    decode = collectives.all_gather_object(
-        roll.stats.get("decode_steps", 0) if roll.stats else 0, group=dp)
+    # each replica's decode steps and update work (padded tokens, micro-batches)
+    per_replica = collectives.all_gather_object(
+        (roll.stats.get("decode_steps", 0) if roll.stats else 0, update.get("work")),
+        group=dp)
+    decode = [d for d, _ in per_replica]
     # loss metrics live on the last pipeline stage: bring them to rank 0's stage
     upd = update
     if trainer.layout.pp_size > 1:
@@ -101,6 +104,8 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         "rollout/prefill_shared_rows": pre_shared,
         "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
     }
+    if all(w is not None for _, w in per_replica):
+        out["update_work"] = {k: [w[k] for _, w in per_replica] for k in per_replica[0][1]}
     if st.get("graphs"):  # rollout.cuda_graphs=auto's choice per key (this replica's)
         out["graphs"] = st["graphs"]
     if g.tis_cap > 0:

@@ -372,6 +372,11 @@ class Trainer:
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         norms, lrs, skipped, loss_scale = [], [], 0, 1.0
+        # what this replica's update processes: padded tokens and micro-batches with a
+        # backward, and forward-only (zero-advantage samples); the planner's update model
+        work = {"backward_tokens": 0, "backward_micro_batches": 0,
+                "forward_tokens": 0, "forward_micro_batches": 0,
+                "backward_seconds": 0.0, "forward_seconds": 0.0, "step_seconds": 0.0}
         for _epoch in range(g.ppo_epochs):
             for m in range(self.mini_batches):
                 idx = [i for i, s in enumerate(samples) if s.prompt_index % self.mini_batches == m]
@@ -398,15 +403,22 @@ class Trainer:
                         mb, local_logits, g, denoms, vocab_size=arch.vocab_size,
                         chunk_tokens=self.cfg.train.loss_chunk_tokens, fused_old=fused_old)
 
-                per_mb = self.policy.loss_metrics(
-                    self._micro_batches(samples, idle, loss_mask, for_loss=True), loss_fn
-                ) if idle else []
+                idle_mbs = self._micro_batches(samples, idle, loss_mask, for_loss=True) \
+                    if idle else []
+                t0 = self.policy.clock()
+                per_mb = self.policy.loss_metrics(idle_mbs, loss_fn) if idle else []
+                work["forward_seconds"] += self.policy.clock() - t0
+                for kind, batch in (("backward", mbs), ("forward", idle_mbs)):
+                    work[f"{kind}_tokens"] += sum(int(mb.input_ids.numel()) for mb in batch)
+                    work[f"{kind}_micro_batches"] += len(batch)
                 first = _epoch == 0 and m == 0  # no optimizer step yet: may be abandoned
                 result, trained = self.policy.train_step(
                     mbs, loss_fn, interrupt=self._interrupt() if first else None,
                     before_step=(lambda: safe_point.abandon_if_agreed(self, snap))
                     if first and snap is not None else None)
                 per_mb += trained
+                work["backward_seconds"] += result.compute_seconds
+                work["step_seconds"] += result.step_seconds
                 for met in per_mb:
                     for k, v in met.items():
                         v = float(v)
@@ -424,7 +436,7 @@ class Trainer:
         totals, maxes = reduce_update(sums, maxes, self.dp_group)
         return {"sums": totals, "maxes": maxes, "grad_norm": norms, "lr": lrs,
                 "skipped": skipped, "updates": g.ppo_epochs * self.mini_batches,
-                "loss_scale": loss_scale}
+                "loss_scale": loss_scale, "work": work}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

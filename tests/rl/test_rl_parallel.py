@@ -81,6 +81,22 @@ def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(single, parallel
         np.testing.assert_allclose(res["probe_logprobs"], single_res["probe_logprobs"],
                                    atol=2e-4, rtol=0)
         assert res["sums"]["tokens"] == single_res["sums"]["tokens"]
+    # what each replica's update processed (the planner's update model): the flat
+    # replica only forwards; each sample is processed once per ppo epoch, padded
+    epochs = 2
+    flat, other = sorted(parallel[FLAT], key=lambda r: -r["lengths"]["zero"])
+    assert flat["lengths"]["advantage"] == 0
+    assert flat["work"]["backward_tokens"] == flat["work"]["backward_micro_batches"] == 0
+    assert flat["work"]["forward_tokens"] >= epochs * flat["lengths"]["zero"] > 0
+    assert other["work"]["backward_tokens"] >= epochs * other["lengths"]["advantage"] > 0
+    assert other["work"]["backward_micro_batches"] >= epochs
+    for res in parallel[FLAT]:
+        w = res["work"]
+        assert (w["forward_micro_batches"] > 0) == (res["lengths"]["zero"] > 0)
+        # the parts' seconds: only where there was work (the optimizer step always runs)
+        assert (w["forward_seconds"] > 0) == (w["forward_tokens"] > 0)
+        assert w["backward_seconds"] >= 0 and w["step_seconds"] > 0
+    assert other["work"]["backward_seconds"] > 0
 
 
 def test_parallel_update_equals_single_process(single, parallel):
@@ -128,6 +144,9 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert len(rec["timeline"]["replica_finish"]) == 2
     assert rec["spec"]["steps"] > 0
     assert rec["timing"]["tail"] >= 0 and rec["idle_replica_seconds"] >= 0
+    work = rec["update_work"]  # each replica's, padded tokens: at least its responses'
+    assert [len(v) for v in work.values()] == [2] * 4
+    assert all(b + f > 0 for b, f in zip(work["backward_tokens"], work["forward_tokens"]))
     # one prefill per prompt: each replica's 1 prompt x 2 runs once, the other copies it
     # (dynamic sampling's round adds its own)
     assert rec["rollout/prefill_tokens"] > 0 and rec["rollout/prefill_seconds"] > 0

@@ -118,7 +118,9 @@ def update_once(cfg, flat: frozenset):
         return None
     lp = (lp[0] * mb.mask).tolist()
     return {"probe_logprobs": lp, "grad_norm": update["grad_norm"],
-            "sums": update["sums"], "maxes": update["maxes"],
+            "sums": update["sums"], "maxes": update["maxes"], "work": update["work"],
+            "lengths": {"advantage": sum(s.length for s in samples if s.advantage != 0),
+                        "zero": sum(s.length for s in samples if s.advantage == 0)},
             "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
 
 
