@@ -405,9 +405,11 @@ class Trainer:
 
                 idle_mbs = self._micro_batches(samples, idle, loss_mask, for_loss=True) \
                     if idle else []
-                t0 = self.policy.clock()
-                per_mb = self.policy.loss_metrics(idle_mbs, loss_fn) if idle else []
-                work["forward_seconds"] += self.policy.clock() - t0
+                per_mb = []
+                if idle:
+                    t0 = self.policy.clock()
+                    per_mb = self.policy.loss_metrics(idle_mbs, loss_fn)
+                    work["forward_seconds"] += self.policy.clock() - t0
                 for kind, batch in (("backward", mbs), ("forward", idle_mbs)):
                     work[f"{kind}_tokens"] += sum(int(mb.input_ids.numel()) for mb in batch)
                     work[f"{kind}_micro_batches"] += len(batch)
