@@ -311,7 +311,7 @@ def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
         spec_on_fraction=spec["on_fraction"] if spec else None,
         spec_steps=spec["steps"] if spec else None,
         spec_arms=spec["arms"] if spec else None,
-        update_work=metrics.get("update_work"))
+        update_work=metrics["timeline"].get("update_work"))
 
 
 def attach_random_drafter(engine, seed: int) -> None:

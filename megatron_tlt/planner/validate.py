@@ -162,7 +162,7 @@ def demo_records(path) -> list[dict]:
     out = []
     for line in Path(path).read_text().splitlines():
         m = json.loads(line)
-        if "timing" not in m or "update_work" not in m:
+        if "timing" not in m or "update_work" not in m.get("timeline", {}):
             continue
         n = DEMO_RESPONSES
         t, rollout = m["timing"], max(m["timeline"]["replica_finish"])
@@ -171,7 +171,7 @@ def demo_records(path) -> list[dict]:
                     "longest": m["response_length/max"],
                     "at_cap": round(m["truncated_fraction"] * n),
                     "dp": len(m["timeline"]["replica_finish"]), "threshold": 8,
-                    "work": m["update_work"],
+                    "work": m["timeline"]["update_work"],
                     "measured": {"rollout": rollout, "tail": t["tail"],
                                  "update": t["update"], "step": t["step"],
                                  "rollout_fraction": rollout / t["step"]}})

@@ -104,8 +104,9 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         "rollout/prefill_shared_rows": pre_shared,
         "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
     }
-    if all(w is not None for _, w in per_replica):
-        out["update_work"] = {k: [w[k] for _, w in per_replica] for k in per_replica[0][1]}
+    if all(w is not None for _, w in per_replica):  # wall-clock: under the timeline
+        out["timeline"]["update_work"] = {k: [w[k] for _, w in per_replica]
+                                          for k in per_replica[0][1]}
     if st.get("graphs"):  # rollout.cuda_graphs=auto's choice per key (this replica's)
         out["graphs"] = st["graphs"]
     if g.tis_cap > 0:

@@ -403,10 +403,9 @@ class Trainer:
                         mb, local_logits, g, denoms, vocab_size=arch.vocab_size,
                         chunk_tokens=self.cfg.train.loss_chunk_tokens, fused_old=fused_old)
 
-                idle_mbs = self._micro_batches(samples, idle, loss_mask, for_loss=True) \
-                    if idle else []
-                per_mb = []
+                per_mb, idle_mbs = [], []
                 if idle:
+                    idle_mbs = self._micro_batches(samples, idle, loss_mask, for_loss=True)
                     t0 = self.policy.clock()
                     per_mb = self.policy.loss_metrics(idle_mbs, loss_fn)
                     work["forward_seconds"] += self.policy.clock() - t0

@@ -144,7 +144,7 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert len(rec["timeline"]["replica_finish"]) == 2
     assert rec["spec"]["steps"] > 0
     assert rec["timing"]["tail"] >= 0 and rec["idle_replica_seconds"] >= 0
-    work = rec["update_work"]  # each replica's, padded tokens: at least its responses'
+    work = rec["timeline"]["update_work"]  # each replica's: padded tokens, seconds
     assert [len(v) for v in work.values()] == [2] * 7
     assert all(b + f > 0 for b, f in zip(work["backward_tokens"], work["forward_tokens"]))
     # one prefill per prompt: each replica's 1 prompt x 2 runs once, the other copies it
