@@ -228,7 +228,6 @@ def e2e_records(doc: dict) -> list[dict]:
                 "prompts": c["prompts_per_step"], "dp": c["dp"], "responses": n,
                 "tokens": v["generated_tokens"], "longest": v["response_length_max"],
                 "at_cap": round(v["truncated_fraction"] * n),
-                "backward": v["groups_zero_std"] < c["prompts_per_step"],
                 "accept_len": v.get("accept_len"),
                 "work": v.get("update_work"),
                 "measured": {"rollout": v["rollout"], "tail": v["tail"], "update": v["update"],
