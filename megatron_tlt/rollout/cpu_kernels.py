@@ -66,6 +66,7 @@ to torch (tests/rollout/test_cpu_kernels.py) and both engine paths to full-seque
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -231,6 +232,27 @@ def openmp_runtime_of(library: str) -> Optional[str]:
         return None
 
 
+@contextlib.contextmanager
+def _build_lock(build):
+    """Hold the build folder's lock while torch builds or loads the kernels there. The
+    lock is an flock, released by the kernel when its holder dies, so a build killed
+    half-way blocks nobody. Holding it, no other process of ours is building here: a
+    leftover torch build baton (``lock``, a plain file that a killed build never
+    removes, on which torch would otherwise wait forever) is stale and removed."""
+    import fcntl
+
+    with open(build / "build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            baton = build / "lock"
+            if baton.exists():
+                log.warning("removing a stale build lock left by a killed build: %s", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def build_dir(isa: Optional[str] = None):
     """Build folder of a variant: per CPU model and flags (-march=native code must not
     be shared by machines with different instruction sets, e.g. a home directory
@@ -276,10 +298,11 @@ def get(isa: Optional[str] = None) -> Optional[object]:
         if not any(build.glob("*.so")):
             print(f"[kernels] compiling the fused CPU decode kernels ({isa}) into {build} "
                   "(once per machine type, about a minute)", file=sys.stderr, flush=True)
-        kernels = load_inline(name=f"megatron_tlt_cpu_decode_{isa}", cpp_sources=[_source()],
-                              extra_cflags=compile_flags(isa),
-                              extra_ldflags=_openmp_ldflags(),
-                              build_directory=str(build), verbose=False)
+        with _build_lock(build):
+            kernels = load_inline(name=f"megatron_tlt_cpu_decode_{isa}",
+                                  cpp_sources=[_source()], extra_cflags=compile_flags(isa),
+                                  extra_ldflags=_openmp_ldflags(),
+                                  build_directory=str(build), verbose=False)
         if kernels.ISA != isa:
             raise RuntimeError(f"the {isa} build compiled the {kernels.ISA} code path "
                                f"(flags {' '.join(compile_flags(isa))})")

@@ -45,6 +45,24 @@ def test_each_variant_compiles_its_own_tile(kern):
         assert mine == cpu_kernels.openmp_runtime_of(cpu_kernels._libtorch())
 
 
+def test_a_build_killed_half_way_blocks_no_later_build(kern, monkeypatch):
+    """A build killed half-way leaves torch's build baton (a plain ``lock`` file) in the
+    build folder, on which every later build would wait forever; the folder's flock
+    (released when its holder dies) makes it known stale, and it is removed."""
+    import threading
+
+    build = cpu_kernels.build_dir(kern.ISA)
+    (build / "lock").touch()
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
+    got = []
+    t = threading.Thread(target=lambda: got.append(cpu_kernels.get(kern.ISA)), daemon=True)
+    t.start()
+    t.join(timeout=300)
+    assert not t.is_alive(), "the build waited on the stale lock"
+    assert got[0] is not None and got[0].ISA == kern.ISA
+    assert not (build / "lock").exists()
+
+
 def test_variant_selection(monkeypatch):
     best = cpu_kernels.detect_isa()
     assert cpu_kernels.available_isas()[0] == best
