@@ -153,8 +153,9 @@ def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
     """Decode steps of one 1-thread replica beside another on the 2-core machine: the
     measured co-run table where there is one for this ISA, else the 2-thread table
     converted by the co-run factors."""
-    if _measured(avx):
-        return mean_table([measured_corun_table(n) for n in _measured(avx)])
+    names = _measured(avx)
+    if names:
+        return mean_table([measured_corun_table(n) for n in names])
     doc = load_json(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
     two = _steps_ms(doc)
     fb, ff, fsrc = corun_factors()
@@ -246,7 +247,7 @@ def fit_update(records: list[dict]) -> dict:
       the medians over every (step, replica) that ran that part;
     - the gradient reduction + optimizer step: per step the smallest over the replicas
       (the slowest replica's, without waiting for another), median over steps, the
-      first step of a run apart (it allocates the optimizer's state);
+      first step of a run apart (it measured longer in these runs);
     - the rest (collation, the loss denominators' and metrics' collectives): the
       measured update less the slowest replica's parts, median over steps."""
     per_b, per_f, step_s, first_s, rest = [], [], [], [], []
@@ -285,7 +286,7 @@ def predict_update(rec: dict, upd: dict) -> float:
 def cpu_train_cost(files=E2E_FILES) -> TrainCost:
     """The update phase of the 2-core machine from bench_e2e's recorded update work:
     seconds per padded token with a backward, and per optimizer step (reduction +
-    step + the rest; the first step's optimizer-state allocation apart)."""
+    step + the rest; the first step's extra apart)."""
     upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
     fixed = upd["step_s"] + upd["other_s"]
     return TrainCost(update_per_token=upd["backward_s_per_token"], update_fixed=fixed,
