@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from ..rl.optim_state import allocate_adam_state
 from ..runtime_env import cuda_placements_on_cpu
 from .safe_files import CheckpointError, check_common_pt, check_dcp_metadata
 
@@ -62,13 +63,8 @@ def _torch_optimizer_sharded(optimizer, model_sd: dict, is_loading: bool) -> dic
         get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if is_loading:  # the tensors to load into (AdamW creates them on its first step)
-        for p in params:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p.data)
-                st["exp_avg_sq"] = torch.zeros_like(p.data)
+    if is_loading:  # the tensors to load into (the policy allocates them when built)
+        allocate_adam_state(optimizer)
     state = optimizer.state_dict()
     steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
     if len(steps) > 1:

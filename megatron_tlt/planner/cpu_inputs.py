@@ -238,35 +238,60 @@ def e2e_records(doc: dict) -> list[dict]:
     return out
 
 
+def _fit_part(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Seconds per padded token and per attention cell of one part (with a backward,
+    or forward only) from (tokens, cells, seconds) per (step, replica): non-negative
+    least squares on both when the records hold cells (a micro-batch of r rows padded
+    to T: r*T tokens, r*T^2 cells), else the median seconds per token."""
+    rows = [r for r in rows if r[0] > 0]
+    if not rows:
+        return 0.0, 0.0
+    if any(r[1] <= 0 for r in rows) or len(rows) < 3:
+        return median(r[2] / r[0] for r in rows), 0.0
+    from scipy.optimize import nnls
+
+    x = np.array([[r[0], r[1]] for r in rows], dtype=float)
+    y = np.array([r[2] for r in rows], dtype=float)
+    scale = x.max(axis=0)
+    # relative residuals: every (step, replica) weighs the same, long or short
+    w = 1.0 / y
+    coef, _ = nnls(x / scale * w[:, None], y * w)
+    coef = coef / scale
+    return float(coef[0]), float(coef[1])
+
+
 def fit_update(records: list[dict]) -> dict:
     """The update phase's costs from ``records`` whose steps recorded each replica's
-    work (``update_work``: padded tokens with a backward and forward-only, and the
-    seconds of each part):
+    work (``update_work``: padded tokens and attention cells with a backward and
+    forward only, and the seconds of each part):
 
-    - seconds per padded token with a backward (forward + backward) and forward only:
-      the medians over every (step, replica) that ran that part;
+    - seconds per padded token and per attention cell, with a backward (forward +
+      backward) and forward only: fitted over every (step, replica) that ran that part
+      (``_fit_part``);
     - the gradient reduction + optimizer step: per step the smallest over the replicas
       (the slowest replica's, without waiting for another), median over steps, the
-      first step of a run apart (it measured longer in these runs);
+      first step of a run apart;
     - the rest (collation, the loss denominators' and metrics' collectives): the
       measured update less the slowest replica's parts, median over steps."""
-    per_b, per_f, step_s, first_s, rest = [], [], [], [], []
+    back, fwd, step_s, first_s, rest = [], [], [], [], []
     used = [r for r in records if r.get("work")]
     for r in used:
         w = r["work"]
-        for b, f, bs, fs in zip(w["backward_tokens"], w["forward_tokens"],
-                                w["backward_seconds"], w["forward_seconds"]):
-            if b:
-                per_b.append(bs / b)
-            if f:
-                per_f.append(fs / f)
+        nb = len(w["backward_tokens"])
+        cb = w.get("backward_cells", [0] * nb)
+        cf = w.get("forward_cells", [0] * nb)
+        for i in range(nb):
+            back.append((w["backward_tokens"][i], cb[i], w["backward_seconds"][i]))
+            fwd.append((w["forward_tokens"][i], cf[i], w["forward_seconds"][i]))
         st = min(w["step_seconds"])
         (first_s if r["step"] == 1 else step_s).append(st)
         compute = max(bs + fs for bs, fs in zip(w["backward_seconds"], w["forward_seconds"]))
         rest.append(r["measured"]["update"] - compute - st)
     step = median(step_s) if step_s else (median(first_s) if first_s else 0.0)
-    return {"backward_s_per_token": median(per_b) if per_b else 0.0,
-            "forward_s_per_token": median(per_f) if per_f else 0.0,
+    b_tok, b_cell = _fit_part(back)
+    f_tok, f_cell = _fit_part(fwd)
+    return {"backward_s_per_token": b_tok, "backward_s_per_cell": b_cell,
+            "forward_s_per_token": f_tok, "forward_s_per_cell": f_cell,
             "step_s": step,
             "first_step_extra_s": max(median(first_s) - step, 0.0) if first_s else 0.0,
             "other_s": median(rest) if rest else 0.0,
@@ -277,21 +302,27 @@ def predict_update(rec: dict, upd: dict) -> float:
     """A step's update from its replicas' recorded work and ``fit_update``'s costs: the
     slowest replica's forwards and backwards, then the reduction + optimizer step."""
     w = rec["work"]
-    compute = max(upd["backward_s_per_token"] * b + upd["forward_s_per_token"] * f
-                  for b, f in zip(w["backward_tokens"], w["forward_tokens"]))
+    n = len(w["backward_tokens"])
+    cb, cf = w.get("backward_cells", [0] * n), w.get("forward_cells", [0] * n)
+    compute = max(upd["backward_s_per_token"] * w["backward_tokens"][i]
+                  + upd.get("backward_s_per_cell", 0.0) * cb[i]
+                  + upd["forward_s_per_token"] * w["forward_tokens"][i]
+                  + upd.get("forward_s_per_cell", 0.0) * cf[i] for i in range(n))
     return compute + upd["step_s"] + upd["other_s"] + \
         (upd["first_step_extra_s"] if rec["step"] == 1 else 0.0)
 
 
 def cpu_train_cost(files=E2E_FILES) -> TrainCost:
     """The update phase of the 2-core machine from bench_e2e's recorded update work:
-    seconds per padded token with a backward, and per optimizer step (reduction +
-    step + the rest; the first step's extra apart)."""
+    seconds per padded token and per attention cell with a backward, and per
+    optimizer step (reduction + step + the rest; the first step's extra apart)."""
     upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
     fixed = upd["step_s"] + upd["other_s"]
-    return TrainCost(update_per_token=upd["backward_s_per_token"], update_fixed=fixed,
-                     first_step_extra=upd["first_step_extra_s"],
+    per_cell = upd.get("backward_s_per_cell", 0.0)
+    return TrainCost(update_per_token=upd["backward_s_per_token"], update_per_cell=per_cell,
+                     update_fixed=fixed, first_step_extra=upd["first_step_extra_s"],
                      source=f"update: {1e3 * upd['backward_s_per_token']:.1f} ms per padded "
-                     f"token (forward + backward) + {fixed:.1f} s per optimizer step "
+                     f"token + {1e6 * per_cell:.2f} us per attention cell (forward + "
+                     f"backward) + {fixed:.1f} s per optimizer step "
                      f"(+{upd['first_step_extra_s']:.1f} s the first), every response "
-                     f"trained (medians of {', '.join(files)})")
+                     f"trained (fitted on {', '.join(files)})")

@@ -435,11 +435,13 @@ def drift_from_json(doc: dict) -> tuple[tuple, tuple]:
 @dataclass
 class TrainCost:
     """Per DP replica: seconds per token of the log-prob forwards (0 when fused into
-    the update) and of the update (forward + backward), a fixed part per optimizer
-    step, and rewards per sample."""
+    the update) and of the update (forward + backward), per attention cell of the
+    update (a sequence of L tokens has L^2: attention's cost that grows with the
+    length), a fixed part per optimizer step, and rewards per sample."""
 
     logprob_per_token: float = 0.0
     update_per_token: float = 0.0
+    update_per_cell: float = 0.0
     update_fixed: float = 0.0
     reward_per_sample: float = 0.0
     first_step_extra: float = 0.0

@@ -244,11 +244,11 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
     for p in range(p_total):
         per_replica[(p // sc.minibatches) % lay.dp].append(p)
     decisions = {} if decisions is None else decisions
-    finishes, runs, tokens_rep, generated = [], [], [], []
+    finishes, runs, tokens_rep, cells_rep, generated = [], [], [], [], []
     for prompts in per_replica:
         eng_prompts = [prompts[i::lay.engines_per_replica]
                        for i in range(lay.engines_per_replica)]
-        fin, toks = 0.0, 0.0
+        fin, toks, cells = 0.0, 0.0, 0.0
         for ep in eng_prompts:
             lens = np.concatenate([lengths[p * g:(p + 1) * g] for p in ep]) if ep else \
                 np.zeros(0)
@@ -258,14 +258,17 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
             runs.append(r)
             fin = max(fin, r.finish)
             toks += float(lens.sum()) + len(lens) * sc.prompt_tokens
+            cells += float(((lens + sc.prompt_tokens) ** 2).sum())
         finishes.append(fin)
         tokens_rep.append(toks)
+        cells_rep.append(cells)
         generated.append(float(sum(lengths[p * g:(p + 1) * g].sum() for p in prompts)))
     rollout = max(finishes)
     idle = [rollout - f for f in finishes]
     tr = sc.train
     logprob = max(tokens_rep) * tr.logprob_per_token
-    update = sc.minibatches * tr.update_fixed + max(tokens_rep) * tr.update_per_token \
+    update = sc.minibatches * tr.update_fixed + max(
+        t * tr.update_per_token + c * tr.update_per_cell for t, c in zip(tokens_rep, cells_rep)) \
         + (tr.first_step_extra if step == 0 else 0.0)
     trained = 0.0
     if alpha is not None and sc.drafter.enable and lay.dp > 1:

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..runtime_env import cuda_placements_on_cpu
+from .optim_state import allocate_adam_state
 from .samples import MicroBatch
 
 
@@ -131,6 +132,9 @@ class Policy:
                 betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps,
                 weight_decay=train_cfg.weight_decay)
             self.scheduler = _TorchSchedule(self.optimizer, train_cfg, total_optimizer_steps)
+        # the Adam moments now, not on the first step after the first rollout: resident
+        # memory is final (and a state that does not fit fails) before any rollout
+        self.optimizer_state_bytes = allocate_adam_state(self.optimizer)
 
     # ----------------------------------------------------------------- forward passes
     def _schedule(self, micro_batches: Sequence[MicroBatch], forward_only: bool,

@@ -372,10 +372,11 @@ class Trainer:
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         norms, lrs, skipped, loss_scale = [], [], 0, 1.0
-        # what this replica's update processes: padded tokens and micro-batches with a
+        # what this replica's update processes: padded tokens, attention cells (rows x
+        # length^2: attention's cost grows with the length) and micro-batches with a
         # backward, and forward-only (zero-advantage samples); the planner's update model
-        work = {"backward_tokens": 0, "backward_micro_batches": 0,
-                "forward_tokens": 0, "forward_micro_batches": 0,
+        work = {"backward_tokens": 0, "backward_cells": 0, "backward_micro_batches": 0,
+                "forward_tokens": 0, "forward_cells": 0, "forward_micro_batches": 0,
                 "backward_seconds": 0.0, "forward_seconds": 0.0, "step_seconds": 0.0}
         for _epoch in range(g.ppo_epochs):
             for m in range(self.mini_batches):
@@ -411,6 +412,8 @@ class Trainer:
                     work["forward_seconds"] += self.policy.clock() - t0
                 for kind, batch in (("backward", mbs), ("forward", idle_mbs)):
                     work[f"{kind}_tokens"] += sum(int(mb.input_ids.numel()) for mb in batch)
+                    work[f"{kind}_cells"] += sum(int(mb.input_ids.numel()) * mb.input_ids.shape[1]
+                                                 for mb in batch)
                     work[f"{kind}_micro_batches"] += len(batch)
                 first = _epoch == 0 and m == 0  # no optimizer step yet: may be abandoned
                 result, trained = self.policy.train_step(

@@ -211,18 +211,25 @@ def test_tables_measured_before_and_after_are_averaged():
 
 
 def _work_record(step, backward, forward, *, b=0.012, f=0.004, opt=0.8, extra=0.5,
-                 rest=0.1):
+                 rest=0.1, lengths=None, bc=0.0, fc=0.0):
     """A bench_e2e-shaped record whose replicas' parts cost exactly b / f seconds per
-    padded token; the slowest replica's own optimizer step takes ``opt`` (the others
+    padded token (+ bc / fc per attention cell, each replica's micro-batches padded to
+    ``lengths``); the slowest replica's own optimizer step takes ``opt`` (the others
     wait for it there) and the first step ``extra`` more."""
-    compute = [b * x + f * y for x, y in zip(backward, forward)]
+    lengths = lengths or [0] * len(backward)
+    bcells = [x * t for x, t in zip(backward, lengths)]
+    fcells = [y * t for y, t in zip(forward, lengths)]
+    bsec = [b * x + bc * c for x, c in zip(backward, bcells)]
+    fsec = [f * y + fc * c for y, c in zip(forward, fcells)]
+    compute = [x + y for x, y in zip(bsec, fsec)]
     own = opt + (extra if step == 1 else 0.0)
     waits = [max(compute) - c for c in compute]
-    return {"step": step, "measured": {"update": max(compute) + own + rest},
-            "work": {"backward_tokens": backward, "forward_tokens": forward,
-                     "backward_seconds": [b * x for x in backward],
-                     "forward_seconds": [f * y for y in forward],
-                     "step_seconds": [own + w for w in waits]}}
+    work = {"backward_tokens": backward, "forward_tokens": forward,
+            "backward_seconds": bsec, "forward_seconds": fsec,
+            "step_seconds": [own + w for w in waits]}
+    if any(lengths):
+        work |= {"backward_cells": bcells, "forward_cells": fcells}
+    return {"step": step, "measured": {"update": max(compute) + own + rest}, "work": work}
 
 
 def test_update_model_recovers_the_recorded_costs():
@@ -243,6 +250,47 @@ def test_update_model_recovers_the_recorded_costs():
         assert predict_update(new, upd) == pytest.approx(new["measured"]["update"])
     # a record without the work (an older JSON) is not used
     assert fit_update(recs + [{"step": 2, "measured": {"update": 99.0}}]) == upd
+
+
+def test_update_model_separates_attention_from_the_per_token_cost():
+    """Records with each micro-batch's attention cells (rows x padded length^2): the
+    fit recovers the per-token and per-cell costs of both parts, so a step of shorter
+    (or longer) sequences than the fitted ones is predicted exactly; the recipe
+    simulator charges the same per-cell cost."""
+    from megatron_tlt.planner.cpu_inputs import fit_update, predict_update
+
+    kw = dict(b=0.010, bc=4e-6, f=0.003, fc=1e-6)
+    recs = [_work_record(s, bw, fw, lengths=ln, **kw) for s, bw, fw, ln in (
+        (1, [900, 0], [0, 500], [400, 300]), (2, [400, 1200], [300, 0], [200, 600]),
+        (2, [640, 800], [1100, 700], [640, 350]), (3, [1500, 200], [256, 900], [500, 150]),
+        (3, [300, 700], [600, 200], [120, 520]))]
+    upd = fit_update(recs)
+    assert upd["backward_s_per_token"] == pytest.approx(0.010, rel=1e-6)
+    assert upd["backward_s_per_cell"] == pytest.approx(4e-6, rel=1e-6)
+    assert upd["forward_s_per_token"] == pytest.approx(0.003, rel=1e-6)
+    assert upd["forward_s_per_cell"] == pytest.approx(1e-6, rel=1e-6)
+    short = _work_record(4, [2000, 1800], [100, 0], lengths=[96, 80], **kw)
+    assert predict_update(short, upd) == pytest.approx(short["measured"]["update"])
+    # the per-token fit alone (the cells dropped) misses the short step by the
+    # attention it averaged in
+    flat = fit_update([r | {"work": {k: v for k, v in r["work"].items() if "cells" not in k}}
+                       for r in recs])
+    assert flat["backward_s_per_cell"] == 0.0
+    assert predict_update(short, flat) > 1.1 * short["measured"]["update"]
+
+
+def test_the_simulators_update_charges_attention_cells():
+    """The same step with a per-cell cost: its update grows by the slowest replica's
+    cells (sum of (prompt + response)^2) times that cost, its rollout does not."""
+    from megatron_tlt.planner.sim import draw_lengths, simulate_step
+
+    base = gpu_scenario(dp=2)
+    celled = replace(base, train=replace(base.train, update_per_cell=1e-6))
+    lens = draw_lengths(base, 0)
+    a, b = simulate_step(base, 0, None, lens), simulate_step(celled, 0, None, lens)
+    assert a.rollout == b.rollout and b.update > a.update
+    every = float(((lens + base.prompt_tokens) ** 2).sum())  # both replicas' cells
+    assert every / 2 * 1e-6 * 0.5 < b.update - a.update <= every * 1e-6
 
 
 def test_cpu_validation_from_the_shipped_measurements():

@@ -90,6 +90,12 @@ def test_dp2_equals_dp1_when_a_replica_has_only_zero_advantages(single, parallel
     assert flat["work"]["forward_tokens"] >= epochs * flat["lengths"]["zero"] > 0
     assert other["work"]["backward_tokens"] >= epochs * other["lengths"]["advantage"] > 0
     assert other["work"]["backward_micro_batches"] >= epochs
+    for res in parallel[FLAT]:  # rows x padded length^2 per micro-batch: at least each
+        # sample's own length^2, once per epoch
+        w, n = res["work"], res["lengths"]
+        assert w["backward_cells"] >= epochs * n["advantage_sq"]
+        assert w["forward_cells"] >= epochs * n["zero_sq"]
+        assert (w["forward_cells"] > 0) == (w["forward_tokens"] > 0)
     for res in parallel[FLAT]:
         w = res["work"]
         assert (w["forward_micro_batches"] > 0) == (res["lengths"]["zero"] > 0)
@@ -145,7 +151,7 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert rec["spec"]["steps"] > 0
     assert rec["timing"]["tail"] >= 0 and rec["idle_replica_seconds"] >= 0
     work = rec["timeline"]["update_work"]  # each replica's: padded tokens, seconds
-    assert [len(v) for v in work.values()] == [2] * 7
+    assert [len(v) for v in work.values()] == [2] * 9
     assert all(b + f > 0 for b, f in zip(work["backward_tokens"], work["forward_tokens"]))
     # one prefill per prompt: each replica's 1 prompt x 2 runs once, the other copies it
     # (dynamic sampling's round adds its own)

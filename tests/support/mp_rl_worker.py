@@ -120,7 +120,9 @@ def update_once(cfg, flat: frozenset):
     return {"probe_logprobs": lp, "grad_norm": update["grad_norm"],
             "sums": update["sums"], "maxes": update["maxes"], "work": update["work"],
             "lengths": {"advantage": sum(s.length for s in samples if s.advantage != 0),
-                        "zero": sum(s.length for s in samples if s.advantage == 0)},
+                        "zero": sum(s.length for s in samples if s.advantage == 0),
+                        "advantage_sq": sum(s.length ** 2 for s in samples if s.advantage != 0),
+                        "zero_sq": sum(s.length ** 2 for s in samples if s.advantage == 0)},
             "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
 
 
