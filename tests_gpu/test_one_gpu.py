@@ -115,3 +115,37 @@ def test_rollout_memory_released_and_recreated_on_cuda(parallel, hf_dirs, graphs
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - base >= kv // 2  # re-created
+
+
+def test_policy_moments_allocated_at_build_on_cuda(parallel, hf_dirs):
+    """The policy's optimizer (megatron-core's distributed optimizer over bf16 weights)
+    holds its fp32 Adam moments on the GPU once built, and an update step allocates
+    no moments of its own afterwards (the resident memory is final before any
+    rollout: rl/optim_state.py)."""
+    from megatron_tlt.config import load_config
+    from megatron_tlt.rl.optim_state import torch_optimizers
+    from megatron_tlt.rl.policy import Policy
+    from megatron_tlt.rl.samples import Sample, collate
+
+    model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype="bfloat16",
+                             impl="local")
+    policy = Policy(model, arch, load_config([], []).train, total_optimizer_steps=4)
+    n = 0
+    for _, opt in torch_optimizers(policy.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state[p]
+                assert st["exp_avg"].device.type == "cuda"
+                assert st["exp_avg"].dtype == torch.float32 and not st["exp_avg"].any()
+                n += p.numel()
+    assert n > 0 and policy.optimizer_state_bytes == 8 * n
+    sample = Sample(prompt_index=0, prompt_ids=[1, 2, 3, 4], response_ids=[5, 6, 7, 8],
+                    rollout_logprobs=[-1.0] * 4, finish_reason="stop", advantage=1.0,
+                    uid="u")
+    mb = collate([sample], [0], pad_id=0, device=CUDA)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result, _ = policy.train_step([mb], lambda mb, logits: (logits.float().mean(), {}))
+    torch.cuda.synchronize()
+    assert result.updated
+    assert torch.cuda.memory_allocated() - before < 0.1 * policy.optimizer_state_bytes

@@ -96,6 +96,7 @@ REQUIRED_GPU_TESTS = [
     "test_padding_rows_attend_over_their_own_length_on_cuda",
     "test_cuda_graphs_auto_measures_each_key_once_and_equals_eager",
     "test_graph_pool_memory_matches_the_dry_run_model",
+    "test_policy_moments_allocated_at_build_on_cuda",
 ]
 # first-step agreement of the bf16 run with the fp32 run (same seeds, coupled sampling)
 LOSS_ATOL, LOSS_RTOL, GRAD_NORM_RTOL = 0.02, 0.05, 0.25

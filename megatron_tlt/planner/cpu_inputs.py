@@ -217,12 +217,35 @@ def summary_lengths(n: int, total: float, longest: float, at_cap: int, replicas:
 
 
 # ---------------------------------------------------------------------- the update phase
+def mark_first_backward(records: list[dict]) -> None:
+    """Flag, per replica, the record of its process's first backward
+    (``work["first_backward"]``), ``records`` in the order they ran. That backward
+    measured 3-4 s longer than the same work later (bench_e2e g8, coupled step 1:
+    1,712 tokens in 24.0 s for the arm that ran first, 19.6 s for the other): its
+    activations are the process's first touch of that much memory."""
+    seen: set[int] = set()
+    for r in records:
+        w = r.get("work")
+        if not w:
+            continue
+        flags = []
+        for i, b in enumerate(w["backward_tokens"]):
+            flags.append(bool(b) and i not in seen)
+            if b:
+                seen.add(i)
+        r["work"] = dict(w, first_backward=flags)
+
+
 def e2e_records(doc: dict) -> list[dict]:
-    """One record per (mode, step, arm) of a bench_e2e JSON: its workload and times."""
+    """One record per (mode, step, arm) of a bench_e2e JSON: its workload and times
+    (each step's arms ran one after the other, ``first`` first, in one process per
+    replica)."""
     c = doc["config"]
     out = []
     for r in doc["results"]:
-        for arm, v in r["arms"].items():
+        order = sorted(r["arms"], key=lambda a: a != r.get("first"))
+        for arm in order:
+            v = r["arms"][arm]
             n = c["prompts_per_step"] * c["group_size"]
             out.append({
                 "mode": r["mode"], "step": r["step"], "arm": arm, "group_size": c["group_size"],
@@ -235,6 +258,7 @@ def e2e_records(doc: dict) -> list[dict]:
                              "step": v["step"], "rollout_fraction": v["rollout"] / v["step"]},
                 "threshold": c["speculative"]["threshold"],
             })
+    mark_first_backward(out)
     return out
 
 
@@ -273,15 +297,17 @@ def fit_update(records: list[dict]) -> dict:
       first step of a run apart;
     - the rest (collation, the loss denominators' and metrics' collectives): the
       measured update less the slowest replica's parts, median over steps."""
-    back, fwd, step_s, first_s, rest = [], [], [], [], []
+    back, fwd, step_s, first_s, rest, first_back = [], [], [], [], [], []
     used = [r for r in records if r.get("work")]
     for r in used:
         w = r["work"]
         nb = len(w["backward_tokens"])
         cb = w.get("backward_cells", [0] * nb)
         cf = w.get("forward_cells", [0] * nb)
+        fb = w.get("first_backward", [False] * nb)
         for i in range(nb):
-            back.append((w["backward_tokens"][i], cb[i], w["backward_seconds"][i]))
+            row = (w["backward_tokens"][i], cb[i], w["backward_seconds"][i])
+            (first_back if fb[i] else back).append(row)
             fwd.append((w["forward_tokens"][i], cf[i], w["forward_seconds"][i]))
         st = min(w["step_seconds"])
         (first_s if r["step"] == 1 else step_s).append(st)
@@ -290,8 +316,10 @@ def fit_update(records: list[dict]) -> dict:
     step = median(step_s) if step_s else (median(first_s) if first_s else 0.0)
     b_tok, b_cell = _fit_part(back)
     f_tok, f_cell = _fit_part(fwd)
+    extra = [sec - b_tok * t - b_cell * c for t, c, sec in first_back if t > 0]
     return {"backward_s_per_token": b_tok, "backward_s_per_cell": b_cell,
             "forward_s_per_token": f_tok, "forward_s_per_cell": f_cell,
+            "first_backward_extra_s": max(median(extra), 0.0) if extra else 0.0,
             "step_s": step,
             "first_step_extra_s": max(median(first_s) - step, 0.0) if first_s else 0.0,
             "other_s": median(rest) if rest else 0.0,
@@ -304,8 +332,10 @@ def predict_update(rec: dict, upd: dict) -> float:
     w = rec["work"]
     n = len(w["backward_tokens"])
     cb, cf = w.get("backward_cells", [0] * n), w.get("forward_cells", [0] * n)
+    fb = w.get("first_backward", [False] * n)
     compute = max(upd["backward_s_per_token"] * w["backward_tokens"][i]
                   + upd.get("backward_s_per_cell", 0.0) * cb[i]
+                  + upd.get("first_backward_extra_s", 0.0) * fb[i]
                   + upd["forward_s_per_token"] * w["forward_tokens"][i]
                   + upd.get("forward_s_per_cell", 0.0) * cf[i] for i in range(n))
     return compute + upd["step_s"] + upd["other_s"] + \
@@ -319,10 +349,11 @@ def cpu_train_cost(files=E2E_FILES) -> TrainCost:
     upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
     fixed = upd["step_s"] + upd["other_s"]
     per_cell = upd.get("backward_s_per_cell", 0.0)
+    first = upd["first_step_extra_s"] + upd.get("first_backward_extra_s", 0.0)
     return TrainCost(update_per_token=upd["backward_s_per_token"], update_per_cell=per_cell,
-                     update_fixed=fixed, first_step_extra=upd["first_step_extra_s"],
+                     update_fixed=fixed, first_step_extra=first,
                      source=f"update: {1e3 * upd['backward_s_per_token']:.1f} ms per padded "
                      f"token + {1e6 * per_cell:.2f} us per attention cell (forward + "
                      f"backward) + {fixed:.1f} s per optimizer step "
-                     f"(+{upd['first_step_extra_s']:.1f} s the first), every response "
+                     f"(+{first:.1f} s the first), every response "
                      f"trained (fitted on {', '.join(files)})")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .cpu_inputs import (E2E_FILES, E2E_RUNS, PROMPT_TOKENS, cpu_1t_alone_table,
                          cpu_1t_corun_table, demo_drafter_alpha, e2e_records, fit_update,
-                         predict_update, summary_lengths)
+                         mark_first_backward, predict_update, summary_lengths)
 from .inputs import (RESULTS, Acceptance, DrafterGroup, LengthModel, ModelShape, accept_length,
                      load_json, roofline)
 from .sim import EngineSettings, Layout, Scenario, run_engine, simulate_arm
@@ -175,6 +175,7 @@ def demo_records(path) -> list[dict]:
                     "measured": {"rollout": rollout, "tail": t["tail"],
                                  "update": t["update"], "step": t["step"],
                                  "rollout_fraction": rollout / t["step"]}})
+    mark_first_backward(out)  # one process per replica, the steps in order
     return out
 
 
