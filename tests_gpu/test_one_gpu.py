@@ -148,4 +148,5 @@ def test_policy_moments_allocated_at_build_on_cuda(parallel, hf_dirs):
     result, _ = policy.train_step([mb], lambda mb, logits: (logits.float().mean(), {}))
     torch.cuda.synchronize()
     assert result.updated
-    assert torch.cuda.memory_allocated() - before < 0.1 * policy.optimizer_state_bytes
+    # had the step made the moments, it would have grown by all of them
+    assert torch.cuda.memory_allocated() - before < 0.5 * policy.optimizer_state_bytes
