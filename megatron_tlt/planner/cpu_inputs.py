@@ -220,7 +220,7 @@ def summary_lengths(n: int, total: float, longest: float, at_cap: int, replicas:
 def mark_first_backward(records: list[dict]) -> None:
     """Flag, per replica, the record of its process's first backward
     (``work["first_backward"]``), ``records`` in the order they ran. That backward
-    measured 3-4 s longer than the same work later (bench_e2e g8, coupled step 1:
+    measured 3-5 s longer than the same work later (bench_e2e g8, coupled step 1:
     1,712 tokens in 24.0 s for the arm that ran first, 19.6 s for the other): its
     activations are the process's first touch of that much memory."""
     seen: set[int] = set()
