@@ -411,9 +411,9 @@ class Trainer:
                     per_mb = self.policy.loss_metrics(idle_mbs, loss_fn)
                     work["forward_seconds"] += self.policy.clock() - t0
                 for kind, batch in (("backward", mbs), ("forward", idle_mbs)):
-                    work[f"{kind}_tokens"] += sum(int(mb.input_ids.numel()) for mb in batch)
-                    work[f"{kind}_cells"] += sum(int(mb.input_ids.numel()) * mb.input_ids.shape[1]
-                                                 for mb in batch)
+                    shapes = [tuple(mb.input_ids.shape) for mb in batch]  # (rows, length)
+                    work[f"{kind}_tokens"] += sum(r * t for r, t in shapes)
+                    work[f"{kind}_cells"] += sum(r * t * t for r, t in shapes)
                     work[f"{kind}_micro_batches"] += len(batch)
                 first = _epoch == 0 and m == 0  # no optimizer step yet: may be abandoned
                 result, trained = self.policy.train_step(
