@@ -98,6 +98,10 @@ class StopRequest:
         self.requested_at: Optional[float] = None
         self._previous: dict = {}
         self._timer: Optional[threading.Timer] = None
+        # request() (signal handler, stop-file poll) against uninstall(): a deadline is
+        # armed only while installed, so none can outlive uninstall() and end the
+        # process later (reentrant: the signal handler runs on the main thread)
+        self._lock = threading.RLock()
         self._poller: Optional[threading.Thread] = None
         self._done = threading.Event()
         self._exit_code: Optional[int] = None  # once stopped, a later signal exits with it
@@ -118,9 +122,10 @@ class StopRequest:
         return self
 
     def uninstall(self) -> None:
-        self._done.set()
-        if self._timer is not None:
-            self._timer.cancel()
+        with self._lock:
+            self._done.set()
+            if self._timer is not None:
+                self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -152,18 +157,19 @@ class StopRequest:
 
     def request(self, reason: str) -> None:
         """Record a request (idempotent) and arm the deadline."""
-        if self.requested_at is not None:
-            return
-        self.reason, self.requested_at = reason, time.monotonic()
-        print(f"stop requested ({reason}): ending the step in progress, then checkpoint "
-              f"and exit (at most {self.deadline_s:.0f} s, checkpoint.stop_deadline_s)",
-              file=sys.stderr, flush=True)
-        if self.deadline_s > 0:
-            self._timer = threading.Timer(
-                self.deadline_s, self._force,
-                args=(f"checkpoint.stop_deadline_s={self.deadline_s:g} passed",))
-            self._timer.daemon = True
-            self._timer.start()
+        with self._lock:
+            if self.requested_at is not None:
+                return
+            self.reason, self.requested_at = reason, time.monotonic()
+            print(f"stop requested ({reason}): ending the step in progress, then "
+                  f"checkpoint and exit (at most {self.deadline_s:.0f} s, "
+                  f"checkpoint.stop_deadline_s)", file=sys.stderr, flush=True)
+            if self.deadline_s > 0 and not self._done.is_set():
+                self._timer = threading.Timer(
+                    self.deadline_s, self._force,
+                    args=(f"checkpoint.stop_deadline_s={self.deadline_s:g} passed",))
+                self._timer.daemon = True
+                self._timer.start()
 
     def _force(self, why: str) -> None:
         print(f"error: {why}: exiting now without a checkpoint (exit code "

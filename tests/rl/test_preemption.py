@@ -158,6 +158,24 @@ def test_a_request_on_one_rank_reaches_the_others_through_the_store():
         b.uninstall()
 
 
+def test_no_deadline_outlives_uninstall():
+    """A request that lands after (or while) the handlers are uninstalled arms no
+    deadline: a timer left running would end the process with the forced exit code
+    long after the run (or a test) moved on."""
+    from megatron_tlt.rl.preemption import StopRequest
+
+    r = StopRequest(deadline_s=3600)
+    r.uninstall()
+    r.request("a poll that raced the uninstall")
+    assert r.pending() and r._timer is None
+    armed = StopRequest(deadline_s=3600)
+    armed.request("SIGTERM")
+    assert armed._timer is not None and armed._timer.is_alive()
+    armed.uninstall()
+    armed._timer.join(timeout=10)
+    assert not armed._timer.is_alive()  # cancelled
+
+
 def _fake_slurm(tmp_path: Path, nodes: int, srun_body: str = "exit 0") -> dict:
     """SLURM's environment for job 4242 on ``nodes`` nodes, and fake scontrol / srun /
     python on PATH (scontrol records its calls)."""
