@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     trainer.stop.uninstall()
     exported = None
     if cfg.checkpoint.export_hf:
-        from megatron_tlt.models.export import export_trained
+        from megatron_tlt.checkpoint.export import export_trained
 
         exported = export_trained(trainer.policy.module, trainer.state.drafter, lay,
                                   session.arch, session.source,

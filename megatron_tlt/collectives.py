@@ -21,7 +21,7 @@ identity (one process, no torch.distributed at all).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist

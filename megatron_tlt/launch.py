@@ -13,8 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .config import Config, validate_for_run
-from .models import arch_from_source, load_model, resolve_source
-from .models.megatron_weights import tokenizer_folder
+from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
 from .parallel import ParallelLayout, initialize_model_parallel
 from .runtime_env import Platform, init_distributed, seed_everything
@@ -29,13 +28,6 @@ class Session:
     arch: ModelArch
     tokenizer: object
     source: Path
-
-
-def load_tokenizer(source: str | Path):
-    """The tokenizer stored with an HF folder or a converted megatron checkpoint."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_folder(source)))
 
 
 def setup(cfg: Config) -> Session:

@@ -121,9 +121,9 @@ def test_policy_moments_allocated_at_build_on_cuda(parallel, hf_dirs):
     """The policy's optimizer (megatron-core's distributed optimizer over bf16 weights)
     holds its fp32 Adam moments on the GPU once built, and an update step allocates
     no moments of its own afterwards (the resident memory is final before any
-    rollout: rl/optim_state.py)."""
+    rollout: optim_state.py)."""
     from megatron_tlt.config import load_config
-    from megatron_tlt.rl.optim_state import torch_optimizers
+    from megatron_tlt.optim_state import torch_optimizers
     from megatron_tlt.rl.policy import Policy
     from megatron_tlt.rl.samples import Sample, collate
 

@@ -1,4 +1,4 @@
-"""The FP8 self-drafter on CUDA (``rollout/quantize_fp8.py``, ``torch._scaled_mm`` with
+"""The FP8 self-drafter on CUDA (``rollout/speculative/quantize_fp8.py``, ``torch._scaled_mm`` with
 row-wise scales; GPUs of compute capability >= 8.9): the scaled-matmul linear against
 the dequantized reference and the float product, and SmolLM2 (``RolloutEngine.
 from_pretrained``; the random-weight model of its shape that ``make gpu-check`` writes)
@@ -15,7 +15,7 @@ import torch
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import SamplingParams
-from megatron_tlt.rollout.quantize_fp8 import (Fp8Weight, emulated_scaled_mm, fp8_linear,
+from megatron_tlt.rollout.speculative.quantize_fp8 import (Fp8Weight, emulated_scaled_mm, fp8_linear,
                                                fp8_native, quantize_fp8, scaled_mm_operands)
 # the CPU suite's modules, loaded by conftest.py
 from test_self_drafter_fp8 import _weight, fp8_error_bound

@@ -348,7 +348,6 @@ def make_config(args, mode: str):
 
 
 def run_mode(args, mode: str, session, first_model, log) -> dict:
-    import torch
 
     from megatron_tlt import collectives
     from megatron_tlt.models import load_model

@@ -16,7 +16,7 @@ greedy, EOS ignored, real reasoning-gym prompts. The two processes hold:
   ``--pp1-alt-threads`` (``ratio_vs_pp1_N_threads``: on a loaded machine a
   multi-threaded process loses far more than a single-threaded one, so the two bracket
   the comparison); while it runs, rank 1 waits at a barrier;
-- ``rollout.reference.recompute_generate`` at PP = 2 (megatron-core's pipeline
+- ``bench.reference.recompute_generate`` at PP = 2 (megatron-core's pipeline
   schedule, the whole sequence recomputed per token; the path the trainer took at
   PP > 1 before the pipelined engine), at batch 1 and short lengths only (quadratic).
 
@@ -197,12 +197,12 @@ def main(args) -> None:
     from megatron_tlt.bench.common import cpu_description
     from megatron_tlt.assets import require_smollm2
     from megatron_tlt.config import RolloutConfig
-    from megatron_tlt.launch import load_tokenizer
+    from megatron_tlt.models import load_tokenizer
     from megatron_tlt.models import load_model
     from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.rollout.reference import recompute_generate
+    from megatron_tlt.bench.reference import recompute_generate
     from megatron_tlt.bench.workload import synthetic_workload
     from megatron_tlt.tasks import reasoning_gym_prompts
 

@@ -320,9 +320,9 @@ def main() -> None:
               f"identical {check['identical']}/{b} (tie splits {check['tie_splits']})",
               flush=True)
 
-    # host synchronisations per decode step (rollout.sync_budget; a counting pass,
+    # host synchronisations per decode step (bench.sync_budget; a counting pass,
     # not timed): plain decoding here, speculation's in bench_spec
-    from megatron_tlt.rollout.sync_budget import measure, summary
+    from megatron_tlt.bench.sync_budget import measure, summary
 
     syncs = summary(measure(engine, pool[:min(sizes)], SamplingParams(
         temperature=0.0, max_new_tokens=8, ignore_eos=True)))

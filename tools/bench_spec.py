@@ -213,11 +213,11 @@ class Modes:
 
 
 def host_syncs(engine, drafter, prompts, sp, strategy: str) -> dict:
-    """Host synchronisations per decode step (``rollout.sync_budget``): the most any
+    """Host synchronisations per decode step (``bench.sync_budget``): the most any
     plain step made and the most any speculative step of ``strategy`` made, with
     where the speculative ones happen (a counting pass: not timed)."""
     from megatron_tlt.config import SpeculativeConfig
-    from megatron_tlt.rollout.sync_budget import measure, summary
+    from megatron_tlt.bench.sync_budget import measure, summary
 
     saved, tuner = engine.config.speculative, engine.tuner
     engine.detach_drafter()

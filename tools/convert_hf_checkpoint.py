@@ -24,12 +24,12 @@ import time
 
 from megatron_tlt.assets import AssetError
 from megatron_tlt.config import build_parser, config_from_args, validate_for_run
+from megatron_tlt.checkpoint.export import ExportError, export_run_checkpoint
 from megatron_tlt.models import resolve_source
-from megatron_tlt.models.export import (ExportError, export_run_checkpoint,
-                                        is_run_checkpoint)
 from megatron_tlt.models.gpt import DTYPES, ModelArch
 from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,
                                     megatron_to_hf, save_hf_folder)
+from megatron_tlt.run_files import is_run_checkpoint
 from megatron_tlt.models.megatron_weights import (is_megatron_checkpoint,
                                                   load_megatron_shards,
                                                   save_megatron_checkpoint, tokenizer_folder)

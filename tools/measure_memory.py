@@ -122,7 +122,7 @@ def overrides(shape: dict, recompute: str, folder: Path, prompts: Path,
 def prompt_tokens(folder: Path, prompts: Path) -> int:
     """Tokens of the cell's prompt after the chat template (every prompt is the same)."""
     from megatron_tlt.config import load_config
-    from megatron_tlt.launch import load_tokenizer
+    from megatron_tlt.models import load_tokenizer
     from megatron_tlt.rl.data import build_prompt_sets
 
     cfg = load_config(overrides=[f"model.hf_path={folder}", "data.source=jsonl",

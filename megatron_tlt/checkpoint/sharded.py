@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..rl.optim_state import allocate_adam_state
+from ..optim_state import allocate_adam_state
 from ..runtime_env import cuda_placements_on_cpu
 from .safe_files import CheckpointError, check_common_pt, check_dcp_metadata
 

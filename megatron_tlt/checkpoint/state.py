@@ -79,7 +79,7 @@ class RunState:
     drafter: Any = None                # models.drafter.EagleDrafter or None
     drafter_group: Any = None          # drafter_training.group.DrafterGroup or None
     extra: dict = field(default_factory=dict)  # small JSON-able counters
-    # for readers outside the run (models.export): the model's HF config and source
+    # for readers outside the run (checkpoint.export): the model's HF config and source
     meta: dict = field(default_factory=dict)
 
     def global_state(self) -> dict:

@@ -39,21 +39,12 @@ from typing import Callable, Optional
 
 from .. import collectives
 from ..fileio import publish_dir, write_text_atomic
+from ..run_files import DRAFTER_FILE, POLICY_DIR, RUN_FILE, STEP_PREFIX, step_name
 from .safe_files import CheckpointError, read_json, read_tree, write_tree
 from .sharded import load_policy, save_policy, verify_policy
 from .state import RunState
 
 FORMAT_VERSION = 2
-RUN_FILE = "run.json"
-POLICY_DIR = "policy"
-DRAFTER_FILE = "drafter.safetensors"
-STEP_PREFIX = "step_"
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:07d}"
-
-
 def rank_stem(tp: int, pp: int, dp: int) -> str:
     return f"rank_tp{tp}_pp{pp}_dp{dp}"
 

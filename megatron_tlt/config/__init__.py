@@ -18,7 +18,8 @@ checks against the model and the world size that fail before any compute.
 from __future__ import annotations
 
 from .base import ConfigError
-from .loading import build_parser, config_from_args, load_config, parse_args, validate_for_run
+from .loading import (build_parser, check_layout, config_from_args, load_config, mini_batch_count,
+                      parse_args, validate_for_run)
 from .markdown import describe
 from .rl_sections import (CheckpointConfig, DataConfig, DrafterGroupConfig, GRPOConfig,
                           RewardConfig, TrackingConfig, TrainConfig)
@@ -29,6 +30,6 @@ __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
     "GRPOConfig", "TrainConfig", "DrafterGroupConfig", "CheckpointConfig", "TrackingConfig",
-    "build_parser", "config_from_args", "describe", "load_config", "parse_args",
-    "validate_for_run",
+    "build_parser", "check_layout", "config_from_args", "describe", "load_config",
+    "mini_batch_count", "parse_args", "validate_for_run",
 ]

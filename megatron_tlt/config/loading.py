@@ -3,74 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
-from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .base import ConfigError
+from .keys import _translate
 from .markdown import describe
+from .overrides import apply_override
 from .sections import Config
-
-
-def _all_keys(cls, prefix: str = "") -> list[str]:
-    keys = []
-    for f in fields(cls):
-        key = f"{prefix}{f.name}"
-        sub = f.type if is_dataclass(f.type) else None
-        if sub is None and f.default_factory is not MISSING and is_dataclass(f.default_factory):
-            sub = f.default_factory
-        if sub is not None:
-            keys.append(key)
-            keys.extend(_all_keys(sub, key + "."))
-        else:
-            keys.append(key)
-    return keys
-
-
-def _closest_hint(key: str, cls) -> str:
-    close = difflib.get_close_matches(key, _all_keys(cls), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _yaml_line(path: Path, dotted: str) -> Optional[int]:
-    """1-based line of ``dotted`` (a.b.c) in a YAML file, if it can be found."""
-    import yaml
-
-    try:
-        node = yaml.compose(path.read_text())
-    except yaml.YAMLError:
-        return None
-    for part in dotted.split("."):
-        if not isinstance(node, yaml.MappingNode):
-            return None
-        for k, v in node.value:
-            if k.value == part:
-                line, node = k.start_mark.line + 1, v
-                break
-        else:
-            return None
-    return line
-
-
-def _translate(err: Exception, cls, origin: str, path: Optional[Path] = None) -> ConfigError:
-    """omegaconf's exception -> ConfigError naming field, place and fix."""
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
-    key = getattr(err, "full_key", None) or "?"
-    where = origin
-    if path is not None:
-        line = _yaml_line(path, key)
-        where = f"{path}:{line}" if line else str(path)
-    if isinstance(err, ConfigKeyError):
-        return ConfigError(f"{where}: unknown config key '{key}'{_closest_hint(key, cls)}")
-    if isinstance(err, ValidationError):
-        msg = (getattr(err, "msg", None) or str(err)).splitlines()[0]
-        if key == "?":
-            return ConfigError(f"{where}: {msg}")
-        return ConfigError(f"{where}: bad value for '{key}': {msg}")
-    return ConfigError(f"{where}: {err}")
 
 
 def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str] = (),
@@ -92,8 +33,6 @@ def load_config(config_files: Sequence[str | Path] = (), overrides: Sequence[str
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise _translate(e, cls, str(path), path) from None
-    from ..overrides import apply_override
-
     for item in overrides:
         merged = apply_override(merged, item, cls)
     try:
@@ -135,6 +74,27 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: st
 # -------------------------------------------------------------------------------------
 # checks against the model and the launch
 # -------------------------------------------------------------------------------------
+
+def mini_batch_count(cfg: Config) -> int:
+    """Optimizer steps per ppo epoch (validated against the batch sizes)."""
+    g, t = cfg.grpo, cfg.train
+    total = g.prompts_per_step * g.group_size
+    gbs = t.global_batch_size or total
+    if gbs % g.group_size or total % gbs:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} must be a multiple of grpo.group_size="
+            f"{g.group_size} and divide grpo.prompts_per_step x group_size = {total}")
+    return total // gbs
+
+
+def check_layout(cfg: Config, dp: int) -> None:
+    m = mini_batch_count(cfg)
+    if cfg.grpo.prompts_per_step % (m * dp):
+        raise ConfigError(
+            f"grpo.prompts_per_step={cfg.grpo.prompts_per_step} must be divisible by "
+            f"mini-batches per step ({m}) x data-parallel size ({dp}) = {m * dp}, so "
+            f"every replica gets whole groups of every mini-batch")
+
 
 def check_drafter_group_layout(cfg: Config) -> None:
     """The drafter group at PP > 1 trains on the gathered rollout's whole-model copies

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import ConfigError, _choice, _help, _positive
+from .drafter_loss import LOSS_PRESETS
 
 
 @dataclass
@@ -315,8 +316,6 @@ class DrafterGroupConfig:
                 raise ConfigError(f"drafter_group.{name} must be >= 0 (0 = auto: derived "
                                   f"from the device), got {getattr(self, name)}")
         _choice("drafter_group", "lr_decay", self.lr_decay, ("constant", "cosine"))
-        from ..drafter_training.losses import LOSS_PRESETS
-
         _choice("drafter_group", "loss", self.loss, tuple(LOSS_PRESETS))
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("drafter_group.lr must be > 0 and drafter_group.min_lr_ratio "

@@ -2,8 +2,8 @@
 data, the optimizer loop and the offline warm-up."""
 
 from .alpha import AlphaReport, measure_alpha
-from .losses import LOSS_PRESETS, LossConfig, drafter_loss
-from .trainer import DraftSample, DrafterTrainer, drafter_pairs, target_features
+from .losses import LOSS_PRESETS, LossConfig, drafter_loss, drafter_pairs
+from .trainer import DraftSample, DrafterTrainer, target_features
 from .warmup import WarmupConfig, run_warmup
 
 __all__ = ["AlphaReport", "DraftSample", "DrafterTrainer", "LOSS_PRESETS", "LossConfig",

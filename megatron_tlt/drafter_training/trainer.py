@@ -43,14 +43,6 @@ class DraftSample:
     target_probs: Optional[tuple] = None
 
 
-def drafter_pairs(tokens: Sequence[int], features: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafter inputs of one sequence: for p = 0..N-2, (s_{p+1}, h_p). Returns
-    (next tokens [N-1] long, features [N-1, F])."""
-    ids = torch.as_tensor(list(tokens), dtype=torch.long)
-    return ids[1:], features[:-1]
-
-
 @torch.no_grad()
 def target_features(runner: ModelRunner, sequences: Sequence[Sequence[int]],
                     feature_layers: Sequence[int] = (),

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import torch
 
-from .megatron_weights import is_megatron_checkpoint, load_into_model, read_meta, shard_for_rank
+from .megatron_weights import (is_megatron_checkpoint, load_into_model, read_meta,
+                               shard_for_rank, tokenizer_folder)
 from .gpt import (NO_MEMORY_CONTROLS, MemoryControls, ModelArch, build_gpt_model, resolve_dtype,
                   resolve_impl)
 
-__all__ = ["MemoryControls", "ModelArch", "build_gpt_model", "load_model", "arch_from_source", "resolve_source"]
+__all__ = ["MemoryControls", "ModelArch", "arch_from_source", "build_gpt_model", "load_model",
+           "load_tokenizer", "resolve_source"]
 
 # Names that stand for a prepared real-model asset instead of a path.
 ASSET_ALIASES = ("smollm2",)
@@ -39,7 +41,7 @@ def arch_from_source(source: str | Path) -> ModelArch:
     """Architecture of an HF folder or a megatron_tlt checkpoint folder."""
     if is_megatron_checkpoint(source):
         return ModelArch.from_hf_config(read_meta(source)["hf_config"])
-    from .export import is_run_checkpoint
+    from ..run_files import is_run_checkpoint
 
     if not (Path(source) / "config.json").is_file() and is_run_checkpoint(source):
         from ..config import ConfigError
@@ -50,6 +52,13 @@ def arch_from_source(source: str | Path) -> ModelArch:
             f"tools/convert_hf_checkpoint.py --out DIR model.hf_path={source}) and start "
             f"from model.hf_path=DIR")
     return ModelArch.from_hf_folder(source)
+
+
+def load_tokenizer(source: str | Path):
+    """The tokenizer stored with an HF folder or a converted megatron checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_folder(source)))
 
 
 def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",

@@ -117,7 +117,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     override the defaults; ``cost`` replaces the decode-step costs (a measured table:
     ``inputs.table_from_bench_rollout``), training keeping the hardware's. ``arch``:
     the model's ``ModelArch`` (the dry run passes the one it resolved)."""
-    from ..rl.trainer import mini_batch_count
+    from ..config import mini_batch_count
 
     table = cost
     if arch is None:

@@ -18,7 +18,7 @@ from .memory_model import GIB
 
 def dry_run(cfg: Config, world_size: int) -> str:
     """Validate ``cfg`` for ``world_size`` processes; return the report text."""
-    from .trainer import check_layout, mini_batch_count
+    from ..config import check_layout, mini_batch_count
 
     arch, arch_from = architecture(cfg)
     validate_for_run(cfg, arch, world_size)

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..runtime_env import cuda_placements_on_cpu
-from .optim_state import allocate_adam_state
+from ..optim_state import allocate_adam_state
 from .samples import MicroBatch
 
 

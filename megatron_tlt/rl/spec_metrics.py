@@ -11,7 +11,7 @@ summary table only).
 
 from __future__ import annotations
 
-from ..rollout import position_accept
+from ..rollout.speculative import position_accept
 
 __all__ = ["merge_spec", "merge_kinds"]
 

@@ -32,8 +32,8 @@ import torch
 from .. import checkpoint as checkpointing
 from .. import collectives
 from ..arrival import BOUND_FACTOR, StepPoints
-from ..config import Config, ConfigError
-from ..models.export import run_meta
+from ..config import Config, check_layout, mini_batch_count
+from ..checkpoint.export import run_meta
 from ..rollout.engine import GenerationInterrupted
 from ..tracking import Tracker
 from . import grpo, nonfinite, preflight, safe_point
@@ -42,27 +42,6 @@ from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .samples import Sample, collate, plan_micro_batches
 from .step_metrics import reduce_update, step_metrics
-
-
-def mini_batch_count(cfg: Config) -> int:
-    """Optimizer steps per ppo epoch (validated against the batch sizes)."""
-    g, t = cfg.grpo, cfg.train
-    total = g.prompts_per_step * g.group_size
-    gbs = t.global_batch_size or total
-    if gbs % g.group_size or total % gbs:
-        raise ConfigError(
-            f"train.global_batch_size={gbs} must be a multiple of grpo.group_size="
-            f"{g.group_size} and divide grpo.prompts_per_step x group_size = {total}")
-    return total // gbs
-
-
-def check_layout(cfg: Config, dp: int) -> None:
-    m = mini_batch_count(cfg)
-    if cfg.grpo.prompts_per_step % (m * dp):
-        raise ConfigError(
-            f"grpo.prompts_per_step={cfg.grpo.prompts_per_step} must be divisible by "
-            f"mini-batches per step ({m}) x data-parallel size ({dp}) = {m * dp}, so "
-            f"every replica gets whole groups of every mini-batch")
 
 
 class Trainer:

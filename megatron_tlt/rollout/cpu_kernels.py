@@ -34,7 +34,7 @@ kernels run the step close to the bandwidth floor:
   against ~0.4-0.9 ms for the tensor form;
 - ``pack_int8(q, scale, act_block=0)``, ``linear_int8(x, wp, sp, n, group, act_block=0,
   bias=None, residual=None)``, ``decode_layers_int8(...)``: the same GEMM and decoder
-  stack with int8 matrices (the self-drafter's copy, ``rollout/quantize.py``): int8
+  stack with int8 matrices (the self-drafter's copy, ``rollout/speculative/quantize.py``): int8
   panels (a quarter of the float weights' bytes) and float32 scales per output channel
   or per group of inputs in panel layout. With float activations (``act_block`` 0) each
   k's weights are widened to float in registers (one sign extension and one conversion

@@ -36,7 +36,7 @@ step is fixed-shape device code:
 - attention reads a fixed span (the cache's whole capacity) with a length mask, so no
   step depends on a host-side value; nothing inside the captured region reads the
   device (the host's reads, sampling and acceptance stay outside, in the budget of
-  ``rollout.sync_budget``);
+  ``bench.sync_budget``);
 - the graphs are tied to one allocation of the cache (its addresses): they are
   released with it (``release``, by ``rollout.memory.RolloutMemory.release`` before the
   policy update, which frees their memory pool too), and a re-made or new cache

@@ -208,7 +208,7 @@ class RolloutEngine:
         """
         from megatron.core import parallel_state as ps
 
-        from ..launch import load_tokenizer
+        from ..models import load_tokenizer
         from ..models import arch_from_source, load_model, resolve_source
         from ..parallel import initialize_model_parallel
         from ..runtime_env import apply_cpu_redirection, init_distributed
@@ -331,7 +331,7 @@ class RolloutEngine:
                      stats: GenerateStats, ctl: Optional[SpeculationController],
                      retire: Callable[[], None]) -> None:
         """One decode step of the running batch, plain or speculative, then the
-        finished-rows check. Its host reads are budgeted (``rollout.sync_budget``,
+        finished-rows check. Its host reads are budgeted (``bench.sync_budget``,
         tests/rollout/test_host_syncs.py)."""
         t0 = time.perf_counter()
         stats.batch_sizes.append(len(rows))

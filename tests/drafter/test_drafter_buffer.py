@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_tlt.drafter_training.buffer import BufferedResponse, DataBuffer
-from megatron_tlt.drafter_training.trainer import drafter_pairs, target_features
+from megatron_tlt.drafter_training.losses import drafter_pairs
+from megatron_tlt.drafter_training.trainer import target_features
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams

@@ -15,7 +15,8 @@ from megatron_tlt.drafter_training.losses import (LOSS_PRESETS, LossConfig, cach
                                                   chain_mask,
                                                   drafter_loss, sampled_acceptance,
                                                   unrolled_forward)
-from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer, drafter_pairs,
+from megatron_tlt.drafter_training.losses import drafter_pairs
+from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer,
                                                    target_features)
 from megatron_tlt.drafter_training.vocab import draft_vocabulary_by_mass, token_mass
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter

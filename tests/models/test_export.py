@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megatron_tlt.models.export import ExportError, export_run_checkpoint, run_meta
+from megatron_tlt.checkpoint.export import ExportError, export_run_checkpoint, run_meta
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import HFWeights, hf_to_megatron, to_te_names
 from cli import run_main, run_script

@@ -32,7 +32,7 @@ ROWS = _rows()
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from megatron_tlt.launch import load_tokenizer
+    from megatron_tlt.models import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 
@@ -66,7 +66,7 @@ def _trigger(case: str, tmp_path, tokenizer):
     from megatron_tlt.config import validate_for_run
     from megatron_tlt.models.drafter import DrafterConfig
     from megatron_tlt.rl import preflight
-    from megatron_tlt.rl.trainer import mini_batch_count
+    from megatron_tlt.config import mini_batch_count
 
     if case == "unknown-config-key":  # the training entry point's parser (exit code 2:
         spec = importlib.util.spec_from_file_location(  # tests/infra/test_config.py runs its CLI)

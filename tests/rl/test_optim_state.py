@@ -3,7 +3,7 @@ are bit-identical to those of an optimizer that made its state itself."""
 import pytest
 import torch
 
-from megatron_tlt.rl.optim_state import allocate_adam_state, torch_optimizers
+from megatron_tlt.optim_state import allocate_adam_state, torch_optimizers
 
 
 def _params(seed: int):

@@ -20,7 +20,7 @@ ASSISTANT_PROMPT = "<|im_start|>assistant\n"
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from megatron_tlt.launch import load_tokenizer
+    from megatron_tlt.models import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

@@ -169,9 +169,9 @@ def test_coupled_acceptance_against_standard_acceptance(one_layer):
 
 
 def test_recompute_decoding_samples_the_engines_coupled_tokens(one_layer):
-    """rollout.reference.recompute_generate (megatron-core's own forward, recomputed per
+    """bench.reference.recompute_generate (megatron-core's own forward, recomputed per
     token) draws the same coupled tokens as the engine from the same request seeds."""
-    from megatron_tlt.rollout.reference import recompute_generate
+    from megatron_tlt.bench.reference import recompute_generate
 
     model, arch, _, _ = one_layer
     prompts = _prompts(lengths=(4, 7), seed=9)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_tlt.rollout import SamplingParams
-from megatron_tlt.rollout.draft_tree import TreePool, ancestor_mask, row_layout
+from megatron_tlt.rollout.speculative.draft_tree import TreePool, ancestor_mask, row_layout
 from megatron_tlt.rollout.sampling import coupled_gumbel, processed_logprobs, request_seed
 from megatron_tlt.rollout.speculative.drafting import Drafting
 from megatron_tlt.spec_strategy import Strategy

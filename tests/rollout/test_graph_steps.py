@@ -15,7 +15,7 @@ from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.cuda_graphs import GraphedDecoder, _Step, resolve
 from megatron_tlt.rollout.kv_cache import KVCache
-from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure
+from megatron_tlt.bench.sync_budget import HostSyncCounter, measure
 from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
 MODES = sampling_modes(12)

@@ -1,5 +1,5 @@
 """The host-sync budget of a decode step (docs/architecture.md, "Hot paths are device
-code"): counted on CPU by ``rollout.sync_budget`` where a GPU would wait for the device.
+code"): counted on CPU by ``bench.sync_budget`` where a GPU would wait for the device.
 
 Budgets, at TP = 1: a plain step makes at most 1 host read (the finished-rows check:
 the step's tokens and log-probs, one copy); a speculative step (catch-up, draft,
@@ -13,7 +13,7 @@ import torch
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.sync_budget import HostSyncCounter, measure
+from megatron_tlt.bench.sync_budget import HostSyncCounter, measure
 from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
 PLAIN_BUDGET = 1  # the step's tokens and log-probs, read together

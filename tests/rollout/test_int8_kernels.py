@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron_tlt.rollout import cpu_kernels
 from megatron_tlt.rollout.forward import ModelRunner, _Layer
 from megatron_tlt.rollout.kv_cache import KVCache
-from megatron_tlt.rollout.quantize import (dequantize_activations, int8_linear,
+from megatron_tlt.rollout.speculative.quantize import (dequantize_activations, int8_linear,
                                             panel_byte_offset, quantize_activations,
                                             quantize_int8, unpack_panel)
 

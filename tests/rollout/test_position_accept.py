@@ -13,7 +13,7 @@ from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rl.spec_metrics import merge_spec
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout import position_accept as pa
+from megatron_tlt.rollout.speculative import position_accept as pa
 
 
 def test_labels_and_bucket_edges():

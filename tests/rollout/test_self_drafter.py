@@ -14,7 +14,7 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.forward import ModelRunner
-from megatron_tlt.rollout.quantize import int8_linear, quantize_int8
+from megatron_tlt.rollout.speculative.quantize import int8_linear, quantize_int8
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_speculative import (DIST_DRAWS, P_MIN, _chi2_pvalue, _exact_joint, _prompts,
                               _sample_continuations)

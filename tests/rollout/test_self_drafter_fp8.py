@@ -1,4 +1,4 @@
-"""The FP8 (E4M3) self-drafter on CPU (``rollout/quantize_fp8.py``): the quantization
+"""The FP8 (E4M3) self-drafter on CPU (``rollout/speculative/quantize_fp8.py``): the quantization
 math (per-channel scales, clamping at 448, round-trip bounds), the padded layout that
 ``torch._scaled_mm`` needs (checked by torch's own CUDA shape checks on meta tensors),
 the emulated scaled matmul against the float product and against torch's CPU
@@ -16,7 +16,7 @@ import torch
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.quantize_fp8 import (E4M3, E4M3_MAX, Fp8Weight, _to_e4m3,
+from megatron_tlt.rollout.speculative.quantize_fp8 import (E4M3, E4M3_MAX, Fp8Weight, _to_e4m3,
                                                emulated_scaled_mm, fp8_linear, fp8_native,
                                                quantize_fp8, resolve_format,
                                                scaled_mm_operands, scaled_mm_problems)

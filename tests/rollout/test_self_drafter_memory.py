@@ -19,7 +19,7 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.cpu_kernels import MAX_FUSED_ROWS
-from megatron_tlt.rollout.quantize import QuantWeight, int8_linear
+from megatron_tlt.rollout.speculative.quantize import QuantWeight, int8_linear
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from tiny_models import VOCAB
 

@@ -13,7 +13,8 @@ import torch
 from scipy import stats as sps
 
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
-from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer, drafter_pairs,
+from megatron_tlt.drafter_training.losses import drafter_pairs
+from megatron_tlt.drafter_training.trainer import (DraftSample, DrafterTrainer,
                                                    draft_vocabulary, target_features)
 from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import (DrafterConfig, DrafterMismatchError, EagleDrafter,

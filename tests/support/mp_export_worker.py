@@ -31,7 +31,7 @@ def main() -> None:
     cfg = load_config([], args.overrides)
     from megatron_tlt import checkpoint
     from megatron_tlt.launch import setup
-    from megatron_tlt.models.export import export_trained
+    from megatron_tlt.checkpoint.export import export_trained
     from megatron_tlt.models.inference import forward_local_logits, gather_logits
     from megatron_tlt.runtime_env import silence_expected_warnings
     from megatron_tlt.rl.trainer import Trainer

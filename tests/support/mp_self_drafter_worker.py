@@ -29,7 +29,7 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.parallel import initialize_model_parallel
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.quantize import quantize_int8
+from megatron_tlt.rollout.speculative.quantize import quantize_int8
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
 from rollout_cases import case_prompts

@@ -901,7 +901,7 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
 }
 
 // ---------------------------------------------------------------- int8 weights
-// Weight-only int8 GEMM (the self-drafter's quantized copy, rollout/quantize.py):
+// Weight-only int8 GEMM (the self-drafter's quantized copy, rollout/speculative/quantize.py):
 // w ~ q * s with q int8 [N, K] and float32 scales s [N, ceil(K / group)]. q is packed
 // like the float weights ([ceil(N / kPanel), K, kPanel], a quarter of their bytes), s as
 // [ceil(N / kPanel), groups, kPanel]. Activations stay float32: each k loads kPanel int8

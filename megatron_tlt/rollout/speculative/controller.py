@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ...spec_strategy import Strategy
-from .. import position_accept
+from . import position_accept
 from ..kv_cache import KVCache
 from .decision import Outcome
 from .decoder import Emission, SpeculativeDecoder, Verified

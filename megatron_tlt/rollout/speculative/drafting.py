@@ -7,7 +7,7 @@ outputs of the drafter's catch-up (its hidden state ĥ and draft logits per row)
 - an EAGLE-2 tree: top-k children per node, the top-k nodes of each depth by
   cumulative draft log-probability expanded, and the ``verify_tokens`` best nodes of
   the whole tree kept, a selection closed under parents by construction
-  (``rollout/draft_tree.py``), handed to verification as a ``DraftTree``.
+  (``rollout/speculative/draft_tree.py``), handed to verification as a ``DraftTree``.
 
 Coupled rows (a noise ``key``) draft argmax(log q~ + g_t) with the target's noise at
 their response position; trees rank children by their perturbed processed score, so
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...spec_strategy import Strategy
-from ..draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_scores,
+from .draft_tree import (TreeNotClosed, TreePool, ancestor_mask, coupled_child_scores,
                           row_layout)
 from ..forward import ModelRunner
 from ..kv_cache import KVCache

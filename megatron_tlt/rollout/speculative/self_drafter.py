@@ -6,7 +6,7 @@ output channel against 0.23-0.44 for the one-layer drafter, docs/benchmarks.md),
 no training and cannot go stale: it is re-quantized from the current weights whenever
 they changed (``SelfDraftRunner.pack_weights``, called at the start of every
 ``generate``), so after every policy update on every replica, bit-identically
-(quantization is elementwise, ``rollout/quantize.py``).
+(quantization is elementwise, ``rollout/speculative/quantize.py``).
 
 ``SelfDraftRunner`` is a full-depth ``ModelRunner`` over quantized weights: every linear
 (QKV, output projection, fc1, fc2) and the LM head are int8 (``quantize_int8``: per
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from ... import collectives
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
-from ..quantize import (QuantWeight, check_blocks, int8_linear, panel_byte_offset,
+from .quantize import (QuantWeight, check_blocks, int8_linear, panel_byte_offset,
                         quantize_int8)
-from ..quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
+from .quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
 @dataclass

@@ -121,7 +121,7 @@ class SpecStats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts -> rows
     by_bucket: dict[str, Tally] = field(default_factory=dict)  # bucket label -> tally
     by_depth: dict[int, Tally] = field(default_factory=dict)  # strategy depth -> tally
-    # response-position bucket -> [rows, emitted] (rollout/position_accept.py)
+    # response-position bucket -> [rows, emitted] (rollout/speculative/position_accept.py)
     by_position: dict[str, list[int]] = field(default_factory=dict)
     arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps chosen
     # (including "0_0_0": plain steps the tuner chose below the threshold)

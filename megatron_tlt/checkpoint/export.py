@@ -29,8 +29,11 @@ from typing import Mapping, Optional
 import torch
 
 from .. import collectives
-from .gpt import DTYPES, ModelArch
-from .hf import copy_tokenizer_files, from_te_names, megatron_to_hf, save_hf_folder
+from ..models.gpt import DTYPES, ModelArch
+from ..models.hf import copy_tokenizer_files, from_te_names, megatron_to_hf, save_hf_folder
+from ..run_files import DRAFTER_FILE, POLICY_DIR, RUN_FILE
+from . import store
+from .safe_files import CheckpointError
 
 DRAFTER_DIR = "drafter"
 
@@ -76,22 +79,8 @@ class RunCheckpoint:
     drafter_config: Optional[dict] = None
 
 
-def is_run_checkpoint(path: str | Path) -> bool:
-    """A ``checkpoint.save`` folder (``latest`` or ``step_*`` inside) or one step folder."""
-    from ..checkpoint.store import RUN_FILE
-
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    if (path / RUN_FILE).is_file():
-        return True
-    return (path / "latest").is_file() or any(p.is_dir() for p in path.glob("step_*"))
-
-
 def step_folder(folder: str | Path, step: Optional[int] = None) -> Path:
     """The step folder of a run checkpoint: the newest (``latest``) or step ``step``."""
-    from .. import checkpoint
-    from ..checkpoint.store import RUN_FILE
 
     root = Path(folder)
     if root.name.startswith("step_") and (root / RUN_FILE).is_file():
@@ -100,7 +89,7 @@ def step_folder(folder: str | Path, step: Optional[int] = None) -> Path:
                               f"checkpoint.save folder to choose a step")
         return root
     if step is None:
-        path = checkpoint.latest(root)
+        path = store.latest(root)
         if path is None:
             raise ExportError(f"{root} holds no complete run checkpoint (step_N folders "
                               f"written by checkpoint.save)")
@@ -139,13 +128,11 @@ def _full_model_state(policy_dir: Path) -> dict[str, torch.Tensor]:
 def read_run_checkpoint(folder: str | Path, step: Optional[int] = None) -> RunCheckpoint:
     """The whole model of one saved step (any TP/PP/DP layout: read at TP = PP = 1),
     the model's architecture and the drafter, if the run had one."""
-    from .. import checkpoint
-    from ..checkpoint.store import DRAFTER_FILE, POLICY_DIR
 
     path = step_folder(folder, step)
     try:
-        run = checkpoint.verify(path)
-    except checkpoint.CheckpointError as e:
+        run = store.verify(path)
+    except CheckpointError as e:
         raise ExportError(str(e)) from None
     meta = run.get("meta")
     if not meta or "hf_config" not in meta:
@@ -187,7 +174,7 @@ def export_run_checkpoint(folder: str | Path, out: str | Path, *, step: Optional
 
 
 def _tokenizer_of(source: str) -> Optional[Path]:
-    from .megatron_weights import tokenizer_folder
+    from ..models.megatron_weights import tokenizer_folder
 
     return tokenizer_folder(source) if source and Path(source).exists() else None
 
@@ -289,7 +276,7 @@ def write_drafter_export(state: dict, config: dict, folder: Path, arch: ModelArc
     """``folder/drafter.safetensors`` (loadable by ``load_drafter`` / the engine's
     ``rollout.speculative.drafter``) and ``folder/config.json``: the drafter's config and
     the target it was trained for (the policy exported beside it)."""
-    from .drafter import FORMAT_VERSION, write_drafter_file
+    from ..models.drafter import FORMAT_VERSION, write_drafter_file
 
     if config is None:
         raise ExportError("the run checkpoint holds a drafter but not its configuration")

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .outputs import RolloutOutput
-from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
+from ..rollout.outputs import RolloutOutput
+from ..rollout.sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
 
 
 @torch.no_grad()

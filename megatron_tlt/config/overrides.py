@@ -13,8 +13,8 @@ import re
 from dataclasses import is_dataclass
 from typing import Any, Optional
 
-from .config.base import ConfigError
-from .config.loading import _all_keys, _closest_hint, _translate
+from .base import ConfigError
+from .keys import _all_keys, _closest_hint, _translate
 
 
 def _field_type(cls, dotted: str):
