@@ -81,6 +81,13 @@ def parse(argv=None):
     return args, config_from_args(args)
 
 
+def speculation(engine) -> str:
+    """The run's drafters, as its first log line names them."""
+    if not engine.drafters:
+        return "off"
+    return "on (" + ", ".join(d.label for d in engine.drafters.values()) + ")"
+
+
 def main(argv=None) -> int:
     args, cfg = parse(argv)
     if args.dry_run:
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
     stop = StopRequest(cfg.checkpoint.save, cfg.checkpoint.stop_deadline_s,
                        store=rendezvous_store("megatron_tlt/stop",
                                               cfg.parallel.collective_timeout_s)).install()
-    trainer = Trainer(cfg, session)
+    trainer = Trainer(cfg, session, stop=stop)
     resumed = trainer.resume(resume_from) if resume_from else None
 
     opened = run_dir.open_run(cfg.tracking, run_name,
@@ -125,7 +132,6 @@ def main(argv=None) -> int:
                               config=config_dict(cfg)) if rank == 0 else None
     folder = opened.path if opened is not None else requested
     tracker = Tracker(cfg.tracking, folder, rank=rank, config_dict=config_dict(cfg))
-    trainer.tracker = tracker
     if opened is not None:
         tracker.info(opened.describe(Path(cfg.tracking.output_dir).expanduser() / run_name))
     if resumed:
@@ -140,11 +146,9 @@ def main(argv=None) -> int:
                  f"{lay.pp_size} x DP {lay.dp_size}, {session.platform.device.type}/"
                  f"{session.platform.backend}; {cfg.grpo.prompts_per_step} prompts x "
                  f"{cfg.grpo.group_size} samples per step, {cfg.train.steps} steps; "
-                 f"speculative decoding "
-                 f"{'on (' + cfg.rollout.speculative.drafter + ')' if trainer.engine is not None and trainer.engine.spec is not None else 'off'}")
-    trainer.stop = stop
+                 f"speculative decoding {speculation(trainer.engine)}")
     try:
-        history = trainer.train()
+        history = trainer.train(tracker)
     except Stopped as stopped:
         if rank == 0:
             tracker.info(str(stopped) + f"; exit code {stopped.exit_code}"
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
             heartbeat.stop()
         shutdown()
         return stopped.exit_code
-    trainer.stop.uninstall()
+    stop.uninstall()
     exported = None
     if cfg.checkpoint.export_hf:
         from megatron_tlt.checkpoint.export import export_trained

@@ -16,6 +16,7 @@ from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
 from .parallel import ParallelLayout, initialize_model_parallel
+from .rollout.speculative import drafters
 from .runtime_env import Platform, init_distributed, seed_everything
 from .rl.preflight import check_vocabulary
 
@@ -35,6 +36,7 @@ def setup(cfg: Config) -> Session:
     source = resolve_source(cfg.model.hf_path)
     arch = arch_from_source(source)
     validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
+    drafters.check_config(cfg)  # the drafter kinds' own rules
     tokenizer = load_tokenizer(source)
     check_vocabulary(tokenizer, arch, source)
     plat = init_distributed(cfg.platform.device, cfg.platform.backend,

@@ -218,7 +218,7 @@ class Arm:
         self.name = name
         self.cfg = cfg
         self.model = model
-        self.trainer = Trainer(cfg, replace(session, model=model), tracker=None)
+        self.trainer = Trainer(cfg, replace(session, model=model))
         self.seen: list = []
         self.trainer.idle_window_hooks.append(self._capture)
 

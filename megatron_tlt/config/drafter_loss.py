@@ -21,6 +21,9 @@ class LossConfig:
     top_k: int = 0
     top_p: float = 1.0
     unroll: int = 1
+    # p~ and q~ at the rollout's sampling settings (``for_sampling``); False: at the
+    # preset's own (the EAGLE recipe's soft CE against the T=1 softmax)
+    follows_sampling: bool = True
 
     def __post_init__(self):
         for name in ("kl", "tv", "log_accept", "hidden"):
@@ -47,13 +50,13 @@ class LossConfig:
     @classmethod
     def for_sampling(cls, name: str, temperature: float, top_k: int = 0, top_p: float = 1.0,
                      **overrides) -> "LossConfig":
-        """Preset ``name`` at a rollout's sampling settings (temperature 0 = greedy). The
-        ``eagle`` preset keeps its soft CE against the T=1 softmax whatever the rollout
-        samples at."""
-        if name == "eagle":
-            temperature, top_k, top_p = 1.0, 0, 1.0
-        return cls.preset(name, temperature=temperature, top_k=top_k, top_p=top_p,
-                          **overrides)
+        """Preset ``name`` at a rollout's sampling settings (temperature 0 = greedy). A
+        preset that does not follow them (``eagle``: its soft CE against the T=1
+        softmax) keeps its own whatever the rollout samples at."""
+        base = cls.preset(name, **overrides)
+        if not base.follows_sampling:
+            return base
+        return dataclasses.replace(base, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def processing(self) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) for ``processed_logprobs``; greedy as T=1."""
@@ -63,7 +66,7 @@ class LossConfig:
 LOSS_PRESETS = {
     # the EAGLE recipe: next-hidden-state regression + 0.1 x soft CE at T=1 (CE and KL
     # differ by p's entropy, a constant: same gradients)
-    "eagle": LossConfig(kl=0.1, hidden=1.0, temperature=1.0),
+    "eagle": LossConfig(kl=0.1, hidden=1.0, temperature=1.0, follows_sampling=False),
     "kl": LossConfig(kl=1.0),
     "tv": LossConfig(kl=0.0, tv=1.0),
     "log_accept": LossConfig(kl=0.0, log_accept=1.0),

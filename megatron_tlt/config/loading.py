@@ -109,20 +109,6 @@ def check_drafter_group_layout(cfg: Config) -> None:
             f"rollout.pipeline_mode=gathered (the default) or drafter_group.enable=false")
 
 
-def check_self_drafter_layout(cfg: Config) -> None:
-    """The self-drafter at PP > 1 quantizes the gathered rollout's whole-model copy; the
-    stage-to-stage rollout holds one stage's layers per rank."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    spec = cfg.rollout.speculative
-    if ((spec.drafter == "self" or spec.self_too) and pp > 1
-            and cfg.rollout.pipeline_mode != "gathered"):
-        raise ConfigError(
-            f"the self-drafter (rollout.speculative.drafter=self or self_too=true) at "
-            f"parallel.pipeline_model_parallel_size={pp} needs rollout.pipeline_mode="
-            f"gathered (every pipeline rank then quantizes its copy of the whole model), "
-            f"got rollout.pipeline_mode={cfg.rollout.pipeline_mode}")
-
-
 def validate_for_run(cfg: Config, arch, world_size: int) -> None:
     """Checks that need the model's architecture and the world size; run before compute."""
     tp = cfg.parallel.tensor_model_parallel_size
@@ -138,7 +124,6 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"{arch.num_query_groups} KV groups (num_key_value_heads); use a divisor of "
             f"{arch.num_query_groups}")
     check_drafter_group_layout(cfg)
-    check_self_drafter_layout(cfg)
     if arch.num_layers % pp:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from dataclasses import dataclass
 from typing import Optional
@@ -130,7 +129,7 @@ class SpeculativeConfig:
     self_too: bool = _help(
         "With a drafter checkpoint: also the self-drafter, the kind (one-layer drafter, "
         "int8 copy, or plain decoding) chosen per batch-size bucket by each kind's own "
-        "tuner and break-even gate (rollout/speculative/kinds.py).", False)
+        "tuner and break-even gate (rollout/speculative/multi.py).", False)
     threshold: int = _help(
         "Speculate only while the running batch has at most this many sequences (the "
         "long tail); larger batches decode plainly. Switching on mid-generation costs one "
@@ -187,10 +186,6 @@ class SpeculativeConfig:
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _positive("rollout.speculative", "window", self.window)
-        if self.self_too and self.drafter in ("", "self"):
-            raise ConfigError("rollout.speculative.self_too=true needs a drafter "
-                              "checkpoint in rollout.speculative.drafter (the kind the "
-                              f"self-drafter is weighed against), got {self.drafter!r}")
         if self.self_group < 0:
             raise ConfigError("rollout.speculative.self_group must be >= 0 (0 = one scale "
                               f"per output channel), got {self.self_group}")
@@ -221,16 +216,6 @@ class SpeculativeConfig:
                 parse_arms(self.self_arms, self.buckets)
         except ValueError as e:
             raise ConfigError(f"rollout.speculative: {e}") from None
-
-    def for_kind(self, kind: str) -> "SpeculativeConfig":
-        """These settings for a drafter kind's tuner: the self-drafter's arms are
-        ``self_arms`` (auto: ``SELF_ARMS`` while ``arms`` is the default)."""
-        if kind != "self" or self.self_arms == "":
-            return self
-        arms = self.self_arms
-        if arms == "auto":
-            arms = SELF_ARMS if self.arms == DEFAULT_ARMS else self.arms
-        return dataclasses.replace(self, arms=arms)
 
 
 @dataclass

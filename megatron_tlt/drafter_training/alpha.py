@@ -159,7 +159,7 @@ def measure_self_alpha(copy, runner, samples: Sequence[DraftSample], *, temperat
     return AlphaReport(alpha=[x / max(c, 1) for x, c in zip(sums, counts)],
                        e_max_p=p_max / n_, vocab_mass=mass / n_, tokens=counts[0],
                        temperature=temperature, top_k=top_k, top_p=top_p,
-                       extra={"drafter": "self", "tokens_by_depth": counts})
+                       extra={"tokens_by_depth": counts})
 
 
 def _copy_over_target_kv(copy, runner, ids: torch.Tensor, cache, lo: int, hi: int,

@@ -17,36 +17,31 @@ from typing import Optional, Sequence
 
 from .alpha import AlphaReport, measure_alpha, measure_self_alpha, measured_accept_len
 
-__all__ = ["is_self", "self_copy", "alpha_by_kind", "compare", "table_lines"]
-
-
-def is_self(drafter) -> bool:
-    """Whether ``drafter`` is a ``SelfDrafter`` (else a one-layer ``EagleDrafter``)."""
-    return getattr(drafter, "kind", "") == "self"
-
-
-def self_copy(runner, drafter):
-    """The int8 copy ``drafter`` (a ``SelfDrafter``) makes of ``runner``'s model (or of
-    its ``source``), quantized and running on the target's kernels."""
-    copy = drafter.runner_for(runner)
-    if copy.kernels is not runner.kernels:  # the copy's panels follow the kernels
-        copy.kernels = runner.kernels
-        copy._fp = None
-    copy.pack_weights()
-    return copy
+__all__ = ["alpha_by_kind", "compare", "table_lines"]
 
 
 def alpha_by_kind(runner, drafters: dict, samples: Sequence, *, temperature: float,
                   top_k: int = 0, top_p: float = 1.0, depth: int = 4) -> dict[str, AlphaReport]:
-    """Name -> ``AlphaReport`` of each drafter of ``drafters`` (an ``EagleDrafter`` or a
-    ``SelfDrafter``) on ``samples`` (``alpha.held_out_samples``; with a one-layer
-    drafter reading EAGLE-3 feature layers, sampled with those layers' features)."""
+    """Name -> ``AlphaReport`` of each drafter of ``drafters`` (a ``Drafter`` or a
+    one-layer drafter module) on ``samples`` (``alpha.held_out_samples``; with a
+    one-layer drafter reading EAGLE-3 feature layers, sampled with those layers'
+    features): a feature-fed drafter through its model, a token-fed one through the
+    runner that drafts (``Drafter.token_runner``, e.g. the self-drafter's copy)."""
+    from ..rollout.speculative.drafters import as_drafter
+
     out = {}
     for name, d in drafters.items():
+        d = as_drafter(d)
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, depth=depth)
-        rep = (measure_self_alpha(self_copy(runner, d), runner, samples, **kw) if is_self(d)
-               else measure_alpha(d, runner, samples, **kw))
-        rep.extra["kind"] = "self" if is_self(d) else "eagle"
+        if d.fed == "features":
+            rep = measure_alpha(d.model, runner, samples, **kw)
+        else:
+            copy = d.token_runner(runner)
+            if copy is None:
+                raise ValueError(f"{d.label} ({name}) has no model whose alpha can be "
+                                 "measured on held-out responses")
+            rep = measure_self_alpha(copy, runner, samples, **kw)
+        rep.extra["kind"] = d.name
         out[name] = rep
     return out
 

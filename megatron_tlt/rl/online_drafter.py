@@ -1,9 +1,12 @@
 """The RL trainer's side of the drafter group (``drafter_group.enable=true``).
 
-    online = OnlineDrafter(trainer)           # before the trainer's RunState is made
+    online = OnlineDrafter(cfg, engine, layout, dp_group)  # the engine's trainable drafter
     trainer.idle_window_hooks.append(online.hook)
     with online.rollout_guard(): ...          # speculation off once after a failure
     metrics.update(online.after_update(metrics))
+
+The engine must hold a trainable drafter (``Drafter.trainable``): a configured one, or
+an untrained one the trainer attaches for a cold start (``drafters.untrained``).
 
 The rollout returns each response's decode-time hidden states (``Sample.extra``); the
 idle-window hook buffers them and runs the group's window (``DrafterGroup``); after the
@@ -26,45 +29,47 @@ from ..config.loading import check_drafter_group_layout
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
 from ..drafter_training.sizing import resolve
+from ..rollout.speculative import drafters
 from .rollout import sampling_params
 
 
 class OnlineDrafter:
-    def __init__(self, trainer):
+    def __init__(self, cfg, engine, layout, dp_group):
+        """``cfg``: the run's config; ``engine``: the replica's ``RolloutEngine`` (its
+        trainable drafter is trained, its runner read); ``layout``: this rank's
+        ``ParallelLayout``; ``dp_group``: the data-parallel group the drafters are
+        averaged over."""
         from megatron.core import parallel_state as ps
 
-        from ..models.drafter import DrafterConfig, EagleDrafter
-
-        cfg, dg = trainer.cfg, trainer.cfg.drafter_group
-        eng = trainer.engine
+        dg = cfg.drafter_group
         check_drafter_group_layout(cfg)  # PP > 1: the gathered rollout only
-        if getattr(eng.spec, "kind", "") == "self":
-            raise ConfigError("drafter_group.enable=true trains the one-layer drafter; "
-                              "rollout.speculative.drafter=self (the policy's int8 copy) "
-                              "needs no training: set drafter_group.enable=false")
-        if eng.spec is None:  # a cold start: a random drafter, the same on every rank
-            eng.attach_drafter(EagleDrafter(DrafterConfig.for_target(trainer.arch),
-                                            trainer.arch, dtype=eng.runner.dtype,
-                                            device=eng.device))
-        drafter = eng.spec.drafter
-        if drafter.config.feature_layers:
+        kind = drafters.trainable(engine.drafters)
+        if kind is None:
+            names = ", ".join(f"{d.label} ({n})" for n, d in engine.drafters.items())
+            raise ConfigError(f"drafter_group.enable=true trains a drafter, and "
+                              f"{names or 'no drafter'} needs no training: set "
+                              "drafter_group.enable=false, or "
+                              "give rollout.speculative.drafter a drafter checkpoint (or "
+                              "leave it empty for a cold start)")
+        if kind.feature_layers:
             raise ConfigError(
                 "drafter_group.enable=true trains on the final hidden states the engine "
                 "returns; this drafter reads EAGLE-3 feature layers "
-                f"{list(drafter.config.feature_layers)}. Use a drafter without "
+                f"{list(kind.feature_layers)}. Use a drafter without "
                 "feature_layers or drafter_group.enable=false")
-        if trainer.layout.dp_size == 1 and trainer.rank == 0:
+        self.first = layout.dp_rank == 0 and layout.tp_rank == 0 and layout.pp_rank == 0
+        if layout.dp_size == 1 and self.first:
             warnings.warn("drafter_group.enable=true with one data-parallel replica: no "
                           "replica is ever idle while another decodes, so the drafter "
                           "never trains; launch 2 or more replicas", RuntimeWarning,
                           stacklevel=2)
+        drafter = kind.model
         dg = resolve(dg, drafter)  # sizes left to the device (0 = auto)
-        self.engine = eng
+        self.engine = engine
+        self.kind = kind.name  # its acceptance in the step's spec metrics: spec/<kind>
         self.cfg = dg
-        self.dp_group = trainer.dp_group
-        lay = trainer.layout
-        self.first = lay.dp_rank == 0 and lay.tp_rank == 0 and lay.pp_rank == 0
-        self.group = DrafterGroup(drafter, eng.runner, dg, dp_group=trainer.dp_group,
+        self.dp_group = dp_group
+        self.group = DrafterGroup(drafter, engine.runner, dg, dp_group=dp_group,
                                   mp_group=ps.get_model_parallel_group(),
                                   pp_group=ps.get_pipeline_model_parallel_group(),
                                   total_steps=cfg.train.steps * dg.max_steps_per_window,
@@ -99,7 +104,7 @@ class OnlineDrafter:
         else:
             out.pop("drafter/train_spans")
         low = canary_warnings(out.get("drafter/alpha"), self.cfg.canary_min_alpha,
-                              metrics.get("spec") or {})
+                              metrics.get("spec") or {}, self.kind)
         if low and self.first:
             warnings.warn("drafter group: the drafter looks broken (" + "; ".join(low) +
                           "): speculation buys nothing; check the drafter's weights "
@@ -110,15 +115,15 @@ class OnlineDrafter:
 CANARY_MIN_SPEC_STEPS = 32  # speculative steps the canary's acceptance check needs
 
 
-def canary_warnings(alpha, min_alpha: float, spec: dict) -> list[str]:
-    """Why the one-layer drafter looks broken after an update, if it does: the canary's
-    alpha below ``min_alpha``, or its measured acceptance about one token per step over
-    enough speculative steps. With several drafter kinds (``spec/eagle``) only the
-    one-layer drafter's own steps count: the self-drafter's acceptance says nothing
+def canary_warnings(alpha, min_alpha: float, spec: dict, kind: str) -> list[str]:
+    """Why the trained drafter (of kind ``kind``) looks broken after an update, if it
+    does: the canary's alpha below ``min_alpha``, or its measured acceptance about one
+    token per step over enough speculative steps. With several drafter kinds
+    (``spec/<kind>``) only its own steps count: another kind's acceptance says nothing
     about it."""
     low = [f"canary alpha {alpha:.3f} < drafter_group.canary_min_alpha={min_alpha}"] \
         if alpha is not None and alpha < min_alpha else []
-    own = spec.get("eagle") or spec
+    own = spec.get(kind) or spec
     # a handful of speculative steps says little: judge acceptance on enough of them
     if own.get("steps", 0) >= CANARY_MIN_SPEC_STEPS and own.get("accept_len", 2.0) <= 1.05:
         low.append(f"measured acceptance {own['accept_len']:.2f} tokens per step")

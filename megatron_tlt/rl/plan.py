@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ..config import Config, validate_for_run
 from ..models.known import KNOWN_ARCHITECTURES, architecture  # noqa: F401 (re-exported)
-from . import memory_model
+from ..rollout.speculative import drafters
+from . import memory_model, memory_terms
 from .memory_model import GIB
 
 
@@ -22,6 +23,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
 
     arch, arch_from = architecture(cfg)
     validate_for_run(cfg, arch, world_size)
+    drafters.check_config(cfg)
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
@@ -45,7 +47,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     ]
     lines += memory_model.report_lines(est)
     lines += rollout_memory_lines(arch, tp, pp, s.dtype_bytes, s.rollout_rows, s.capacity,
-                                  drafter=bool(cfg.rollout.speculative.drafter),
+                                  drafter=s.drafter_reads_vocabulary,
                                   mode=cfg.rollout.pipeline_mode)
     from ..planner import predict_for_config  # predicted, with its assumptions listed
 
@@ -67,7 +69,7 @@ def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
     (``rollout.pipeline_mode``, PP > 1): every rank holds copies of the other stages'
     layers and of the vocabulary matrices it does not own, and the KV cache of all the
     layers for its share of the sequences."""
-    stages = memory_model.rollout_stages(arch, tp, pp, dtype_bytes, seqs, capacity,
+    stages = memory_terms.rollout_stages(arch, tp, pp, dtype_bytes, seqs, capacity,
                                          drafter=drafter, mode=mode)
     gathered = stages[0]["gathered"]
     out = [f"rollout memory per pipeline stage (one TP rank; {seqs} sequences x "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..fileio import atomic_write
+from ..rollout.speculative.drafters import kind_named
 from ..tracking import read_metrics
 
 
@@ -226,7 +227,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
                             color="tab:purple", height=0.5)
                 for a, b, what in bands[k]:  # which drafter decoded when (thin bands)
                     ax.barh(y + 0.3, max(b - a, 1e-3), left=a, height=0.25,
-                            color=KIND_COLORS.get(what, "black"))
+                            color=kind_color(what))
                 ax.barh(y, upd_start - last, left=last, color="tab:gray", alpha=0.4)
                 ax.barh(y, t["update"], left=upd_start, color="tab:green")
                 labels.append(f"step {r['step']} replica {k}")
@@ -237,9 +238,12 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set_xlabel("seconds since step start")
         title = ("replica timeline: rollout (blue), tail idle (red), drafter training "
                  "(purple), log-probs (grey), update (green)")
-        if any(r["timeline"].get("replica_kinds") for r in shown):
-            title += ("\nbands under the rollout: steps speculated by the one-layer "
-                      "drafter (cyan) or the self-drafter (orange), declined (black)")
+        kinds = sorted({w for r in shown for segs in r["timeline"].get("replica_kinds") or []
+                        for _, _, w in segs} - {"plain"})
+        if kinds:
+            title += ("\nbands under the rollout: steps speculated by " + " or ".join(
+                f"{kind_label(k)} ({kind_color(k).removeprefix('tab:')})"
+                for k in kinds) + ", declined (black)")
         ax.set_title(title, fontsize=9)
         fig.tight_layout()
         p = out / "timeline.png"
@@ -249,8 +253,20 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     return paths
 
 
-# the timeline's bands per drafter kind ("plain": the chosen kind's gate declined)
-KIND_COLORS = {"eagle": "tab:cyan", "self": "tab:orange", "plain": "black"}
+def kind_color(what: str) -> str:
+    """A timeline band's color: its drafter kind's, black where the chosen kind's gate
+    declined ("plain") or the kind is unknown here."""
+    try:
+        return kind_named(what).color
+    except KeyError:
+        return "black"
+
+
+def kind_label(name: str) -> str:
+    try:
+        return kind_named(name).label
+    except KeyError:
+        return name
 
 
 def _save(fig, path: Path) -> None:

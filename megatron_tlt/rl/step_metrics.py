@@ -30,13 +30,14 @@ def reduce_update(sums: dict, maxes: dict, dp_group) -> tuple[dict, dict]:
     return totals, maxes
 
 
-def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std, rounds,
-                 replaced) -> dict:
+def step_metrics(samples, roll, finish_times, timing, update, zero_std, rounds, replaced,
+                 *, dp_group, lr: float, tis: bool, pp_group=None, pp_size: int = 1) -> dict:
     """The step's metrics (every rank computes the same): ``roll`` is this replica's
     rollout, ``finish_times`` every replica's, ``update`` this rank's ``_update``
-    result (the loss sums, complete on the last pipeline stage)."""
-    g = trainer.cfg.grpo
-    dp = trainer.dp_group
+    result (the loss sums, complete on the last pipeline stage, brought to the others
+    over ``pp_group``); ``lr``: the learning rate reported when no optimizer step ran;
+    ``tis``: truncated importance sampling is on (its mean weight is reported)."""
+    dp = dp_group
     n = len(samples)
     lengths = [len(s.response_ids) for s in samples]
     rewards = [s.reward for s in samples]
@@ -60,9 +61,8 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
     decode = [d for d, _ in per_replica]
     # loss metrics live on the last pipeline stage: bring them to rank 0's stage
     upd = update
-    if trainer.layout.pp_size > 1:
-        upd = collectives.broadcast_object(update, src=trainer.layout.pp_size - 1,
-                                           group=trainer.pp_group)
+    if pp_size > 1:
+        upd = collectives.broadcast_object(update, src=pp_size - 1, group=pp_group)
     s, mx = upd["sums"], upd["maxes"]
     tok = max(s.get("tokens", 0.0), 1.0)
     mean_r = rsum / max(N, 1)
@@ -91,7 +91,7 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
         "mismatch/prob_ratio_err": s.get("mismatch_ratio_err_sum", 0.0) / tok,
         "grad_norm": (sum(upd["grad_norm"]) / len(upd["grad_norm"])
                       if upd["grad_norm"] else float("nan")),
-        "lr": upd["lr"][-1] if upd["lr"] else trainer.policy.lr,
+        "lr": upd["lr"][-1] if upd["lr"] else lr,
         "updates_skipped": upd["skipped"],
         "loss_scale": upd["loss_scale"],
         "timing": dict(timing, tail=last - first),
@@ -109,7 +109,7 @@ def step_metrics(trainer, samples, roll, finish_times, timing, update, zero_std,
                                           for k in per_replica[0][1]}
     if st.get("graphs"):  # rollout.cuda_graphs=auto's choice per key (this replica's)
         out["graphs"] = st["graphs"]
-    if g.tis_cap > 0:
+    if tis:
         out["tis/weight_mean"] = s.get("tis_weight_sum", 0.0) / tok
     if any(x is not None for x in spec):
         out["spec"] = merge_spec([x for x in spec if x is not None], sum(decode))

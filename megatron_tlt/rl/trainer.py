@@ -32,14 +32,16 @@ import torch
 from .. import checkpoint as checkpointing
 from .. import collectives
 from ..arrival import BOUND_FACTOR, StepPoints
-from ..config import Config, check_layout, mini_batch_count
 from ..checkpoint.export import run_meta
+from ..config import Config, check_layout, mini_batch_count
 from ..rollout.engine import GenerationInterrupted
+from ..rollout.speculative import drafters
 from ..tracking import Tracker
-from . import grpo, nonfinite, preflight, safe_point
+from . import grpo, nonfinite, preflight
 from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
+from .safe_point import SafePoints
 from .samples import Sample, collate, plan_micro_batches
 from .step_metrics import reduce_update, step_metrics
 
@@ -47,9 +49,12 @@ from .step_metrics import reduce_update, step_metrics
 class Trainer:
     """Owns the run's components; ``train()`` runs the loop, ``train_step`` one step."""
 
-    def __init__(self, cfg: Config, session, *, tracker: Optional[Tracker] = None):
+    def __init__(self, cfg: Config, session, *, stop=None):
+        """``session``: ``launch.setup``'s (model, tokenizer, layout, platform);
+        ``stop``: the run's ``preemption.StopRequest`` (None: no stop requests)."""
         from megatron.core import parallel_state as ps
 
+        from ..rollout import RolloutEngine
         from .data import PromptSampler, build_prompt_sets
         from .rewards import Verifier
 
@@ -58,7 +63,7 @@ class Trainer:
         self.layout = session.layout
         self.arch = session.arch
         self.tokenizer = session.tokenizer
-        self.rank = collectives.rank()
+        self.stop = stop
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         check_layout(cfg, self.layout.dp_size)
@@ -70,34 +75,35 @@ class Trainer:
         self.policy = Policy(session.model, self.arch, cfg.train,
                              total_optimizer_steps=total_opt_steps)
         self.ref_model = self._reference_model() if cfg.grpo.kl_beta > 0 else None
-        from ..rollout import RolloutEngine
-
         # this replica's stages decode together at PP > 1 (each its own layers' KV cache)
         self.engine = RolloutEngine(  # its memory sized once for the run (rollout.memory)
             self.policy.module, self.tokenizer, cfg.rollout, arch=self.arch,
             max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=cfg.grpo.max_new_tokens,
             max_rows=len(self.replica_prompts(cfg.grpo.prompts_per_step)) * cfg.grpo.group_size)
-        # the drafter group trains the engine's drafter in the rollout tail (it attaches
-        # a random one for a cold start), so it is set up before the run state
         self.online = None
         if cfg.drafter_group.enable:
             from .online_drafter import OnlineDrafter
 
-            self.online = OnlineDrafter(self)
+            if not self.engine.drafters:  # a cold start: an untrained drafter to train,
+                self.engine.attach_drafter(drafters.untrained(  # the same on every rank
+                    self.arch, dtype=self.engine.runner.dtype, device=self.engine.device))
+            self.online = OnlineDrafter(cfg, self.engine, self.layout, self.dp_group)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id or 0)
-        self.state = checkpointing.RunState(
+        saved = drafters.trainable(self.engine.drafters)  # (a quantized copy has no
+        self.state = checkpointing.RunState(  # weights of its own to save)
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner,
-            drafter=(self.engine.spec.drafter  # the self-drafter has no weights to save
-                     if self.engine.spec is not None
-                     and getattr(self.engine.spec, "kind", "") != "self" else None),
+            drafter=saved.model if saved is not None and saved.saveable else None,
             drafter_group=self.online.group if self.online is not None else None,
             meta=run_meta(self.arch, session.source))
         self.saver = checkpointing.Saver(checkpointing.async_enabled(
             cfg.checkpoint.async_save, session.platform.device))
-        self.tracker = tracker
-        self.stop = None  # rl.preemption.StopRequest, set by the entry point
+        self.safe = SafePoints(
+            self.state, self.saver, cfg.checkpoint, self.layout, last_step=cfg.train.steps,
+            stop=stop, settle=(lambda: self.online.group.finish_sync(record=False))
+            if self.online is not None else None)
+        self.tracker = None  # the run's Tracker while ``train`` runs
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
         # here; the callback must return before the barrier can complete.
@@ -107,8 +113,8 @@ class Trainer:
         self._reward_seconds = 0.0
         # a replica that finished early waits for the others on the store, then enters
         # the collective (arrival.py): a tail longer than the process group's timeout
-        self.points = StepPoints(collectives.size(), self.rank, bound_s=BOUND_FACTOR
-                                 * cfg.parallel.collective_timeout_s)
+        self.points = StepPoints(collectives.size(), collectives.rank(),
+                                 bound_s=BOUND_FACTOR * cfg.parallel.collective_timeout_s)
 
     # ------------------------------------------------------------------ set-up helpers
     def _reference_model(self):
@@ -182,7 +188,7 @@ class Trainer:
         self._reward_seconds = 0.0
 
         # what the step changes before its first optimizer step, for a stop request
-        snap = safe_point.step_start(self)
+        snap = self.safe.step_start()
 
         # 1. prompts: the same list on every rank (the sampler is deterministic)
         prompts = self.state.sampler.next_batch(g.prompts_per_step)
@@ -211,7 +217,7 @@ class Trainer:
         finish_times = self._dp_all_gather(roll.finished_at)  # the step barrier
         window = time.perf_counter() - t_idle
         timing["barrier_wait"] = window
-        safe_point.abandon_if_agreed(self, snap)  # a stop request: raises Stopped
+        self.safe.abandon_if_agreed(snap)  # a stop request: raises Stopped
         if cfg.rollout.release_memory:  # the update runs without the rollout's caches
             self.engine.release_memory()
 
@@ -250,8 +256,10 @@ class Trainer:
         timing["step"] = time.perf_counter() - t_step
 
         # 7. metrics
-        metrics = step_metrics(self, samples, roll, finish_times, timing, update,
-                               zero_std, rounds, replaced)
+        metrics = step_metrics(samples, roll, finish_times, timing, update, zero_std,
+                               rounds, replaced, dp_group=self.dp_group, lr=self.policy.lr,
+                               tis=g.tis_cap > 0, pp_group=self.pp_group,
+                               pp_size=self.layout.pp_size)
         if self.online is not None:  # the canary after the policy update, drafter metrics
             metrics.update(self.online.after_update(metrics))
         self.state.step = step + 1
@@ -397,7 +405,7 @@ class Trainer:
                 first = _epoch == 0 and m == 0  # no optimizer step yet: may be abandoned
                 result, trained = self.policy.train_step(
                     mbs, loss_fn, interrupt=self._interrupt() if first else None,
-                    before_step=(lambda: safe_point.abandon_if_agreed(self, snap))
+                    before_step=(lambda: self.safe.abandon_if_agreed(snap))
                     if first and snap is not None else None)
                 per_mb += trained
                 work["backward_seconds"] += result.compute_seconds
@@ -445,9 +453,11 @@ class Trainer:
         return eval_metrics([x for part in self._dp_all_gather(per) for x in part])
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> list[dict]:
+    def train(self, tracker: Optional[Tracker] = None) -> list[dict]:
+        """Run the steps left (``train.steps``), reporting to ``tracker`` (metrics,
+        progress, the phase lines); returns each step's metrics."""
         cfg = self.cfg
-        tracker = self.tracker
+        self.tracker = tracker
         history = []
         if tracker is not None:
             tracker.start_progress(cfg.train.steps, self.state.step)
@@ -465,7 +475,7 @@ class Trainer:
                 if interval and (done % interval == 0 or done == cfg.train.steps):
                     metrics.update(self.evaluate())
                 nonfinite.after_step(done, metrics, self.state.extra, cfg.train.max_nonfinite_steps)
-                metrics.update(safe_point.step_boundary(self))  # checkpoint/* timings
+                metrics.update(self.safe.step_boundary())  # checkpoint/* timings
                 if tracker is not None:
                     tracker.log(done, metrics)
                     tracker.step_done(f"reward {metrics['reward/mean']:.3f} "
@@ -473,18 +483,19 @@ class Trainer:
                                       f"{metrics['timing']['step']:.0f}s")
                 history.append({"step": done, **metrics})
                 every = cfg.checkpoint.save_interval
-                safe_point.end_of_step(self, done, bool(every and done % every == 0)
+                self.safe.end_of_step(done, bool(every and done % every == 0)
                                        or done == cfg.train.steps)  # may raise Stopped
         except BaseException as e:
-            safe_point.on_error(self, e)  # a save in flight: published or abandoned
+            self.safe.on_error(e)  # a save in flight: published or abandoned
             raise
         finally:
             if tracker is not None:
                 tracker.close()
+            self.tracker = None
         return history
 
     def resume(self, folder: str | Path) -> Path:
-        return safe_point.resume(self, folder)
+        return self.safe.resume(folder)
 
 
 # ---------------------------------------------------------------------------------------

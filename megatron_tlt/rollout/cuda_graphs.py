@@ -62,7 +62,7 @@ Memory: each decoder's keys share one memory pool (``graph_pool_handle``): a key
 output [bucket, T, hidden] stays in it, and the blocks its forward's intermediates
 freed at the end of its capture serve the next key's capture, so the pool holds about
 the keys' outputs plus the largest key's working set (the dry run's model:
-``rl.memory_model.graph_keys``, ``graph_pool_bytes``). Keys are captured at first use;
+``rl.memory_terms.graph_keys``, ``graph_pool_bytes``). Keys are captured at first use;
 a rollout's running batch starts at its largest bucket and shrinks into the tail, so
 the largest plain keys usually come first and the smaller ones fit in their freed
 blocks. The static input buffers are ordinary allocations. The target and the

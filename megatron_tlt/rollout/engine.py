@@ -38,6 +38,7 @@ from .outputs import GenerateStats, RolloutOutput
 from .prefill import SharedPrompts, prefill
 from .runners import make_runner
 from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
+from .speculative import drafters
 from .speculative.controller import SpeculationController
 
 
@@ -112,53 +113,55 @@ class RolloutEngine:
         # ``GenerationInterrupted`` (the RL trainer's stop request; rank-local, no
         # collective: the caller sets it only where the replica decodes alone, TP=PP=1)
         self.interrupt: Optional[Callable[[], bool]] = None
-        if drafter is None and self.config.speculative.drafter == "self":
-            from .speculative.self_drafter import SelfDrafter
-
-            drafter = SelfDrafter(group=self.config.speculative.self_group,
-                                  act_block=self.config.speculative.self_act_block,
-                                  format=self.config.speculative.self_format)
-        elif drafter is None and self.config.speculative.drafter:
-            from ..models.drafter import load_drafter
-
-            drafter = load_drafter(self.config.speculative.drafter, self.arch,
-                                   dtype=self.runner.dtype, device=self.device)
-        if drafter is not None and self.config.speculative.self_too:
-            from .speculative.kinds import attach_kinds
-            from .speculative.self_drafter import SelfDrafter
-
-            attach_kinds(self, {"eagle": drafter,
-                                "self": SelfDrafter(
-                                    group=self.config.speculative.self_group,
-                                    act_block=self.config.speculative.self_act_block,
-                                    format=self.config.speculative.self_format)})
-        elif drafter is not None:
-            self.attach_drafter(drafter)
+        self.drafters: dict = {}  # kind name -> the attached ``Drafter``s
+        # rollout.speculative.drafter (and self_too), or ``drafter`` (a ``Drafter`` or a
+        # one-layer drafter module) in its place
+        wanted = drafters.configured(self.config.speculative, arch=self.arch,
+                                     dtype=self.runner.dtype, device=self.device,
+                                     given=drafter)
+        if wanted:
+            self.attach_drafters(wanted)
 
     # ------------------------------------------------------------------ speculation
     def attach_drafter(self, drafter, tuner=None) -> None:
-        """Speculate with ``drafter`` (an ``EagleDrafter`` for this model, or a
-        ``SelfDrafter``: the policy's int8 copy) while the
-        running batch is at most ``config.speculative.threshold``; ``tuner`` (a
-        ``StrategyTuner``) defaults to one built from ``config.speculative``."""
-        from .speculative.decoder import SpeculativeDecoder
+        """Speculate with ``drafter`` (a ``Drafter``, or a one-layer drafter module)
+        while the running batch is at most ``config.speculative.threshold``; ``tuner``
+        (a ``StrategyTuner``) defaults to one built from the kind's tuner settings."""
         from .speculative.tuner import StrategyTuner
 
-        drafter.config.check_target(self.arch)
-        if drafter.config.feature_layers and self._graphs is not None:
+        drafter = drafters.as_drafter(drafter)
+        drafter.check_target(self.arch)
+        if drafter.feature_layers and self._graphs is not None:
             if self.config.cuda_graphs != "auto":
                 raise ValueError("EAGLE-3 feature layers need per-layer capture, which "
                                  "CUDA graphs do not support; use rollout.cuda_graphs="
                                  "auto or false")
             self._graphs = None  # auto: eager decoding for this drafter
-        make = getattr(drafter, "make_decoder", None)  # the self-drafter (its own decoder)
-        if make is None:
-            self.runner.prepare_drafter(drafter)
-        self.spec = make(self.runner) if make is not None else SpeculativeDecoder(drafter,
-                                                                                  self.runner)
+        self.spec = drafter.make_decoder(self.runner)
         self.spec.min_draft_prob = self.config.speculative.min_draft_prob
         self.tuner = (tuner if tuner is not None else StrategyTuner.from_config(
-            self.config.speculative.for_kind(self.spec.kind)))
+            drafter.tuner_config(self.config.speculative)))
+        self.drafters = {drafter.name: drafter}
+
+    def attach_drafters(self, kinds: dict, tuners: Optional[dict] = None, *,
+                        epsilon: float = 0.1) -> None:
+        """Speculate with every drafter of ``kinds`` (kind name -> ``Drafter`` or
+        one-layer drafter module): one attaches as ``attach_drafter``; with several the
+        kind is chosen per batch-size bucket (``speculative.multi``), ``tuners`` a
+        ``StrategyTuner`` per kind."""
+        kinds = {name: drafters.as_drafter(d) for name, d in kinds.items()}
+        if len(kinds) == 1:
+            (d,) = kinds.values()
+            self.attach_drafter(d, None if tuners is None else next(iter(tuners.values())))
+            return
+        from .speculative.multi import several_kinds
+
+        for d in kinds.values():
+            if d.feature_layers:
+                raise ValueError(f"drafter kind {d.name!r} reads EAGLE-3 feature layers, "
+                                 "which several drafter kinds do not support")
+        self.spec, self.tuner = several_kinds(self, kinds, tuners, epsilon=epsilon)
+        self.drafters = dict(kinds)
 
     def _enable_graphs(self, capture: bool = True) -> None:
         """Run the target's decode and verification forwards through fixed-shape
@@ -174,26 +177,14 @@ class RolloutEngine:
 
     def _wire_graphs(self) -> None:
         """The speculative decoders verify through the engine's graphs (or eagerly
-        without them); several drafter kinds each get them. The one-layer drafter's
-        forwards (catch-up, chain and tree steps) get their own, over its cache; the
-        self-drafter's copy and a Transformer Engine FP8 drafter draft eagerly."""
-        from .cuda_graphs import GraphedDecoder
-
-        spec, g = self.spec, self._graphs
-        for d in (spec.decoders.values() if hasattr(spec, "decoders") else [spec]):
-            d.graphs = g
-            drafting = d.drafting
-            # (without the CPU kernels: its cache then has a capacity of room beyond
-            # the rows' drafts, where a capture's warm-up writes)
-            if g is None or d.kind != "eagle" or d.draft.fp8 or d.draft.kernels is not None:
-                drafting.graphs = None
-            elif drafting.graphs is None or drafting.graphs.capture != g.capture:
-                drafting.graphs = GraphedDecoder(d.draft, capture=g.capture,
-                                                 measure=g.measure, timer=g.timer)
+        without them); a kind whose drafting is graphed gets graphs of its own
+        forwards over its cache (``SpeculativeDecoder.wire_graphs``)."""
+        self.spec.wire_graphs(self._graphs)
 
     def detach_drafter(self) -> None:
         self.spec = None
         self.tuner = None
+        self.drafters = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -485,16 +476,12 @@ class RolloutEngine:
     # ------------------------------------------------------------------ helpers
     def _graph_decisions(self) -> dict[str, dict]:
         """``rollout.cuda_graphs=auto``'s measured choice per key: the target's
-        ("target/<key>") and each one-layer drafter's ("eagle/<key>")."""
+        ("target/<key>") and each graphed drafter kind's ("<kind>/<key>")."""
         out = {}
         if self._graphs is not None:
             out.update({f"target/{k}": v for k, v in self._graphs.decisions().items()})
-        spec = self.spec
-        for d in (spec.decoders.values() if hasattr(spec, "decoders") else
-                  [spec] if spec is not None else []):
-            g = getattr(d.drafting, "graphs", None)
-            if g is not None:
-                out.update({f"{d.kind}/{k}": v for k, v in g.decisions().items()})
+        if self.spec is not None:
+            out.update(self.spec.graph_decisions())
         return out
 
     def _from_tp_rank0(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,13 @@ import torch
 LAYOUTS = ("bgsd", "bsgd")
 
 
+def kv_bytes(*, num_layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int,
+             itemsize: int) -> int:
+    """Bytes of a cache of this shape (K and V): the one formula the engine's caches
+    and the dry run's memory model share."""
+    return 2 * num_layers * rows * kv_heads * capacity * head_dim * itemsize
+
+
 class KVCache:
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -86,8 +93,9 @@ class KVCache:
     @staticmethod
     def bytes_needed(*, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                      head_dim: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * max_batch * kv_heads * capacity * head_dim * itemsize
+        return kv_bytes(num_layers=num_layers, rows=max_batch, kv_heads=kv_heads,
+                        capacity=capacity, head_dim=head_dim,
+                        itemsize=torch.empty((), dtype=dtype).element_size())
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ What a rollout holds on its device beyond the model's weights:
   hidden state at every cache row and position, ``SpeculativeDecoder.features``);
 - with ``rollout.cuda_graphs``: the decode graphs captured on the cache and their
   memory pool (one per decoder, shared by its keys: the keys' outputs and the largest
-  key's working set; the dry run models it, ``rl.memory_model.graph_keys``);
+  key's working set; the dry run models it, ``rl.memory_terms.graph_keys``);
 - at PP > 1 in the gathered mode, the copies of the other stages' layers
   (``GatheredRunner``, re-sent from their owners at every ``generate``);
 - the hidden states a call returns (``SamplingParams.return_hidden_states``: the drafter

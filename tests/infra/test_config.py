@@ -188,16 +188,19 @@ def test_the_self_drafters_arms_follow_arms_unless_both_are_defaults():
     `arms` (a user's arms apply to both kinds); set, it is the self kind's; the
     one-layer drafter always uses `arms`."""
     from megatron_tlt.config.sections import DEFAULT_ARMS, SELF_ARMS
+    from megatron_tlt.rollout.speculative.kind_eagle import EagleKind
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 
     sc = _cfg().rollout.speculative
-    assert sc.for_kind("self").arms == SELF_ARMS != DEFAULT_ARMS
-    assert sc.for_kind("eagle").arms == DEFAULT_ARMS
+    assert SelfDrafter.tuner_config(sc).arms == SELF_ARMS != DEFAULT_ARMS
+    assert EagleKind.tuner_config(sc).arms == DEFAULT_ARMS
     sc = _cfg("rollout.speculative.arms=*:2_1_2").rollout.speculative
-    assert sc.for_kind("self").arms == "*:2_1_2" == sc.for_kind("eagle").arms
+    assert SelfDrafter.tuner_config(sc).arms == "*:2_1_2" == EagleKind.tuner_config(sc).arms
     sc = _cfg("rollout.speculative.self_arms=*:5_1_5").rollout.speculative
-    assert sc.for_kind("self").arms == "*:5_1_5" and sc.for_kind("eagle").arms == DEFAULT_ARMS
-    assert _cfg("rollout.speculative.self_arms=").rollout.speculative.for_kind(
-        "self").arms == DEFAULT_ARMS
+    assert SelfDrafter.tuner_config(sc).arms == "*:5_1_5"
+    assert EagleKind.tuner_config(sc).arms == DEFAULT_ARMS
+    sc = _cfg("rollout.speculative.self_arms=").rollout.speculative
+    assert SelfDrafter.tuner_config(sc).arms == DEFAULT_ARMS
 
 
 def test_empty_value_means_off_or_unset():

@@ -415,9 +415,9 @@ def test_a_failing_loop_publishes_the_save_in_flight_only_if_every_rank_fails_th
         is_initialized=lambda: True, get_world_size=lambda: 2))
     trainer.state.step = 1
     run.saver.save(trainer.state, tmp_path, trainer.layout)
-    safe_point.on_error(run, RuntimeError("this rank only"))
+    safe_point.on_error(run.saver, RuntimeError("this rank only"))
     assert run.saver.in_flight == 0 and checkpoint.latest(tmp_path) is None
     trainer.state.step = 2
     run.saver.save(trainer.state, tmp_path, trainer.layout)
-    safe_point.on_error(run, NonFiniteError("every rank"))
+    safe_point.on_error(run.saver, NonFiniteError("every rank"))
     assert run.saver.in_flight == 0 and checkpoint.latest(tmp_path).name == "step_0000002"

@@ -32,13 +32,14 @@ def _stub_trainer(steps: int, interval: int):
     """A Trainer whose step and evaluation are stand-ins: only the loop runs."""
     from megatron_tlt import checkpoint as checkpointing
     from megatron_tlt.config import load_config
+    from megatron_tlt.rl.safe_point import SafePoints
     from megatron_tlt.rl.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = load_config([], [f"train.steps={steps}", f"train.eval_interval={interval}"])
     trainer.state = checkpointing.RunState()
-    trainer.saver = checkpointing.Saver(asynchronous=False)
-    trainer.tracker = None
+    trainer.safe = SafePoints(trainer.state, checkpointing.Saver(asynchronous=False),
+                              trainer.cfg.checkpoint, None, last_step=steps)
     trainer.evaluated_at = []
 
     def train_step(step):

@@ -129,9 +129,10 @@ def test_plots_draw_the_kinds(tmp_path, monkeypatch):
     paths = report.write_plots(path, tmp_path / "plots")
     assert [p.name for p in paths] == ["curves.png", "timeline.png"]
     assert "drafter self" in labels and "drafter eagle" in labels
-    k = report.KIND_COLORS
+    k = report.kind_color
+    assert len({k("self"), k("plain"), k("eagle")}) == 3  # each kind its own color
     # two steps x (self, plain on replica 0; eagle on replica 1)
-    assert (colors.count(k["self"]), colors.count(k["plain"]), colors.count(k["eagle"])) \
+    assert (colors.count(k("self")), colors.count(k("plain")), colors.count(k("eagle"))) \
         == (2, 2, 2)
 
 
@@ -143,11 +144,12 @@ def test_drafter_canary_judges_the_one_layer_drafter_by_its_own_steps():
     broken = {"steps": 100, "accept_len": 3.9, "kinds": ["eagle", "self"],
               "eagle": {"steps": 40, "accept_len": 1.01},
               "self": {"steps": 60, "accept_len": 5.9}}
-    assert canary_warnings(0.5, 0.1, broken) == ["measured acceptance 1.01 tokens per step"]
+    assert canary_warnings(0.5, 0.1, broken, "eagle") == [
+        "measured acceptance 1.01 tokens per step"]
     fine = dict(broken, eagle={"steps": 3, "accept_len": 1.0})
-    assert canary_warnings(0.5, 0.1, fine) == []
+    assert canary_warnings(0.5, 0.1, fine, "eagle") == []
     one_kind = {"steps": 50, "accept_len": 1.02}  # records without per-kind keys
-    assert canary_warnings(0.05, 0.1, one_kind) == [
+    assert canary_warnings(0.05, 0.1, one_kind, "eagle") == [
         "canary alpha 0.050 < drafter_group.canary_min_alpha=0.1",
         "measured acceptance 1.02 tokens per step"]
-    assert canary_warnings(None, 0.1, {}) == []
+    assert canary_warnings(None, 0.1, {}, "eagle") == []

@@ -15,6 +15,11 @@ import pytest
 from megatron_tlt.config import load_config
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.rl import memory_model as mm
+from megatron_tlt.rl import memory_terms as mt
+from megatron_tlt.rollout.kv_cache import kv_bytes
+from megatron_tlt.rollout.speculative import self_drafter as sd
+from megatron_tlt.rollout.speculative.kind_eagle import EagleKind
+from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from megatron_tlt.rl.plan import KNOWN_ARCHITECTURES, dry_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,12 +69,12 @@ def test_gpu_activations_are_the_korthikanti_formula():
     b, s_len = 2, 1000
     for t, sp in ((1, False), (2, False), (4, False), (2, True), (8, True)):
         st = _settings(tp=t, sequence_parallel=sp, micro_batch=b, seq=s_len)
-        got = mm.layer_activation_bytes(arch, st, tokens=b * s_len)
+        got = mt.layer_activation_bytes(arch, st, tokens=b * s_len)
         sbh = s_len * b * h
         want = sbh * ((34 + 5 * a * s_len / h) / t if sp
                       else 10 + 24 / t + 5 * a * s_len / (h * t))
         assert got == pytest.approx(want, rel=1e-9)
-        sel = mm.layer_activation_bytes(arch, dataclasses.replace(st, recompute="selective"),
+        sel = mt.layer_activation_bytes(arch, dataclasses.replace(st, recompute="selective"),
                                         tokens=b * s_len)
         assert sel == pytest.approx(want - sbh * 5 * a * s_len / (h * t), rel=1e-9)
 
@@ -86,22 +91,22 @@ def test_recomputation_lowers_the_update_and_full_keeps_layer_inputs():
     # one layer's full activations while it is recomputed, plus the final norm's
     st = dataclasses.replace(base, recompute="full", recompute_layers=1)
     tokens = st.micro_batch * st.seq
-    one = mm.layer_activation_bytes(arch, dataclasses.replace(st, recompute="none"),
+    one = mt.layer_activation_bytes(arch, dataclasses.replace(st, recompute="none"),
                                     tokens=tokens)
-    assert mm.activation_bytes(arch, st, layers=arch.num_layers) == pytest.approx(
+    assert mt.activation_bytes(arch, st, layers=arch.num_layers) == pytest.approx(
         arch.num_layers * 2 * tokens * arch.hidden_size + one)
     # sequence parallelism divides what full recomputation keeps by TP
     sp = dataclasses.replace(st, tp=4, sequence_parallel=True)
     nosp = dataclasses.replace(sp, sequence_parallel=False)
-    assert mm.activation_bytes(arch, sp, layers=8) < mm.activation_bytes(arch, nosp, layers=8)
+    assert mt.activation_bytes(arch, sp, layers=8) < mt.activation_bytes(arch, nosp, layers=8)
 
 
 def test_loss_chunks_bound_the_vocabulary_temporaries():
     arch = _arch(vocab_size=152064)
     whole = _settings(loss_chunk=None)
     chunked = _settings(loss_chunk=1024)
-    a, _ = mm.loss_vocab_bytes(arch, whole)
-    b, _ = mm.loss_vocab_bytes(arch, chunked)
+    a, _ = mt.loss_vocab_bytes(arch, whole)
+    b, _ = mt.loss_vocab_bytes(arch, chunked)
     assert b < a
 
 
@@ -151,7 +156,7 @@ def test_graph_buckets_are_the_engines():
     from megatron_tlt.rollout.cuda_graphs import bucket_for
 
     for rows in (1, 2, 3, 8, 24, 33):
-        assert mm.graph_buckets(rows) == sorted({bucket_for(b, rows)
+        assert mt.graph_buckets(rows) == sorted({bucket_for(b, rows)
                                                  for b in range(1, rows + 1)})
 
 
@@ -161,43 +166,43 @@ def test_graph_key_and_pool_arithmetic():
     working set (the captures reuse each other's freed intermediates)."""
     arch = _arch(num_key_value_heads=4)  # 16 heads, 4 groups: 4 query heads per group
     h, db = arch.hidden_size, 2
-    k = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=5, width=5,
+    k = mt.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=5, width=5,
                            capacity=100, embeds=True)
     n = 4 * 5
     assert k.output == n * h * db
     assert k.inputs == n * 8 + 4 * 8 + n * 8 + n * 5 + n * h * db
-    plain = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
+    plain = mt.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
                                capacity=100)
     assert plain.inputs == 4 * 8 + 4 * 8 and plain.output == 4 * h * db
-    longer = mm.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
+    longer = mt.graph_key_bytes(arch, tp=1, dtype_bytes=db, bucket=4, tokens=1, width=0,
                                 capacity=1000)
     assert longer.working > plain.working and longer.output == plain.output
     # the mask held through the forward: [4, 1, 5 x 4 query heads per group, 100]
     assert k.working >= 4 * 5 * 4 * 100 * db
-    assert mm.graph_key_bytes(arch, tp=2, dtype_bytes=db, bucket=4, tokens=5, width=5,
+    assert mt.graph_key_bytes(arch, tp=2, dtype_bytes=db, bucket=4, tokens=5, width=5,
                               capacity=100).working < k.working
-    pool, inputs = mm.graph_pool_bytes([k, plain, longer])
+    pool, inputs = mt.graph_pool_bytes([k, plain, longer])
     assert pool == k.output + plain.output + longer.output + max(
         k.working, plain.working, longer.working)
     assert inputs == k.inputs + plain.inputs + longer.inputs
-    assert mm.graph_pool_bytes([]) == (0.0, 0.0)
+    assert mt.graph_pool_bytes([]) == (0.0, 0.0)
 
 
 def test_graph_keys_follow_buckets_and_arms():
     arch = _arch()
     plain = _settings(rollout_rows=24, arms=(), spec_threshold=8)
-    keys = mm.graph_keys(arch, plain)
+    keys = mt.graph_keys(arch, plain)
     assert len(keys["target"]) == 6 and not keys["drafter"]  # 1, 2, 4, 8, 16, 24
-    spec = dataclasses.replace(plain, arms=((4, 1, 4), (3, 2, 5)), drafter=True)
-    keys = mm.graph_keys(arch, spec)
+    spec = dataclasses.replace(plain, arms=((4, 1, 4), (3, 2, 5)), kinds=(EagleKind,))
+    keys = mt.graph_keys(arch, spec)
     # per bucket up to the threshold (1, 2, 4, 8): a chain of 5 and a tree of 6 x 6
     assert len(keys["target"]) == 6 + 4 * 2
-    cut = mm.graph_keys(arch, dataclasses.replace(spec, cut_chains=True))
+    cut = mt.graph_keys(arch, dataclasses.replace(spec, cut_chains=True))
     assert len(cut["target"]) == 6 + 4 * (4 + 1)  # chains of 2..5 tokens
     slack = max(5, (3 - 1) * 2) + 2
     assert len(keys["drafter"]) == 4 * (slack + 2)  # widths 1..slack, two tree steps
     # the self-drafter alone: the target's verifications, no drafter graphs
-    alone = mm.graph_keys(arch, dataclasses.replace(spec, drafter=False, self_drafter="fp8"))
+    alone = mt.graph_keys(arch, dataclasses.replace(spec, kinds=(SelfDrafter,)))
     assert len(alone["target"]) == len(keys["target"]) and not alone["drafter"]
 
 
@@ -232,34 +237,38 @@ def test_self_drafter_terms_follow_the_config():
     cpu = load_config(overrides=base + ["platform.device=cpu", "model.dtype=float32",
                                         "rollout.speculative.drafter=self"])
     s = mm.settings(cpu, 1)
-    assert (s.self_drafter, s.drafter, s.cpu_kernels) == ("int8", False, True)
+    assert (sd.copy_format(s.spec, s.on_gpu), s.kinds, s.cpu_kernels) == (
+        "int8", (SelfDrafter,), True)
     terms = {t.name: t for t in mm.estimate_settings(arch, s).terms}
     assert "drafter" not in terms and "drafter KV + features" not in terms
     copy, kv = terms["self-drafter copy"], terms["self-drafter KV"]
     assert copy.phase == "resident" and kv.phase == "rollout"
     policy = terms["weights"].nbytes  # fp32, tied embedding
     assert 0.2 * policy < copy.nbytes <= 0.3 * policy
-    positions = 384 + s.self_slack + 1  # capacity + slack + root (CPU kernels)
-    assert s.self_slack == 10  # SELF_ARMS' 8_1_8 and the fixed 7_1_7: max(8, 7) + 2
-    assert kv.nbytes == mm.kv_bytes(arch, 1, arch.num_layers, 8, positions, 4)
+    positions = 384 + s.draft_slack + 1  # capacity + slack + root (CPU kernels)
+    assert s.draft_slack == 10  # SELF_ARMS' 8_1_8 and the fixed 7_1_7: max(8, 7) + 2
+
+    def kv_of(rows, positions):
+        return kv_bytes(num_layers=arch.num_layers, rows=rows, kv_heads=3,
+                        capacity=positions, head_dim=arch.kv_channels, itemsize=4)
+    assert kv.nbytes == kv_of(8, positions)
     # no kernels: q instead of panels (no padding), a capacity more of cache
     off = dataclasses.replace(s, cpu_kernels=False)
     d = mm.estimate_settings(arch, off).as_dict()
-    assert d["self-drafter KV"] == mm.kv_bytes(arch, 1, arch.num_layers, 8,
-                                               positions + 384, 4)
+    assert d["self-drafter KV"] == kv_of(8, positions + 384)
     assert d["self-drafter copy"] < copy.nbytes  # the panel scales and padding go
     kept = mm.estimate_settings(arch, dataclasses.replace(s, kv_released=False))
     assert {t.name: t.phase for t in kept.terms}["self-drafter KV"] == "resident"
     # a GPU: FP8 by default, int8 with groups (q and scales, no panels)
     gpu = ["platform.device=cuda", "model.dtype=bfloat16", "rollout.speculative.drafter=self"]
     g = mm.settings(load_config(overrides=base + gpu), 1)
-    assert g.self_drafter == "fp8" and not g.cpu_kernels
+    assert sd.copy_format(g.spec, g.on_gpu) == "fp8" and not g.cpu_kernels
     g8 = mm.settings(load_config(overrides=base + gpu + ["rollout.speculative.self_group=64"]), 1)
-    assert g8.self_drafter == "int8"
-    mats = mm.self_matrices(arch, 1)
+    assert sd.copy_format(g8.spec, g8.on_gpu) == "int8"
+    mats = sd.copy_matrices(arch, 1)
     int8 = sum(n * k + 4 * n * -(-k // 64) for n, k in mats)
     small = (arch.num_layers * 2 + 1) * arch.hidden_size + arch.kv_channels
-    assert mm.self_copy_bytes(arch, g8) == int8 + 2 * small
+    assert sd.copy_bytes(arch, g8, g8.spec, "int8") == int8 + 2 * small
     # self_too: the one-layer drafter's terms and the copy's
     both = mm.settings(load_config(overrides=base + [
         "platform.device=cpu", "model.dtype=float32", "rollout.speculative.drafter=/d",
@@ -305,4 +314,4 @@ def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_proce
     assert est["self-drafter copy"] == draft.nbytes
     assert est["self-drafter KV"] == eng.spec.cache.nbytes
     assert eng.spec.cache.max_batch == 4  # min(6 rows, threshold 4)
-    assert eng.spec.cache.capacity == mm.self_kv_positions(s)
+    assert eng.spec.cache.capacity == sd.copy_kv_positions(s, "int8")

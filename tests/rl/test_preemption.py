@@ -91,8 +91,8 @@ def test_a_stop_request_mid_update_abandons_the_step_and_restores_what_it_change
                            "rollout.cpu_kernels=false", "train.optimizer=torch",
                            "reward.format_reward=1.0", "reward.format_pattern=k",
                            f"checkpoint.save={ckpt}"])
-    trainer = Trainer(cfg, setup(cfg))
-    trainer.stop = stop = StopRequest("", deadline_s=0)
+    stop = StopRequest("", deadline_s=0)
+    trainer = Trainer(cfg, setup(cfg), stop=stop)
     weights = [p.detach().clone() for p in trainer.policy.module.parameters()]
     sampler, rng = trainer.state.sampler.state_dict(), torch.get_rng_state()
     micro_batches = []

@@ -224,21 +224,18 @@ def test_loss_metrics_do_not_depend_on_skipping(tempered, monkeypatch):
 def test_dual_clip_fraction_and_tis_weight_are_reported():
     """The trainer's metric names for the dual-clip and TIS sums (from the step's
     metrics builder, on a hand-made update)."""
-    from types import SimpleNamespace
 
     from megatron_tlt.config import Config, GRPOConfig
     from megatron_tlt.rl.rollout import ReplicaRollout
     from megatron_tlt.rl.step_metrics import step_metrics
 
     # one process, no process group: the collectives are the identity
-    t = SimpleNamespace(cfg=Config(grpo=GRPOConfig(tis_cap=2.0, dual_clip_c=3.0)),
-                        layout=SimpleNamespace(dp_size=1, pp_size=1), dp_group=None,
-                        pp_group=None)
+    tis = Config(grpo=GRPOConfig(tis_cap=2.0, dual_clip_c=3.0)).grpo.tis_cap > 0
     upd = {"sums": {"tokens": 8.0, "dual_clip_count": 2.0, "tis_weight_sum": 6.0},
            "maxes": {}, "grad_norm": [1.0], "lr": [1e-3], "skipped": 0, "updates": 1,
            "loss_scale": 1.0}
-    out = step_metrics(t, [], ReplicaRollout([], 0.0, 1.0, 0), [1.0],
-                       {"step": 1.0}, upd, 0, 0, 0)
+    out = step_metrics([], ReplicaRollout([], 0.0, 1.0, 0), [1.0], {"step": 1.0}, upd, 0,
+                       0, 0, dp_group=None, lr=1e-3, tis=tis)
     assert out["clip_fraction/dual"] == 0.25
     assert out["tis/weight_mean"] == 0.75
     assert out["rollout/prefill_tokens"] == out["rollout/prefill_shared_rows"] == 0
@@ -247,20 +244,18 @@ def test_dual_clip_fraction_and_tis_weight_are_reported():
 def test_rollout_prefill_metrics_come_from_the_engine_stats():
     """rollout/prefill_{tokens,seconds,shared_rows}: the replica's generate stats (one
     prefill per prompt, rollout.share_prefill) in the step's record."""
-    from types import SimpleNamespace
 
     from megatron_tlt.config import Config
     from megatron_tlt.rl.rollout import ReplicaRollout
     from megatron_tlt.rl.step_metrics import step_metrics
 
-    t = SimpleNamespace(cfg=Config(), layout=SimpleNamespace(dp_size=1, pp_size=1),
-                        dp_group=None, pp_group=None)
     upd = {"sums": {"tokens": 1.0}, "maxes": {}, "grad_norm": [1.0], "lr": [1e-3],
            "skipped": 0, "updates": 1, "loss_scale": 1.0}
     roll = ReplicaRollout([], 0.0, 1.0, 0, stats={"prefill_tokens": 120,
                                                   "prefill_seconds": 0.25,
                                                   "prefill_shared_rows": 14})
-    out = step_metrics(t, [], roll, [1.0], {"step": 1.0}, upd, 0, 0, 0)
+    out = step_metrics([], roll, [1.0], {"step": 1.0}, upd, 0, 0, 0, dp_group=None,
+                       lr=1e-3, tis=Config().grpo.tis_cap > 0)
     assert out["rollout/prefill_tokens"] == 120
     assert out["rollout/prefill_seconds"] == 0.25
     assert out["rollout/prefill_shared_rows"] == 14

@@ -88,10 +88,17 @@ def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_
 
 
 def test_self_too_needs_a_drafter_checkpoint():
-    from megatron_tlt.config import ConfigError, SpeculativeConfig
+    """Checked when a run starts (and by the dry run), before anything is built."""
+    from megatron_tlt.config import ConfigError, load_config
+    from megatron_tlt.rollout.speculative.drafters import check_config
 
-    with pytest.raises(ConfigError, match="self_too"):
-        SpeculativeConfig(drafter="self", self_too=True)
+    for drafter in ("self", ""):
+        cfg = load_config(overrides=[f"rollout.speculative.drafter={drafter}",
+                                     "rollout.speculative.self_too=true"])
+        with pytest.raises(ConfigError, match="self_too"):
+            check_config(cfg)
+    check_config(load_config(overrides=["rollout.speculative.drafter=d.safetensors",
+                                        "rollout.speculative.self_too=true"]))
 
 
 def test_both_kinds_with_the_drafter_group_at_dp2(tiny_policy, tmp_path, single_process_parallel):

@@ -14,7 +14,7 @@ from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.engine import _Row
 from megatron_tlt.rollout.sampling import requested_logprobs
 from megatron_tlt.rollout.speculative.acceptance import processed_rows
-from megatron_tlt.rollout.speculative.decoder import Emission, Verified
+from megatron_tlt.rollout.speculative.emissions import Emission, Verified
 from op_counter import OpCounter
 from tiny_models import VOCAB, tiny_model_and_own_layer_drafter
 

@@ -11,7 +11,6 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.forward import ModelRunner
-from megatron_tlt.rollout.speculative.kinds import attach_kinds
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_speculative import _prompts, _random_drafter, _simulated_clock, build_one_layer
 from tiny_models import save_tiny_hf
@@ -38,7 +37,7 @@ def _run(model, arch, drafters, sp, prompts, monkeypatch=None, epsilon=0.1, **cf
     sc = SpeculativeConfig(threshold=64, buckets="1,2,4", arms="*:3_1_3,5_1_5")
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
                         eos_token_ids=[])
-    attach_kinds(eng, drafters, epsilon=epsilon)
+    eng.attach_drafters(drafters, epsilon=epsilon)
     if monkeypatch is not None:
         _simulated_clock(eng, monkeypatch, lambda s: 1.2 + 0.1 * s.depth)
     return eng, eng.generate(prompts, sp)
@@ -86,7 +85,7 @@ def test_switching_kinds_keeps_coupled_outputs(one_layer_pair):
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, sampling_mode="coupled",
                                                    max_batch_size=3),
                         arch=arch, eos_token_ids=[])
-    attach_kinds(eng, {"eagle": good, "self": SelfDrafter()}, epsilon=0.5)
+    eng.attach_drafters({"eagle": good, "self": SelfDrafter()}, epsilon=0.5)
     # without the gate there are no estimates: make the choice random every step
     eng.tuner.estimate = lambda kind, b: 1.0
     outs = eng.generate(prompts, sp, request_seeds=seeds)

@@ -278,7 +278,7 @@ def test_exact_alpha_of_the_copy(peaked):
     policy is accepted almost always, another model's copy rarely; a draft vocabulary
     caps α at its p̃ mass."""
     from megatron_tlt.drafter_training.alpha import held_out_samples, measure_self_alpha
-    from megatron_tlt.rollout.speculative.self_drafter import SelfDraftRunner
+    from megatron_tlt.rollout.speculative.self_runner import SelfDraftRunner
 
     (model, arch), (other, _) = peaked
     eng = RolloutEngine(model, None, RolloutConfig(), arch=arch, eos_token_ids=[])

@@ -265,15 +265,14 @@ def test_self_drafter_at_pp2_needs_the_gathered_rollout():
     from dataclasses import replace
 
     from megatron_tlt.config import Config
-    from megatron_tlt.config.loading import check_self_drafter_layout
+    from megatron_tlt.rollout.speculative.drafters import check_config
 
     cfg = Config()
     cfg = replace(cfg, parallel=replace(cfg.parallel, pipeline_model_parallel_size=2),
                   rollout=replace(cfg.rollout, pipeline_mode="pipelined",
                                   speculative=SpeculativeConfig(drafter="self")))
     with pytest.raises(ConfigError, match="pipeline_mode=gathered"):
-        check_self_drafter_layout(cfg)
-    check_self_drafter_layout(replace(cfg, rollout=replace(cfg.rollout,
-                                                           pipeline_mode="gathered")))
-    check_self_drafter_layout(replace(cfg, rollout=replace(
+        check_config(cfg)
+    check_config(replace(cfg, rollout=replace(cfg.rollout, pipeline_mode="gathered")))
+    check_config(replace(cfg, rollout=replace(
         cfg.rollout, speculative=SpeculativeConfig())))  # no self-drafter

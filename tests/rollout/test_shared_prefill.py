@@ -218,7 +218,6 @@ def test_two_drafter_kinds_get_the_copied_prompt(tiny):
     copies; coupled responses, the same whichever kind drafts, equal the unshared
     engine's, and so do the returned hidden states, read from the one-layer drafter's
     feature store (the first one is a copied prompt feature)."""
-    from megatron_tlt.rollout.speculative.kinds import attach_kinds
 
     model, arch = tiny["llama_tied"]
     prompts = _groups(_unique((7, 4), seed=8), 3)
@@ -230,7 +229,7 @@ def test_two_drafter_kinds_get_the_copied_prompt(tiny):
         eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, share_prefill=share,
                                                        sampling_mode="coupled"),
                             arch=arch, eos_token_ids=[])
-        attach_kinds(eng, {"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+        eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
         assert eng.memory.features_serve()
         outs.append(eng.generate(prompts, sp))
         stats.append(eng.last_stats)

@@ -23,6 +23,7 @@ from megatron_tlt.models.inference import forward_local_logits, gather_logits
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.sampling import processed_logprobs
 from megatron_tlt.rollout.speculative import decoder as decoder_mod
+from megatron_tlt.rollout.speculative import emissions as emissions_mod
 from megatron_tlt.rollout.speculative.acceptance import accept_chain, accept_tree
 from megatron_tlt.rollout.speculative.acceptance_batched import accept_chains, accept_trees
 from megatron_tlt.rollout.speculative.stats import SpecStats
@@ -361,7 +362,7 @@ def test_wrong_rule_fails_the_end_to_end_test(one_layer, monkeypatch):
     (chi-square 336 on 72 d.o.f. at 2,500 draws on the streams: p ~ 1e-35; the critical
     value at 1e-8 is 161, missed with probability ~8e-10 by ncx2)."""
     model, arch, good, _ = one_layer
-    monkeypatch.setattr(decoder_mod, "accept_chains", _wrong_accept_chains)
+    monkeypatch.setattr(emissions_mod, "accept_chains", _wrong_accept_chains)
     sp = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=3)
     eng = _spec_engine(model, arch, good, "3_1_3", max_batch_size=2500)
     prompt = [7, 100, 33, 250, 3]

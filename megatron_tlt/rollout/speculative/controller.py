@@ -23,7 +23,9 @@ from ...spec_strategy import Strategy
 from . import position_accept
 from ..kv_cache import KVCache
 from .decision import Outcome
-from .decoder import Emission, SpeculativeDecoder, Verified
+from .drafter_kind import draft_slack
+from .decoder import SpeculativeDecoder
+from .emissions import Emission, Verified
 from .stats import SpecStats
 from .tuner import StrategyTuner
 
@@ -61,8 +63,7 @@ class SpeculationController:
     @property
     def slack(self) -> int:
         """Cache slots beyond a sequence's length that drafting/verification may use."""
-        return max(max(a.verify_tokens, (a.depth - 1) * a.top_k)
-                   for a in self.tuner.all_arms()) + 2
+        return draft_slack(self.tuner.all_arms())
 
     def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
@@ -71,12 +72,10 @@ class SpeculationController:
         the batches that speculate: ``threshold`` rows at most. Returns the call's
         ``SpecStats``."""
         self.t_begin = time.perf_counter()
-        draft = self.decoder.draft
-        before = getattr(draft, "refreshes", 0)  # the self-drafter re-quantizes here
-        draft.pack_weights()
-        if getattr(draft, "refreshes", 0) != before:
+        refreshed, seconds = self.decoder.pack_weights()  # a quantized copy re-made here
+        if refreshed:
             self.stats.drafter_refreshes += 1
-            self.stats.drafter_refresh_seconds += draft.refresh_seconds
+            self.stats.drafter_refresh_seconds += seconds
         self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
                            draft_rows=min(max_batch, self.threshold))
         return self.stats
@@ -115,10 +114,9 @@ class SpeculationController:
 
     # ------------------------------------------------------------ a decode step
     def kind(self) -> str:
-        """The drafter kind of the step just decided: ``KindTuner``'s choice with
-        several kinds, else the decoder's kind ("eagle": the one-layer drafter,
-        "self": the policy's int8 copy)."""
-        return getattr(self.tuner, "active", None) or getattr(self.decoder, "kind", "eagle")
+        """The drafter kind of the step just decided (``KindTuner``'s choice with
+        several kinds)."""
+        return self.decoder.active_kind()
 
     def decode_step(self, cache: KVCache, rows: Sequence, t0: float, plain: PlainStep,
                     commit: Commit, record_step: Callable[[float, bool], None]) -> None:

@@ -17,6 +17,8 @@ class DraftRunner(ModelRunner):
     with the target's embedding, RoPE and output layer (or its draft-vocabulary rows)."""
 
     fused_drafting = True  # greedy chains may run in one call (cpu_kernels.draft_chain)
+    refreshes = 0  # its weights are the drafter's own: never re-made from the target's
+    refresh_seconds = 0.0
 
     def __init__(self, drafter: EagleDrafter, target: ModelRunner):
         self.drafter = drafter

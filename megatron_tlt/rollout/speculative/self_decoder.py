@@ -40,7 +40,6 @@ class SelfDraftDecoder(SpeculativeDecoder):
     """Self-speculation state for a running batch: the int8 copy's KV cache and, per
     cache row, how many positions of it are valid (``draft_len``)."""
 
-    kind = "self"
     keeps_hidden = False  # no feature store: returned hidden states need their buffer
 
     def __init__(self, drafter, target: ModelRunner):  # drafter: a SelfDrafter
@@ -51,6 +50,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
                 "gathered (the default: each stage quantizes its gathered copy of the "
                 "model), not the stage-to-stage pipelined mode")
         self.drafter = drafter
+        self.kind = drafter.name
         self.target = target
         self.draft = drafter.runner_for(target)
         self.draft.kernels = target.kernels  # (none for an FP8 copy)

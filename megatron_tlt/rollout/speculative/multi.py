@@ -1,11 +1,10 @@
-"""Several drafter kinds in one engine, the kind chosen per batch-size bucket: the
-one-layer (EAGLE) drafter, the self-drafter (the policy's int8 copy), and plainly
-decoding.
+"""Several drafter kinds in one engine, the kind chosen per batch-size bucket (e.g. the
+one-layer drafter, the self-drafter, and plainly decoding).
 
-``attach_kinds(engine, {"eagle": drafter, "self": SelfDrafter()})`` gives the engine a
-``KindDecoder`` (one ``SpeculativeDecoder`` per kind, their per-row state kept in step)
-and a ``KindTuner`` (one ``StrategyTuner``, with its own bandit and break-even gate, per
-kind). The controller sees one decoder and one tuner:
+``RolloutEngine.attach_drafters({name: drafter, ...})`` with several kinds gives the
+engine a ``KindDecoder`` (one ``SpeculativeDecoder`` per kind, their per-row state kept
+in step) and a ``KindTuner`` (one ``StrategyTuner``, with its own bandit and break-even
+gate, per kind). The controller sees one decoder and one tuner:
 
 - ``KindTuner.decide`` picks the kind for the step from the kinds' gates in the bucket:
   a kind whose gate has no speedup estimate yet is tried first; after that, the kind
@@ -126,26 +125,6 @@ class KindTuner:
             json.dump(self.state_dict(), f)
 
 
-class _Drafts:
-    """The kinds' drafter runners as the controller's ``decoder.draft`` (weights packed
-    or re-quantized together; the self-drafter's refresh counters)."""
-
-    def __init__(self, decoders: dict[str, SpeculativeDecoder]):
-        self.decoders = decoders
-
-    def pack_weights(self) -> None:
-        for d in self.decoders.values():
-            d.draft.pack_weights()
-
-    @property
-    def refreshes(self) -> int:
-        return sum(getattr(d.draft, "refreshes", 0) for d in self.decoders.values())
-
-    @property
-    def refresh_seconds(self) -> float:
-        return sum(getattr(d.draft, "refresh_seconds", 0.0) for d in self.decoders.values())
-
-
 class KindDecoder:
     """One decoder per kind; the step runs on ``tuner.active``'s."""
 
@@ -156,7 +135,6 @@ class KindDecoder:
                                  "several drafter kinds do not support")
         self.decoders = dict(decoders)
         self.tuner = tuner
-        self.draft = _Drafts(self.decoders)
         self.feature_layers = ()
         # the returned hidden states come from a kind's feature store where one keeps them
         self._store = next((d for d in self.decoders.values() if d.keeps_hidden), None)
@@ -166,14 +144,29 @@ class KindDecoder:
         return self.decoders[self.tuner.active or next(iter(self.decoders))]
 
     features = property(lambda self: None if self._store is None else self._store.features)
-
-    @property
-    def drafter(self):
-        """The one-layer drafter (the kind with weights to checkpoint and train), or
-        None."""
-        return next((d.drafter for d in self.decoders.values()
-                     if getattr(d, "kind", "") != "self"), None)
     cache = property(lambda self: self._active().cache)
+
+    def each(self) -> list[SpeculativeDecoder]:
+        return list(self.decoders.values())
+
+    def active_kind(self) -> Optional[str]:
+        """The kind of the step just decided (None before the first decision)."""
+        return self.tuner.active
+
+    def pack_weights(self) -> tuple[int, float]:
+        """Every kind's weights packed or refreshed: (refreshes, their seconds)."""
+        parts = [d.pack_weights() for d in self.decoders.values()]
+        return sum(n for n, _ in parts), sum(t for _, t in parts)
+
+    def wire_graphs(self, graphs) -> None:
+        for d in self.decoders.values():
+            d.wire_graphs(graphs)
+
+    def graph_decisions(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for d in self.decoders.values():
+            out.update(d.graph_decisions())
+        return out
 
     @property
     def min_draft_prob(self) -> float:
@@ -246,27 +239,21 @@ class KindDecoder:
         self._active().compact(target_cache, row, length, slots)
 
 
-def attach_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
-                 epsilon: float = 0.1) -> None:
-    """Speculate in ``engine`` with each drafter of ``drafters`` (kind name -> an
-    ``EagleDrafter`` or a ``SelfDrafter``), the kind chosen per bucket (``KindTuner``);
-    ``tuners``: a ``StrategyTuner`` per kind (default: one from the engine's
-    ``config.speculative`` each)."""
+def several_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
+                  epsilon: float = 0.1) -> tuple[KindDecoder, KindTuner]:
+    """The decoder and tuner that speculate in ``engine`` with each drafter of
+    ``drafters`` (kind name -> ``Drafter``), the kind chosen per bucket; ``tuners``: a
+    ``StrategyTuner`` per kind (default: one from each kind's ``tuner_config``)."""
+    sc = engine.config.speculative
     decoders = {}
     for kind, drafter in drafters.items():
-        make = getattr(drafter, "make_decoder", None)
-        if make is None:
-            drafter.config.check_target(engine.arch)
-            engine.runner.prepare_drafter(drafter)
-            decoders[kind] = SpeculativeDecoder(drafter, engine.runner)
-        else:
-            decoders[kind] = make(engine.runner)
-        decoders[kind].min_draft_prob = engine.config.speculative.min_draft_prob
-    sc = engine.config.speculative
-    tuners = tuners or {k: StrategyTuner.from_config(sc.for_kind(k)) for k in decoders}
+        drafter.check_target(engine.arch)
+        decoders[kind] = drafter.make_decoder(engine.runner)
+        decoders[kind].min_draft_prob = sc.min_draft_prob
+    tuners = tuners or {k: StrategyTuner.from_config(d.tuner_config(sc))
+                        for k, d in drafters.items()}
     tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed)
-    engine.spec = KindDecoder(decoders, tuner)
-    engine.tuner = tuner
+    return KindDecoder(decoders, tuner), tuner
 
 
-__all__ = ["KindTuner", "KindDecoder", "attach_kinds", "OFF"]
+__all__ = ["KindTuner", "KindDecoder", "several_kinds", "OFF"]

@@ -1,0 +1,83 @@
+"""The one-layer (EAGLE) drafter as a drafter kind: a trained megatron-core layer fed
+the target's hidden states, drafting through the target's embedding and output layer
+(``models/drafter.py`` holds the module, ``decoder.py`` its speculative step).
+
+Config values: a drafter checkpoint (a ``.safetensors`` file or a folder, from
+``tools/warmup_drafter.py`` or a run's export), or ``random`` / ``random:N`` (an
+untrained drafter of the target's shape, with an N-token draft vocabulary; the drafter
+group's cold start)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...models.sizes import layer_params
+from ..kv_cache import kv_bytes
+from .drafter_kind import Drafter, MemoryTerm
+
+RANDOM = "random"
+
+
+class EagleKind(Drafter):
+    name = "eagle"
+    label = "the one-layer drafter"
+    color = "tab:cyan"
+    trainable = True
+    saveable = True
+    fed = "features"
+    graphed_drafting = True
+
+    def __init__(self, model):
+        self._model = model  # an ``EagleDrafter``
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def feature_layers(self) -> tuple:
+        return tuple(self._model.config.feature_layers)
+
+    def check_target(self, arch) -> None:
+        self._model.config.check_target(arch)
+
+    def make_decoder(self, target):
+        from .decoder import SpeculativeDecoder
+
+        target.prepare_drafter(self._model)
+        return SpeculativeDecoder(self, target)
+
+    @classmethod
+    def memory_terms(cls, arch, s, sc) -> list[MemoryTerm]:
+        """Its layer and fc (resident); its KV cache (one layer) and the feature store
+        (the target's hidden state at every row and position) for the rollout."""
+        h, db, tp = arch.hidden_size, s.dtype_bytes, s.tp
+        rows = s.rollout_rows
+        kv = kv_bytes(num_layers=1, rows=rows, kv_heads=max(arch.num_query_groups // tp, 1),
+                      capacity=s.capacity, head_dim=arch.kv_channels, itemsize=db)
+        return [MemoryTerm("drafter", (layer_params(arch, tp) + 2 * h * h / tp) * db,
+                           "resident", "one layer + fc"),
+                MemoryTerm("drafter KV + features", kv + rows * s.capacity * h * db,
+                           "rollout", "its KV cache, the feature store (the responses' "
+                           "hidden states)")]
+
+    @classmethod
+    def reads_vocabulary(cls) -> bool:
+        return True
+
+    @classmethod
+    def from_value(cls, value: str, *, arch, dtype, device, sc=None,
+                   seed: int = 0) -> Optional["EagleKind"]:
+        """``random[:N]``: untrained (seeded); anything else non-empty: a checkpoint."""
+        from ...models.drafter import DrafterConfig, EagleDrafter, load_drafter
+
+        if not value:
+            return None
+        if value == RANDOM or value.startswith(RANDOM + ":"):
+            n = int(value.split(":", 1)[1]) if ":" in value else 0
+            kw = {"draft_vocab_size": n} if 0 < n < arch.vocab_size else {}
+            model = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch, dtype=dtype,
+                                 device=device)
+            model.reset_parameters(seed=seed)
+            return cls(model)
+        return cls(load_drafter(value, arch, dtype=dtype, device=device))
