@@ -11,8 +11,11 @@ step over the layout's replicas, with step costs from a roofline (GPU, modelled)
 this project's CPU measurements. It prints what it assumed. ``--lengths`` takes a
 run's metrics.jsonl or a ``tools/workload_lengths.py --json`` file; ``--drift`` a
 ``tools/bench_drift.py --json`` file (per-step acceptance of an online and a frozen
-drafter), which replaces the alpha-against-tokens curve. docs/planning.md explains
-the model and its validation.
+drafter), which replaces the alpha-against-tokens curve. The measured tables ship with
+the package (megatron_tlt/planner/data/); ``--calibration DIR`` reads tables of the same
+names from DIR first. ``--validate`` predicts the repository's own runs in
+docs/results/, so it runs from a clone. docs/planning.md explains the model and its
+validation.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-by-bucket", type=Path, default=None,
                    help="a tools/bench_spec.py --json file: acceptance by batch size, as "
                    "factors on the assumed acceptance")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="a folder of measured tables named as in megatron_tlt/planner/data/ "
+                   "(e.g. the CPU benchmarks re-run on your machine), read before the "
+                   "shipped ones")
     p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
     p.add_argument("--validate", action="store_true",
                    help="run the validation (CPU runs and published points)")
@@ -54,10 +61,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_tlt.planner.inputs import use_calibration
+
+    if args.calibration is not None:
+        if args.validate:
+            print("--calibration does not apply to --validate: the validation predicts "
+                  "the repository's runs from the tables measured beside them",
+                  file=sys.stderr)
+            return 2
+        try:
+            names = use_calibration(args.calibration)
+        except ValueError as e:
+            print(f"--calibration: {e}", file=sys.stderr)
+            return 2
+        print(f"calibration: {', '.join(names)} from {args.calibration}; the other "
+              "tables shipped")
+    try:
+        return run(args)
+    finally:
+        use_calibration(None)
+
+
+def run(args) -> int:
     t0 = time.perf_counter()
     if args.validate:
-        from megatron_tlt.planner.validate import validate_all, summary_lines
+        from megatron_tlt.planner.validate import check_sources, summary_lines, validate_all
 
+        try:
+            check_sources()
+        except FileNotFoundError as e:
+            print(f"--validate: {e}", file=sys.stderr)
+            return 2
         out = validate_all()
         print("\n".join(summary_lines(out)))
     else:

@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import (NOISY_STEP_OVER_FLOOR, RESULTS, Acceptance, StepCost, TrainCost,
-                     _interp_log, cpu_of, load_json, spec_slopes)
+from .inputs import (NOISY_STEP_OVER_FLOOR, Acceptance, StepCost, TrainCost, _interp_log,
+                     cpu_of, has_calibration, load_table, spec_slopes)
 
 DECODE_TABLE = "bench_rollout_amd_epyc_avx512_full.json"  # AVX-512, 2 threads
 DECODE_TABLE_AVX2 = "bench_rollout_quick_amd_epyc_avx2_cpu.json"  # AVX2, 2 threads
@@ -58,8 +58,8 @@ def corun_factors() -> tuple[tuple, tuple, str]:
     """Per running batch of ONE engine, (1-thread engine beside another) / (one 2-thread
     engine at that batch), from the PP = 2 gathered run (each rank decodes half the
     prompts with 1 thread) and the AVX2 2-thread table of the same machine."""
-    co = load_json(CORUN)
-    two = _steps_ms(load_json(DECODE_TABLE_AVX2))
+    co = load_table(CORUN)
+    two = _steps_ms(load_table(DECODE_TABLE_AVX2))
     bs, ts = sorted(two), [two[b] for b in sorted(two)]
     out_b, out_f = [], []
     # batch 1: the per-token times at 256 tokens (the other rank has no prompt)
@@ -83,7 +83,7 @@ def measured_corun_table(name: str) -> StepCost:
     rank's median step at its share of the batch (``pp2_step_ms``), the resident
     context's cost from the batch-1 length scaling, prefill per prompt token as the
     ranks measured it side by side."""
-    doc = load_json(name)
+    doc = load_table(name)
     pts = sorted((int(r["pp2_rows_per_rank"]), float(r["pp2_step_ms"]) / 1000)
                  for r in doc["results"] if r.get("pp2_step_ms") and r["case"].startswith("batch"))
     length = doc["length"]
@@ -92,7 +92,7 @@ def measured_corun_table(name: str) -> StepCost:
           / (int(hi) - int(lo)))
     pre = [r["pp2_prefill_ms_per_token"] for r in doc["results"]
            if r.get("pp2_prefill_ms_per_token")]
-    sb, ss = spec_slopes(load_json(SPEC_TABLE))
+    sb, ss = spec_slopes(load_table(SPEC_TABLE))
     # each row holds its prompt and on average half the new tokens during the run
     ref = CORUN_PROMPT_TOKENS + doc["config"]["new_tokens"] / 2
     return StepCost(tuple(b for b, _ in pts), tuple(t for _, t in pts), ref_ctx=ref,
@@ -108,7 +108,7 @@ def measured_alone_table(name: str) -> Optional[StepCost]:
     """Decode steps of one 1-thread engine with the machine to itself: the same run's
     PP = 1 engine when it ran with one thread (``pp1_step_ms``, from 2 rows; the other
     rank waits). None when that run's PP = 1 engine had more threads."""
-    doc = load_json(name)
+    doc = load_table(name)
     if doc["config"].get("pp1_threads") != 1:
         return None
     pts = {int(r["case"].split()[1]): float(r["pp1_step_ms"]) / 1000
@@ -139,7 +139,7 @@ def mean_table(tables: list[StepCost]) -> StepCost:
 
 def _measured(avx: str) -> tuple:
     names = CORUN_MEASURED.get(avx, ())
-    return names if names and all((RESULTS / n).exists() for n in names) else ()
+    return names if names and all(has_calibration(n) for n in names) else ()
 
 
 def cpu_1t_alone_table(avx: str = "avx512") -> Optional[StepCost]:
@@ -156,17 +156,17 @@ def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
     names = _measured(avx)
     if names:
         return mean_table([measured_corun_table(n) for n in names])
-    doc = load_json(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
+    doc = load_table(DECODE_TABLE if avx == "avx512" else DECODE_TABLE_AVX2)
     two = _steps_ms(doc)
     fb, ff, fsrc = corun_factors()
     bs = sorted(two)
     grid = sorted(set(bs) | set(fb))
     secs = [_interp_log(b, bs, [two[x] for x in bs]) / 1000 * _interp_log(b, fb, ff)
             for b in grid]
-    co = load_json(CORUN)["length"]
+    co = load_table(CORUN)["length"]
     # resident-context cost: batch-1 per-token time at 64 and 1024 tokens, 2 threads
     kv = (co["1024"]["pp1_ms_per_token"] - co["64"]["pp1_ms_per_token"]) / 1000 / 960 * ff[0]
-    sb, ss = spec_slopes(load_json(SPEC_TABLE))
+    sb, ss = spec_slopes(load_table(SPEC_TABLE))
     prefill = PREFILL_2T * ff[-1]
     dropped = sorted(set(int(r["batch"]) for r in doc["results"]) - set(two))
     return StepCost(tuple(grid), tuple(secs), ref_ctx=96.0, kv_seconds_per_token=kv,
@@ -180,7 +180,7 @@ def cpu_1t_corun_table(avx: str = "avx512") -> StepCost:
 
 
 def demo_drafter_alpha() -> Acceptance:
-    doc = load_json(DEMO_ALPHA)
+    doc = load_table(DEMO_ALPHA)
     return Acceptance.constant(doc["alpha"]["alpha"],
                                source=f"{DEMO_ALPHA}: the demo drafter's alpha at T=1")
 
@@ -346,7 +346,7 @@ def cpu_train_cost(files=E2E_FILES) -> TrainCost:
     """The update phase of the 2-core machine from bench_e2e's recorded update work:
     seconds per padded token and per attention cell with a backward, and per
     optimizer step (reduction + step + the rest; the first step's extra apart)."""
-    upd = fit_update([r for f in files for r in e2e_records(load_json(f))])
+    upd = fit_update([r for f in files for r in e2e_records(load_table(f))])
     fixed = upd["step_s"] + upd["other_s"]
     per_cell = upd.get("backward_s_per_cell", 0.0)
     first = upd["first_step_extra_s"] + upd.get("first_backward_extra_s", 0.0)

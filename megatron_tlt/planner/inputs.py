@@ -1,8 +1,10 @@
 """The planner's inputs: per-step cost tables, response lengths, acceptance, hardware.
 
 Everything here is data with its provenance (``source``): a table measured by one of
-the project's benchmarks (``docs/results/*.json``), or a roofline model of hardware
-we cannot measure, marked ``modelled``. The simulator (``sim.py``) only asks the
+the project's benchmarks, or a roofline model of hardware we cannot measure, marked
+``modelled``. The measured tables a prediction reads travel with the package
+(``megatron_tlt/planner/data/``: copies of the files of the same names in a clone's
+``docs/results/``); ``use_calibration`` puts a folder of one's own tables first. The simulator (``sim.py``) only asks the
 questions below; where a number comes from is this module's business.
 
 - ``StepCost``: seconds of one decode step of one rollout engine at a running batch
@@ -20,12 +22,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+# a clone's measurements: what the validation predicts (an installed package has none)
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+_calibration: Optional[Path] = None  # use_calibration's folder, read before the shipped one
 NOISY_STEP_OVER_FLOOR = 2.0  # a bench_rollout row whose median step is > 2x its floor
 # (the step's own lower bound, measured beside it) was taken on a busy machine: dropped
 
@@ -203,11 +208,82 @@ def roofline(hw: str, model: ModelShape, tp: int, *, ref_ctx: float = 1024.0,
 
 
 # ---------------------------------------------------------------------- measured tables
+def shipped_tables() -> list[str]:
+    """The names of the measured tables shipped in ``megatron_tlt/planner/data/``."""
+    folder = resources.files(__package__).joinpath("data")
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def use_calibration(folder: Optional[str | Path]) -> list[str]:
+    """Read the measured tables from ``folder`` before the shipped ones (the same file
+    names, e.g. the benchmarks re-run on one's own machine); None: the shipped tables
+    only. Returns the table names ``folder`` provides; a folder that does not exist or
+    holds none of them is refused (a wrong path would otherwise change nothing)."""
+    global _calibration
+    if folder is None:
+        _calibration = None
+        return []
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"calibration folder {path}: not a directory (give a folder "
+                         "holding measured tables named as in megatron_tlt/planner/data/)")
+    names = [n for n in shipped_tables() if (path / n).is_file()]
+    if not names:
+        raise ValueError(f"calibration folder {path}: none of the planner's tables in it; "
+                         f"it reads {', '.join(shipped_tables())} (a table the folder "
+                         "lacks is taken from the shipped ones)")
+    _calibration = path
+    return names
+
+
+def calibration_file(name: str):
+    """A measured table by name: ``use_calibration``'s folder first, then the package's
+    shipped copy (``megatron_tlt/planner/data/``)."""
+    if _calibration is not None and (_calibration / name).is_file():
+        return _calibration / name
+    shipped = resources.files(__package__).joinpath("data", name)
+    if shipped.is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"planner table {name}: not in megatron_tlt/planner/data/"
+        + (f" nor in the calibration folder {_calibration}" if _calibration else "")
+        + " (reinstall megatron_tlt with its package data, or give a folder that holds "
+        "it with tools/plan_tlt.py --calibration DIR)")
+
+
+def has_calibration(name: str) -> bool:
+    try:
+        calibration_file(name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def results_file(name: str) -> Path:
+    """A measured run in a clone's ``docs/results/`` (what the validation predicts)."""
+    path = RESULTS / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: not found. The validation (tools/plan_tlt.py --validate) predicts "
+            "the repository's own measured runs in docs/results/, which an installed "
+            "package does not carry: run it from a clone of megatron_tlt")
+    return path
+
+
+def load_table(name: str) -> dict:
+    """The measured table ``name`` (``calibration_file``), parsed."""
+    return json.loads(calibration_file(name).read_text())
+
+
 def load_json(name: str | Path) -> dict:
+    """A JSON file given by the user: ``name`` as a path where one exists, else the
+    measured table of that name."""
     path = Path(name)
-    if not path.is_absolute() and not path.exists():
-        path = RESULTS / path
-    return json.loads(path.read_text())
+    if path.is_file():
+        return json.loads(path.read_text())
+    if path.is_absolute() or len(path.parts) > 1:
+        raise FileNotFoundError(f"{path}: no such file")
+    return load_table(path.name)
 
 
 def cpu_of(doc: dict) -> str:
@@ -390,7 +466,8 @@ def alpha_curve(doc_or_path="drafter_alpha_curves_t1_cpu.json", variant: str = "
     """The measured alpha-against-training-tokens curve of ``tools/compare_drafter_losses.py``
     (``rows[].variant.name`` / ``curve[].train_tokens`` / ``curve[].alpha``), made
     non-decreasing in tokens (a curve measured on 32 held-out responses wobbles)."""
-    doc = load_json(doc_or_path) if not isinstance(doc_or_path, dict) else doc_or_path
+    doc = doc_or_path if isinstance(doc_or_path, dict) else (
+        load_table(doc_or_path) if "/" not in str(doc_or_path) else load_json(doc_or_path))
     for row in doc["rows"]:
         if row.get("variant", {}).get("name") == variant:
             pts = sorted((c["train_tokens"], tuple(c["alpha"])) for c in row["curve"])

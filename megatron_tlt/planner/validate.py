@@ -26,12 +26,13 @@ import numpy as np
 from .cpu_inputs import (E2E_FILES, E2E_RUNS, PROMPT_TOKENS, cpu_1t_alone_table,
                          cpu_1t_corun_table, demo_drafter_alpha, e2e_records, fit_update,
                          mark_first_backward, predict_update, summary_lengths)
-from .inputs import (RESULTS, Acceptance, DrafterGroup, LengthModel, ModelShape, accept_length,
-                     load_json, roofline)
+from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, accept_length,
+                     results_file, roofline)
 from .sim import EngineSettings, Layout, Scenario, run_engine, simulate_arm
 
 # the demo recipe (examples/rl/smollm2_cpu.yaml: 4 prompts x 8, cap 256, 2 replicas)
-# with TLT off, on a quiet machine: torchrun ... train.steps=8 (docs/benchmarks.md)
+# with TLT off, on a quiet machine: torchrun ... train.steps=8 (docs/benchmarks.md,
+# "The planner against these measurements")
 DEMO_RUN = "rl_smollm2_demo_recipe_8steps_cpu.jsonl"
 DEMO_RESPONSES, DEMO_GROUP = 32, 8
 PHASES = ("rollout", "tail", "update", "step", "rollout_fraction")
@@ -74,6 +75,19 @@ def predict_record(rec: dict, table, alpha: Optional[list], upd: dict,
             "speculation_share": spec_tok / max(tok, 1.0)}
 
 
+def _measured_run(name: str) -> dict:
+    """A measured run the validation predicts, from the clone's docs/results/ (the
+    planner's own copy, in megatron_tlt/planner/data/, is the same file)."""
+    return json.loads(results_file(name).read_text())
+
+
+def check_sources() -> None:
+    """Raise FileNotFoundError, saying what to do, unless every measured run the
+    validation predicts is at hand (a clone's docs/results/)."""
+    for name in (*E2E_FILES, DEMO_RUN):
+        results_file(name)
+
+
 def _err(pred: float, meas: float) -> Optional[float]:
     return None if not meas else pred / meas - 1.0
 
@@ -99,7 +113,7 @@ def validate_e2e() -> dict:
     machine's, not the model's."""
     table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     alpha = demo_drafter_alpha().at(0)
-    docs = {f: load_json(f) for f in E2E_FILES}
+    docs = {f: _measured_run(f) for f in E2E_FILES}
     recs = {f: e2e_records(d) for f, d in docs.items()}
     out = {"table": table.source, "alone_table": alone.source if alone else None,
            "alpha": alpha, "commands": {}}
@@ -185,9 +199,9 @@ def validate_demo(upd: Optional[dict] = None) -> dict:
     bench_e2e files."""
     table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     if upd is None:
-        upd = fit_update([r for f in E2E_FILES for r in e2e_records(load_json(f))])
+        upd = fit_update([r for f in E2E_FILES for r in e2e_records(_measured_run(f))])
     rows = [{"step": rec["step"], "predicted": predict_record(rec, table, None, upd, alone),
-             "measured": rec["measured"]} for rec in demo_records(RESULTS / DEMO_RUN)]
+             "measured": rec["measured"]} for rec in demo_records(results_file(DEMO_RUN))]
     return {"run": DEMO_RUN, "update_model": upd | {"fitted_on": list(E2E_FILES)},
             "phases": _phase_errors(rows), "steps": rows}
 
@@ -345,6 +359,7 @@ def validate_published() -> dict:
 
 def validate_all() -> dict:
     """The whole validation, JSON-able (``tools/plan_tlt.py --validate --json``)."""
+    check_sources()
     from .cpu_inputs import (CORUN, CORUN_MEASURED, DECODE_TABLE, DECODE_TABLE_AVX2,
                              DEMO_ALPHA, SPEC_TABLE)
     from .recipe import DEFAULT_ALPHA_GPU

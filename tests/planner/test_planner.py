@@ -152,7 +152,9 @@ def test_drafter_group_moves_acceptance_along_the_curve():
 
 
 def test_drift_data_replaces_the_curve():
-    online, frozen = drift_from_json(load_json("bench_drift_quick_cpu.json"))
+    from megatron_tlt.planner.inputs import RESULTS
+
+    online, frozen = drift_from_json(load_json(RESULTS / "bench_drift_quick_cpu.json"))
     assert online[0] == 1.0 and frozen[0] == 1.0 and len(online) == len(frozen) == 4
     acc = replace(alpha_curve(), drift_online=online, drift_frozen=frozen)
     sc = gpu_scenario(acceptance=acc)
