@@ -354,6 +354,43 @@ def test_the_cli_writes_a_prediction(tmp_path):
     assert "rl_smollm2_chain_sum_30steps_cpu.jsonl" in d["workload"]["lengths"]
 
 
+def test_a_calibration_folder_replaces_the_shipped_tables(tmp_path):
+    """--calibration DIR: a table DIR holds is read instead of the shipped one (here the
+    demo drafter's alpha raised to 0.9: the CPU recipe's TLT arm speculates), the rest
+    stay shipped; a folder with none of the tables, or one given to --validate, is
+    refused before anything runs."""
+    from cli import REPO, run_main
+
+    from megatron_tlt.planner.inputs import calibration_file
+
+    doc = load_json("bench_spec_T1_demo_drafter_cpu.json")
+    doc["alpha"]["alpha"] = [0.9] * len(doc["alpha"]["alpha"])
+    mine = tmp_path / "tables"
+    mine.mkdir()
+    (mine / "bench_spec_T1_demo_drafter_cpu.json").write_text(json.dumps(doc))
+    recipe = REPO / "examples/rl/smollm2_cpu.yaml"
+    outs = {}
+    for name, extra in (("shipped", []), ("mine", ["--calibration", mine])):
+        out = tmp_path / f"{name}.json"
+        r = run_main("tools/plan_tlt.py", "--config", recipe, "--world-size", "2",
+                     *extra, "--json", out)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs[name] = (json.loads(out.read_text()), r.stdout)
+    assert "calibration: bench_spec_T1_demo_drafter_cpu.json from" in outs["mine"][1]
+    shipped, mine_pred = outs["shipped"][0]["with_tlt"], outs["mine"][0]["with_tlt"]
+    assert mine_pred["speculation_share"] > shipped["speculation_share"]
+    assert mine_pred["accept_len"] > 2.0
+    # the folder is no longer read once the command has finished
+    assert str(mine) not in str(calibration_file("bench_spec_T1_demo_drafter_cpu.json"))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_main("tools/plan_tlt.py", "--config", recipe, "--calibration", empty)
+    assert r.returncode == 2 and "none of the planner's tables" in r.stderr
+    r = run_main("tools/plan_tlt.py", "--validate", "--calibration", mine)
+    assert r.returncode == 2 and "does not apply to --validate" in r.stderr
+
+
 def test_the_shipped_validation_is_current():
     """docs/results/planner_validation.json is what the planner computes now (rerun
     `python tools/plan_tlt.py --validate --json docs/results/planner_validation.json`)."""
