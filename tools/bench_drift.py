@@ -42,7 +42,10 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_tlt.bench.launcher import torchrun
+from megatron_tlt.drafter_training.prepared import demo_drafter
 from megatron_tlt.fileio import write_json
+from megatron_tlt.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,11 +76,6 @@ def strategy_args(strategy: str) -> list[str]:
     if strategy == "adaptive":
         return []
     return ["rollout.speculative.policy=fixed", f"rollout.speculative.strategy={strategy}"]
-
-
-def read(path: Path) -> list[dict]:
-    return [r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip())
-            if "reward/mean" in r]
 
 
 def per_step(recs: list[dict]) -> list[dict]:
@@ -144,18 +142,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.steps, a.prompts, a.group_size, a.max_new_tokens = 4, 4, 4, 96
-    from demo import demo_drafter, torchrun
-
     drafter = Path(a.drafter) if a.drafter else demo_drafter()
     rows = {}
     t0 = time.perf_counter()
     for arm in a.arms.split(","):
         rc = torchrun(f"drift/{arm}", 2, REPO / "pretrain_rl_tlt.py",
-                      arm_args(arm, drafter, a) + list(a.overrides), t0)
+                      arm_args(arm, drafter, a) + list(a.overrides), t0, cwd=REPO)
         if rc != 0:
             print(f"[drift] arm {arm} failed (exit {rc})", file=sys.stderr)
             return rc
-        rows[arm] = per_step(read(Path(a.out_dir) / arm / "metrics.jsonl"))
+        rows[arm] = per_step([r for r in read_metrics(Path(a.out_dir) / arm / "metrics.jsonl")
+                              if "reward/mean" in r])
     res = summarise(rows)
     res["config"] = {"steps": a.steps, "prompts": a.prompts, "group_size": a.group_size,
                      "max_new_tokens": a.max_new_tokens, "policy_lr": a.policy_lr,

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -59,6 +58,8 @@ import time
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
+
+from megatron_tlt.bench.stats import amdahl, mean_ci95, median_min_max
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,43 +125,6 @@ def resolve_sizes(args) -> None:
 
 
 # --------------------------------------------------------------------------- statistics
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
-         2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
-         2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    """Student's t 97.5 % quantile (two-sided 95 %); 1.96 + 2.37/df above 30 (within
-    0.002 of the exact value)."""
-    if df < 1:
-        return float("nan")
-    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.37 / df
-
-
-def mean_ci95(values) -> dict:
-    """Mean and 95 % interval (Student's t) of paired differences."""
-    v = [float(x) for x in values]
-    n = len(v)
-    if n == 0:
-        return {"mean": None, "ci95": [None, None], "pairs": 0}
-    m = sum(v) / n
-    if n == 1:
-        return {"mean": m, "ci95": [None, None], "pairs": 1}
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1))
-    h = t975(n - 1) * sd / math.sqrt(n)
-    return {"mean": m, "ci95": [m - h, m + h], "pairs": n}
-
-
-def amdahl(f: float, s: float) -> float:
-    """Step speedup when a fraction f of the step runs s times faster."""
-    return 1.0 / ((1.0 - f) + f / s)
-
-
-def _med(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
-
-
 def step_row(step: int, first: str, arms: dict, agree: dict) -> dict:
     """One step of one mode: both arms' numbers and the ratios between them."""
     off, tlt = arms["off"], arms["tlt"]
@@ -175,7 +139,7 @@ def summarize(rows: list[dict]) -> dict:
     """A mode's summary from its step rows (medians of per-step ratios)."""
     out = {}
     for key in ("rollout_speedup", "step_speedup", "rollout_fraction"):
-        m, lo, hi = _med([r[key] for r in rows])
+        m, lo, hi = median_min_max([r[key] for r in rows])
         out[key], out[key + "_min"], out[key + "_max"] = m, lo, hi
     tot = {a: {k: sum(r["arms"][a][k] for r in rows) for k in ("rollout", "step")}
            for a in ARMS}
@@ -347,9 +311,9 @@ def make_config(args, mode: str):
     return cfg
 
 
-def run_mode(args, mode: str, session, first_model, log) -> dict:
-
-    from megatron_tlt import collectives
+def build_arms(args, mode: str, session, first_model) -> dict:
+    """Both arms of one sampling mode on this rank, from the same weights (the first
+    model is the set-up's), warmed up; fails when they do not start equal."""
     from megatron_tlt.models import load_model
     from megatron_tlt.runtime_env import seed_everything
 
@@ -373,36 +337,48 @@ def run_mode(args, mode: str, session, first_model, log) -> dict:
         raise RuntimeError(f"the arms start from different weights (max |diff| {start})")
     for arm in arms.values():
         arm.warm_up(args.warmup_tokens)
-    rss_built = _rss_gb()
-    dp_group = arms["off"].trainer.dp_group
-    rows = []
-    for step in range(args.steps):
-        order = ARMS if step % 2 == 0 else ARMS[::-1]
-        metrics, probes = {}, {}
-        for name in order:
-            arm = arms[name]
-            probes[name] = arm.probe()
-            metrics[name] = arm.trainer.train_step(step)
-            log(f"[bench_e2e] {mode} step {step + 1}/{args.steps} {name}: rollout "
-                f"{max(metrics[name]['timeline']['replica_finish']):.1f} s, step "
-                f"{metrics[name]['timing']['step']:.1f} s, reward "
-                f"{metrics[name]['reward/mean']:.3f}")
-        # what crosses ranks: step times (max), weight difference and motion (max),
-        # the responses (gathered over the replicas)
-        moved = {n: float((arms[n].probe() - probes[n]).abs().max()) for n in ARMS}
-        red = collectives.max_values([metrics["tlt"]["timing"]["step"],
-                                      metrics["off"]["timing"]["step"],
-                                      max_param_delta(arms["tlt"].model, arms["off"].model),
-                                      moved["tlt"], moved["off"]])
-        seen = {n: collectives.all_gather_object(arms[n].seen, dp_group) for n in ARMS}
-        agree = compare_responses(seen["tlt"], seen["off"], step)
-        agree["max_param_delta"] = float(red[2])
-        numbers = {"tlt": arm_numbers(metrics["tlt"], float(red[0]), seen["tlt"]),
-                   "off": arm_numbers(metrics["off"], float(red[1]), seen["off"])}
-        numbers["tlt"]["param_moved"], numbers["off"]["param_moved"] = float(red[3]), float(red[4])
-        rows.append(step_row(step + 1, order[0], numbers, agree))
+    return arms
+
+
+def run_step(args, mode: str, step: int, arms: dict, dp_group, log) -> dict:
+    """One GRPO step of both arms (the first alternating from step to step): its row."""
+    from megatron_tlt import collectives
+
+    order = ARMS if step % 2 == 0 else ARMS[::-1]
+    metrics, probes = {}, {}
+    for name in order:
+        arm = arms[name]
+        probes[name] = arm.probe()
+        metrics[name] = arm.trainer.train_step(step)
+        log(f"[bench_e2e] {mode} step {step + 1}/{args.steps} {name}: rollout "
+            f"{max(metrics[name]['timeline']['replica_finish']):.1f} s, step "
+            f"{metrics[name]['timing']['step']:.1f} s, reward "
+            f"{metrics[name]['reward/mean']:.3f}")
+    # what crosses ranks: step times (max), weight difference and motion (max),
+    # the responses (gathered over the replicas)
+    moved = {n: float((arms[n].probe() - probes[n]).abs().max()) for n in ARMS}
+    red = collectives.max_values([metrics["tlt"]["timing"]["step"],
+                                  metrics["off"]["timing"]["step"],
+                                  max_param_delta(arms["tlt"].model, arms["off"].model),
+                                  moved["tlt"], moved["off"]])
+    seen = {n: collectives.all_gather_object(arms[n].seen, dp_group) for n in ARMS}
+    agree = compare_responses(seen["tlt"], seen["off"], step)
+    agree["max_param_delta"] = float(red[2])
+    numbers = {"tlt": arm_numbers(metrics["tlt"], float(red[0]), seen["tlt"]),
+               "off": arm_numbers(metrics["off"], float(red[1]), seen["off"])}
+    numbers["tlt"]["param_moved"], numbers["off"]["param_moved"] = float(red[3]), float(red[4])
+    return step_row(step + 1, order[0], numbers, agree)
+
+
+def run_mode(args, mode: str, session, first_model, log) -> dict:
+    """Both arms through ``args.steps`` steps of one sampling mode: its summary."""
+    from megatron_tlt import collectives
     from megatron_tlt.bench.common import cpu_description
 
+    arms = build_arms(args, mode, session, first_model)
+    rss_built = _rss_gb()
+    dp_group = arms["off"].trainer.dp_group
+    rows = [run_step(args, mode, step, arms, dp_group, log) for step in range(args.steps)]
     cpu = cpu_description(arms["tlt"].trainer.engine)
     mem = collectives.max_values([rss_built, _rss_gb(), _peak_rss_gb()])
     del arms
@@ -426,37 +402,17 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def worker(args) -> int:
+def result_record(args, session, modes: list[str], results: dict, t0: float) -> dict:
+    """The JSON record: the run's configuration (the first mode's CPU record), one row
+    per mode and step, each mode's summary."""
     import megatron.core
     import torch
-    import torch.distributed as dist
 
-    from megatron_tlt.launch import setup, shutdown
-    from megatron_tlt.runtime_env import silence_expected_warnings
-
-    silence_expected_warnings()
-    modes = ["coupled", "standard"] if args.sampling_mode == "both" else [args.sampling_mode]
-    t0 = time.perf_counter()
-    session = setup(make_config(args, modes[0]))
-    rank = dist.get_rank()
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)
-
-    first_model = [session.model]
-    session = replace(session, model=None)
-    results = {}
-    for mode in modes:
-        t_mode = time.perf_counter()
-        results[mode] = run_mode(args, mode, session, first_model, log)
-        results[mode]["wall_seconds"] = time.perf_counter() - t_mode
-        gc.collect()
     cpu = next(iter(results.values())).pop("cpu")
     for r in results.values():
         r.pop("cpu", None)
     cfg = make_config(args, modes[0])
-    result = {
+    return {
         "benchmark": "bench_e2e",
         "date": date.today().isoformat(),
         "config": dict(
@@ -484,6 +440,11 @@ def worker(args) -> int:
         "modes": results,
         "wall_seconds": time.perf_counter() - t0,
     }
+
+
+def failures(args, results: dict, log) -> list[str]:
+    """What fails the run: coupled arms that differ (with --strict; a warning without),
+    and an A/A run (--drafter off) whose arms differ at all."""
     failed = []
     for m, r in results.items():
         if m == "coupled" and r["coupled_identical"] != 1.0 and args.drafter != "off":
@@ -496,14 +457,48 @@ def worker(args) -> int:
                                           r["coupled_identical"] == 1.0):
             failed.append(f"{m}: A/A arms differ (max |dW| {r['max_param_delta']:.3g}, "
                           f"identical {r['coupled_identical']:.1%})")
-    if rank == 0:
-        from megatron_tlt.tracking import jsonable
+    return failed
 
-        print(report(result), flush=True)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(jsonable(result), indent=1))
-            print(f"[bench_e2e] wrote {args.json}", flush=True)
+
+def write_result(args, result: dict) -> None:
+    """The report on stdout, the record in --json."""
+    from megatron_tlt.tracking import jsonable
+
+    print(report(result), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(jsonable(result), indent=1))
+        print(f"[bench_e2e] wrote {args.json}", flush=True)
+
+
+def worker(args) -> int:
+    import torch.distributed as dist
+
+    from megatron_tlt.launch import setup, shutdown
+    from megatron_tlt.runtime_env import silence_expected_warnings
+
+    silence_expected_warnings()
+    modes = ["coupled", "standard"] if args.sampling_mode == "both" else [args.sampling_mode]
+    t0 = time.perf_counter()
+    session = setup(make_config(args, modes[0]))
+    rank = dist.get_rank()
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    first_model = [session.model]
+    session = replace(session, model=None)
+    results = {}
+    for mode in modes:
+        t_mode = time.perf_counter()
+        results[mode] = run_mode(args, mode, session, first_model, log)
+        results[mode]["wall_seconds"] = time.perf_counter() - t_mode
+        gc.collect()
+    result = result_record(args, session, modes, results, t0)
+    failed = failures(args, results, log)
+    if rank == 0:
+        write_result(args, result)
     shutdown()
     for msg in failed:
         log(f"[bench_e2e] FAILED: {msg}")
@@ -578,11 +573,12 @@ def launch(args, argv: list[str]) -> int:
     if args.drafter not in (None, "off", "random", "self") and not Path(args.drafter).is_file():
         print(f"error: no drafter checkpoint at {args.drafter}", file=sys.stderr)
         return 2
-    from demo import demo_drafter, torchrun
+    from megatron_tlt.bench.launcher import torchrun
+    from megatron_tlt.drafter_training.prepared import demo_drafter
 
-    extra = ["--drafter", demo_drafter()] if args.drafter is None else []
+    extra = ["--drafter", demo_drafter(RECIPE)] if args.drafter is None else []
     return torchrun("bench_e2e", args.nproc, Path(__file__).resolve(),
-                    ["--worker", *extra, *argv], t0)
+                    ["--worker", *extra, *argv], t0, cwd=REPO)
 
 
 def main(argv=None) -> int:

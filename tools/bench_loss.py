@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=49152, help="SmolLM2's vocabulary")
     ap.add_argument("--rows", type=int, default=8)
@@ -36,57 +36,75 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="4 rows, 3 rounds")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.rows, args.rounds = 4, 3
+    return args
 
-    from megatron_tlt.models.gpt import ModelArch
-    from megatron_tlt.models.inference import token_logprobs
+
+class Paths:
+    """A micro-batch of random logits (seeded) and the two ways of taking its response
+    rows' log-probs, entropy metric and backward."""
+
+    def __init__(self, args):
+        from megatron_tlt.models.gpt import ModelArch
+
+        self.V, self.chunk = args.vocab, args.chunk
+        self.arch = ModelArch("llama", self.V, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, 64, True, False)
+        gen = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(args.rows, args.seq, self.V, generator=gen)
+        self.targets = torch.randint(0, self.V, (args.rows, args.seq), generator=gen)
+        self.mask = torch.zeros(args.rows, args.seq)
+        self.mask[:, args.response_from:] = 1
+
+    def old(self):
+        """The whole-micro-batch path: a boolean-indexed copy of the response rows."""
+        from megatron_tlt.models.inference import token_logprobs
+        from megatron_tlt.rl.grpo import vocab_parallel_entropy
+
+        x = self.logits.clone().requires_grad_()
+        sel = self.mask > 0
+        rows = x[sel].unsqueeze(0)
+        lp = token_logprobs(rows, self.targets[sel].unsqueeze(0), self.arch, 1.0)[0]
+        with torch.no_grad():
+            vocab_parallel_entropy(rows.detach(), vocab_size=self.V)
+        lp.sum().backward()
+        return lp.detach()
+
+    def new(self):
+        """The chunked path the trainer runs (``rl.token_stats``)."""
+        from megatron_tlt.rl.token_stats import token_stats
+
+        x = self.logits.clone().requires_grad_()
+        lp, _ = token_stats(x, self.targets, self.mask, vocab_size=self.V,
+                            chunk_tokens=self.chunk)
+        lp.sum().backward()
+        return lp.detach()[self.mask > 0]
+
+
+def timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     from megatron_tlt.parallel import initialize_model_parallel
-    from megatron_tlt.rl.grpo import vocab_parallel_entropy
-    from megatron_tlt.rl.token_stats import token_stats
     from megatron_tlt.rollout.cpu_kernels import cpu_info, detect_isa
     from megatron_tlt.runtime_env import init_distributed
 
     init_distributed()
     initialize_model_parallel(1, 1, seed=0)
     torch.set_num_threads(args.threads)
-    V = args.vocab
-    arch = ModelArch("llama", V, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, 64, True, False)
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.rows, args.seq, V, generator=gen)
-    targets = torch.randint(0, V, (args.rows, args.seq), generator=gen)
-    mask = torch.zeros(args.rows, args.seq)
-    mask[:, args.response_from:] = 1
-
-    def old():
-        x = logits.clone().requires_grad_()
-        sel = mask > 0
-        rows = x[sel].unsqueeze(0)
-        lp = token_logprobs(rows, targets[sel].unsqueeze(0), arch, 1.0)[0]
-        with torch.no_grad():
-            vocab_parallel_entropy(rows.detach(), vocab_size=V)
-        lp.sum().backward()
-        return lp.detach()
-
-    def new():
-        x = logits.clone().requires_grad_()
-        lp, _ = token_stats(x, targets, mask, vocab_size=V, chunk_tokens=args.chunk)
-        lp.sum().backward()
-        return lp.detach()[mask > 0]
-
-    diff = float((old() - new()).abs().max())
+    paths = Paths(args)
+    V, mask = paths.V, paths.mask
+    diff = float((paths.old() - paths.new()).abs().max())
     if diff > 1e-4:
         raise SystemExit(f"the two paths disagree: max |logp difference| {diff:.3g}")
-
-    def timed(f):
-        t0 = time.perf_counter()
-        f()
-        return time.perf_counter() - t0
-
     ratio, aa, t_old, t_new = [], [], [], []
     for _ in range(args.rounds):
-        a, b, a2 = timed(old), timed(new), timed(old)
+        a, b, a2 = timed(paths.old), timed(paths.new), timed(paths.old)
         ratio.append(b / a)
         aa.append(a2 / a)
         t_old.append(a)

@@ -6,7 +6,7 @@
     torchrun --standalone --nproc_per_node 2 tools/bench_rollout.py --pp 2 --json X.json
 
 (``--pp 2``: the pipeline-parallel engine against the PP = 1 engine and the recompute
-loop instead, ``tools/bench_pipeline.py``.)
+loop instead, ``megatron_tlt/bench/rollout_pp.py``.)
 
 SmolLM2-135M-Instruct, greedy, exactly ``--new-tokens`` tokens per sequence (EOS
 ignored), batch sizes 1, 8, 32 of real reasoning-gym prompts (different lengths).
@@ -165,7 +165,7 @@ def grpo_prefill(engine, pairs: int, new_tokens: int = 4,
                 identical=outs[False] == outs[True])
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -188,7 +188,7 @@ def main() -> None:
                     help="only the GRPO-step prefill measurement (no transformers runs)")
     ap.add_argument("--pp", type=int, default=1,
                     help="> 1: benchmark the pipeline-parallel engine (under torchrun "
-                         "with this many processes; tools/bench_pipeline.py)")
+                         "with this many processes; megatron_tlt/bench/rollout_pp.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (--pp)")
     ap.add_argument("--pp1-threads", type=int, default=0,
                     help="--pp: the PP = 1 engine's threads (default --threads x --pp)")
@@ -217,118 +217,95 @@ def main() -> None:
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")],
                     default=[64, 256, 1024], help="batch-1 lengths of the per-token "
                                                   "time scaling (--pp)")
-    args = ap.parse_args()
-    if args.pp > 1:
-        silence_expected_warnings()
-        import bench_pipeline
+    return ap.parse_args(argv)
 
-        bench_pipeline.main(args)
-        return
-    if args.quick:
-        args.new_tokens, args.pairs, args.grpo_pairs = 32, 2, min(args.grpo_pairs, 2)
-    silence_expected_warnings()
 
+def run_pipeline(args) -> None:
+    """--pp > 1: the pipeline-parallel benchmark (``megatron_tlt.bench.rollout_pp``)."""
+    from megatron_tlt.bench import rollout_pp
+
+    if args.spec_drafter == "demo":  # the demo's warm-up drafter, warmed up if absent
+        from megatron_tlt.drafter_training.prepared import demo_drafter
+
+        args.spec_drafter = str(demo_drafter())
+    rollout_pp.run(args)
+
+
+def print_grpo(grpo: dict) -> None:
+    print(f"GRPO step prefill ({grpo['prompts']} prompts x {grpo['group_size']}): "
+          f"unshared {grpo['unshared']['prefill_tokens']} tokens "
+          f"{grpo['unshared']['prefill_seconds'] * 1e3:.1f} ms, shared "
+          f"{grpo['shared']['prefill_tokens']} tokens "
+          f"{grpo['shared']['prefill_seconds'] * 1e3:.1f} ms (tokens x"
+          f"{grpo['tokens_ratio']:.3f}, seconds x{grpo['seconds_ratio']:.3f}, "
+          f"identical {grpo['identical']})", flush=True)
+
+
+def write_grpo_only(args, engine, grpo) -> None:
+    """--grpo-only's JSON record."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            benchmark="rollout_grpo_prefill", date=str(date.today()),
+            config=dict(dtype=args.dtype, device=str(engine.device),
+                        threads=torch.get_num_threads(), **cpu_description(engine)),
+            grpo_prefill=grpo,
+            prefill_seconds_per_grpo_step=grpo and grpo["shared"]["prefill_seconds"]),
+            indent=2))
+
+
+def batch_row(args, engine, hf, prompts, sp, pad, floors) -> dict:
+    """One batch size: a warm-up, then --pairs interleaved engine / transformers runs
+    (the weight-streaming floor re-measured next to every engine run); the outputs
+    checked; its row, printed."""
+    from megatron_tlt.rollout import SamplingParams
+
+    b = len(prompts)
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4,
+                                            ignore_eos=True))  # warm-up
+    hf_generate(hf, prompts, 4, pad)
+    ratios, eng_tps, hf_tps, steps, bounds = [], [], [], [], []
+    for _ in range(args.pairs):
+        # the floor is re-measured next to every engine run: the machine drifts
+        floor_now = weight_floor(engine.runner, b, reps=5)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sp)
+        te = time.perf_counter() - t0
+        st = engine.last_stats
+        steps.append(st.decode_seconds / max(st.decode_steps, 1))
+        bounds.append(steps[-1] / floor_now)
+        t0 = time.perf_counter()
+        theirs = hf_generate(hf, prompts, args.new_tokens, pad)
+        th = time.perf_counter() - t0
+        ours = [o.token_ids for o in outs]
+        assert all(len(o) == args.new_tokens for o in ours + theirs)
+        eng_tps.append(b * args.new_tokens / te)
+        hf_tps.append(b * args.new_tokens / th)
+        ratios.append(eng_tps[-1] / hf_tps[-1])
+    check = compare(hf, prompts, ours, theirs, args.tie_margin)
+    row = dict(batch=b, engine_tok_s=statistics.median(eng_tps),
+               hf_tok_s=statistics.median(hf_tps), ratio=statistics.median(ratios),
+               ratio_min=min(ratios), ratio_max=max(ratios),
+               engine_step_ms=statistics.median(steps) * 1e3,
+               floor_ms=floors.get(b, float("nan")) * 1e3,
+               graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
+               step_over_floor=statistics.median(bounds),
+               step_over_floor_min=min(bounds), step_over_floor_max=max(bounds),
+               **check)
+    print(f"bs {b:3d}: engine {row['engine_tok_s']:7.1f} tok/s  transformers "
+          f"{row['hf_tok_s']:7.1f} tok/s  ratio {row['ratio']:.2f} "
+          f"[{row['ratio_min']:.2f}, {row['ratio_max']:.2f}]  step "
+          f"{row['engine_step_ms']:.1f} ms = {row['step_over_floor']:.2f}x floor  "
+          f"identical {check['identical']}/{b} (tie splits {check['tie_splits']})",
+          flush=True)
+    return row
+
+
+def result_record(args, engine, sizes, floors, rows, grpo, syncs) -> dict:
     import megatron.core
     import transformers
-    from transformers import AutoModelForCausalLM
 
-    from megatron_tlt.assets import require_smollm2
-    from megatron_tlt.config import RolloutConfig
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.tasks import reasoning_gym_prompts
-
-    src = require_smollm2()
-    engine = RolloutEngine.from_pretrained(
-        src, RolloutConfig(cpu_kernels=args.cpu_kernels, cuda_graphs=args.cuda_graphs),
-        dtype=args.dtype)
-    grpo = None
-    if args.grpo_pairs > 0:
-        grpo = grpo_prefill(engine, args.grpo_pairs)
-        print(f"GRPO step prefill ({grpo['prompts']} prompts x {grpo['group_size']}): "
-              f"unshared {grpo['unshared']['prefill_tokens']} tokens "
-              f"{grpo['unshared']['prefill_seconds'] * 1e3:.1f} ms, shared "
-              f"{grpo['shared']['prefill_tokens']} tokens "
-              f"{grpo['shared']['prefill_seconds'] * 1e3:.1f} ms (tokens x"
-              f"{grpo['tokens_ratio']:.3f}, seconds x{grpo['seconds_ratio']:.3f}, "
-              f"identical {grpo['identical']})", flush=True)
-    if args.grpo_only:
-        if args.json:
-            Path(args.json).write_text(json.dumps(dict(
-                benchmark="rollout_grpo_prefill", date=str(date.today()),
-                config=dict(dtype=args.dtype, device=str(engine.device),
-                            threads=torch.get_num_threads(), **cpu_description(engine)),
-                grpo_prefill=grpo,
-                prefill_seconds_per_grpo_step=grpo and grpo["shared"]["prefill_seconds"]),
-                indent=2))
-        return
-    # transformers on the engine's device (the same GPU on a CUDA machine)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)) \
-        .to(engine.device).eval()
-    tok = engine.tokenizer
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    pool = [p.token_ids for p in reasoning_gym_prompts(tok, n=max(sizes), seed=args.seed)]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    cpu = cpu_description(engine)
-    print(f"cpu: {cpu['cpu']} ({' '.join(cpu['cpu_isa_flags'])}); kernels: "
-          f"{cpu['kernel_isa'] or 'none'} build, rollout.cpu_kernels={cpu['cpu_kernels']}: "
-          f"{cpu['kernel_policy']}", flush=True)
-    floors = {b: weight_floor(engine.runner, b) for b in sorted(set([1, 8, 32] + sizes))}
-    print(f"weight-streaming floor ({args.dtype}): " + ", ".join(
-        f"bs{b} {t * 1e3:.1f} ms" for b, t in floors.items()), flush=True)
-
-    rows = []
-    for b in sizes:
-        prompts = pool[:b]
-        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4,
-                                                ignore_eos=True))  # warm-up
-        hf_generate(hf, prompts, 4, pad)
-        ratios, eng_tps, hf_tps, steps, bounds = [], [], [], [], []
-        for _ in range(args.pairs):
-            # the floor is re-measured next to every engine run: the machine drifts
-            floor_now = weight_floor(engine.runner, b, reps=5)
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, sp)
-            te = time.perf_counter() - t0
-            st = engine.last_stats
-            steps.append(st.decode_seconds / max(st.decode_steps, 1))
-            bounds.append(steps[-1] / floor_now)
-            t0 = time.perf_counter()
-            theirs = hf_generate(hf, prompts, args.new_tokens, pad)
-            th = time.perf_counter() - t0
-            ours = [o.token_ids for o in outs]
-            assert all(len(o) == args.new_tokens for o in ours + theirs)
-            eng_tps.append(b * args.new_tokens / te)
-            hf_tps.append(b * args.new_tokens / th)
-            ratios.append(eng_tps[-1] / hf_tps[-1])
-        check = compare(hf, prompts, ours, theirs, args.tie_margin)
-        row = dict(batch=b, engine_tok_s=statistics.median(eng_tps),
-                   hf_tok_s=statistics.median(hf_tps), ratio=statistics.median(ratios),
-                   ratio_min=min(ratios), ratio_max=max(ratios),
-                   engine_step_ms=statistics.median(steps) * 1e3,
-                   floor_ms=floors.get(b, float("nan")) * 1e3,
-                   graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
-                   step_over_floor=statistics.median(bounds),
-                   step_over_floor_min=min(bounds), step_over_floor_max=max(bounds),
-                   **check)
-        rows.append(row)
-        print(f"bs {b:3d}: engine {row['engine_tok_s']:7.1f} tok/s  transformers "
-              f"{row['hf_tok_s']:7.1f} tok/s  ratio {row['ratio']:.2f} "
-              f"[{row['ratio_min']:.2f}, {row['ratio_max']:.2f}]  step "
-              f"{row['engine_step_ms']:.1f} ms = {row['step_over_floor']:.2f}x floor  "
-              f"identical {check['identical']}/{b} (tie splits {check['tie_splits']})",
-              flush=True)
-
-    # host synchronisations per decode step (bench.sync_budget; a counting pass,
-    # not timed): plain decoding here, speculation's in bench_spec
-    from megatron_tlt.bench.sync_budget import measure, summary
-
-    syncs = summary(measure(engine, pool[:min(sizes)], SamplingParams(
-        temperature=0.0, max_new_tokens=8, ignore_eos=True)))
-    print(f"host syncs per plain step: {syncs['host_syncs_plain_step']}", flush=True)
     by_b = {r["batch"]: r for r in rows}
-    result = dict(
+    return dict(
         benchmark="rollout",
         date=str(date.today()),
         config=dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, batch_sizes=sizes,
@@ -351,6 +328,58 @@ def main() -> None:
         host_syncs_plain_step=syncs["host_syncs_plain_step"],
         host_syncs_spec_step=None,  # no drafter here: tools/bench_spec.py measures it
     )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    silence_expected_warnings()
+    if args.pp > 1:
+        run_pipeline(args)
+        return
+    if args.quick:
+        args.new_tokens, args.pairs, args.grpo_pairs = 32, 2, min(args.grpo_pairs, 2)
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.bench.sync_budget import measure, summary
+    from megatron_tlt.config import RolloutConfig
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.tasks import reasoning_gym_prompts
+
+    src = require_smollm2()
+    engine = RolloutEngine.from_pretrained(
+        src, RolloutConfig(cpu_kernels=args.cpu_kernels, cuda_graphs=args.cuda_graphs),
+        dtype=args.dtype)
+    grpo = grpo_prefill(engine, args.grpo_pairs) if args.grpo_pairs > 0 else None
+    if grpo:
+        print_grpo(grpo)
+    if args.grpo_only:
+        write_grpo_only(args, engine, grpo)
+        return
+    # transformers on the engine's device (the same GPU on a CUDA machine)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)) \
+        .to(engine.device).eval()
+    tok = engine.tokenizer
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    pool = [p.token_ids for p in reasoning_gym_prompts(tok, n=max(sizes), seed=args.seed)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    cpu = cpu_description(engine)
+    print(f"cpu: {cpu['cpu']} ({' '.join(cpu['cpu_isa_flags'])}); kernels: "
+          f"{cpu['kernel_isa'] or 'none'} build, rollout.cpu_kernels={cpu['cpu_kernels']}: "
+          f"{cpu['kernel_policy']}", flush=True)
+    floors = {b: weight_floor(engine.runner, b) for b in sorted(set([1, 8, 32] + sizes))}
+    print(f"weight-streaming floor ({args.dtype}): " + ", ".join(
+        f"bs{b} {t * 1e3:.1f} ms" for b, t in floors.items()), flush=True)
+    rows = [batch_row(args, engine, hf, pool[:b], sp, pad, floors) for b in sizes]
+
+    # host synchronisations per decode step (bench.sync_budget; a counting pass,
+    # not timed): plain decoding here, speculation's in bench_spec
+    syncs = summary(measure(engine, pool[:min(sizes)], SamplingParams(
+        temperature=0.0, max_new_tokens=8, ignore_eos=True)))
+    print(f"host syncs per plain step: {syncs['host_syncs_plain_step']}", flush=True)
+    result = result_record(args, engine, sizes, floors, rows, grpo, syncs)
     print(f"min_ratio {result['min_ratio']:.2f}  bound_ratio_bs1 "
           f"{result['bound_ratio_bs1'] if result['bound_ratio_bs1'] is None else round(result['bound_ratio_bs1'], 3)}")
     if args.json:

@@ -56,7 +56,7 @@ def stream_floor(mats, forms, reps: int = 7, clock=time.perf_counter) -> float:
     return best
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--group", type=int, default=0)
     ap.add_argument("--act-block", type=int, default=32,
@@ -70,34 +70,15 @@ def main() -> None:
                          "--threads 1 on a machine shared with other work: the cost of the "
                          "code, free of waiting for a core)")
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
-    silence_expected_warnings()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.process_time if args.cpu_time else time.perf_counter
+    return ap.parse_args(argv)
 
-    from megatron_tlt.bench.common import cpu_description
-    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+
+def interleaved_steps(args, target, copy, clock):
+    """Batch-1 decode steps of the policy and the copy after a ~60-token prompt, in
+    --rounds interleaved rounds (each side the median of --calls calls): (policy
+    seconds, copy seconds, copy / policy) per round."""
     from megatron_tlt.rollout.kv_cache import KVCache
-    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 
-    torch.manual_seed(0)
-    sc = SpeculativeConfig(policy="fixed", strategy="4_1_4", threshold=1 << 20)
-    eng = RolloutEngine.from_pretrained("smollm2", RolloutConfig(speculative=sc))
-    eng.attach_drafter(SelfDrafter(group=args.group, act_block=args.act_block))
-    target, copy = eng.runner, eng.spec.draft
-    target.pack_weights()
-    print(f"kernels: {target.kernels!r}; copy int8 kernels: {copy._int8_kernels()}",
-          flush=True)
-
-    refresh = []
-    for _ in range(3):
-        copy.refresh()
-        refresh.append(copy.refresh_seconds)
-    policy_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
-
-    # ---- interleaved batch-1 decode steps
     dev, prompt = target.device, torch.randint(0, 1000, (1, 60))
     caches = {}
     for name, r in (("policy", target), ("copy", copy)):
@@ -125,8 +106,12 @@ def main() -> None:
         pol.append(got["policy"])
         cop.append(got["copy"])
         ratios.append(got["copy"] / got["policy"])
+    return pol, cop, ratios
 
-    # ---- floors
+
+def floors(target, copy, clock) -> dict:
+    """The float32 weight-streaming floor, the bandwidth it implies, the int8 floor at
+    that bandwidth and the copy's int8 GEMMs alone (None without int8 kernels)."""
     mats = [w for lw in target.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)]
     mats.append(target.output_w)
     forms = [lambda x, m: F.linear(x, m), lambda x, m: torch.mm(m, x.t())]
@@ -137,7 +122,6 @@ def main() -> None:
     bandwidth = fp32_bytes / fp32_floor
     qmats = copy.quant_weights()
     int8_bytes = sum(w.nbytes for w in qmats)
-    int8_floor = int8_bytes / bandwidth
     int8_gemms = None
     if copy._int8_kernels():
         xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in qmats}
@@ -149,16 +133,61 @@ def main() -> None:
                 k.linear_int8(xs[w.shape[1]], w.panel, w.panel_scale, w.shape[0], w.group, w.act_block)
             times.append(clock() - t0)
         int8_gemms = statistics.median(times[2:])
+    return dict(fp32=fp32_floor, bandwidth=bandwidth, int8=int8_bytes / bandwidth,
+                int8_gemms=int8_gemms)
 
+
+def acceptance(eng, prompts: int) -> dict:
+    """``prompts`` prompts at T=1 (128 new tokens) through the engine's fixed chain:
+    the acceptance rate by draft position and the tokens per verification."""
+    from megatron_tlt.rollout import SamplingParams
+    from megatron_tlt.tasks import reasoning_gym_prompts
+
+    pool = [p.token_ids for p in reasoning_gym_prompts(eng.tokenizer, n=prompts, seed=0)]
+    eng.generate(pool, SamplingParams(temperature=1.0, max_new_tokens=128, seed=1))
+    s = eng.last_stats.spec.summary()
+    print(f"T=1, chain 4: acceptance by position {s['accept_rate_at_position']}, "
+          f"{s['accept_len']:.2f} accepted per verification", flush=True)
+    return dict(alpha_by_position=s["accept_rate_at_position"], accept_len=s["accept_len"])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    silence_expected_warnings()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+
+    from megatron_tlt.bench.common import cpu_description
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+    from megatron_tlt.rollout import RolloutEngine
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+    torch.manual_seed(0)
+    sc = SpeculativeConfig(policy="fixed", strategy="4_1_4", threshold=1 << 20)
+    eng = RolloutEngine.from_pretrained("smollm2", RolloutConfig(speculative=sc))
+    eng.attach_drafter(SelfDrafter(group=args.group, act_block=args.act_block))
+    target, copy = eng.runner, eng.spec.draft
+    target.pack_weights()
+    print(f"kernels: {target.kernels!r}; copy int8 kernels: {copy._int8_kernels()}",
+          flush=True)
+
+    refresh = []
+    for _ in range(3):
+        copy.refresh()
+        refresh.append(copy.refresh_seconds)
+    policy_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+    pol, cop, ratios = interleaved_steps(args, target, copy, clock)
+    fl = floors(target, copy, clock)
     out = dict(
         group=args.group, act_block=args.act_block, threads=torch.get_num_threads(),
         clock="cpu" if args.cpu_time else "wall", policy_step_ms=statistics.median(pol) * 1e3,
         copy_step_ms=statistics.median(cop) * 1e3, step_ratio=statistics.median(ratios),
         step_ratio_min=min(ratios), step_ratio_max=max(ratios),
-        fp32_floor_ms=fp32_floor * 1e3, bandwidth_gbs=bandwidth / 1e9,
-        int8_floor_ms=int8_floor * 1e3,
-        int8_gemms_ms=None if int8_gemms is None else int8_gemms * 1e3,
-        step_over_int8_floor=statistics.median(cop) / int8_floor,
+        fp32_floor_ms=fl["fp32"] * 1e3, bandwidth_gbs=fl["bandwidth"] / 1e9,
+        int8_floor_ms=fl["int8"] * 1e3,
+        int8_gemms_ms=None if fl["int8_gemms"] is None else fl["int8_gemms"] * 1e3,
+        step_over_int8_floor=statistics.median(cop) / fl["int8"],
         refresh_ms=statistics.median(refresh) * 1e3,
         copy_bytes=copy.nbytes, copy_over_policy_bytes=copy.nbytes / policy_bytes,
         config=cpu_description(eng))
@@ -171,18 +200,8 @@ def main() -> None:
           f"{out['step_over_int8_floor']:.2f}", flush=True)
     print(f"refresh {out['refresh_ms']:.0f} ms; copy {copy.nbytes / 1e6:.1f} MB = "
           f"{out['copy_over_policy_bytes']:.3f} x the policy's parameters", flush=True)
-
     if args.alpha:
-        from megatron_tlt.tasks import reasoning_gym_prompts
-
-        prompts = [p.token_ids for p in reasoning_gym_prompts(eng.tokenizer, n=args.alpha,
-                                                               seed=0)]
-        sp = SamplingParams(temperature=1.0, max_new_tokens=128, seed=1)
-        eng.generate(prompts, sp)
-        s = eng.last_stats.spec.summary()
-        out.update(alpha_by_position=s["accept_rate_at_position"], accept_len=s["accept_len"])
-        print(f"T=1, chain 4: acceptance by position {s['accept_rate_at_position']}, "
-              f"{s['accept_len']:.2f} accepted per verification", flush=True)
+        out.update(acceptance(eng, args.alpha))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -76,19 +76,13 @@ from typing import Optional
 
 import torch
 
-from megatron_tlt.bench.common import check_ties, cpu_description
+from megatron_tlt.bench.common import check_against_engine, cpu_description
 from megatron_tlt.bench.stats import (declined_step_ratio, median_or_none, rate_ratio,
-                                      tail_speedup_bound)
+                                      tail_speedup_bound, tuned_summary)
+from megatron_tlt.drafter_training.prepared import default_drafter_path, ensure_drafter
 from megatron_tlt.runtime_env import silence_expected_warnings
 
 DEFAULT_STRATEGIES = "1:7_1_7,2:5_1_5,4:4_1_4,8:4_1_4"
-
-
-def default_drafter_path(quick: bool = False) -> Path:
-    from megatron_tlt.assets import default_cache_dir
-
-    name = "smollm2-basic_arithmetic" + ("-quick" if quick else "")
-    return default_cache_dir() / "drafters" / f"{name}.safetensors"
 
 
 def resolve_drafter(arg, quick_run: bool, engine, seed: int):
@@ -113,36 +107,6 @@ def resolve_drafter(arg, quick_run: bool, engine, seed: int):
         path = Path(arg)
     return load_drafter(path, engine.arch, dtype=engine.runner.dtype,
                         device=engine.device), str(path)
-
-
-def ensure_drafter(path: Path, quick: bool) -> Path:
-    if path.is_file():
-        return path
-    print(f"no drafter at {path}: warming one up (tools/warmup_drafter.py)", flush=True)
-    import warmup_drafter
-
-    args = ["--out", str(path), "--draft-vocab", "1024", "--eval-prompts", "4"]
-    if quick:
-        args += ["--train-prompts", "64", "--max-new-tokens", "128", "--epochs", "4",
-                 "--batch-tokens", "1024"]
-    else:  # responses are kept next to the drafter: an interrupted warm-up resumes
-        args += ["--train-prompts", "8192", "--max-new-tokens", "256", "--epochs", "3",
-                 "--unroll", "2", "--batch-tokens", "1024", "--lr", "3e-3",
-                 "--responses", str(path.with_suffix(".responses.jsonl"))]
-    warmup_drafter.main(args)
-    return path
-
-
-def check_outputs(engine, prompts, ours, ref, tie_margin: float) -> dict:
-    """Identical outputs, or a first divergence at a near-tie of plain decoding."""
-    from megatron_tlt.models.inference import forward_local_logits, gather_logits
-
-    def next_logits(ids):
-        local = forward_local_logits(engine.runner.model, torch.tensor([ids], device=engine.device))
-        return gather_logits(local, engine.arch)[0, -1]
-
-    return check_ties(prompts, ours, ref, next_logits, tie_margin,
-                      ("speculative", "plain"))
 
 
 def drafter_cost(engine, reps: int = 20) -> dict:
@@ -182,12 +146,6 @@ def drafter_cost(engine, reps: int = 20) -> dict:
     return out
 
 
-def timed(engine, prompts, sp):
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, sp)
-    return time.perf_counter() - t0, [o.token_ids for o in outs], engine.last_stats
-
-
 class Modes:
     """Plain, fixed-strategy and adaptive runs on one engine; the adaptive tuner is
     kept (reset with ``new_tuner``) like an engine keeps it across rollouts."""
@@ -209,29 +167,9 @@ class Modes:
             e.config.speculative = self.adaptive_cfg
             e.attach_drafter(self.drafter, self.tuner)
             self.tuner = e.tuner
-        return timed(e, prompts, sp)
-
-
-def host_syncs(engine, drafter, prompts, sp, strategy: str) -> dict:
-    """Host synchronisations per decode step (``bench.sync_budget``): the most any
-    plain step made and the most any speculative step of ``strategy`` made, with
-    where the speculative ones happen (a counting pass: not timed)."""
-    from megatron_tlt.config import SpeculativeConfig
-    from megatron_tlt.bench.sync_budget import measure, summary
-
-    saved, tuner = engine.config.speculative, engine.tuner
-    engine.detach_drafter()
-    plain = summary(measure(engine, prompts, sp))
-    engine.config.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
-                                                  threshold=1 << 30)
-    engine.attach_drafter(drafter)
-    spec = summary(measure(engine, prompts, sp))
-    engine.config.speculative = saved
-    engine.detach_drafter()
-    engine.attach_drafter(drafter, tuner)
-    return {"host_syncs_plain_step": plain["host_syncs_plain_step"],
-            "host_syncs_spec_step": spec["host_syncs_spec_step"],
-            "host_syncs_spec_where": spec["host_syncs_spec_where"]}
+        t0 = time.perf_counter()
+        outs = e.generate(prompts, sp)
+        return time.perf_counter() - t0, [o.token_ids for o in outs], e.last_stats
 
 
 def run_ratio(run, plain_run) -> float:
@@ -241,15 +179,6 @@ def run_ratio(run, plain_run) -> float:
 
 def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def tuned_summary(st) -> dict:
-    """Decision counts of one adaptive run, from GenerateStats."""
-    s = st.spec.summary()
-    return dict(spec_fraction=st.spec_fraction, declined=s["declined"],
-                tuned_steps=s["declined"] + s["steps"],
-                declined_fraction=s["declined_fraction"], probes=s["probes"],
-                arms=s["arms"], accept_len=s["accept_len"])
 
 
 def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, seed):
@@ -286,7 +215,7 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
 RECIPE_SEED_OFFSET = 7919  # --config: prompts unrelated to the warm-up's (seed data.seed)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--drafter", default=None,
                     help="drafter checkpoint, or full | quick | random | self (default: full, or "
@@ -337,151 +266,215 @@ def main(argv=None) -> int:
         args.tail_prompts, args.tail_tokens = 8, 128
     args.pairs = args.pairs or (1 if args.quick else 2)
     args.tail_pairs = args.tail_pairs or (1 if args.quick else 2)
-    silence_expected_warnings()
+    return args
 
-    import megatron.core
 
-    from megatron_tlt.assets import require_smollm2
-    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.tasks import reasoning_gym_prompts
-
-    src = require_smollm2()
-    engine = RolloutEngine.from_pretrained(
-        src, RolloutConfig(max_batch_size=64, sampling_mode=args.sampling_mode,
-                           cuda_graphs=args.cuda_graphs))
-    drafter, dname = resolve_drafter(args.drafter, args.quick, engine, args.seed)
-    print(f"drafter: {dname}", flush=True)
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    strat = dict(item.split(":") for item in args.strategies.split(","))
-    n_pool = max(sizes + [args.tail_prompts, args.prompts])
+def prompt_pool(args, engine, n: int) -> list[list[int]]:
+    """``n`` benchmark prompts: of the recipe's task (--config; a seed its warm-up never
+    uses), else of basic_arithmetic, seed --seed."""
     if args.config:  # the recipe's task; seed offset so its warm-up never saw them
         from megatron_tlt.drafter_training.warmup import WarmupConfig, recipe_prompts
 
         rcfg = WarmupConfig.from_recipe(args.config)
-        pool = recipe_prompts(rcfg, engine.tokenizer, n_pool,
+        return recipe_prompts(rcfg, engine.tokenizer, n,
                               seed=rcfg.seed + RECIPE_SEED_OFFSET + args.seed)
-    else:
-        pool = [p.token_ids for p in reasoning_gym_prompts(
-            engine.tokenizer, n=n_pool, seed=args.seed)]
-    greedy = args.temperature <= 0
-    temp = 0.0 if greedy else args.temperature
-    coupled = args.sampling_mode == "coupled" and not greedy
+    from megatron_tlt.tasks import reasoning_gym_prompts
 
-    def params(max_new):
-        return SamplingParams(temperature=temp, max_new_tokens=max_new,
-                              seed=None if greedy else args.seed)
+    return [p.token_ids for p in reasoning_gym_prompts(engine.tokenizer, n=n, seed=args.seed)]
 
-    def check(prompts, got, ref):
-        if coupled:  # the same samples with and without speculation
+
+class Outputs:
+    """The runs' sampling and how their outputs are held against plain decoding's:
+    greedy outputs identical up to near-ties (``check_against_engine``), coupled samples
+    identical (counted), standard samples not compared (exact in distribution only)."""
+
+    def __init__(self, engine, args):
+        self.engine, self.tie_margin, self.seed = engine, args.tie_margin, args.seed
+        self.greedy = args.temperature <= 0
+        self.temp = 0.0 if self.greedy else args.temperature
+        self.coupled = args.sampling_mode == "coupled" and not self.greedy
+        self.compared = self.greedy or self.coupled
+
+    def params(self, max_new: int):
+        from megatron_tlt.rollout import SamplingParams
+
+        return SamplingParams(temperature=self.temp, max_new_tokens=max_new,
+                              seed=None if self.greedy else self.seed)
+
+    def check(self, prompts, got, ref) -> dict:
+        if self.coupled:  # the same samples with and without speculation
             return dict(identical=sum(a == b for a, b in zip(got, ref)), tie_splits=None,
                         worst_tie_gap=None)
-        if not greedy:  # samples: exact in distribution, not token by token
+        if not self.greedy:  # samples: exact in distribution, not token by token
             return dict(identical=None, tie_splits=None, worst_tie_gap=None)
-        return check_outputs(engine, prompts, got, ref, args.tie_margin)
+        return check_against_engine(self.engine, prompts, got, ref, self.tie_margin)
 
-    def merge(checks):
-        if coupled:
+    def merge(self, checks) -> dict:
+        if self.coupled:
             return dict(identical=sum(c["identical"] for c in checks), tie_splits=None,
                         worst_tie_gap=None)
-        if not greedy:
+        if not self.greedy:
             return dict(identical=None, tie_splits=None, worst_tie_gap=None)
         return dict(identical=sum(c["identical"] for c in checks),
                     tie_splits=sum(c["tie_splits"] for c in checks),
                     worst_tie_gap=max(c["worst_tie_gap"] for c in checks))
 
-    sp = params(args.new_tokens)
-    pool_a = pool[: args.prompts]
-    break_even = args.break_even == "on"
-    cfg = SpeculativeConfig(break_even=break_even) if args.threshold is None else \
-        SpeculativeConfig(threshold=args.threshold, break_even=break_even)
-    modes = Modes(engine, drafter, cfg)
 
-    # (a) plain, a fixed strategy (speculation on throughout), the adaptive engine
+def batch_pairs(args, modes: Modes, out: Outputs, groups, fixed_cfg, sp) -> dict:
+    """--pairs rounds over one batch size's groups: plain, fixed, adaptive and plain
+    again (the A/A control), the order alternating from group to group."""
+    runs = {m: [] for m in ("plain", "fixed", "adaptive", "aa")}
+    got = dict(runs=runs, accept=[], checks=[], adaptive_checks=[], decisions=[],
+               step_ratios=[])
+    for pair in range(args.pairs):
+        tot = {m: [0.0, 0] for m in runs}
+        acc_rows, acc_sum = 0, 0
+        for gi, g in enumerate(groups):
+            # the order alternates (plain first, then last), so a drift of the
+            # machine within a group's runs does not favour one mode; "aa" is plain
+            # decoding again, the A/A control: how far identical work measures apart
+            order = ("plain", "fixed", "adaptive", "aa") if (pair + gi) % 2 == 0 else \
+                ("aa", "adaptive", "fixed", "plain")
+            res = {}
+            for m in order:
+                res[m] = modes.run("plain" if m == "aa" else m, g, sp, fixed_cfg)
+                tot[m][0] += res[m][0]
+                tot[m][1] += sum(map(len, res[m][1]))
+            ref = res["plain"][1]
+            _, outs, st = res["fixed"]
+            got["checks"].append(out.check(g, outs, ref))
+            acc_rows += st.spec.rows
+            acc_sum += st.spec.emitted
+            _, outs, st = res["adaptive"]
+            got["adaptive_checks"].append(out.check(g, outs, ref))
+            got["decisions"].append(tuned_summary(st))
+            got["step_ratios"].append(declined_step_ratio(st, res["plain"][2]))
+        for m, (sec, tok) in tot.items():
+            runs[m].append((sec, tok))
+        got["accept"].append(acc_sum / max(1, acc_rows))
+    return got
+
+
+def batch_row(b: int, s: str, got: dict, out: Outputs, tuner) -> dict:
+    """One batch size's row: median speeds and ratios over the pairs, the checks, the
+    adaptive engine's decisions."""
+    runs, decisions = got["runs"], got["decisions"]
+    tps = {m: [tok / sec for sec, tok in runs[m]] for m in runs}
+    ratios = {m: [rate_ratio(a[1], a[0], p[1], p[0]) for a, p in zip(runs[m], runs["plain"])]
+              for m in ("fixed", "adaptive", "aa")}
+    declined = sum(d["declined"] for d in decisions) / max(1, sum(
+        d["tuned_steps"] for d in decisions))
+    return dict(batch=b, strategy=s, plain_tok_s=statistics.median(tps["plain"]),
+                spec_tok_s=statistics.median(tps["fixed"]),
+                speedup=statistics.median(ratios["fixed"]),
+                speedup_min=min(ratios["fixed"]), speedup_max=max(ratios["fixed"]),
+                accept_len=statistics.median(got["accept"]), **out.merge(got["checks"]),
+                adaptive_tok_s=statistics.median(tps["adaptive"]),
+                adaptive_speedup=statistics.median(ratios["adaptive"]),
+                adaptive_speedup_min=min(ratios["adaptive"]),
+                adaptive_speedup_max=max(ratios["adaptive"]),
+                adaptive_spec_fraction=statistics.mean(d["spec_fraction"] for d in decisions),
+                adaptive_declined_fraction=declined,
+                adaptive_probes=sum(d["probes"] for d in decisions),
+                adaptive_check=out.merge(got["adaptive_checks"]),
+                adaptive_vs_fixed=statistics.median(
+                    a / f for a, f in zip(ratios["adaptive"], ratios["fixed"])),
+                declined_step_ratio=median_or_none(got["step_ratios"]),
+                aa_ratio=statistics.median(ratios["aa"]), aa_ratio_min=min(ratios["aa"]),
+                aa_ratio_max=max(ratios["aa"]),
+                adaptive_tuner=tuner.gate_stats() if tuner is not None else None)
+
+
+def print_batch_row(row: dict, outputs: int, out: Outputs) -> None:
+    b, s = row["batch"], row["strategy"]
+    ident = (f"identical {row['identical']}/{outputs} (tie splits "
+             f"{row['tie_splits']}), adaptive {row['adaptive_check']['identical']}"
+             if out.compared else "sampled")
+    print(f"bs {b:>2} {s:>7}: plain {row['plain_tok_s']:6.1f} tok/s  spec "
+          f"{row['spec_tok_s']:6.1f} tok/s  speedup {row['speedup']:.2f} "
+          f"[{row['speedup_min']:.2f}, {row['speedup_max']:.2f}]  accept "
+          f"{row['accept_len']:.2f}  | adaptive {row['adaptive_tok_s']:6.1f} tok/s  "
+          f"{row['adaptive_speedup']:.2f} [{row['adaptive_speedup_min']:.2f}, "
+          f"{row['adaptive_speedup_max']:.2f}]  speculating "
+          f"{row['adaptive_spec_fraction']:.0%}, declined "
+          f"{row['adaptive_declined_fraction']:.0%}, {row['adaptive_probes']} probes, "
+          f"declined step {_fmt(row['declined_step_ratio'])}x plain's  | A/A "
+          f"{row['aa_ratio']:.2f} [{row['aa_ratio_min']:.2f}, {row['aa_ratio_max']:.2f}]  "
+          f"| {ident}", flush=True)
+
+
+def batch_sizes_part(args, modes: Modes, out: Outputs, prompts, sizes, strat, cfg) -> list:
+    """(a): per batch size, plain, a fixed strategy (speculation on throughout) and the
+    adaptive engine (one tuner per batch size, kept across its runs)."""
+    from megatron_tlt.config import SpeculativeConfig
+
+    sp = out.params(args.new_tokens)
     rows = []
     for b in sizes:
         s = strat.get(str(b)) or strat[max(strat, key=lambda k: (int(k) <= b, int(k)))]
-        groups = [pool_a[i: i + b] for i in range(0, len(pool_a), b)]
+        groups = [prompts[i: i + b] for i in range(0, len(prompts), b)]
         fixed_cfg = SpeculativeConfig(policy="fixed", strategy=s, threshold=1 << 30)
         modes.adaptive_cfg = dataclasses.replace(cfg, threshold=max(cfg.threshold, b))
         modes.new_tuner()
-        warm = params(4)
+        warm = out.params(4)
         for mode in ("plain", "fixed", "adaptive"):  # warm-up (the tuner starts here)
             modes.run(mode, groups[0], warm, fixed_cfg)
-        runs = {m: [] for m in ("plain", "fixed", "adaptive", "aa")}
-        accept, checks, adaptive_checks, decisions, step_ratios = [], [], [], [], []
-        for pair in range(args.pairs):
-            tot = {m: [0.0, 0] for m in runs}
-            acc_rows, acc_sum = 0, 0
-            for gi, g in enumerate(groups):
-                # the order alternates (plain first, then last), so a drift of the
-                # machine within a group's runs does not favour one mode; "aa" is plain
-                # decoding again, the A/A control: how far identical work measures apart
-                order = ("plain", "fixed", "adaptive", "aa") if (pair + gi) % 2 == 0 else \
-                    ("aa", "adaptive", "fixed", "plain")
-                out = {}
-                for m in order:
-                    out[m] = modes.run("plain" if m == "aa" else m, g, sp, fixed_cfg)
-                    tot[m][0] += out[m][0]
-                    tot[m][1] += sum(map(len, out[m][1]))
-                ref = out["plain"][1]
-                _, got, st = out["fixed"]
-                checks.append(check(g, got, ref))
-                acc_rows += st.spec.rows
-                acc_sum += st.spec.emitted
-                _, got, st = out["adaptive"]
-                adaptive_checks.append(check(g, got, ref))
-                decisions.append(tuned_summary(st))
-                step_ratios.append(declined_step_ratio(st, out["plain"][2]))
-            for m, (sec, tok) in tot.items():
-                runs[m].append((sec, tok))
-            accept.append(acc_sum / max(1, acc_rows))
-        tps = {m: [tok / sec for sec, tok in runs[m]] for m in runs}
-        ratios = {m: [rate_ratio(a[1], a[0], p[1], p[0]) for a, p in zip(runs[m], runs["plain"])]
-                  for m in ("fixed", "adaptive", "aa")}
-        declined = sum(d["declined"] for d in decisions) / max(1, sum(
-            d["tuned_steps"] for d in decisions))
-        row = dict(batch=b, strategy=s, plain_tok_s=statistics.median(tps["plain"]),
-                   spec_tok_s=statistics.median(tps["fixed"]),
-                   speedup=statistics.median(ratios["fixed"]),
-                   speedup_min=min(ratios["fixed"]), speedup_max=max(ratios["fixed"]),
-                   accept_len=statistics.median(accept), **merge(checks),
-                   adaptive_tok_s=statistics.median(tps["adaptive"]),
-                   adaptive_speedup=statistics.median(ratios["adaptive"]),
-                   adaptive_speedup_min=min(ratios["adaptive"]),
-                   adaptive_speedup_max=max(ratios["adaptive"]),
-                   adaptive_spec_fraction=statistics.mean(d["spec_fraction"] for d in decisions),
-                   adaptive_declined_fraction=declined,
-                   adaptive_probes=sum(d["probes"] for d in decisions),
-                   adaptive_check=merge(adaptive_checks),
-                   adaptive_vs_fixed=statistics.median(
-                       a / f for a, f in zip(ratios["adaptive"], ratios["fixed"])),
-                   declined_step_ratio=median_or_none(step_ratios),
-                   aa_ratio=statistics.median(ratios["aa"]), aa_ratio_min=min(ratios["aa"]),
-                   aa_ratio_max=max(ratios["aa"]),
-                   adaptive_tuner=modes.tuner.gate_stats() if break_even else None)
-        rows.append(row)
-        ident = (f"identical {row['identical']}/{len(pool_a) * args.pairs} (tie splits "
-                 f"{row['tie_splits']}), adaptive {row['adaptive_check']['identical']}"
-                 if greedy or coupled else "sampled")
-        print(f"bs {b:>2} {s:>7}: plain {row['plain_tok_s']:6.1f} tok/s  spec "
-              f"{row['spec_tok_s']:6.1f} tok/s  speedup {row['speedup']:.2f} "
-              f"[{row['speedup_min']:.2f}, {row['speedup_max']:.2f}]  accept "
-              f"{row['accept_len']:.2f}  | adaptive {row['adaptive_tok_s']:6.1f} tok/s  "
-              f"{row['adaptive_speedup']:.2f} [{row['adaptive_speedup_min']:.2f}, "
-              f"{row['adaptive_speedup_max']:.2f}]  speculating "
-              f"{row['adaptive_spec_fraction']:.0%}, declined "
-              f"{row['adaptive_declined_fraction']:.0%}, {row['adaptive_probes']} probes, "
-              f"declined step {_fmt(row['declined_step_ratio'])}x plain's  | A/A "
-              f"{row['aa_ratio']:.2f} [{row['aa_ratio_min']:.2f}, {row['aa_ratio_max']:.2f}]  "
-              f"| {ident}", flush=True)
+        got = batch_pairs(args, modes, out, groups, fixed_cfg, sp)
+        rows.append(batch_row(b, s, got, out, modes.tuner if cfg.break_even else None))
+        print_batch_row(rows[-1], len(prompts) * args.pairs, out)
+    return rows
 
-    # (b) long-tail batch: plain decoding, the adaptive engine, each fixed strategy of
-    # --tail-fixed (speculating below the same threshold) and the A/A control
-    tail_prompts = pool[: args.tail_prompts]
-    tsp = params(args.tail_tokens)
+
+def tail_pair(pair: int, modes: Modes, out: Outputs, prompts, tsp, fixed_cfgs: dict,
+              speedup_at: dict, threshold: int) -> dict:
+    """One long-tail pair: plain, adaptive, each fixed strategy and the A/A control (the
+    order reversed on odd pairs); its entry, printed."""
+    order = ["plain", "adaptive", *fixed_cfgs, "aa"]
+    if pair % 2:  # alternating order, as in (a)
+        order.reverse()
+    res = {}
+    for m in order:
+        res[m] = modes.run("plain" if m == "aa" else "fixed" if m in fixed_cfgs else m,
+                           prompts, tsp, fixed_cfgs.get(m))
+    tp, ref, pst = res["plain"]
+    ts, got, st = res["adaptive"]
+    c = out.check(prompts, got, ref)
+    ratio = run_ratio(res["adaptive"], res["plain"])
+    fixed = {}
+    for m in fixed_cfgs:
+        fs, fgot, fst = res[m]
+        fixed[m.split(":", 1)[1]] = dict(
+            seconds=fs, ratio=run_ratio(res[m], res["plain"]),
+            identical=out.check(prompts, fgot, ref)["identical"],
+            accept_len=fst.spec.accept_len, spec_fraction=fst.spec_fraction)
+    entry = dict(plain_s=tp, adaptive_s=ts, ratio=ratio,
+                 plain_tokens=sum(map(len, ref)), adaptive_tokens=sum(map(len, got)),
+                 aa_s=res["aa"][0], aa_ratio=run_ratio(res["aa"], res["plain"]),
+                 declined_step_ratio=declined_step_ratio(st, pst), fixed=fixed,
+                 **tuned_summary(st), **c, spec=st.spec.summary(),
+                 graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
+                 bound=tail_speedup_bound(pst, speedup_at, threshold))
+    lengths = sorted(map(len, ref))
+    ident = f"identical {c['identical']}/{len(prompts)}" if out.compared else "sampled"
+    fixed_text = "".join(f"  {f} {v['ratio']:.2f}" for f, v in fixed.items())
+    print(f"tail batch of {len(prompts)} (lengths {lengths[0]}..{lengths[-1]}, "
+          f"median {statistics.median(lengths)}): plain {tp:.1f}s  adaptive {ts:.1f}s  "
+          f"speedup {ratio:.2f}  speculating in {st.spec_fraction:.0%} of steps, "
+          f"declined {entry['declined_fraction']:.0%} of the tuned steps  "
+          f"accept {st.spec.accept_len:.2f}  {ident}  | fixed:{fixed_text or ' -'}  "
+          f"| A/A {entry['aa_ratio']:.2f}  declined step "
+          f"{_fmt(entry['declined_step_ratio'])}x plain's", flush=True)
+    return entry
+
+
+def long_tail_part(args, modes: Modes, out: Outputs, prompts, strat, cfg, rows):
+    """(b): the long-tail batch, --tail-pairs pairs (one tuner across them: it keeps
+    learning); (its entries, the fixed strategies run on it)."""
+    from megatron_tlt.config import SpeculativeConfig
+
+    tsp = out.params(args.tail_tokens)
     modes.adaptive_cfg = cfg
-    modes.new_tuner()  # one tuner across the pairs: it keeps learning
+    modes.new_tuner()
     tail_fixed = [] if args.tail_fixed == "none" else list(dict.fromkeys(
         (args.tail_fixed or ",".join(strat.values())).split(",")))
     fixed_cfgs = {f"fixed:{f}": SpeculativeConfig(policy="fixed", strategy=f,
@@ -489,85 +482,46 @@ def main(argv=None) -> int:
                   for f in tail_fixed}
     # the best measured speedup at each batch size of (a): the tail's upper bound
     speedup_at = {r["batch"]: max(r["speedup"], r["adaptive_speedup"]) for r in rows}
-    tail = []
-    for pair in range(args.tail_pairs):
-        order = ["plain", "adaptive", *fixed_cfgs, "aa"]
-        if pair % 2:  # alternating order, as above
-            order.reverse()
-        out = {}
-        for m in order:
-            out[m] = modes.run("plain" if m == "aa" else "fixed" if m in fixed_cfgs else m,
-                               tail_prompts, tsp, fixed_cfgs.get(m))
-        tp, ref, pst = out["plain"]
-        ts, got, st = out["adaptive"]
-        c = check(tail_prompts, got, ref)
-        ratio = run_ratio(out["adaptive"], out["plain"])
-        fixed = {}
-        for m in fixed_cfgs:
-            fs, fgot, fst = out[m]
-            fixed[m.split(":", 1)[1]] = dict(
-                seconds=fs, ratio=run_ratio(out[m], out["plain"]),
-                identical=check(tail_prompts, fgot, ref)["identical"],
-                accept_len=fst.spec.accept_len, spec_fraction=fst.spec_fraction)
-        tail.append(dict(plain_s=tp, adaptive_s=ts, ratio=ratio,
-                         plain_tokens=sum(map(len, ref)), adaptive_tokens=sum(map(len, got)),
-                         aa_s=out["aa"][0], aa_ratio=run_ratio(out["aa"], out["plain"]),
-                         declined_step_ratio=declined_step_ratio(st, pst), fixed=fixed,
-                         **tuned_summary(st), **c, spec=st.spec.summary(),
-                         graphs=st.graphs,  # rollout.cuda_graphs=auto's choice per key
-                         bound=tail_speedup_bound(pst, speedup_at, cfg.threshold)))
-        lengths = sorted(map(len, ref))
-        ident = (f"identical {c['identical']}/{len(tail_prompts)}" if greedy or coupled
-                 else "sampled")
-        fixed_text = "".join(f"  {f} {v['ratio']:.2f}" for f, v in fixed.items())
-        print(f"tail batch of {len(tail_prompts)} (lengths {lengths[0]}..{lengths[-1]}, "
-              f"median {statistics.median(lengths)}): plain {tp:.1f}s  adaptive {ts:.1f}s  "
-              f"speedup {ratio:.2f}  speculating in {st.spec_fraction:.0%} of steps, "
-              f"declined {tail[-1]['declined_fraction']:.0%} of the tuned steps  "
-              f"accept {st.spec.accept_len:.2f}  {ident}  | fixed:{fixed_text or ' -'}  "
-              f"| A/A {tail[-1]['aa_ratio']:.2f}  declined step "
-              f"{_fmt(tail[-1]['declined_step_ratio'])}x plain's", flush=True)
-    if engine.spec is None:  # the last run was plain: the drafter is measured attached
-        engine.attach_drafter(drafter)
-    cost = drafter_cost(engine)
-    print(f"drafter forward {cost['drafter'] * 1e3:.2f} ms vs target decode step "
-          f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)
+    tail = [tail_pair(pair, modes, out, prompts, tsp, fixed_cfgs, speedup_at, cfg.threshold)
+            for pair in range(args.tail_pairs)]
+    return tail, tail_fixed
 
+
+def config_record(args, engine, drafter, dname, cfg, out: Outputs, sizes, strat,
+                  tail_fixed) -> dict:
+    import megatron.core
+
+    return dict(model="SmolLM2-135M-Instruct",
+                dtype=str(engine.runner.dtype).replace("torch.", ""), drafter=dname,
+                drafter_config=drafter.config.to_dict(), batch_sizes=sizes,
+                strategies=strat, prompts=args.prompts, new_tokens=args.new_tokens,
+                pairs=args.pairs,
+                tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
+                tail_pairs=args.tail_pairs, tail_fixed=tail_fixed,
+                threshold=cfg.threshold, arms=cfg.arms, self_arms=cfg.self_arms,
+                seed=args.seed,
+                break_even=cfg.break_even, probe_budget=cfg.probe_budget,
+                temperature=out.temp, sampling_mode=args.sampling_mode, recipe=args.config,
+                tie_margin=args.tie_margin, cuda_graphs=args.cuda_graphs,
+                **cpu_description(engine),
+                kernels_on=engine.runner.kernels is not None,
+                torch=torch.__version__, megatron_core=megatron.core.__version__,
+                device=(torch.cuda.get_device_name() if engine.device.type == "cuda"
+                        else platform.processor() or platform.machine()),
+                threads=torch.get_num_threads(), cpus=os.cpu_count())
+
+
+def headline(rows, tail, tail_fixed, alpha) -> dict:
+    """The summary keys (the module's docstring) from (a)'s rows and (b)'s pairs."""
     bs1 = next((r for r in rows if r["batch"] == 1), None)
-    alpha = held_out_alpha(engine, drafter, pool[-args.alpha_prompts:] if args.alpha_prompts
-                           else [], temp, (bs1 or rows[0])["strategy"], args.tail_tokens,
-                           args.seed)
-    syncs = host_syncs(engine, drafter, pool[:2], params(8), (bs1 or rows[0])["strategy"])
-    print(f"host syncs per step: plain {syncs['host_syncs_plain_step']}, speculative "
-          f"{syncs['host_syncs_spec_step']}", flush=True)
+    tail_ratio = statistics.median(t["ratio"] for t in tail)
     best_fixed = max(((f, statistics.median(t["fixed"][f]["ratio"] for t in tail))
                       for f in tail_fixed), key=lambda x: x[1], default=None)
-    result = {
-        "benchmark": "bench_spec",
-        "config": dict(model="SmolLM2-135M-Instruct",
-                       dtype=str(engine.runner.dtype).replace("torch.", ""), drafter=dname,
-                       drafter_config=drafter.config.to_dict(), batch_sizes=sizes,
-                       strategies=strat, prompts=args.prompts, new_tokens=args.new_tokens,
-                       pairs=args.pairs,
-                       tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,
-                       tail_pairs=args.tail_pairs, tail_fixed=tail_fixed,
-                       threshold=cfg.threshold, arms=cfg.arms, self_arms=cfg.self_arms,
-                       seed=args.seed,
-                       break_even=cfg.break_even, probe_budget=cfg.probe_budget,
-                       temperature=temp, sampling_mode=args.sampling_mode, recipe=args.config,
-                       tie_margin=args.tie_margin, cuda_graphs=args.cuda_graphs,
-                       **cpu_description(engine),
-                       kernels_on=engine.runner.kernels is not None,
-                       torch=torch.__version__, megatron_core=megatron.core.__version__,
-                       device=(torch.cuda.get_device_name() if engine.device.type == "cuda"
-                               else platform.processor() or platform.machine()),
-                       threads=torch.get_num_threads(), cpus=os.cpu_count()),
-        "results": rows, "tail": tail, "drafter_cost": cost,
+    return {
         "speedup_bs1": bs1["speedup"] if bs1 else None,
         "accept_len_bs1": bs1["accept_len"] if bs1 else None,
-        "tail_batch_speedup": statistics.median(t["ratio"] for t in tail),
-        "adaptive_min_ratio": min([r["adaptive_speedup"] for r in rows]
-                                  + [statistics.median(t["ratio"] for t in tail)]),
+        "tail_batch_speedup": tail_ratio,
+        "adaptive_min_ratio": min([r["adaptive_speedup"] for r in rows] + [tail_ratio]),
         # the same statistic for plain decoding run twice: the noise floor of the above
         "aa_min_ratio": min([r["aa_ratio"] for r in rows]
                             + [statistics.median(t["aa_ratio"] for t in tail)]),
@@ -576,16 +530,60 @@ def main(argv=None) -> int:
             + [t["declined_step_ratio"] for t in tail]),
         "adaptive_vs_fixed_bs1": bs1["adaptive_vs_fixed"] if bs1 else None,
         "adaptive_vs_plain_bs1": bs1["adaptive_speedup"] if bs1 else None,
-        "adaptive_vs_plain_tail": statistics.median(t["ratio"] for t in tail),
+        "adaptive_vs_plain_tail": tail_ratio,
         # no choice of strategy per batch beats this with (a)'s speedups (stats.py)
         "tail_speedup_bound": median_or_none(
             [t["bound"]["bound"] for t in tail if t["bound"]]),
         "alpha": alpha,
         "tail_best_fixed": best_fixed[0] if best_fixed else None,
-        "adaptive_vs_best_fixed_tail": (statistics.median(t["ratio"] for t in tail)
-                                        / best_fixed[1] if best_fixed else None),
-        **syncs,
+        "adaptive_vs_best_fixed_tail": tail_ratio / best_fixed[1] if best_fixed else None,
     }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    silence_expected_warnings()
+    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.bench.sync_budget import plain_and_spec_syncs
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+    from megatron_tlt.drafter_training.warmup import WarmupError
+    from megatron_tlt.rollout import RolloutEngine
+
+    engine = RolloutEngine.from_pretrained(
+        require_smollm2(), RolloutConfig(max_batch_size=64, sampling_mode=args.sampling_mode,
+                                         cuda_graphs=args.cuda_graphs))
+    try:
+        drafter, dname = resolve_drafter(args.drafter, args.quick, engine, args.seed)
+    except WarmupError as e:  # the benchmark's own drafter could not be warmed up
+        raise SystemExit(str(e)) from None
+    print(f"drafter: {dname}", flush=True)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    strat = dict(item.split(":") for item in args.strategies.split(","))
+    pool = prompt_pool(args, engine, max(sizes + [args.tail_prompts, args.prompts]))
+    out = Outputs(engine, args)
+    break_even = args.break_even == "on"
+    cfg = SpeculativeConfig(break_even=break_even) if args.threshold is None else \
+        SpeculativeConfig(threshold=args.threshold, break_even=break_even)
+    modes = Modes(engine, drafter, cfg)
+    rows = batch_sizes_part(args, modes, out, pool[: args.prompts], sizes, strat, cfg)
+    tail, tail_fixed = long_tail_part(args, modes, out, pool[: args.tail_prompts], strat,
+                                      cfg, rows)
+    if engine.spec is None:  # the last run was plain: the drafter is measured attached
+        engine.attach_drafter(drafter)
+    cost = drafter_cost(engine)
+    print(f"drafter forward {cost['drafter'] * 1e3:.2f} ms vs target decode step "
+          f"{cost['target'] * 1e3:.2f} ms at batch 1: {cost['ratio']:.3f}x", flush=True)
+    strategy = next((r for r in rows if r["batch"] == 1), rows[0])["strategy"]
+    alpha = held_out_alpha(engine, drafter, pool[-args.alpha_prompts:] if args.alpha_prompts
+                           else [], out.temp, strategy, args.tail_tokens, args.seed)
+    syncs = plain_and_spec_syncs(engine, drafter, pool[:2], out.params(8), strategy)
+    print(f"host syncs per step: plain {syncs['host_syncs_plain_step']}, speculative "
+          f"{syncs['host_syncs_spec_step']}", flush=True)
+    result = {"benchmark": "bench_spec",
+              "config": config_record(args, engine, drafter, dname, cfg, out, sizes, strat,
+                                      tail_fixed),
+              "results": rows, "tail": tail, "drafter_cost": cost,
+              **headline(rows, tail, tail_fixed, alpha), **syncs}
     print(json.dumps({k: result[k] for k in (
         "speedup_bs1", "accept_len_bs1", "adaptive_vs_plain_bs1", "adaptive_vs_plain_tail",
         "tail_batch_speedup", "tail_speedup_bound", "adaptive_min_ratio",

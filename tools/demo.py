@@ -30,57 +30,16 @@ gate declines nearly every step).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megatron_tlt.bench.launcher import torchrun
+from megatron_tlt.drafter_training.prepared import demo_drafter
+
 REPO = Path(__file__).resolve().parents[1]
 
 RECIPE = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
-# bounded to a few minutes on 2 cores: the recipe's sampling, fewer and shorter responses
-WARMUP = dict(train_prompts=8, max_new_tokens=128, epochs=4, batch_tokens=1024,
-              draft_vocab=1024, eval_prompts=2, eval_strategy="4_1_4", eval_new_tokens=64)
-
-
-def demo_drafter() -> Path:
-    from megatron_tlt.assets import default_cache_dir
-
-    path = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo-sampled.safetensors"
-    if path.is_file():
-        print(f"[demo] drafter: {path} (cached)", flush=True)
-        return path
-    print(f"[demo] warming up a drafter for the demo at the recipe's sampling settings "
-          f"(bounded, a few minutes on 2 cores) -> {path}", flush=True)
-    from megatron_tlt.drafter_training.warmup import WarmupConfig, run_warmup
-    from megatron_tlt.runtime_env import silence_expected_warnings
-
-    silence_expected_warnings()
-    t0 = time.perf_counter()
-    result = run_warmup(WarmupConfig.from_recipe(RECIPE, out=str(path), **WARMUP))
-    a = result.report.get("alpha")
-    if a:
-        print(f"[demo] drafter alpha by depth at T={a['temperature']:g}: "
-              f"{' '.join(f'{x:.2f}' for x in a['alpha'])} (E[max p] {a['e_max_p']:.2f}); "
-              f"acceptance length predicted {a['predicted_accept_len']:.2f}, measured "
-              f"{result.report['accept_len']:.2f}", flush=True)
-    print(f"[demo] drafter ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    return path
-
-
-def torchrun(tag: str, nproc: int, script, args, t0: float) -> int:
-    """``torchrun --standalone --nproc_per_node nproc script args`` from the repository
-    root, one thread per process unless OMP_NUM_THREADS says otherwise; prints the
-    command and the total time since ``t0``; returns the exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), str(script), *map(str, args)]
-    print(f"[{tag}] " + " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
-    r = subprocess.run(cmd, env=env, cwd=REPO)
-    print(f"[{tag}] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    return r.returncode
 
 
 def main(argv=None) -> int:
@@ -90,13 +49,13 @@ def main(argv=None) -> int:
         # nothing to warm up or train
         return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                         ["--config", RECIPE, "drafter_group.enable=false",
-                         "tracking.on_existing_run=new_version", *overrides], t0)
-    drafter = demo_drafter()
+                         "tracking.on_existing_run=new_version", *overrides], t0, cwd=REPO)
+    drafter = demo_drafter(RECIPE)
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", RECIPE,
                      f"rollout.speculative.drafter={drafter}",
                      "rollout.speculative.self_too=true", "drafter_group.enable=true",
-                     "tracking.on_existing_run=new_version", *overrides], t0)
+                     "tracking.on_existing_run=new_version", *overrides], t0, cwd=REPO)
 
 
 if __name__ == "__main__":

@@ -169,12 +169,13 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
 
 
 def metrics(run_folder: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_folder / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[int(rec["step"])] = {k: v for k, v in rec.items()
-                                 if not any(w in k for w in VOLATILE)}
-    return out
+    """A run's metrics by step (the last record of a step wins), without the
+    wall-clock ones (``VOLATILE``)."""
+    from megatron_tlt.tracking import read_metrics
+
+    return {int(rec["step"]): {k: v for k, v in rec.items()
+                               if not any(w in k for w in VOLATILE)}
+            for rec in read_metrics(run_folder / "metrics.jsonl")}
 
 
 def killed_and_resumed(policy: Path, root: Path, steps: int, kill: str,
@@ -205,6 +206,53 @@ def compare(reference: dict[int, dict], got: dict[int, dict]) -> list[str]:
     return diffs
 
 
+def make_tiny_policy(path: Path) -> None:
+    """The tests' tiny policy (a checkout's tests/support/rl_fixtures.py, which imports
+    its neighbour tiny_models) with SmolLM2's tokenizer, written to ``path``."""
+    import importlib.util
+
+    from megatron_tlt.assets import prepare_smollm2
+
+    support = REPO / "tests" / "support"
+    for name in ("tiny_models", "rl_fixtures"):
+        spec = importlib.util.spec_from_file_location(name, support / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    save_tiny_policy = sys.modules["rl_fixtures"].save_tiny_policy
+
+    save_tiny_policy(path, prepare_smollm2())
+
+
+def kill_point_run(args, i: int, kill: str, reference: dict) -> dict:
+    """One point: killed at ``kill``, resumed, its metrics compared with the reference."""
+    res = killed_and_resumed(args.policy, args.out / f"kill_{i:02d}", args.steps, kill)
+    got = metrics(res.pop("run")) if res["resume_rc"] == 0 else {}
+    res["diffs"] = compare(reference, got)[:5] if got else ["resume failed"]
+    res["exact"] = not res["diffs"]
+    if res["exact"]:
+        res.pop("stderr")
+    return res
+
+
+def sweep_summary(args, points, results, reference, reference_seconds) -> dict:
+    hit: dict[str, int] = {}
+    for r in results:
+        if r["killed_rc"] != 0:
+            phase = r["kill"].split(":")[0]
+            hit[phase] = hit.get(phase, 0) + 1
+    pairs = [r["seconds"] for r in results]
+    return {"steps": args.steps, "ranks": 2, "points": len(points), "kills": points,
+            "phases_hit": hit, "exact": sum(r["exact"] for r in results),
+            "all_exact": all(r["exact"] for r in results),
+            "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
+            "reference_seconds": reference_seconds,
+            "seconds_per_pair": {"mean": round(sum(pairs) / max(len(pairs), 1), 1),
+                                 "min": min(pairs, default=0.0),
+                                 "max": max(pairs, default=0.0)},
+            "compared_metrics": sorted(next(iter(reference.values()))),
+            "results": results}
+
+
 def sweep(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fault_inject.py sweep")
     p.add_argument("--policy", type=Path, required=True)
@@ -217,20 +265,7 @@ def sweep(argv: list[str]) -> int:
     p.add_argument("--report", type=Path, default=None)
     args = p.parse_args(argv)
     if args.make_tiny_policy:
-        import importlib.util
-
-        from megatron_tlt.assets import prepare_smollm2
-
-        # the tests' tiny policy (a checkout's tests/support/rl_fixtures.py, which
-        # imports its neighbour tiny_models)
-        support = REPO / "tests" / "support"
-        for name in ("tiny_models", "rl_fixtures"):
-            spec = importlib.util.spec_from_file_location(name, support / f"{name}.py")
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(sys.modules[name])
-        save_tiny_policy = sys.modules["rl_fixtures"].save_tiny_policy
-
-        save_tiny_policy(args.policy, prepare_smollm2())
+        make_tiny_policy(args.policy)
     ref_root = args.out / "reference"
     shutil.rmtree(ref_root, ignore_errors=True)
     t0 = time.perf_counter()
@@ -245,32 +280,12 @@ def sweep(argv: list[str]) -> int:
     points = [f"{rng.choice(PHASES)}:{rng.randint(2, args.steps)}" for _ in range(args.points)]
     results = []
     for i, kill in enumerate(points):
-        res = killed_and_resumed(args.policy, args.out / f"kill_{i:02d}", args.steps, kill)
-        got = metrics(res.pop("run")) if res["resume_rc"] == 0 else {}
-        res["diffs"] = compare(reference, got)[:5] if got else ["resume failed"]
-        res["exact"] = not res["diffs"]
-        if res["exact"]:
-            res.pop("stderr")
+        res = kill_point_run(args, i, kill, reference)
         results.append(res)
         print(f"[{i + 1}/{len(points)}] kill {kill}: killed rc {res['killed_rc']}, resumed "
               f"from {res['resumed_from']}, exact={res['exact']} ({res['seconds']} s)",
               flush=True)
-    hit: dict[str, int] = {}
-    for r in results:
-        if r["killed_rc"] != 0:
-            phase = r["kill"].split(":")[0]
-            hit[phase] = hit.get(phase, 0) + 1
-    pairs = [r["seconds"] for r in results]
-    summary = {"steps": args.steps, "ranks": 2, "points": len(points), "kills": points,
-               "phases_hit": hit, "exact": sum(r["exact"] for r in results),
-               "all_exact": all(r["exact"] for r in results),
-               "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
-               "reference_seconds": reference_seconds,
-               "seconds_per_pair": {"mean": round(sum(pairs) / max(len(pairs), 1), 1),
-                                    "min": min(pairs, default=0.0),
-                                    "max": max(pairs, default=0.0)},
-               "compared_metrics": sorted(next(iter(reference.values()))),
-               "results": results}
+    summary = sweep_summary(args, points, results, reference, reference_seconds)
     text = json.dumps(summary, indent=1) + "\n"
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """Helpers shared by the benchmarks (tools/bench_*.py): output checks and the CPU record.
 
 ``check_ties`` compares two decoders' outputs that must be identical, forgiving only
-floating-point near-ties; ``cpu_description`` records the CPU, its instruction sets
-and the engine's CPU-kernel build next to a benchmark's numbers.
+floating-point near-ties (``check_against_engine``: the ties judged on the engine's own
+logits); ``cpu_description`` records the CPU, its instruction sets and the engine's
+CPU-kernel build next to a benchmark's numbers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["check_ties", "cpu_description", "ISA_FLAGS"]
+__all__ = ["check_ties", "check_against_engine", "cpu_description", "ISA_FLAGS"]
 
 
 def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
@@ -42,6 +43,20 @@ def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
                              f"logit gap {gap:.2e} > {tie_margin:.0e}")
         tie_splits += 1
     return dict(identical=identical, tie_splits=tie_splits, worst_tie_gap=worst)
+
+
+def check_against_engine(engine, prompts, ours, ref, tie_margin: float,
+                         names: tuple[str, str] = ("speculative", "plain")) -> dict:
+    """``check_ties`` of ``ours`` against ``ref`` (the engine's plain decoding), the
+    ties judged on the engine model's own next-token logits (a full forward)."""
+    from ..models.inference import forward_local_logits, gather_logits
+
+    def next_logits(ids):
+        local = forward_local_logits(engine.runner.model,
+                                     torch.tensor([ids], device=engine.device))
+        return gather_logits(local, engine.arch)[0, -1]
+
+    return check_ties(prompts, ours, ref, next_logits, tie_margin, names)
 
 
 # vector instruction-set flags worth recording (/proc/cpuinfo names)

@@ -176,3 +176,25 @@ def worst(steps: list[StepSyncs], speculative: bool) -> Optional[StepSyncs]:
     """The step of that kind with the most syncs."""
     mine = [s for s in steps if s.speculative == speculative]
     return max(mine, key=lambda s: s.count) if mine else None
+
+
+def plain_and_spec_syncs(engine, drafter, prompts, params, strategy: str) -> dict:
+    """The most syncs any plain step made and the most any speculative step of the fixed
+    ``strategy`` made (``drafter``, speculating at every batch size), with where the
+    speculative ones happen: counting passes of ``prompts`` (not timed). The engine's
+    speculative config and tuner are restored, ``drafter`` attached again."""
+    from ..config import SpeculativeConfig
+
+    saved, tuner = engine.config.speculative, engine.tuner
+    engine.detach_drafter()
+    plain = summary(measure(engine, prompts, params))
+    engine.config.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
+                                                  threshold=1 << 30)
+    engine.attach_drafter(drafter)
+    spec = summary(measure(engine, prompts, params))
+    engine.config.speculative = saved
+    engine.detach_drafter()
+    engine.attach_drafter(drafter, tuner)
+    return {"host_syncs_plain_step": plain["host_syncs_plain_step"],
+            "host_syncs_spec_step": spec["host_syncs_spec_step"],
+            "host_syncs_spec_where": spec["host_syncs_spec_where"]}

@@ -33,7 +33,8 @@ import torch
 
 from .losses import LOSS_PRESETS, LossConfig
 
-__all__ = ["WarmupConfig", "WarmupResult", "WarmupError", "run_warmup", "DEFAULT_LOSS"]
+__all__ = ["WarmupConfig", "WarmupResult", "WarmupError", "run_warmup", "DEFAULT_LOSS",
+           "recipe_prompts", "generate_responses", "response_samples"]
 
 # chosen by measurement (docs/benchmarks.md, "Drafter warm-up for sampled acceptance")
 DEFAULT_LOSS = "kl+tv"
@@ -164,8 +165,10 @@ def recipe_prompts(cfg: WarmupConfig, tok, n: int, seed: Optional[int] = None
         system_prompt=cfg.system_prompt, **kw, **cfg.task_params)]
 
 
-def _generate(cfg, engine, reqs, sp, log, tag):
-    """Responses to ``reqs``, reusing / filling the response store when configured."""
+def generate_responses(cfg, engine, reqs, sp, log, tag):
+    """Responses (token ids) of ``engine`` to the prompts ``reqs`` at ``sp``, in chunks of
+    ``cfg.chunk``; for the training set (``tag == "train"``) with ``cfg.responses`` they
+    are read from / added to that resumable store. ``log`` takes the progress lines."""
     store = None
     if cfg.responses and tag == "train":
         from .responses import ResponseStore, ResponseStoreMismatch, weights_signature
@@ -199,7 +202,9 @@ def _generate(cfg, engine, reqs, sp, log, tag):
     return resp
 
 
-def _samples(engine, drafter, reqs, resp, log):
+def response_samples(engine, drafter, reqs, resp, log):
+    """``DraftSample``s of prompts ``reqs`` + responses ``resp``: the target's features
+    (``drafter``'s feature layers) from a forward over each whole sequence."""
     from .trainer import DraftSample, target_features
 
     seqs = [p + r for p, r in zip(reqs, resp)]
@@ -261,7 +266,7 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
                                      f"({time.perf_counter() - t0:.0f}s)"))
         resp = [s.tokens[s.prompt_len:] for s in samples]
     else:
-        resp = _generate(cfg, engine, reqs, sp, log, "train")
+        resp = generate_responses(cfg, engine, reqs, sp, log, "train")
     n_resp = sum(len(r) for r in resp)
     report: dict = {"task": task, "recipe": cfg.recipe, "temperature": cfg.temperature,
                     "top_p": cfg.top_p, "top_k": cfg.top_k, "responses": len(resp),
@@ -283,7 +288,7 @@ def run_warmup(cfg: WarmupConfig, *, engine=None,
         log(f"[2/5] target features: taken with the responses ({n_resp} tokens)")
     elif need_features:
         log(f"[2/5] target features for {len(reqs)} sequences ({n_resp} response tokens)")
-        samples = _samples(engine, drafter, reqs, resp, log)
+        samples = response_samples(engine, drafter, reqs, resp, log)
     else:
         log("[2/5] no forward over the responses (no training)")
 

@@ -1,5 +1,5 @@
 """The speculative benchmark's per-step reading of the break-even gate's declined path
-(megatron_tlt.bench.stats, used by tools/bench_stats.py)."""
+(megatron_tlt.bench.stats, used by tools/bench_spec.py and tools/bench_e2e.py)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,18 @@ def test_rate_ratio_is_a_speed_ratio():
     assert bench_stats.rate_ratio(200, 1.0, 100, 1.0) == pytest.approx(2.0)
     assert bench_stats.rate_ratio(100, 0.5, 100, 1.0) == pytest.approx(2.0)
     assert bench_stats.rate_ratio(100, 2.0, 50, 1.0) == pytest.approx(1.0)
+
+
+def test_paired_statistics_of_the_end_to_end_benchmark():
+    """mean_ci95 (Student's t), amdahl and median_min_max (bench_e2e's summary)."""
+    r = bench_stats.mean_ci95([1.0, 2.0, 3.0])  # sd 1, t(2) = 4.303
+    assert r["mean"] == 2.0 and r["pairs"] == 3
+    assert r["ci95"] == pytest.approx([2 - 4.303 / 3 ** 0.5, 2 + 4.303 / 3 ** 0.5])
+    assert bench_stats.mean_ci95([]) == {"mean": None, "ci95": [None, None], "pairs": 0}
+    assert bench_stats.mean_ci95([5.0]) == {"mean": 5.0, "ci95": [None, None], "pairs": 1}
+    assert bench_stats.t975(30) == 2.042 and bench_stats.t975(60) == pytest.approx(2.0, abs=2e-3)
+    # half the step 2x faster: 1 / (0.5 + 0.25); no rollout speedup: no step speedup
+    assert bench_stats.amdahl(0.5, 2.0) == pytest.approx(4 / 3)
+    assert bench_stats.amdahl(0.7, 1.0) == pytest.approx(1.0)
+    assert bench_stats.median_min_max([3.0, None, float("inf"), 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert bench_stats.median_min_max([None, float("nan")]) == (None, None, None)
