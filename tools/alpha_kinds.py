@@ -92,7 +92,7 @@ def sampling_and_prompts(args, tokenizer):
 
 def one_layer_drafter(arg, engine, draft_vocab: int, seed: int):
     """(drafter or None, description)."""
-    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, load_drafter
+    from megatron_tlt.rollout.speculative.drafters import make_drafter
 
     if arg == "none":
         return None, None
@@ -102,14 +102,10 @@ def one_layer_drafter(arg, engine, draft_vocab: int, seed: int):
         demo = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo-sampled.safetensors"
         arg = str(demo) if demo.is_file() else "random"
     if arg == "random":
-        kw = {"draft_vocab_size": draft_vocab} if 0 < draft_vocab < engine.arch.vocab_size \
-            else {}
-        d = EagleDrafter(DrafterConfig.for_target(engine.arch, **kw), engine.arch,
-                         dtype=engine.runner.dtype, device=engine.device)
-        d.reset_parameters(seed=seed)
-        return d, f"random (untrained, seed {seed})"
-    return load_drafter(arg, engine.arch, dtype=engine.runner.dtype,
-                        device=engine.device), str(arg)
+        arg = f"random:{draft_vocab}"
+    d = make_drafter(arg, arch=engine.arch, dtype=engine.runner.dtype, device=engine.device,
+                     seed=seed)
+    return d, (f"random (untrained, seed {seed})" if arg.startswith("random") else arg)
 
 
 def main(argv=None) -> int:
@@ -117,12 +113,13 @@ def main(argv=None) -> int:
     silence_expected_warnings()
     import torch
 
-    from megatron_tlt.config import RolloutConfig
+    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.drafter_training import alpha_kinds
     from megatron_tlt.drafter_training.alpha import held_out_samples
     from megatron_tlt.models import arch_from_source, load_model, resolve_source
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
     from megatron_tlt.rollout.forward import ModelRunner
+    from megatron_tlt.rollout.speculative.drafters import make_drafter
     from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 
     engine = RolloutEngine.from_pretrained(args.model, RolloutConfig(max_batch_size=64))
@@ -130,10 +127,14 @@ def main(argv=None) -> int:
     drafters, described = {}, {}
     eagle, name = one_layer_drafter(args.drafter, engine, args.draft_vocab, args.seed)
     if eagle is not None:
-        drafters["eagle"], described["eagle"] = eagle, name
-    drafters["self"] = SelfDrafter(group=args.self_group, act_block=args.self_act_block)
-    described["self"] = (f"the policy's int8 copy (weight group {args.self_group}, "
-                         f"activation block {args.self_act_block})")
+        drafters[eagle.name], described[eagle.name] = eagle, name
+    copy = make_drafter("self", arch=engine.arch, dtype=engine.runner.dtype,
+                        device=engine.device,
+                        sc=SpeculativeConfig(self_group=args.self_group,
+                                             self_act_block=args.self_act_block))
+    drafters[copy.name] = copy
+    described[copy.name] = (f"the policy's int8 copy (weight group {args.self_group}, "
+                            f"activation block {args.self_act_block})")
     for src in args.self_source:
         path = resolve_source(src)
         if arch_from_source(path) != engine.arch:
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
 
     sp = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
                         seed=args.seed + 7)
-    layers = eagle.config.feature_layers if eagle is not None else ()
+    layers = eagle.feature_layers if eagle is not None else ()
     held = held_out_samples(engine, prompts, sp, per_prompt=args.samples_per_prompt,
                             feature_layers=layers)
     result = alpha_kinds.compare(engine, drafters, held, temperature=temp, top_k=top_k,

@@ -281,13 +281,11 @@ def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
 def attach_random_drafter(engine, seed: int) -> None:
     """An untrained drafter of the target's shape (a 1,024-token draft vocabulary, as
     the warmed ones), seeded, on the engine; its tuner as the config makes it."""
-    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+    from megatron_tlt.rollout.speculative.drafters import make_drafter
 
-    d = EagleDrafter(DrafterConfig.for_target(engine.arch, draft_vocab_size=min(
-        1024, engine.arch.vocab_size)), engine.arch, dtype=engine.runner.dtype,
-        device=engine.device)
-    d.reset_parameters(seed=seed)
-    engine.attach_drafter(d)
+    engine.attach_drafter(make_drafter("random:1024", arch=engine.arch,
+                                       dtype=engine.runner.dtype, device=engine.device,
+                                       seed=seed))
 
 
 def make_config(args, mode: str):
@@ -570,8 +568,12 @@ def launch(args, argv: list[str]) -> int:
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.drafter not in (None, "off", "random", "self") and not Path(args.drafter).is_file():
-        print(f"error: no drafter checkpoint at {args.drafter}", file=sys.stderr)
+    from megatron_tlt.rollout.speculative.drafters import names
+
+    if args.drafter not in (None, "off", "random") and not (
+            args.drafter in names() or Path(args.drafter).is_file()):
+        print(f"error: no drafter checkpoint at {args.drafter} (or give one of "
+              f"{names()}, random, off)", file=sys.stderr)
         return 2
     from megatron_tlt.bench.launcher import torchrun
     from megatron_tlt.drafter_training.prepared import demo_drafter

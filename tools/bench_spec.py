@@ -86,27 +86,20 @@ DEFAULT_STRATEGIES = "1:7_1_7,2:5_1_5,4:4_1_4,8:4_1_4"
 
 
 def resolve_drafter(arg, quick_run: bool, engine, seed: int):
-    """(drafter, description) for --drafter: a path, full, quick, random or self."""
-    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, load_drafter
+    """(drafter, description) for --drafter: full or quick (the warmed drafters, made on
+    first use), random (untrained, the warmed ones' shape: a 1,024-token vocabulary), or
+    any value a drafter kind takes (self, a checkpoint path)."""
+    from megatron_tlt.rollout.speculative.drafters import make_drafter
 
-    if arg == "self":  # the policy's own int8 copy (rollout.speculative.drafter=self)
-        from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
-
-        return SelfDrafter(), "self (the policy's weight-only int8 copy)"
-
-    if arg == "random":  # untrained, the warmed drafters' shape (1,024-token vocabulary)
-        d = EagleDrafter(DrafterConfig.for_target(engine.arch, draft_vocab_size=1024),
-                         engine.arch, dtype=engine.runner.dtype, device=engine.device)
-        d.reset_parameters(seed=seed)
-        return d, f"random (untrained, seed {seed})"
     if arg is None:
         arg = "quick" if quick_run and not default_drafter_path().is_file() else "full"
     if arg in ("full", "quick"):
-        path = ensure_drafter(default_drafter_path(arg == "quick"), arg == "quick")
-    else:
-        path = Path(arg)
-    return load_drafter(path, engine.arch, dtype=engine.runner.dtype,
-                        device=engine.device), str(path)
+        arg = str(ensure_drafter(default_drafter_path(arg == "quick"), arg == "quick"))
+    elif arg == "random":
+        arg = "random:1024"
+    d = make_drafter(arg, arch=engine.arch, dtype=engine.runner.dtype, device=engine.device,
+                     seed=seed)
+    return d, f"{d.label} ({arg}{f', seed {seed}' if arg.startswith('random') else ''})"
 
 
 def drafter_cost(engine, reps: int = 20) -> dict:
@@ -187,8 +180,8 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
     rollouts would accept), as a dict (``drafter_training.alpha.AlphaReport``)."""
     if not prompts:
         return None
-    from megatron_tlt.drafter_training.alpha import (held_out_samples, measure_alpha,
-                                                     measured_accept_len)
+    from megatron_tlt.drafter_training.alpha import held_out_samples, measured_accept_len
+    from megatron_tlt.drafter_training.alpha_kinds import alpha_by_kind
     from megatron_tlt.rollout import SamplingParams
     from megatron_tlt.spec_strategy import Strategy
 
@@ -196,14 +189,9 @@ def held_out_alpha(engine, drafter, prompts, temperature, strategy, max_new, see
     s = Strategy.parse(strategy)
     depth = s.depth if s.is_chain else 4
     sp = SamplingParams(temperature=t, max_new_tokens=max_new, seed=seed + 7)
-    held = held_out_samples(engine, prompts, sp, feature_layers=drafter.config.feature_layers)
-    if getattr(drafter, "kind", "") == "self":
-        from megatron_tlt.drafter_training.alpha import measure_self_alpha
-
-        rep = measure_self_alpha(drafter.make_decoder(engine.runner).draft, engine.runner, held,
-                                 temperature=t, depth=depth)
-    else:
-        rep = measure_alpha(drafter, engine.runner, held, temperature=t, depth=depth)
+    held = held_out_samples(engine, prompts, sp, feature_layers=drafter.feature_layers)
+    rep = alpha_by_kind(engine.runner, {drafter.name: drafter}, held, temperature=t,
+                        depth=depth)[drafter.name]
     # the same prompts and sampling decoded with that chain always on: what the
     # prediction from alpha should match
     rep.measured_accept_len = measured_accept_len(engine, drafter, prompts, sp,

@@ -36,7 +36,7 @@ from .losses import LOSS_PRESETS, LossConfig
 __all__ = ["WarmupConfig", "WarmupResult", "WarmupError", "run_warmup", "DEFAULT_LOSS",
            "recipe_prompts", "generate_responses", "response_samples"]
 
-# chosen by measurement (docs/benchmarks.md, "Drafter warm-up for sampled acceptance")
+# chosen by measurement (docs/benchmarks.md, "Drafter α against training tokens")
 DEFAULT_LOSS = "kl+tv"
 COVERAGE_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 0)
 

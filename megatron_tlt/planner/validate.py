@@ -277,7 +277,7 @@ def tlt_scaling() -> dict:
                             "speculation_share": tlt.spec_share,
                             "alpha_to_match": _alpha_to_match(sc, off.step, pub)}
     return {"what": "end-to-end RL step speedup, TLT vs no TLT, Qwen2.5-7B, H100",
-            "inputs_quoted": "the four speedups (issue 46); 8 H100 per node",
+            "inputs_quoted": "the four published speedups; 8 H100 per node",
             "inputs_assumed": ["TP 2, DP = GPUs / 2 (the 7B recipe's layout)",
                                "the 7B recipe's step: 128 prompts x 8, cap 8192, 4 "
                                "mini-batches; lengths log-normal (median 20 % of the cap, "

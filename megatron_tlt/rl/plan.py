@@ -53,7 +53,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
 
     try:
         lines += predict_for_config(cfg, world_size, arch=arch).lines()
-    except FileNotFoundError as e:  # the planner's measured inputs live in docs/results
+    except FileNotFoundError as e:  # a calibration table missing (--calibration)
         lines.append(f"predicted step time: not available here ({e})")
     return "\n".join(lines)
 

@@ -64,6 +64,7 @@ class Trainer:
         self.arch = session.arch
         self.tokenizer = session.tokenizer
         self.stop = stop
+        self.rank = collectives.rank()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         check_layout(cfg, self.layout.dp_size)
@@ -113,7 +114,7 @@ class Trainer:
         self._reward_seconds = 0.0
         # a replica that finished early waits for the others on the store, then enters
         # the collective (arrival.py): a tail longer than the process group's timeout
-        self.points = StepPoints(collectives.size(), collectives.rank(),
+        self.points = StepPoints(collectives.size(), self.rank,
                                  bound_s=BOUND_FACTOR * cfg.parallel.collective_timeout_s)
 
     # ------------------------------------------------------------------ set-up helpers

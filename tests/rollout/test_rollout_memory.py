@@ -71,7 +71,7 @@ def held_tensors(engine: RolloutEngine) -> dict[str, int]:
     helpers, the weights aside (modules, and tensors sharing a parameter's storage):
     first path -> bytes."""
     weights = {p.untyped_storage().data_ptr() for m in (engine.runner.model,
-               engine.spec.drafter if engine.spec else None) if m is not None
+               engine.spec.drafter.model if engine.spec else None) if m is not None
                for p in m.parameters()}
     seen_obj, seen_storage, out = set(), set(), {}
 

@@ -20,6 +20,7 @@ from megatron_tlt.rollout.sampling import (STREAM_DRAFT, STREAM_SAMPLE, exponent
 from megatron_tlt.rollout.speculative.acceptance_batched import (accept_chains, accept_trees,
                                                                  chain_emits, step_noise,
                                                                  tree_emits)
+from megatron_tlt.rollout.speculative import decoder as decoder_mod
 from test_speculative import P_MIN, _chi2_pvalue
 from op_counter import OpCounter
 from tiny_models import VOCAB, tiny_model_and_own_layer_drafter
@@ -194,14 +195,18 @@ def _counts_per_call(eng, methods, prompts, params) -> dict[str, list[int]]:
                 calls[name].append(counter.count - n0)
         return counted
 
+    saved = [(obj, name, vars(obj).get(name)) for obj, name in methods]
     for obj, name in methods:
         setattr(obj, name, wrap(name, getattr(obj, name)))
     try:
         with counter:
             eng.generate(prompts, params)
-    finally:
-        for obj, name in methods:
-            delattr(obj, name)
+    finally:  # an object's own attribute (a module's function) back, else the method
+        for obj, name, own in saved:
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
     return calls
 
 
@@ -227,12 +232,12 @@ def test_speculative_sampling_operations_do_not_grow_with_the_rows(model, strate
     got = {}
     for b in (2, 8):
         eng = _engine(model, strategy)
-        methods = [(eng.spec, "_accept")]
+        methods = [(decoder_mod, "accept_rows")]
         if strategy == "3_1_3":
             methods.append((eng.spec.drafting, "chain"))
         calls = _counts_per_call(eng, methods, _prompts(b),
                                  SamplingParams(**{**SP.__dict__, "seed": 5}))
-        assert calls["_accept"], "no speculative step ran"
+        assert calls["accept_rows"], "no speculative step ran"
         got[b] = {name: set(c) for name, c in calls.items()}
     assert all(len(c) == 1 for c in got[2].values()), got  # one count for every step
     assert got[2] == got[8], got

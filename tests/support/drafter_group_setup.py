@@ -106,7 +106,7 @@ def make_group(env, cfg, store, drafter=None, **kw):
     args = dict(dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
                 pp_group=ps.get_pipeline_model_parallel_group(), store=store,
                 total_steps=10_000, seed=1, sampling=SamplingParams(**RECIPE_SAMPLING))
-    return DrafterGroup(drafter if drafter is not None else env.engine.spec.drafter,
+    return DrafterGroup(drafter if drafter is not None else env.engine.spec.drafter.model,
                         env.engine.runner, cfg, **{**args, **kw})
 
 

@@ -118,12 +118,12 @@ def main() -> None:
     batch = next(group.buffer.batches(cfg.batch_tokens, seed=5))
     vocab = torch.arange(0, arch.vocab_size, 3)  # a pruned draft vocabulary
 
-    engine.spec.drafter.load_own_state(full0)
+    engine.spec.drafter.model.load_own_state(full0)
     res["tp2"] = loss_and_grad(EagleDrafter(DrafterConfig.for_target(arch), arch),
                                WholeVocabTarget(engine.runner), batch, full0, cfg.loss, vocab)
     # the bare sharded runner is refused with a message, not read as a slice
     try:
-        DrafterTrainer(engine.spec.drafter, engine.runner).loss(batch)
+        DrafterTrainer(engine.spec.drafter.model, engine.runner).loss(batch)
         res["bare_runner_error"] = None
     except ValueError as e:
         res["bare_runner_error"] = str(e)

@@ -74,7 +74,11 @@ class EagleKind(Drafter):
         if not value:
             return None
         if value == RANDOM or value.startswith(RANDOM + ":"):
-            n = int(value.split(":", 1)[1]) if ":" in value else 0
+            size = value.split(":", 1)[1] if ":" in value else "0"
+            if not size.isdigit():
+                raise ValueError(f"drafter {value!r}: random:N takes the draft vocabulary's "
+                                 "size N (0 = the full vocabulary)")
+            n = int(size)
             kw = {"draft_vocab_size": n} if 0 < n < arch.vocab_size else {}
             model = EagleDrafter(DrafterConfig.for_target(arch, **kw), arch, dtype=dtype,
                                  device=device)
