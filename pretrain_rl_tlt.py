@@ -33,6 +33,8 @@ from megatron_tlt.rl.nonfinite import NonFiniteError
 MEGATRON_FLAGS = {
     "--tensor-model-parallel-size": "parallel.tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "parallel.pipeline_model_parallel_size",
+    "--expert-model-parallel-size": "parallel.expert_model_parallel_size",
+    "--moe-aux-loss-coeff": "train.moe_aux_loss_coef",
     "--micro-batch-size": "train.micro_batch_size",
     "--global-batch-size": "train.global_batch_size",
     "--lr": "train.lr",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
+from .models.moe import moe_options
 from .parallel import ParallelLayout, initialize_model_parallel
 from .rollout.speculative import drafters
 from .runtime_env import Platform, init_distributed, seed_everything
@@ -45,10 +46,12 @@ def setup(cfg: Config) -> Session:
     layout = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                        cfg.parallel.pipeline_model_parallel_size,
                                        seed=cfg.platform.seed,
-                                       timeout_s=cfg.parallel.collective_timeout_s)
+                                       timeout_s=cfg.parallel.collective_timeout_s,
+                                       ep=cfg.parallel.expert_model_parallel_size)
     model, arch = load_model(source, device=plat.device, dtype=cfg.model.dtype,
                              impl=cfg.model.transformer_impl,
-                             memory=memory_controls(cfg.train, cfg.parallel))
+                             memory=memory_controls(cfg.train, cfg.parallel),
+                             moe=moe_options(cfg.train, cfg.grpo))
     return Session(plat, layout, model, arch, tokenizer, source)
 
 

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the (TP, PP, DP) grid."""
+    """This rank's place in the (TP, PP, DP) grid, and in its expert-parallel group
+    (EP: ranks of the same TP and PP position, consecutive DP ranks; ``ep_size`` divides
+    ``dp_size``; each holds 1/EP of every mixture-of-experts layer's experts)."""
 
     tp_size: int
     pp_size: int
@@ -21,6 +23,8 @@ class ParallelLayout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep_size: int = 1
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -32,8 +36,9 @@ class ParallelLayout:
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
-                              timeout_s: float = 1800.0) -> ParallelLayout:
-    """Create megatron-core's TP/PP/DP groups and seed its model-parallel RNG streams.
+                              timeout_s: float = 1800.0, ep: int = 1) -> ParallelLayout:
+    """Create megatron-core's TP/PP/DP groups (and its expert groups: EP, the expert
+    TP size = TP, expert data parallel = DP / EP) and seed its model-parallel RNG streams.
 
     torch.distributed must already be initialised (``runtime_env.init_distributed``).
     ``timeout_s``: the groups' collective timeout (``parallel.collective_timeout_s``, as
@@ -47,10 +52,16 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
             f"world size {world} is not divisible by tensor_model_parallel_size {tp} x "
             f"pipeline_model_parallel_size {pp}; launch a multiple of {tp * pp} processes"
         )
+    if (world // (tp * pp)) % ep:
+        raise ValueError(
+            f"expert_model_parallel_size {ep} does not divide the data-parallel size "
+            f"{world // (tp * pp)} (world {world} / (TP {tp} x PP {pp})); launch a "
+            f"multiple of {tp * pp * ep} processes")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_s / 60,  # (a float is fine: a timedelta)
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -67,7 +78,18 @@ def layout() -> ParallelLayout:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
+
+
+def expert_group():
+    """The expert-parallel process group (None at EP = 1)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return ps.get_expert_model_parallel_group()
 
 
 def destroy_model_parallel() -> None:

@@ -214,6 +214,33 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(original)
 
 
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream`` without CUDA: CPU work is in program order,
+    so waiting, events and stream contexts have nothing to order. megatron-core's
+    all-to-all token dispatcher (mixture-of-experts) copies its split sizes to the host
+    on a side stream and synchronises on an event. Every instance is one object."""
+
+    _one = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+
 def cuda_placements_on_cpu():
     """Context in which ``device="cuda"`` / ``.cuda()`` land on CPU; inert with CUDA."""
     if torch.cuda.is_available():
@@ -243,7 +270,12 @@ def apply_cpu_redirection() -> bool:
          checkpointed region is empty (the CPU generator, which that code saves as
          well, is the only one);
       3. ``get_default_causal_mask`` / sliding-window masks build on CPU;
-      4. ``torch.cuda.synchronize`` (dist_checkpointing, timers) is a no-op.
+      4. ``torch.cuda.synchronize`` (dist_checkpointing, timers) is a no-op;
+      5. ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` are a stand-in whose
+         waits and events do nothing (``_CpuStream``: the MoE all-to-all dispatcher);
+      6. the MoE all-to-all dispatcher's host copies of its split sizes become NumPy
+         arrays on CPU too (it converts only CUDA tensors, and
+         ``all_to_all_single`` refuses a tensor of split sizes).
     Explicit ``device="cuda"`` / ``.cuda()`` placements (pipeline schedules, DDP) are
     redirected only inside ``cuda_placements_on_cpu()``: a TorchFunctionMode costs
     3-4x in a 135M-parameter forward pass, so it is never left on globally.
@@ -256,6 +288,9 @@ def apply_cpu_redirection() -> bool:
 
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.utils as mutils
@@ -264,6 +299,16 @@ def apply_cpu_redirection() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    to_host = dispatcher.maybe_move_tensor_to_cpu
+
+    def _to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    dispatcher.maybe_move_tensor_to_cpu = _to_host
     mutils.get_default_causal_mask = _cpu_causal_mask
     mutils.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
     try:

@@ -49,6 +49,16 @@ def tiny_hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def qwen3_hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny Qwen3 / Qwen3-MoE model of tests/support/tiny_models.py (QWEN3_CONFIGS)
+    saved as an HF folder."""
+    from tiny_models import QWEN3_CONFIGS, save_tiny_hf
+
+    root = tmp_path_factory.mktemp("qwen3_hf")
+    return {name: save_tiny_hf(name, root / name) for name in QWEN3_CONFIGS}
+
+
+@pytest.fixture(scope="session")
 def single_process_parallel():
     """torch.distributed (gloo, 1 process) and megatron-core groups at TP=PP=1."""
     from megatron_tlt.parallel import initialize_model_parallel

@@ -3,10 +3,11 @@
 
 The direction follows the source named by model.hf_path:
 
-    # an HF folder -> a megatron checkpoint sharded for the configured TP and PP
+    # an HF folder -> a megatron checkpoint sharded for the configured TP, PP (and EP:
+    # parallel.expert_model_parallel_size, mixture-of-experts models)
     python tools/convert_hf_checkpoint.py --out CKPT_DIR model.hf_path=HF_DIR \
         parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2
-    # a megatron checkpoint (any TP/PP) -> an HF folder that transformers loads
+    # a megatron checkpoint (any TP/PP/EP) -> an HF folder that transformers loads
     python tools/convert_hf_checkpoint.py --out HF_DIR model.hf_path=CKPT_DIR
     # a run's checkpoint.save folder (any TP/PP; the newest step, or --step N) -> an HF
     # folder, with the run's drafter in HF_DIR/drafter when it had one
@@ -43,8 +44,9 @@ def _cast(state: dict, dtype: str) -> dict:
 def to_megatron(cfg, src, out: str) -> None:
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
+    ep = cfg.parallel.expert_model_parallel_size
     arch = ModelArch.from_hf_folder(src)
-    validate_for_run(cfg, arch, world_size=tp * pp)
+    validate_for_run(cfg, arch, world_size=tp * pp * ep)
     hf = HFWeights(src)
     missing = [k for k in expected_hf_keys(arch) if k not in hf]
     if missing:
@@ -53,19 +55,26 @@ def to_megatron(cfg, src, out: str) -> None:
     shards = {}
     for p in range(pp):
         for t in range(tp):
-            shards[(t, p)] = _cast(hf_to_megatron(hf, arch, tp_size=tp, tp_rank=t,
-                                                  pp_size=pp, pp_rank=p), cfg.model.dtype)
-            print(f"  shard tp={t} pp={p}: {len(shards[(t, p)])} tensors", flush=True)
-    save_megatron_checkpoint(out, shards, arch, tp_size=tp, pp_size=pp, tokenizer_dir=src)
-    print(f"wrote megatron checkpoint {out} (TP={tp}, PP={pp}) from {src} "
-          f"in {time.perf_counter() - start:.1f} s")
+            for e in range(ep):
+                key = (t, p) if ep == 1 else (t, p, e)
+                shards[key] = _cast(hf_to_megatron(hf, arch, tp_size=tp, tp_rank=t, pp_size=pp,
+                                                   pp_rank=p, ep_size=ep, ep_rank=e),
+                                    cfg.model.dtype)
+                print(f"  shard tp={t} pp={p}{f' ep={e}' if ep > 1 else ''}: "
+                      f"{len(shards[key])} tensors", flush=True)
+    save_megatron_checkpoint(out, shards, arch, tp_size=tp, pp_size=pp, tokenizer_dir=src,
+                             ep_size=ep)
+    print(f"wrote megatron checkpoint {out} (TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''})"
+          f" from {src} in {time.perf_counter() - start:.1f} s")
 
 
 def to_hf(cfg, src, out: str) -> None:
     start = time.perf_counter()
     shards, arch, meta = load_megatron_shards(src)
     hf = _cast(megatron_to_hf(shards, arch, tp_size=meta["tensor_model_parallel_size"],
-                              pp_size=meta["pipeline_model_parallel_size"]), cfg.model.dtype)
+                              pp_size=meta["pipeline_model_parallel_size"],
+                              ep_size=meta.get("expert_model_parallel_size", 1)),
+               cfg.model.dtype)
     tok_dir = tokenizer_folder(src)
     save_hf_folder(hf, arch.hf_config, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None)
     print(f"wrote Hugging Face folder {out} ({len(hf)} tensors) from {src} "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .base import ConfigError
+from .expert_layout import check_expert_layout
 from .keys import _translate
 from .markdown import describe
 from .overrides import apply_override
@@ -140,3 +141,4 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
             f"({tp}) x parallel.pipeline_model_parallel_size ({pp}) = {tp * pp}; launch a "
             f"multiple of {tp * pp} processes or change the parallel sizes")
+    check_expert_layout(cfg, arch, world_size)

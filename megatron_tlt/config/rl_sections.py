@@ -141,6 +141,11 @@ class GRPOConfig:
         "Truncated importance sampling for the train/rollout mismatch: weight each token "
         "by min(exp(logp_old - logp_rollout), tis_cap) (0 = off).", 0.0)
     ppo_epochs: int = _help("Passes over the step's samples.", 1)
+    routing_replay: bool = _help(
+        "Mixture-of-experts policies: the rollout records each token's experts per MoE "
+        "layer, and the old-log-prob and training forwards route every token to them "
+        "(rollout routing replay), so a near-tie in the router cannot send a token to "
+        "other experts than the sampler used. No effect on dense models.", True)
 
     def __post_init__(self):
         _positive("grpo", "prompts_per_step", self.prompts_per_step)
@@ -227,6 +232,11 @@ class TrainConfig:
         "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
         "once more than this many were skipped (0 = at the first).", 3)
+    moe_aux_loss_coef: float = _help(
+        "Mixture-of-experts policies: coefficient of megatron-core's load-balancing "
+        "auxiliary loss (0 = off, the default: a pretrained router is already balanced "
+        "and the term pulls against the RL objective; the expert load is reported "
+        "either way).", 0.0)
 
     def __post_init__(self):
         _positive("train", "steps", self.steps)
@@ -246,6 +256,9 @@ class TrainConfig:
         _positive("train", "recompute_num_layers", self.recompute_num_layers)
         if self.loss_chunk_tokens < 0:
             raise ConfigError("train.loss_chunk_tokens must be >= 0 (0 = no chunking)")
+        if self.moe_aux_loss_coef < 0:
+            raise ConfigError(f"train.moe_aux_loss_coef must be >= 0 (0 = off), got "
+                              f"{self.moe_aux_loss_coef}")
 
 
 @dataclass

@@ -42,6 +42,11 @@ class ParallelConfig:
         "Tensor-parallel size: must divide the attention heads and the KV groups.", 1)
     pipeline_model_parallel_size: int = _help(
         "Pipeline-parallel size: must divide the number of layers.", 1)
+    expert_model_parallel_size: int = _help(
+        "Expert-parallel size EP of mixture-of-experts models: each rank of an EP group "
+        "(EP consecutive data-parallel ranks) holds num_experts / EP experts of every "
+        "MoE layer; must divide num_experts and the data-parallel size. The EP group's "
+        "replicas decode their prompts together in the rollout. 1 for dense models.", 1)
     sequence_parallel: str = _help(
         "megatron-core sequence parallelism of the trained model at TP > 1 (the "
         "activations outside attention and MLP sharded along the sequence over the TP "
@@ -58,6 +63,7 @@ class ParallelConfig:
     def __post_init__(self):
         _positive("parallel", "tensor_model_parallel_size", self.tensor_model_parallel_size)
         _positive("parallel", "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        _positive("parallel", "expert_model_parallel_size", self.expert_model_parallel_size)
         # YAML reads a bare on/off as a boolean: take true/false as on/off
         self.sequence_parallel = {"true": "on", "false": "off"}.get(
             str(self.sequence_parallel).lower(), str(self.sequence_parallel))

@@ -10,8 +10,9 @@ from .megatron_weights import (is_megatron_checkpoint, load_into_model, read_met
                                shard_for_rank, tokenizer_folder)
 from .gpt import (NO_MEMORY_CONTROLS, MemoryControls, ModelArch, build_gpt_model, resolve_dtype,
                   resolve_impl)
+from .moe import NO_MOE_OPTIONS, MoeOptions
 
-__all__ = ["MemoryControls", "ModelArch", "arch_from_source", "build_gpt_model", "load_model",
+__all__ = ["MemoryControls", "ModelArch", "MoeOptions", "arch_from_source", "build_gpt_model", "load_model",
            "load_tokenizer", "resolve_source"]
 
 # Names that stand for a prepared real-model asset instead of a path.
@@ -62,11 +63,14 @@ def load_tokenizer(source: str | Path):
 
 
 def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",
-               impl: str = "auto", memory: MemoryControls = NO_MEMORY_CONTROLS):
+               impl: str = "auto", memory: MemoryControls = NO_MEMORY_CONTROLS,
+               moe: MoeOptions = NO_MOE_OPTIONS):
     """Build this rank's GPTModel stage and load its weights from ``source``.
 
     ``memory``: megatron-core's recomputation / sequence parallelism for a model that
-    is trained (the policy); forward-only models keep the default (none).
+    is trained (the policy); forward-only models keep the default (none). ``moe``: the
+    experts' options (auxiliary loss, routing replay; ``models.moe``); the layout's
+    expert-parallel rank loads its share of every MoE layer's experts.
 
     ``source`` is a Hugging Face folder or a checkpoint from
     ``tools/convert_hf_checkpoint.py`` (any TP/PP; resharded on load). Model parallel
@@ -80,9 +84,11 @@ def load_model(source: str | Path, *, device: torch.device, dtype: str = "auto",
         arch, dtype=resolve_dtype(dtype, device), device=device, impl=resolve_impl(impl),
         tp=lay.tp_size, pp=lay.pp_size,
         pre_process=lay.is_first_stage, post_process=lay.is_last_stage, memory=memory,
+        ep=lay.ep_size, moe=moe,
     )
     state = shard_for_rank(source, arch, tp_size=lay.tp_size, tp_rank=lay.tp_rank,
-                           pp_size=lay.pp_size, pp_rank=lay.pp_rank)
+                           pp_size=lay.pp_size, pp_rank=lay.pp_rank, ep_size=lay.ep_size,
+                           ep_rank=lay.ep_rank)
     load_into_model(model, state)
     model.eval()
     return model, arch

@@ -1,8 +1,10 @@
-"""Build a megatron-core GPTModel from a Hugging Face Llama / Qwen2 config.
+"""Build a megatron-core GPTModel from a Hugging Face config (the families of
+``models.families``: Llama, Qwen2/2.5, Qwen3, Qwen3-MoE).
 
 ``ModelArch`` is the architecture as megatron needs it, read from a Hugging Face
 ``config.json`` (either the transformers 4.x layout with ``rope_theta`` /
-``rope_scaling`` or the 5.x layout with ``rope_parameters``). ``build_gpt_model``
+``rope_scaling`` or the 5.x layout with ``rope_parameters``); the family of its
+``model_type`` sets the features (QKV bias, QK norm, experts). ``build_gpt_model``
 turns it into a real megatron-core ``GPTModel`` for the current parallel rank, with
 the local layer spec on CPU and the Transformer Engine spec when TE and CUDA exist.
 """
@@ -20,8 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime_env import cuda_placements_on_cpu
+from .families import FAMILIES, UnsupportedModelError, family_of
+from .moe import NO_MOE_OPTIONS, MoeOptions
+from . import moe as moe_specs
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # megatron-core's Llama-3 RoPE scaling hard-codes these (Llama 3.1/3.2 values).
@@ -29,13 +34,14 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}
 
 
-class UnsupportedModelError(ValueError):
-    """A Hugging Face config asks for something this project cannot build exactly."""
-
-
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture of a decoder-only Llama-family model, in megatron terms."""
+    """Architecture of a decoder-only model of one of the families, in megatron terms.
+
+    Mixture-of-experts fields (``num_experts`` > 0): ``moe_topk`` experts per token,
+    each an MLP of ``moe_ffn_hidden_size``; ``moe_layers``: the global indices of the
+    sparse layers (the others have a dense MLP of ``ffn_hidden_size``).
+    """
 
     model_type: str
     vocab_size: int
@@ -52,32 +58,22 @@ class ModelArch:
     qkv_bias: bool
     rope_scaling: Optional[dict] = None
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+    qk_layernorm: bool = False
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_layers: tuple = ()
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5 checkpoints)"
-            )
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
-        if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
-            raise UnsupportedModelError(
-                "Llama configs with attention_bias/mlp_bias=true are not supported"
-            )
-        if model_type == "qwen2" and config.get("use_sliding_window"):
-            raise UnsupportedModelError(
-                "Qwen2 sliding-window attention (use_sliding_window=true) is not supported"
-            )
+        features = family_of(config).read(config)  # checks; raises UnsupportedModelError
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         rope_theta, rope_scaling = _read_rope(config)
         return cls(
-            model_type=model_type,
+            model_type=config["model_type"],
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             ffn_hidden_size=int(config["intermediate_size"]),
@@ -89,9 +85,9 @@ class ModelArch:
             rotary_base=rope_theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
             rope_scaling=rope_scaling,
             hf_config=dict(config),
+            **features,
         )
 
     @classmethod
@@ -111,15 +107,28 @@ class ModelArch:
         return int(math.ceil(self.vocab_size / tp) * tp)
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether global layer ``i`` has a mixture-of-experts MLP."""
+        return i in self.moe_layers
+
+    @property
     def num_parameters(self) -> int:
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         q = self.num_attention_heads * self.kv_channels
         kv = self.num_query_groups * self.kv_channels
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        attn = h * (q + 2 * kv) + q * h + 2 * h
         if self.qkv_bias:
-            per_layer += q + 2 * kv
+            attn += q + 2 * kv
+        if self.qk_layernorm:
+            attn += 2 * self.kv_channels
+        sparse = len(self.moe_layers)
+        experts = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+        mlps = (self.num_layers - sparse) * 3 * h * f + sparse * experts
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return self.num_layers * attn + mlps + emb + h
 
 
 def _read_rope(config: dict) -> tuple[float, Optional[dict]]:
@@ -227,13 +236,15 @@ NO_MEMORY_CONTROLS = MemoryControls()
 
 def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
                        tp: int = 1, pp: int = 1, impl: str = "local",
-                       memory: MemoryControls = NO_MEMORY_CONTROLS):
+                       memory: MemoryControls = NO_MEMORY_CONTROLS, ep: int = 1,
+                       moe: MoeOptions = NO_MOE_OPTIONS):
     """megatron-core TransformerConfig for ``arch``.
 
     On CPU every fused kernel is switched off (they are CUDA-only) and weights are
     created on CPU; on CUDA megatron-core's defaults apply. ``memory`` sets
     megatron-core's recomputation and sequence parallelism (they change activations
-    only, never the parameters' shapes or values).
+    only, never the parameters' shapes or values). ``ep`` and ``moe``: the experts'
+    parallel size and options (``models.moe``).
     """
     if memory.sequence_parallel and tp == 1:
         memory = dataclasses.replace(memory, sequence_parallel=False)
@@ -266,7 +277,9 @@ def transformer_config(arch: ModelArch, *, dtype: torch.dtype, device: torch.dev
         apply_query_key_layer_scaling=False,
         use_cpu_initialization=on_cpu,
         perform_initialization=False,  # weights always come from a checkpoint or caller
+        qk_layernorm=arch.qk_layernorm,
         **memory.transformer_kwargs(),
+        **moe_specs.transformer_kwargs(arch, moe, ep),
     )
     if on_cpu or impl == "local":
         kwargs.update(
@@ -307,35 +320,49 @@ class SequenceParallelTorchRMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
 
-def _block_spec(impl: str, config):
-    """The stage's transformer block spec: ``layer_spec(impl)``, with norms that support
-    sequence parallelism where megatron-core's torch fallback does not (local spec)."""
-    spec = layer_spec(impl)
-    if impl == "transformer_engine" or not config.sequence_parallel:
-        return spec
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+def _block_spec(impl: str, config, arch: ModelArch):
+    """The stage's transformer block spec: ``layer_spec(impl)`` for every layer of a
+    family without QK norm or experts, else each layer's own (``models.moe``), with norms
+    that support sequence parallelism where megatron-core's torch fallback does not
+    (local spec)."""
+    from megatron.core.transformer.transformer_block import (LayerNormImpl,
+                                                             TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
-    sub = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelTorchRMSNorm,
-                              pre_mlp_layernorm=SequenceParallelTorchRMSNorm)
-    spec = dataclasses.replace(spec, submodules=sub)
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelTorchRMSNorm)
+    per_layer = arch.qk_layernorm or arch.is_moe
+    sp = impl != "transformer_engine" and config.sequence_parallel
+    if not per_layer and not sp:
+        return layer_spec(impl)
+    specs = (moe_specs.stage_layer_specs(arch, impl, config) if per_layer
+             else [layer_spec(impl)] * get_num_layers_to_build(config))
+    final = LayerNormImpl
+    if impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final = TENorm
+    if sp:
+        specs = [dataclasses.replace(s, submodules=dataclasses.replace(
+            s.submodules, input_layernorm=SequenceParallelTorchRMSNorm,
+            pre_mlp_layernorm=SequenceParallelTorchRMSNorm)) for s in specs]
+        final = SequenceParallelTorchRMSNorm
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 
 
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
                     impl: str = "local", tp: int = 1, pp: int = 1,
                     pre_process: bool = True, post_process: bool = True,
-                    memory: MemoryControls = NO_MEMORY_CONTROLS):
+                    memory: MemoryControls = NO_MEMORY_CONTROLS, ep: int = 1,
+                    moe: MoeOptions = NO_MOE_OPTIONS):
     """A megatron-core GPTModel for this rank's pipeline stage (weights uninitialised).
 
     Call after ``parallel.initialize_model_parallel``. The vocabulary is padded to a
-    multiple of ``tp``; ``logits`` helpers in ``models.inference`` slice it back.
+    multiple of ``tp``; ``logits`` helpers in ``models.inference`` slice it back. ``ep``
+    and ``moe``: expert parallelism and the experts' options (``models.moe``).
     """
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(arch, dtype=dtype, device=device, tp=tp, pp=pp, impl=impl,
-                                memory=memory)
+                                memory=memory, ep=ep, moe=moe)
     rope_kwargs: dict[str, Any] = {}
     if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
         rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=arch.rope_scaling["factor"])
@@ -344,7 +371,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     with cuda_placements_on_cpu():  # tied embeddings under PP sync via .cuda() tensors
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_block_spec(impl, config),
+            transformer_layer_spec=_block_spec(impl, config, arch),
             vocab_size=arch.padded_vocab_size(tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,

@@ -1,9 +1,10 @@
-"""Hugging Face Llama/Qwen2 weights <-> megatron-core GPTModel weights.
+"""Hugging Face weights <-> megatron-core GPTModel weights (every family of
+``models.families``).
 
 Pure tensor bookkeeping, no process groups: ``hf_to_megatron`` produces the state
-dict of one (tensor-parallel rank, pipeline stage); ``megatron_to_hf`` gathers all
-ranks' state dicts back into one Hugging Face state dict. Tensors keep their dtype,
-so HF -> megatron -> HF is bit-exact.
+dict of one (tensor-parallel rank, pipeline stage, expert-parallel rank);
+``megatron_to_hf`` gathers all ranks' state dicts back into one Hugging Face state
+dict. Tensors keep their dtype, so HF -> megatron -> HF is bit-exact.
 
 Layouts (megatron-core, local layer spec; the Transformer Engine spec differs only in
 where the two RMSNorm weights live, see ``to_te_names``):
@@ -13,6 +14,12 @@ where the two RMSNorm weights live, see ``to_te_names``):
   * ``linear_proj`` / ``linear_fc2``: row-parallel, sharded on the input dimension.
   * word embeddings / output layer: vocabulary padded to a multiple of TP, sharded
     on rows.
+  * ``q_layernorm`` / ``k_layernorm`` (Qwen3's ``q_norm`` / ``k_norm``, one [head_dim]
+    weight shared by every head): replicated.
+  * mixture-of-experts layers: ``mlp.router.weight`` (HF ``mlp.gate.weight``, [experts,
+    hidden]) replicated; expert e's ``gate/up/down_proj`` as a dense MLP's, under
+    ``mlp.experts.local_experts.{j}`` on expert-parallel rank e // (experts / EP),
+    j = e % (experts / EP) (sharded over TP like a dense MLP: the expert TP size is TP).
 """
 
 from __future__ import annotations
@@ -129,14 +136,43 @@ def _shard(t: torch.Tensor, tp_size: int, tp_rank: int, dim: int) -> torch.Tenso
     return t.chunk(tp_size, dim=dim)[tp_rank].clone().contiguous()
 
 
+def local_experts(arch: ModelArch, ep_size: int, ep_rank: int) -> range:
+    """Global indices of the experts expert-parallel rank ``ep_rank`` holds."""
+    if arch.num_experts % ep_size:
+        raise ValueError(f"num_experts {arch.num_experts} is not divisible by "
+                         f"expert_model_parallel_size {ep_size}")
+    per = arch.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def _mlp_to_megatron(hf: Mapping[str, torch.Tensor], src: str, dst: str, tp_size: int,
+                     tp_rank: int) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP (HF prefix ``src``: gate/up/down_proj) as megatron's fc1/fc2."""
+    gate = _shard(hf[src + "gate_proj.weight"], tp_size, tp_rank, 0)
+    up = _shard(hf[src + "up_proj.weight"], tp_size, tp_rank, 0)
+    return {dst + "linear_fc1.weight": torch.cat([gate, up], dim=0),
+            dst + "linear_fc2.weight": _shard(hf[src + "down_proj.weight"], tp_size,
+                                              tp_rank, 1)}
+
+
+def _mlp_to_hf(parts: list[Mapping[str, torch.Tensor]], src: str, dst: str
+               ) -> dict[str, torch.Tensor]:
+    """Inverse of ``_mlp_to_megatron`` from every TP rank's state dict (``parts``)."""
+    halves = [p[src + "linear_fc1.weight"].chunk(2, dim=0) for p in parts]
+    return {dst + "gate_proj.weight": torch.cat([h[0] for h in halves], dim=0),
+            dst + "up_proj.weight": torch.cat([h[1] for h in halves], dim=0),
+            dst + "down_proj.weight": torch.cat([p[src + "linear_fc2.weight"] for p in parts],
+                                                dim=1)}
+
+
 # -------------------------------------------------------------------------------------
 # HF -> megatron
 # -------------------------------------------------------------------------------------
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_size: int = 1,
-                   tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0
-                   ) -> dict[str, torch.Tensor]:
-    """State dict (local-spec names) of one TP rank and pipeline stage."""
+                   tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
+                   ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """State dict (local-spec names) of one TP rank, pipeline stage and EP rank."""
     out: dict[str, torch.Tensor] = {}
     padded = arch.padded_vocab_size(tp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -159,12 +195,17 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_size: 
             out[dst + "self_attention.linear_qkv.bias"] = _shard(qkv_b, tp_size, tp_rank, 0)
         out[dst + "self_attention.linear_proj.weight"] = _shard(
             hf[att + "o_proj.weight"], tp_size, tp_rank, 1)
+        if arch.qk_layernorm:
+            for n in ("q", "k"):
+                out[f"{dst}self_attention.{n}_layernorm.weight"] = hf[f"{att}{n}_norm.weight"].clone()
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-        gate = _shard(hf[src + "mlp.gate_proj.weight"], tp_size, tp_rank, 0)
-        up = _shard(hf[src + "mlp.up_proj.weight"], tp_size, tp_rank, 0)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[dst + "mlp.linear_fc2.weight"] = _shard(
-            hf[src + "mlp.down_proj.weight"], tp_size, tp_rank, 1)
+        if not arch.is_moe_layer(i):
+            out.update(_mlp_to_megatron(hf, src + "mlp.", dst + "mlp.", tp_size, tp_rank))
+            continue
+        out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"].clone()
+        for j, e in enumerate(local_experts(arch, ep_size, ep_rank)):
+            out.update(_mlp_to_megatron(hf, f"{src}mlp.experts.{e}.",
+                                        f"{dst}mlp.experts.local_experts.{j}.", tp_size, tp_rank))
     if last:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if not arch.tie_word_embeddings:
@@ -180,12 +221,24 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_size: 
 # megatron -> HF
 # -------------------------------------------------------------------------------------
 
-def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
-                   arch: ModelArch, *, tp_size: int, pp_size: int) -> dict[str, torch.Tensor]:
-    """Gather ``shards[(tp_rank, pp_rank)]`` (local-spec names) into one HF state dict."""
-    missing = [(t, p) for t in range(tp_size) for p in range(pp_size) if (t, p) not in shards]
+def megatron_to_hf(shards: Mapping[tuple, Mapping[str, torch.Tensor]],
+                   arch: ModelArch, *, tp_size: int, pp_size: int, ep_size: int = 1
+                   ) -> dict[str, torch.Tensor]:
+    """Gather ``shards[(tp_rank, pp_rank)]`` (or ``[(tp_rank, pp_rank, ep_rank)]`` at
+    ``ep_size`` > 1; local-spec names) into one HF state dict."""
+    if ep_size > 1:
+        keys = [(t, p, e) for t in range(tp_size) for p in range(pp_size)
+                for e in range(ep_size)]
+        by_ep = {k: shards[k] for k in keys if k in shards}
+        shards = {(t, p): shards.get((t, p, 0), {}) for t in range(tp_size)
+                  for p in range(pp_size)}
+    else:
+        keys = [(t, p) for t in range(tp_size) for p in range(pp_size)]
+        by_ep = {(t, p, 0): shards[(t, p)] for t, p in keys if (t, p) in shards}
+    missing = [k for k in keys if (k if ep_size > 1 else k + (0,)) not in by_ep]
     if missing:
-        raise ValueError(f"missing megatron shards for (tp_rank, pp_rank) {missing}")
+        raise ValueError(f"missing megatron shards for (tp_rank, pp_rank"
+                         f"{', ep_rank' if ep_size > 1 else ''}) {missing}")
     out: dict[str, torch.Tensor] = {}
 
     def gather(pp_rank: int, key: str, dim: int) -> torch.Tensor:
@@ -210,12 +263,20 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
                 out[att + "q_proj.bias"], out[att + "k_proj.bias"], out[att + "v_proj.bias"] = (
                     qb.clone(), kb.clone(), vb.clone())
             out[att + "o_proj.weight"] = gather(pp_rank, src + "self_attention.linear_proj.weight", 1)
+            if arch.qk_layernorm:
+                for n in ("q", "k"):
+                    out[f"{att}{n}_norm.weight"] = stage[f"{src}self_attention.{n}_layernorm.weight"].clone()
             out[dst + "post_attention_layernorm.weight"] = stage[src + "pre_mlp_layernorm.weight"].clone()
-            halves = [shards[(t, pp_rank)][src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-                      for t in range(tp_size)]
-            out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves], dim=0)
-            out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves], dim=0)
-            out[dst + "mlp.down_proj.weight"] = gather(pp_rank, src + "mlp.linear_fc2.weight", 1)
+            if not arch.is_moe_layer(i):
+                out.update(_mlp_to_hf([shards[(t, pp_rank)] for t in range(tp_size)],
+                                      src + "mlp.", dst + "mlp."))
+                continue
+            out[dst + "mlp.gate.weight"] = stage[src + "mlp.router.weight"].clone()
+            for r in range(ep_size):
+                parts = [by_ep[(t, pp_rank, r)] for t in range(tp_size)]
+                for j, e in enumerate(local_experts(arch, ep_size, r)):
+                    out.update(_mlp_to_hf(parts, f"{src}mlp.experts.local_experts.{j}.",
+                                          f"{dst}mlp.experts.{e}."))
     last = pp_size - 1
     out["model.norm.weight"] = shards[(0, last)]["decoder.final_layernorm.weight"].clone()
     if not arch.tie_word_embeddings:
@@ -233,13 +294,17 @@ _TE_RENAMES = (
 )
 
 
-def to_te_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Local-spec names -> Transformer Engine spec names (norms fused into linears)."""
+def to_te_names(state: Mapping[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
+    """Local-spec names -> Transformer Engine spec names (norms fused into linears).
+    With ``names`` (the model's keys), a norm is renamed only where the model has the
+    fused name: a mixture-of-experts layer keeps its own ``pre_mlp_layernorm``."""
     out = {}
     for key, value in state.items():
         for local, te in _TE_RENAMES:
             if key.endswith(local) and key.startswith("decoder.layers."):
-                key = key[: -len(local)] + te
+                fused = key[: -len(local)] + te
+                if names is None or fused in names:
+                    key = fused
         out[key] = value
     return out
 
@@ -297,7 +362,14 @@ def expected_hf_keys(arch: ModelArch) -> Iterable[str]:
             yield f"{p}self_attn.{n}_proj.weight"
         if arch.qkv_bias:
             yield from (f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v"))
-        yield from (f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+        if arch.qk_layernorm:
+            yield from (f"{p}self_attn.{n}_norm.weight" for n in ("q", "k"))
+        if not arch.is_moe_layer(i):
+            yield from (f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+            continue
+        yield f"{p}mlp.gate.weight"
+        for e in range(arch.num_experts):
+            yield from (f"{p}mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
     yield "model.norm.weight"
     if not arch.tie_word_embeddings:
         yield "lm_head.weight"

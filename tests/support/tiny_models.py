@@ -4,6 +4,12 @@ Every parameter, biases and norms included, is randomised so a wrong layout cann
 hide behind zeros or ones. Sizes are chosen to exercise: GQA (4 heads, 2 KV groups),
 a head_dim different from hidden/heads, llama3 RoPE scaling, Qwen2's QKV bias, tied and
 untied embeddings, and a vocabulary (251) that TP=2 must pad.
+
+``QWEN3_CONFIGS``: Qwen3 dense (QK norm, head_dim 24 != 64 / 4, tied and untied) and
+Qwen3-MoE (8 experts, top-2, ``norm_topk_prob`` true, one dense layer through
+``mlp_only_layers``; and a variant with ``norm_topk_prob`` false and every layer
+sparse), made by transformers' own Qwen3 / Qwen3-MoE classes. They are kept apart from
+``TINY_CONFIGS`` (whose models every drafter test also runs).
 """
 
 from __future__ import annotations
@@ -35,15 +41,49 @@ TINY_CONFIGS = {
 }
 
 
-def build_tiny_hf(name: str, seed: int = 0, **overrides):
-    """A transformers model of TINY_CONFIGS[name] (plus ``overrides``) with every
-    parameter randomised."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+QWEN3_CONFIGS = {
+    "qwen3_tied": dict(
+        family="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=256),
+    "qwen3_untied": dict(
+        family="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=256),
+    "qwen3_moe": dict(
+        family="qwen3_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=256),
+    "qwen3_moe_unnormed": dict(
+        family="qwen3_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256),
+}
+ALL_CONFIGS = {**TINY_CONFIGS, **QWEN3_CONFIGS}
 
-    spec = {**TINY_CONFIGS[name], **overrides}
+
+def _classes(family: str):
+    import transformers as tf
+
+    return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[family]
+
+
+def build_tiny_hf(name: str, seed: int = 0, **overrides):
+    """A transformers model of TINY_CONFIGS[name] or QWEN3_CONFIGS[name] (plus
+    ``overrides``) with every parameter randomised."""
+    spec = {**ALL_CONFIGS[name], **overrides}
     family = spec.pop("family")
-    cfg_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if family == "llama"
-                          else (Qwen2Config, Qwen2ForCausalLM))
+    cfg_cls, model_cls = _classes(family)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**spec)).eval()
     gen = torch.Generator().manual_seed(seed)
