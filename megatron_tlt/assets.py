@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .fileio import publish_dir
+
 Log = Callable[[str], None]
 
 
@@ -222,18 +224,13 @@ def _install(staging: Path, final: Path, force: bool, log: Log) -> None:
     """Move a finished ``staging`` folder to ``final``, replacing a stale one.
 
     A directory cannot be atomically replaced by another, so an old ``final`` is
-    first renamed aside; ``is_complete`` is false in the short gap in between.
+    first renamed aside (``fileio.publish_dir``); ``is_complete`` is false in the short
+    gap in between.
     """
-    if final.exists():
-        if is_complete(final) and not force:
-            log(f"[assets] another process finished {final} first; keeping it")
-            return
-        aside = _make_staging_dir(final, kind="old")
-        os.replace(final, aside / final.name)
-        os.replace(staging, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    if final.exists() and is_complete(final) and not force:
+        log(f"[assets] another process finished {final} first; keeping it")
+        return
+    publish_dir(staging, final)
     log(f"[assets] wrote {final}")
 
 

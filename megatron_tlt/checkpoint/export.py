@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -29,6 +28,7 @@ from typing import Mapping, Optional
 import torch
 
 from .. import collectives
+from ..fileio import atomic_dir
 from ..models.gpt import DTYPES, ModelArch
 from ..models.hf import copy_tokenizer_files, from_te_names, megatron_to_hf, save_hf_folder
 from ..run_files import DRAFTER_FILE, POLICY_DIR, RUN_FILE
@@ -240,9 +240,9 @@ def write_hf_export(shards, arch: ModelArch, out: str | Path, *, tp_size: int, p
     hf_config = dict(arch.hf_config)
     hf_config["dtype"] = str(saved).removeprefix("torch.")  # what transformers loads as
     hf_config.pop("torch_dtype", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    if out.exists() and not replace and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new output folder")
+    with atomic_dir(out) as tmp:  # complete, or not there: never a partial folder
         save_hf_folder(state, hf_config, tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
@@ -250,15 +250,6 @@ def write_hf_export(shards, arch: ModelArch, out: str | Path, *, tp_size: int, p
             write_drafter_export(drafter_state, drafter_config, tmp / DRAFTER_DIR, arch,
                                  about or {})
         _readable(tmp)
-        if out.exists():
-            if not replace and any(out.iterdir()):
-                raise FileExistsError(f"{out} exists and is not empty; choose a new output "
-                                      f"folder")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import write_bytes_atomic
 from ..optim_state import allocate_adam_state
 from ..runtime_env import cuda_placements_on_cpu
 from .safe_files import CheckpointError, check_common_pt, check_dcp_metadata
@@ -195,9 +196,7 @@ class ResultsFile:
         self.path = self.folder / "results"
 
     def put(self, obj) -> None:  # in the background writer
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(obj))
-        os.replace(tmp, self.path)
+        write_bytes_atomic(self.path, pickle.dumps(obj))
 
     def get_nowait(self):  # in the rank, once every rank's writer has finished
         if not self.path.is_file():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -37,6 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..fileio import write_bytes_atomic
 from .gpt import (ModelArch, layer_spec, mark_tensor_parallel_params, te_available,
                   transformer_config)
 
@@ -413,15 +413,13 @@ def save_drafter(drafter: EagleDrafter, path: str | Path, *, extra: Optional[dic
 def write_drafter_file(state: dict[str, torch.Tensor], config: dict, path: str | Path) -> Path:
     """Unsharded drafter tensors + a ``DrafterConfig`` dict -> the checkpoint file
     ``path`` (.safetensors), atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(path)
     meta = {CHECKPOINT_KEY: json.dumps({"format": FORMAT_VERSION, "config": config})}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
+    return write_bytes_atomic(path, save({k: v.contiguous() for k, v in state.items()},
+                                         metadata=meta))
 
 
 def read_drafter_config(path: str | Path) -> tuple[Path, DrafterConfig]:

@@ -70,6 +70,13 @@ class ModelArch:
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelArch":
         features = family_of(config).read(config)  # checks; raises UnsupportedModelError
         heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        if groups <= 0 or heads % groups:  # (before any weight is read or written)
+            raise UnsupportedModelError(
+                f"config.json: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={groups}: every key/value head serves the same number "
+                "of query heads; use a config whose num_key_value_heads divides "
+                "num_attention_heads")
         hidden = int(config["hidden_size"])
         rope_theta, rope_scaling = _read_rope(config)
         return cls(

@@ -16,8 +16,8 @@ ROOT = Path(megatron_tlt.__file__).parent
 LAYERS = [
     # the base: no megatron_tlt import below them
     ("fileio", "collectives", "runtime_env", "parallel", "heartbeat", "spec_strategy",
-     "assets", "tasks", "optim_state", "run_files"),
-    ("tracking", "arrival"),
+     "tasks", "optim_state", "run_files"),
+    ("assets", "tracking", "arrival"),
     ("config",),            # typed configuration, recipes, overrides, checks
     ("models",),            # megatron-core GPT from HF configs, conversion, drafter model
     ("rollout",),           # the engine, runners, speculation and the drafter kinds

@@ -30,3 +30,22 @@ def test_no_module_shadows_the_standard_library():
                                                        if p.is_dir()}
     shadowing = sorted(names & set(sys.stdlib_module_names))
     assert not shadowing, f"package modules named like standard-library ones: {shadowing}"
+
+
+def test_files_are_replaced_only_through_fileio():
+    """Every "write a temporary, then rename it over the target" goes through
+    ``megatron_tlt/fileio.py`` (atomic_write, write_bytes_atomic, publish_dir,
+    atomic_dir): one owner of the crash-safe write."""
+    import ast
+
+    owner = PACKAGE / "fileio.py"
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("replace", "rename")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"os.replace / os.rename outside fileio.py: {found}"

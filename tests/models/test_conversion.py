@@ -128,6 +128,23 @@ def test_cli_errors_are_clear(tiny_hf_dirs, tmp_path):
     assert r.returncode == 2 and "did you mean 'parallel.tensor_model_parallel_size'" in r.stderr
 
 
+def test_heads_not_a_multiple_of_kv_heads_is_refused_before_writing(tiny_hf_dirs, tmp_path):
+    """A config.json whose attention heads are not a multiple of its key/value heads (14
+    and 3) ends in one line naming both fields, and nothing is written."""
+    import json
+    import shutil
+
+    src = tmp_path / "bad"
+    shutil.copytree(tiny_hf_dirs["llama_untied"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_attention_heads=14, num_key_value_heads=3)
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = _tool_main("--out", str(tmp_path / "out"), f"model.hf_path={src}")
+    assert r.returncode == 2
+    assert "num_attention_heads=14 is not a multiple of num_key_value_heads=3" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_sharded_hf_checkpoint_loads_lazily(tmp_path):
     """Big checkpoints come as several safetensors files with an index."""
     from tiny_models import build_tiny_hf

@@ -99,6 +99,8 @@ def _trigger(case: str, tmp_path, tokenizer):
             _arch())
     if case == "tp-vs-heads":
         validate_for_run(_cfg("parallel.tensor_model_parallel_size=3"), _arch(), 3)
+    if case == "heads-vs-kv-heads":
+        _arch(num_attention_heads=14, num_key_value_heads=3, head_dim=16)
     if case == "world-vs-parallel":
         validate_for_run(_cfg("parallel.tensor_model_parallel_size=2"), _arch(), 3)
     if case == "batch-sizes":
