@@ -74,7 +74,7 @@ gives it weight 0 and turns speculation off for the next rollout on every replic
 
 No dynamic process groups: the DP group megatron-core made serves the averaging.
 Growing ``new_group(..., use_local_synchronization=True)`` groups by finish order hangs
-on gloo (docs/architecture.md), and local training keeps a replica's micro-steps free
+on gloo (docs/drafter-group.md), and local training keeps a replica's micro-steps free
 of cross-replica communication.
 """
 

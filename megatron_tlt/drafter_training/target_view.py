@@ -25,7 +25,7 @@ sums as megatron-core's vocab-parallel cross-entropy does), moves no weights but
 needs the top-k / top-p processing spread over slices and an all-gather or all-reduce
 of [positions, V/t] tensors per micro-step chunk; the policy's weights are fixed
 between two policy updates, so one gather per window is the cheaper of the two on a
-window of more than about one micro-step (docs/architecture.md has the numbers).
+window of more than about one micro-step (docs/drafter-group.md has the numbers).
 """
 
 from __future__ import annotations

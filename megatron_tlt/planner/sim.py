@@ -239,7 +239,7 @@ def simulate_step(sc: Scenario, step: int, alpha: Optional[list],
     lengths[p*G:(p+1)*G])."""
     lay, g = sc.layout, sc.group_size
     p_total = sc.prompts_per_step
-    # prompt p -> mini-batch p % M, replica (p // M) % DP (docs/architecture.md, Layout)
+    # prompt p -> mini-batch p % M, replica (p // M) % DP (docs/trainer.md, Layout)
     per_replica: list[list[int]] = [[] for _ in range(lay.dp)]
     for p in range(p_total):
         per_replica[(p // sc.minibatches) % lay.dp].append(p)

@@ -25,6 +25,7 @@ LAYERS = [
     ("checkpoint", "planner"),
     ("rl",),                # the GRPO trainer, the dry run
     ("launch",),            # entry points' start-up
+    ("gpu_check",),         # the one-GPU check's parts (tools/gpu_check.py)
 ]
 MAX_LINES = 600
 

@@ -1,5 +1,6 @@
-"""The host-sync budget of a decode step (docs/architecture.md, "Hot paths are device
-code"): counted on CPU by ``bench.sync_budget`` where a GPU would wait for the device.
+"""The host-sync budget of a decode step (docs/architecture.md, "Invariants and the
+tests that guard them"): counted on CPU by ``bench.sync_budget`` where a GPU would
+wait for the device.
 
 Budgets, at TP = 1: a plain step makes at most 1 host read (the finished-rows check:
 the step's tokens and log-probs, one copy); a speculative step (catch-up, draft,
