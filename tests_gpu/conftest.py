@@ -4,7 +4,9 @@ module that the GPU tests reuse.
 Every test here needs CUDA: a machine without it fails at collection rather than
 skipping, so a GPU run cannot pass vacuously. ``GPU_CHECK_COLLECT_ONLY=1`` lets
 ``pytest tests_gpu --collect-only`` list the tests on a machine without CUDA
-(``tools/gpu_check.py --dry`` checks that every required test is collected).
+(``tools/gpu_check.py --dry`` checks that every required test is collected). On the
+GPU the check runs these files through ``megatron_tlt/gpu_check/tests_run.py``, which may
+start any test in a fresh process (after a hung or crashed one): each test stands alone.
 
 ``tests/support/`` is on pytest's import path (pyproject's ``pythonpath``); the
 speculative-decoding helpers live in the CPU test module

@@ -1,14 +1,15 @@
-"""`make gpu-check`'s plumbing on CPU (tools/gpu_check.py): the part runner's time
-limits, the wheel folder's requirement check, the JUnit and first-step summaries, and a
-smoke run of the check itself (install from a wheel folder, the random-weight assets,
-tests_gpu collected with every required test, the GRPO recipe's override list
-validated by its dry run) writing its JSON summary."""
+"""`make gpu-check`'s plumbing on CPU (tools/gpu_check.py, megatron_tlt/gpu_check/): the
+deadline (a part over its time is killed with its process group, the rest still run
+and report, a part with too little time left is skipped), tests_gpu's streamed results
+(a hung or crashed test costs only itself), the wheel folder's requirement check, the
+summaries, and a smoke run of the check itself."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from megatron_tlt.gpu_check import first_step, parts, tests_run, wheels
+from megatron_tlt.gpu_check.schedule import Part, Schedule, run_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,82 +48,222 @@ def _wheel(folder: Path, name: str, requires: list[str]) -> Path:
     return path
 
 
-def test_manifest_lists_requirements_neither_carried_nor_on_the_gpu_image(gpu_check,
-                                                                          tmp_path):
-    """tools/wheel_folder.py's check of the folder (make gpu-wheels, and the install)."""
-    _wheel(tmp_path, "alpha", ["numpy>=1", "beta", "typing; python_version < '3.5'",
-                               "gamma[x]; extra == 'dev'", "delta_pkg"])
-    _wheel(tmp_path, "beta", [])
-    m = gpu_check.manifest(tmp_path)
-    # numpy is on the image, beta is carried, the marker and the extra do not apply
-    assert m["unmet_requirements"] == {"alpha-1.0-py3-none-any.whl": ["delta_pkg"]}
-    assert m["fits"] and m["total_bytes"] == sum(m["files"].values()) > 0
-    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == m
-
-
-def _check(gpu_check, tmp_path, **kw):
-    args = argparse.Namespace(dry=True, smoke=False, budget=[], work=str(tmp_path / "w"),
-                              out=str(tmp_path / "out"), wheels=str(tmp_path / "none"),
-                              parts=None, **kw)
-    return gpu_check.Check(args)
-
-
-def test_a_part_over_its_limit_is_killed_recorded_and_the_next_part_runs(gpu_check,
-                                                                         tmp_path):
-    check = _check(gpu_check, tmp_path)
-    check.budget.update(install=2, assets=30)
-    marker = tmp_path / "child_alive"
-    child = tmp_path / "child.py"   # a grandchild that would outlive a plain kill
+def _sleeper(tmp_path: Path) -> tuple[list[str], Path]:
+    """A command that sleeps 60 s and has a grandchild that would outlive a plain kill
+    (it writes ``marker`` after 3 s unless its process group is killed)."""
+    marker = tmp_path / "grandchild_alive"
+    child = tmp_path / "child.py"
     child.write_text(f"import time\ntime.sleep(3)\nopen({str(marker)!r}, 'w')\n")
     parent = tmp_path / "parent.py"
     parent.write_text(f"import subprocess, sys, time\n"
                       f"subprocess.Popen([sys.executable, {str(child)!r}])\ntime.sleep(60)\n")
-    sleeper = [sys.executable, str(parent)]
+    return [sys.executable, str(parent)], marker
+
+
+def test_manifest_lists_requirements_neither_carried_nor_on_the_gpu_image(tmp_path):
+    """The wheel folder's check (make gpu-wheels, and the install part)."""
+    _wheel(tmp_path, "alpha", ["numpy>=1", "beta", "typing; python_version < '3.5'",
+                               "gamma[x]; extra == 'dev'", "delta_pkg"])
+    _wheel(tmp_path, "beta", [])
+    m = wheels.manifest(tmp_path)
+    # numpy is on the image, beta is carried, the marker and the extra do not apply
+    assert m["unmet_requirements"] == {"alpha-1.0-py3-none-any.whl": ["delta_pkg"]}
+    assert m["fits"] and m["total_bytes"] == sum(m["files"].values()) > 0
+    assert m["smollm2_shape"] is False
+    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == m
+
+
+def test_image_requirements_pin_what_the_wheel_folder_carries():
+    """requirements-image.txt (make test-image) and the wheel folder pin the same versions."""
+    pins = {}
+    for line in (REPO / "requirements-image.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.strip().split("==")
+            pins[wheels._norm(name)] = version
+    for spec in wheels.BINARY_WHEELS + wheels.SDIST_PURE + wheels.SDIST_C:
+        name, version = spec.split("==")
+        assert pins.get(wheels._norm(name)) == version, spec
+    assert pins["torch"] == "2.11.0" and pins["transformers"] == "5.17.0"
+
+
+def test_a_part_over_its_time_is_killed_and_the_rest_run_and_report(tmp_path):
+    """The schedule alone: a part past its cap is killed with its whole process group and
+    recorded; the summary was rewritten before the next part started; a later part
+    runs; a part that needs more than is left is skipped, not started."""
+    out = tmp_path / "out"
+    out.mkdir()
+    sleeper, marker = _sleeper(tmp_path)
+    log = tmp_path / "log"
+    sched = Schedule(60, out, lambda p, final: {"parts": p, "finished": final}, log)
+
+    def run(name, cmd):
+        return lambda d: ("passed", {}, [run_command(name, cmd, d, log_path=log,
+                                                     cwd=tmp_path, env=None)])
+
+    seen = {}
+
+    def second(deadline):
+        seen.update(json.loads((out / "gpu_check.json").read_text())["parts"])
+        return run("second", [sys.executable, "-c", "print('second ran')"])(deadline)
+
     t0 = time.monotonic()
-    check.part("install", lambda d: ("passed", {}, [check.run("install", sleeper, d)]))
-    assert time.monotonic() - t0 < 15
-    check.part("assets", lambda d: ("passed", {"x": 1}, [check.run(
-        "assets", [sys.executable, "-c", "print('ran')"], d)]))
-    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    over, after = summary["parts"]["install"], summary["parts"]["assets"]
-    assert over["status"] == "timeout" and over["commands"][0]["timed_out"]
-    assert over["budget_s"] == 2 and 2 <= over["seconds"] < 15
-    assert after["status"] == "passed" and after["result"] == {"x": 1}
-    assert not summary["passed"]
+    sched.run(Part("slow", run("slow", sleeper), cap_s=2, min_s=1))
+    assert time.monotonic() - t0 < 30
+    sched.run(Part("second", second, cap_s=30, min_s=1))
+    sched.run(Part("greedy", run("greedy", sleeper), cap_s=30, min_s=10_000))
+    summary = json.loads((out / "gpu_check.json").read_text())["parts"]
+    assert seen["slow"]["status"] == "timeout" and seen["second"]["status"] == "running"
+    slow, second_, greedy = summary["slow"], summary["second"], summary["greedy"]
+    assert slow["status"] == "timeout" and slow["timed_out"] and slow["limit_s"] == 2
+    assert slow["commands"][0]["timed_out"] and 2 <= slow["seconds"] < 30
+    assert second_["status"] == "passed" and "second ran" in log.read_text()
+    assert greedy["status"] == "skipped" and greedy["no_time_left"]
+    assert greedy["result"]["reason"].startswith("no time left")
     time.sleep(4)
     assert not marker.exists()  # the part's whole process group was killed
-    assert "ran" in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
-def test_junit_and_first_step_summaries(gpu_check, tmp_path):
-    xml = tmp_path / "r.xml"
-    xml.write_text(
-        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1" time="3.5">'
-        '<testcase classname="tests_gpu.test_cuda" name="test_a"/>'
-        '<testcase classname="tests_gpu.test_cuda" name="test_b"><failure message="boom"/>'
-        '</testcase><testcase classname="tests_gpu.test_cuda" name="test_te">'
-        '<skipped message="Transformer Engine not installed"/></testcase>'
-        '<testcase classname="tests_gpu.test_cuda" name="test_c"/></testsuite></testsuites>')
-    s = gpu_check.junit_summary(xml)
-    assert (s["tests"], s["passed"], s["failed"], s["skipped"]) == (4, 2, 1, 1)
-    assert s["failed_tests"] == {"tests_gpu.test_cuda::test_b": "boom"}
-    assert "Transformer Engine" in s["skipped_tests"]["tests_gpu.test_cuda::test_te"]
-    assert "error" in gpu_check.junit_summary(tmp_path / "missing.xml")
-    close = gpu_check.compare_first_step({"first_loss": 0.011, "first_grad_norm": 1.1},
-                                         {"first_loss": 0.0, "first_grad_norm": 1.0})
-    far = gpu_check.compare_first_step({"first_loss": 0.5, "first_grad_norm": 2.0},
-                                       {"first_loss": 0.0, "first_grad_norm": 1.0})
+def test_the_deadline_bounds_a_part_with_a_larger_cap(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    sleeper, _ = _sleeper(tmp_path)
+    sched = Schedule(8, out, lambda p, final: {"parts": p}, tmp_path / "log")
+    t0 = time.monotonic()
+    rec = sched.run(Part("long", lambda d: ("passed", {}, [run_command(
+        "long", sleeper, d, log_path=tmp_path / "log", cwd=tmp_path, env=None)]), 600, 1))
+    assert rec["status"] == "timeout" and rec["limit_s"] <= 8
+    assert time.monotonic() - t0 < 20
+    assert sched.run(Part("next", lambda d: ("passed", {}, []), 60, 1))["status"] == "skipped"
+
+
+def test_the_dry_check_runs_on_past_an_overrunning_part(gpu_check, tmp_path, monkeypatch):
+    """tools/gpu_check.py --dry with its assets part made to overrun: it is killed at its
+    cap, tests_gpu still runs through the streaming runner (collected, every required
+    test present), a part with too little time left is skipped, and gpu_check.json says
+    all of it. The tool sets the hub's offline switches itself."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir()
+    _wheel(wheel_dir, "gpucheckprobe", ["numpy"])
+    args = argparse.Namespace(dry=True, smoke=False, cap=["assets=2"], work=str(tmp_path / "w"),
+                              tests_after=None,
+                              out=str(tmp_path / "out"), wheels=str(wheel_dir),
+                              parts=["tests_gpu", "grpo"], deadline=300, per_test=60)
+    check = gpu_check.Check(args)
+    assert check.env["HF_HUB_OFFLINE"] == check.env["TRANSFORMERS_OFFLINE"] == "1"
+    sleeper, marker = _sleeper(tmp_path)
+    check.assets = lambda d: ("passed", {}, [check.run("assets", sleeper, d)])
+    check.plan["grpo"][1] = 10_000  # needs more than the deadline leaves
+    assert check.main() == 1
+    s = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert list(s["parts"]) == ["install", "assets", "tests_gpu", "grpo"]
+    p = s["parts"]
+    assert p["install"]["status"] == "passed", p["install"]
+    assert p["install"]["result"]["probe"]["fp8"]["reason"] == "no CUDA device"
+    assert p["assets"]["status"] == "timeout" and p["assets"]["limit_s"] == 2
+    tests = p["tests_gpu"]["result"]
+    assert p["tests_gpu"]["status"] == "passed", tests
+    assert tests["collected"] >= 60 and tests["missing_required"] == []
+    assert p["grpo"]["status"] == "skipped" and "no time left" in p["grpo"]["result"]["reason"]
+    assert s["finished"] and not s["passed"] and not s["complete"]
+    assert s["elapsed_s"] <= s["deadline_s"]
+    assert {"gpu_check.json", "gpu_check.log", "tests_gpu.jsonl"} <= set(s["files"])
+    time.sleep(4)
+    assert not marker.exists()
+
+
+FAKE_TESTS = '''
+import os, time, pytest
+
+def test_a_passes():
+    pass
+
+def test_b_hangs():
+    time.sleep(120)
+
+def test_c_fails():
+    assert 1 + 1 == 3
+
+def test_d_crashes():
+    os._exit(3)
+
+@pytest.mark.skip(reason="needs a thing")
+def test_e_skips():
+    pass
+
+def test_f_passes_after_the_crash():
+    pass
+'''
+
+
+def _run_fake(tmp_path, deadline_s, stream, targets=None, per_test_s=4):
+    folder = tmp_path / "fake"
+    folder.mkdir(exist_ok=True)
+    (folder / "test_fake.py").write_text(FAKE_TESTS)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    return tests_run.run_tests(sys.executable, targets or [folder / "test_fake.py"],
+                               time.monotonic() + deadline_s, stream=stream,
+                               log_path=tmp_path / "log", cwd=folder, env=env,
+                               per_test_s=per_test_s,
+                               poll_s=0.2)
+
+
+def test_streamed_tests_lose_only_the_test_in_flight(tmp_path):
+    """A hung test is killed at the per-test limit and a crashing one ends its pytest;
+    each is recorded and pytest starts again on the tests without a result."""
+    stream = tmp_path / "tests.jsonl"
+    cmds = _run_fake(tmp_path, 90, stream)
+    s = tests_run.summarize(stream)
+    outcome = {n.split("::")[-1]: r.split(":")[0] for n, r in s["failed_tests"].items()}
+    assert outcome == {"test_b_hangs": "timeout", "test_c_fails": "failed",
+                       "test_d_crashes": "crashed"}
+    assert "assert (1 + 1) == 3" in s["failed_tests"]["test_fake.py::test_c_fails"]
+    assert s["skipped_tests"] == {"test_fake.py::test_e_skips": "needs a thing"}
+    assert (s["collected"], s["passed"], s["not_run"]) == (6, 2, [])
+    assert len(cmds) == 3  # the first pytest, after the hang, after the crash
+
+
+def test_tests_cut_by_the_deadline_run_in_a_later_call(tmp_path):
+    stream = tmp_path / "tests.jsonl"
+    _run_fake(tmp_path, 6, stream, per_test_s=60)  # ends inside test_b's sleep
+    s = tests_run.summarize(stream)
+    assert s["passed"] == 1 and s["not_run"][0].endswith("test_b_hangs")
+    assert s["killed"] == 1 and s["failed_tests"] == {}
+    _run_fake(tmp_path, 90, stream, targets=s["not_run"])
+    s = tests_run.summarize(stream)
+    assert s["not_run"] == [] and s["passed"] == 2 and s["timeout"] == 1
+
+
+def test_tests_gpu_files_run_most_valuable_first(tmp_path):
+    for name in ("test_zz_new.py", *tests_run.ORDER[::-1]):
+        (tmp_path / name).write_text("")
+    assert [p.name for p in tests_run.ordered_files(tmp_path)] == [
+        *tests_run.ORDER, "test_zz_new.py"]
+    assert [p.name for p in tests_run.ordered_files(REPO / "tests_gpu")] == tests_run.ORDER
+
+
+def test_first_step_and_memory_summaries():
+    close = first_step.compare_first_step({"loss": 0.011, "grad_norm": 1.05},
+                                          {"loss": 0.0, "grad_norm": 1.0})
+    far = first_step.compare_first_step({"loss": 0.011, "grad_norm": 1.2},
+                                        {"loss": 0.0, "grad_norm": 1.0})
     assert close["within_tolerance"] and not far["within_tolerance"]
-    assert not gpu_check.compare_first_step({}, {})["within_tolerance"]
-    m = gpu_check.memory_verdict({"measured_over_predicted": 1.3, "dry_run": {"gib": {}}})
+    assert not first_step.compare_first_step({}, {})["within_tolerance"]
+    m = parts.memory_verdict({"measured_over_predicted": 1.3, "dry_run": {"gib": {}}})
     assert m["within_15pct"] is False
 
 
+def test_teacher_forced_samples_are_fixed_and_balanced():
+    a = first_step.teacher_forced_samples(1000, 48)
+    b = first_step.teacher_forced_samples(1000, 48)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert len(a) == first_step.PROMPTS * first_step.GROUP
+    assert sum(s.advantage for s in a) == 0
+    assert max(len(s.response_ids) for s in a) == 48
+
+
 def test_dry_run_report_figures_by_label():
-    spec = importlib.util.spec_from_file_location("gpu_check_parts",
-                                                  REPO / "tools" / "gpu_check_parts.py")
-    parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parts)
     report = ("memory per rank (estimate, 2-byte params):\n"
               "  weights     0.27 GiB   grads (fp32)     0.50 GiB   optimizer  1.5 GiB\n"
               "  reference   0.00 GiB   rollout KV cache     2.25 GiB (32 sequences x 1072 "
@@ -130,26 +274,39 @@ def test_dry_run_report_figures_by_label():
     assert got["rollout_kv_cache"] == 2.25 and got["weights"] == 0.27  # the first wins
 
 
+def test_the_check_imports_no_other_tool_and_no_make():
+    """tools/ holds one entry point for the check; nothing it runs calls make (make
+    targets install)."""
+    text = (REPO / "tools" / "gpu_check.py").read_text()
+    assert "gpu_check_parts" not in text and "_sibling" not in text
+    assert not (REPO / "tools" / "gpu_check_parts.py").exists()
+    for path in [REPO / "tools" / "gpu_check.py", *(REPO / "megatron_tlt" / "gpu_check").glob(
+            "*.py")]:
+        assert not re.search(r"""["']make["']""", path.read_text()), path
+
+
 @pytest.mark.slow
 def test_smoke_run_of_the_check_writes_its_summary(tmp_path, smollm2_dir):
-    """The check's first four parts on CPU (`--smoke`): install from a wheel folder,
-    the random-weight assets, tests_gpu collected (every required test present), the
-    GRPO recipe's overrides validated by its dry run."""
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    _wheel(wheels, "gpucheckprobe", ["numpy"])
+    """The check's first parts on CPU (`--smoke`): install from a wheel folder, the
+    random-weight assets, tests_gpu collected (every required test present), the GRPO
+    recipe's overrides validated by its dry run."""
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir()
+    _wheel(wheel_dir, "gpucheckprobe", ["numpy"])
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "tools/gpu_check.py", "--smoke", "--wheels", str(wheels), "--out",
+        [sys.executable, "tools/gpu_check.py", "--smoke", "--wheels", str(wheel_dir), "--out",
          str(out), "--work", str(tmp_path / "work"), "--parts", "install", "assets",
-         "tests_gpu", "grpo"], cwd=REPO, capture_output=True, text=True, timeout=400)
+         "tests_gpu", "grpo", "--deadline", "400"], cwd=REPO, capture_output=True, text=True,
+        timeout=450)
     summary = json.loads((out / "gpu_check.json").read_text())
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert summary["mode"] == "smoke" and summary["passed"] and summary["finished"]
+    assert summary["complete"]
     assert list(summary["parts"]) == ["install", "assets", "tests_gpu", "grpo"]
     for name, part in summary["parts"].items():
         assert part["status"] == "passed", (name, part)
-        assert 0 < part["seconds"] <= part["budget_s"]
+        assert 0 < part["seconds"] <= part["limit_s"]
     assert summary["parts"]["install"]["result"]["wheels"] == [
         "gpucheckprobe-1.0-py3-none-any.whl"]
     assert (tmp_path / "work" / "site_py312_unused" / "gpucheckprobe.py").is_file()
