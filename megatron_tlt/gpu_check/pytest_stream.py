@@ -5,7 +5,9 @@ that variable it does nothing).
 Lines (one JSON object each, flushed and synced as written, so a killed pytest loses
 only the test in flight):
 
-- ``{"event": "collected", "nodeids": [...], "errors": n}`` once collection ends;
+- ``{"event": "collect_error", "nodeid": file, "message": ...}`` for a file that does not
+  import, and ``{"event": "collected", "nodeids": [...], "errors": n}`` once collection
+  ends;
 - ``{"event": "start", "nodeid": ..., "t": unix time}`` as a test begins;
 - ``{"event": "result", "nodeid": ..., "outcome": "passed" | "failed" | "skipped" |
   "error", "when": "setup" | "call" | "teardown", "seconds": ..., "message": ...}``
@@ -50,6 +52,12 @@ def _message(report) -> str:
 def pytest_collection_finish(session) -> None:
     _write({"event": "collected", "nodeids": [i.nodeid for i in session.items],
             "errors": int(getattr(session, "testsfailed", 0) or 0)})
+
+
+def pytest_collectreport(report) -> None:
+    if report.failed:  # a test file that does not import: its tests are never collected
+        _write({"event": "collect_error", "nodeid": report.nodeid,
+                "message": _message(report)})
 
 
 def pytest_runtest_logstart(nodeid, location) -> None:

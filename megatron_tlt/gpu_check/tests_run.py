@@ -164,6 +164,8 @@ def summarize(stream: Path, required: tuple = ()) -> dict:
         out[kind] = sum(1 for r in results.values() if r["outcome"] == kind)
     out["failed_tests"] = {n: f"{r['outcome']}: {r['message']}" for n, r in results.items()
                            if r["outcome"] not in ("passed", "skipped", "killed")}
+    out["failed_tests"].update({x["nodeid"]: f"collection error: {x['message']}"
+                                for x in lines if x.get("event") == "collect_error"})
     out["skipped_tests"] = {n: r["message"] for n, r in results.items()
                             if r["outcome"] == "skipped"}
     out["not_run"] = [n for n in collected

@@ -224,6 +224,21 @@ def test_streamed_tests_lose_only_the_test_in_flight(tmp_path):
     assert len(cmds) == 3  # the first pytest, after the hang, after the crash
 
 
+def test_a_file_that_does_not_import_is_reported_and_the_others_run(tmp_path):
+    folder = tmp_path / "fake"
+    folder.mkdir()
+    (folder / "test_broken.py").write_text("import no_such_module_here\n")
+    (folder / "test_fine.py").write_text("def test_fine():\n    pass\n")
+    stream = tmp_path / "tests.jsonl"
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    tests_run.run_tests(sys.executable, sorted(folder.glob("test_*.py")),
+                        time.monotonic() + 60, stream=stream, log_path=tmp_path / "log",
+                        cwd=folder, env=env, per_test_s=30, poll_s=0.2)
+    s = tests_run.summarize(stream)
+    assert s["passed"] == 1 and s["collection_errors"] == 1
+    assert "no_such_module_here" in s["failed_tests"]["test_broken.py"]
+
+
 def test_tests_cut_by_the_deadline_run_in_a_later_call(tmp_path):
     stream = tmp_path / "tests.jsonl"
     _run_fake(tmp_path, 6, stream, per_test_s=60)  # ends inside test_b's sleep
