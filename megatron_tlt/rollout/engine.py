@@ -37,6 +37,7 @@ from .memory import PromptError, RolloutMemory
 from .outputs import GenerateStats, RolloutOutput
 from .prefill import SharedPrompts, prefill
 from .runners import make_runner
+from .experts import routes_to_host
 from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
 from .speculative import drafters
 from .speculative.controller import SpeculationController
@@ -98,6 +99,7 @@ class RolloutEngine:
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
+        self._union_call = False  # inside an expert-parallel group's joint call
         self._graphs = None
         from .cuda_graphs import resolve
 
@@ -230,7 +232,15 @@ class RolloutEngine:
         under coupled sampling) instead of one derived from ``params.seed`` and its index
         in this call, so a request samples the same way whichever call, batch or replica
         it runs in.
+
+        At expert parallelism > 1 every rank of the expert-parallel group must call it
+        (with its own requests, or none): the group decodes them together
+        (``expert_call``).
         """
+        if self.runner.ep_group is not None and not self._union_call:
+            from .expert_call import generate_together
+
+            return generate_together(self, prompt_token_ids, params, request_seeds)
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         n = len(prompts)
         if n == 0:
@@ -314,6 +324,7 @@ class RolloutEngine:
             self._decode_step(cache, rows, hidden_buf, stats, ctl, retire)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
         stats.graphs = self._graph_decisions()
+        routes_to_host(outputs)  # (MoE) the experts of every position, one host copy
         if ctl is not None:
             ctl.finish()
         return outputs  # type: ignore[return-value]
@@ -461,7 +472,7 @@ class RolloutEngine:
                 continue
             hs = self.memory.response_hidden(hidden_buf, i, r, hidden_on_device)
             outputs[r.request] = RolloutOutput(r.request, r.prompt, r.tokens, r.logprobs,
-                                               reason, hs)
+                                               reason, hs, cache.row_routes(i, r.length))
             last = len(rows) - 1
             if i != last:
                 moved = rows[last]

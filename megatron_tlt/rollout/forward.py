@@ -13,6 +13,9 @@ embedding and output layer; under tensor parallelism the row-parallel outputs an
 embedding are all-reduced over the TP group and the logits all-gathered, like the
 model's own layers do.
 
+Qwen3's query / key norm and mixture-of-experts MLPs (and the experts each token was
+routed to, kept beside the keys) are ``rollout.experts``.
+
 ``extend`` is the one kernel: it appends T new tokens per sequence at per-sequence
 cache positions and attends to the cached prefix plus the new tokens (causally, or with
 a caller's mask among the new tokens, for tree verification). Prefill is ``extend`` from
@@ -29,8 +32,10 @@ import torch.nn.functional as F
 
 from .. import collectives
 from ..models.gpt import ModelArch
+from . import experts
 from .cpu_kernels import MAX_FUSED_ROWS
 from .kv_cache import KVCache
+from .ops import _linear, attention_bias
 
 
 @dataclass
@@ -40,8 +45,13 @@ class _Layer:
     qkv_b: Optional[torch.Tensor]
     proj_w: torch.Tensor
     ln2: torch.Tensor
-    fc1_w: torch.Tensor
-    fc2_w: torch.Tensor
+    fc1_w: Optional[torch.Tensor]  # None on a mixture-of-experts layer
+    fc2_w: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor] = None  # qk_layernorm (Qwen3)
+    k_norm: Optional[torch.Tensor] = None
+    router_w: Optional[torch.Tensor] = None  # mixture of experts: the router and the
+    w13: Optional[torch.Tensor] = None  # local experts' stacked fc1 / fc2 (copies)
+    w2: Optional[torch.Tensor] = None
 
 
 def _bias(module) -> Optional[torch.Tensor]:
@@ -81,6 +91,18 @@ class ModelRunner:
         # fused CPU kernels (pack_weights)
         self._panels: dict[int, tuple] = {}
         self._packed_stack: Optional[tuple] = None
+        self.moe_shape = self.expert_group = self.ep_group = None
+        if arch.is_moe:
+            ep, er = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+            local = arch.num_experts // ep
+            self.moe_shape = experts.MoeShape(arch.num_experts, arch.moe_topk,
+                                              arch.moe_norm_topk_prob, er * local, local)
+            # the experts' partial sums: over TP x EP (the TP group at EP = 1)
+            if ep > 1:
+                self.expert_group = ps.get_expert_tensor_and_model_parallel_group()
+                self.ep_group = ps.get_expert_model_parallel_group()  # decode together
+            else:
+                self.expert_group = self.tp_group
         self.refresh()
         self._finish_init()
 
@@ -94,6 +116,7 @@ class ModelRunner:
         CPU kernels' calibration (``kernel_policy``) times them on synthetic weights."""
         self = cls.__new__(cls)
         self.model = self.arch = None
+        self.moe_shape = self.expert_group = self.ep_group = None
         self.tp_size, self.tp_rank, self.tp_group = 1, 0, None
         self.groups, self.heads_per_group = groups, heads_per_group
         self.head_dim = layers[0].qkv_w.shape[0] // (groups * (heads_per_group + 2))
@@ -102,6 +125,7 @@ class ModelRunner:
         self._panels, self._packed_stack = {}, None
         self.embed_w, self.vocab_start = embed_w, 0
         self.layers = list(layers)
+        self.index_layers()
         self.final_norm, self.output_w = final_norm, output_w
         self._rope_theta = rope_theta
         self._finish_init()
@@ -117,8 +141,8 @@ class ModelRunner:
     @property
     def decides_alone(self) -> bool:
         """Whether this rank takes the decode decisions alone (``agree`` is a no-op:
-        no TP group, no pipeline stages decoding together)."""
-        return self.tp_group is None
+        no TP group, no pipeline stages or expert-parallel replicas decoding together)."""
+        return self.tp_group is None and self.ep_group is None
 
     # ------------------------------------------------------------------ a call's layout
     def call_rows(self, max_batch: int) -> int:
@@ -160,18 +184,46 @@ class ModelRunner:
             else m.output_layer.weight
 
     def set_layers(self, layers) -> None:
-        """Read the weight tensors (references) of these megatron-core decoder layers."""
-        self.layers = []
+        """Read the weight tensors (references) of these megatron-core decoder layers
+        (the experts of a mixture-of-experts layer: stacked copies, ``experts``)."""
+        self.layers, self._stacks = [], []
         for layer in layers:
             att, mlp = layer.self_attention, layer.mlp
+            norms = {}
+            if hasattr(getattr(att, "q_layernorm", None), "weight"):
+                norms = dict(q_norm=att.q_layernorm.weight, k_norm=att.k_layernorm.weight)
+            if hasattr(mlp, "router"):
+                stack = experts.StackedExperts(mlp)
+                self._stacks.append(stack)
+                mlp_w = dict(fc1_w=None, fc2_w=None, router_w=mlp.router.weight,
+                             w13=stack.w13, w2=stack.w2,
+                             ln2=_norm_weight(layer, "pre_mlp_layernorm", None))
+            else:
+                mlp_w = dict(fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight,
+                             ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1))
             self.layers.append(_Layer(
                 ln1=_norm_weight(layer, "input_layernorm", att.linear_qkv),
                 qkv_w=att.linear_qkv.weight, qkv_b=_bias(att.linear_qkv),
-                proj_w=att.linear_proj.weight,
-                ln2=_norm_weight(layer, "pre_mlp_layernorm", mlp.linear_fc1),
-                fc1_w=mlp.linear_fc1.weight, fc2_w=mlp.linear_fc2.weight))
+                proj_w=att.linear_proj.weight, **norms, **mlp_w))
+        self.index_layers()
         self._panels = {}
         self._packed_stack = None
+
+    def index_layers(self) -> None:
+        """Which of ``self.layers`` are mixture-of-experts layers (their index among
+        them, where their routes are kept: ``route_shape``), and whether the stack is
+        plain (no QK norm, no experts: the fused whole-stack kernel applies)."""
+        moe = [i for i, lw in enumerate(self.layers) if lw.router_w is not None]
+        self.moe_index = {i: j for j, i in enumerate(moe)}
+        self.route_shape = (len(moe), self.moe_shape.topk) if moe else None
+        self.plain_stack = not moe and all(lw.q_norm is None for lw in self.layers)
+
+    def refresh_copies(self) -> None:
+        """Re-copy the stacked experts from their parameters (every ``generate``; with
+        the CPU kernels, the changed ones)."""
+        fingerprint = None if self.kernels is None else self.kernels.fingerprint
+        for stack in getattr(self, "_stacks", ()):
+            stack.refresh(fingerprint)
 
     # ------------------------------------------------------------------ kernel choice
     def fused_ok(self, family: str, rows: int) -> bool:
@@ -199,7 +251,7 @@ class ModelRunner:
     def kernel_weights(self) -> list[torch.Tensor]:
         """The weight matrices the fused CPU kernels multiply by."""
         return [w for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)
-                ] + [self.output_w]
+                if w is not None] + [self.output_w]
 
     def pack_weights(self) -> None:
         """Bring the fused CPU kernels' panel copies of the weights (``cpu_kernels``: one
@@ -210,7 +262,8 @@ class ModelRunner:
         only when its content fingerprint (a 64-bit hash of every element, ~20 ms for
         SmolLM2's 540 MB against ~85 ms for the copy) changed. The copies cost one more
         model's worth of memory (CPU float32 only; without the kernels nothing is
-        copied)."""
+        copied). A mixture-of-experts layer's stacked experts are re-copied first."""
+        self.refresh_copies()
         if self.kernels is None:
             self._panels, self._packed_stack = {}, None
             return
@@ -332,8 +385,11 @@ class ModelRunner:
         """Called before a drafter is attached (nothing to do for the whole model)."""
 
     def release_memory(self) -> None:
-        """Free what the runner holds for rollouts only, between them (nothing here: it
-        reads the model's parameters; a gathered runner frees its layer copies)."""
+        """Free what the runner holds for rollouts only, between them: the stacked
+        experts of MoE layers (the rest it reads in place; a gathered runner also frees
+        its layer copies)."""
+        for stack in getattr(self, "_stacks", ()):
+            stack.release()
 
     def sync_vocab(self) -> None:
         """Bring copies of the embedding and output layer up to date with their owners'
@@ -345,6 +401,8 @@ class ModelRunner:
         model-parallel group that decodes together (in place)."""
         if self.tp_group is not None:
             collectives.broadcast(tensor, 0, self.tp_group)  # TP rank 0
+        if self.ep_group is not None:  # EP > 1: the group decodes together (expert_call)
+            collectives.broadcast(tensor, 0, self.ep_group)
         return tensor
 
     def agree_all(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -412,6 +470,8 @@ class ModelRunner:
         for i, lw in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), lw.ln1, self.eps)
             qkv = self._lin(h, lw.qkv_w, lw.qkv_b).view(b, t, g, hpg + 2, d)
+            if lw.q_norm is not None:
+                qkv = experts.qk_norm(qkv, lw.q_norm, lw.k_norm, self.eps, hpg)
             qk = qkv[:, :, :, : hpg + 1]
             qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, dims=-1), sin)
             q, k, v = qk[:, :, :, :hpg], qk[:, :, :, hpg], qkv[:, :, :, hpg + 1]
@@ -425,33 +485,19 @@ class ModelRunner:
                 o = o.view(b, g, hpg, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, g * hpg * d)
             x = self._residual(x, o, lw.proj_w)
             h = F.rms_norm(x, (x.shape[-1],), lw.ln2, self.eps)
-            a, u = torch.chunk(self._lin(h, lw.fc1_w), 2, dim=-1)
-            x = self._residual(x, F.silu(a) * u, lw.fc2_w)
+            if lw.router_w is not None:
+                x = x + self._moe(i, lw, h, cache, rows, write_pos)
+            else:
+                a, u = torch.chunk(self._lin(h, lw.fc1_w), 2, dim=-1)
+                x = self._residual(x, F.silu(a) * u, lw.fc2_w)
             if capture is not None:
                 capture(i, x)
         return self.stage_output(x)
 
     def _attention_bias(self, start: torch.Tensor, t: int, span: int,
                         new_token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Additive mask [B, 1, T (x query heads per group if T > 1), span]: each row's
-        cached prefix, then the new tokens causally or as ``new_token_mask`` says. Made
-        once per forward (SDPA would convert a bool mask in every layer)."""
-        b = start.shape[0]
-        ar = torch.arange(t, device=start.device)
-        keys = torch.arange(span, device=start.device)
-        rel = keys[None, None, :] - start[:, None, None]  # [B, 1, span] key index - start
-        if new_token_mask is None:
-            allowed = rel <= ar[None, :, None]
-        else:
-            w = new_token_mask.shape[-1]
-            rel = rel + (w - t)  # key index relative to the mask's first slot
-            inside = (rel >= 0) & (rel < w)
-            m = new_token_mask.expand(b, t, w)
-            gathered = torch.gather(m, 2, rel.clamp(0, w - 1).expand(b, t, span))
-            allowed = torch.where(inside, gathered, rel < 0)
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=start.device)
-        bias.masked_fill_(~allowed, float("-inf"))
-        return bias[:, None] if t == 1 else bias[:, None].repeat(1, 1, self.heads_per_group, 1)
+        return attention_bias(start, t, span, new_token_mask, self.dtype,
+                              self.heads_per_group)
 
     def _decode_fused(self, cache: KVCache, rows: slice, tokens: torch.Tensor,
                       start: torch.Tensor, capture, embeds=None) -> torch.Tensor:
@@ -486,22 +532,42 @@ class ModelRunner:
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
-        if self.tp_group is None and capture is None and self.whole_stack:
+        if self.tp_group is None and capture is None and self.whole_stack and self.plain_stack:
             return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k,
                                       cache.v, cos, sin, pos, g, hpg, d, self.scale, self.eps,
                                       row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = kern.linear(h, self._panel(lw.qkv_w), lw.qkv_w.shape[0], lw.qkv_b)
+            if lw.q_norm is not None:
+                qkv = experts.qk_norm_rows(qkv, lw.q_norm, lw.k_norm, self.eps, g, hpg, d)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
                                  g, hpg, d, self.scale, row_of)
             x = self._fused_residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
-            fc1 = kern.linear(h, self._panel(lw.fc1_w), lw.fc1_w.shape[0])
-            x = self._fused_residual(x, kern.silu_mul(fc1), lw.fc2_w)
+            if lw.router_w is not None:
+                rows = row_of if row_of is not None else torch.arange(x.shape[0],
+                                                                      device=x.device)
+                x = x + self._moe(i, lw, h, cache, rows, pos)
+            else:
+                fc1 = kern.linear(h, self._panel(lw.fc1_w), lw.fc1_w.shape[0])
+                x = self._fused_residual(x, kern.silu_mul(fc1), lw.fc2_w)
             if capture is not None:
                 capture(i, x)
         return self.stage_output(x)
+
+    def _moe(self, i: int, lw: _Layer, h: torch.Tensor, cache: KVCache, rows,
+             positions: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s mixture of experts of h [..., hidden] (this rank's experts'
+        partial sums all-reduced over TP x EP); the tokens' experts kept in ``cache`` at
+        (``rows``, ``positions``), as ``experts.record`` takes them."""
+        out, idx = experts.moe(h.reshape(-1, h.shape[-1]), lw.router_w, lw.w13, lw.w2,
+                               self.moe_shape)
+        if cache.routes is not None:
+            experts.record(cache.routes[self.moe_index[i]], rows, positions, idx)
+        if self.expert_group is not None:
+            collectives.all_reduce(out, group=self.expert_group)
+        return out.view(h.shape)
 
     def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
         wp, n = self._panel(w), w.shape[0]
@@ -523,30 +589,3 @@ class ModelRunner:
 
 
 _NO_TENSOR = torch.empty(0)
-
-# Below this many rows MKL's fp32 GEMM is faster (measured 10-20 % at 8 and 32 rows on
-# a 2-core Xeon) with the weight as the left operand: (W @ x^T)^T instead of x @ W^T.
-_SMALL_M = 64
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
-            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ w.T (+ b) (+ residual)`` for x [..., in]; the same math as F.linear."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    if 2 <= m <= _SMALL_M and x.device.type == "cpu":
-        out = torch.mm(w, x2.t()).t()  # a transposed view: make it row-major once,
-        if residual is not None:          # or every later elementwise op runs strided
-            out = residual.reshape(m, -1) + out
-        else:
-            out = out.contiguous()
-        if b is not None:
-            out = out + b
-    elif residual is not None and b is None:
-        out = torch.addmm(residual.reshape(m, -1), x2, w.t())
-    else:
-        out = F.linear(x2, w, b)
-        if residual is not None:
-            out = residual.reshape(m, -1) + out
-    return out.reshape(*lead, out.shape[-1])

@@ -71,23 +71,26 @@ class GatheredRunner(ModelRunner):
         is_first, is_last = self.pp_rank == 0, self.pp_rank == self.stages - 1
         self.set_layers(m.decoder.layers)
         own = self.layers
-        counts = collectives.all_gather_object(len(own), self.pp_group)
+        # every stage's layers' tensor shapes (a layer's fields differ: QK norm, experts)
+        shapes = collectives.all_gather_object(
+            [{f.name: None if getattr(lw, f.name) is None else tuple(getattr(lw, f.name).shape)
+              for f in fields(_Layer)} for lw in own], self.pp_group)
         vocab = self.arch.padded_vocab_size(self.tp_size) // self.tp_size
         self.vocab_start = self.tp_rank * vocab
         like = dict(dtype=own[0].qkv_w.dtype, device=own[0].qkv_w.device)
 
-        def empty_like_layer() -> _Layer:
-            return _Layer(*(None if t is None else torch.empty(t.shape, **like)
-                            for t in (getattr(own[0], f.name) for f in fields(_Layer))))
+        def empty_layer(shape: dict) -> _Layer:
+            return _Layer(**{k: None if s is None else torch.empty(s, **like)
+                             for k, s in shape.items()})
 
         # (tensor, owner's stage: its rank in the pipeline group, whether this rank owns
         # it, its shape), in the same order on every rank
         self._copies: list[tuple[torch.Tensor, int, bool, tuple]] = []
         self.copy_bytes = 0
         layers = []
-        for stage, count in enumerate(counts):
+        for stage, stage_shapes in enumerate(shapes):
             mine = stage == self.pp_rank
-            stage_layers = own if mine else [empty_like_layer() for _ in range(count)]
+            stage_layers = own if mine else [empty_layer(s) for s in stage_shapes]
             for lw in stage_layers:
                 for f in fields(_Layer):
                     t = getattr(lw, f.name)
@@ -95,6 +98,7 @@ class GatheredRunner(ModelRunner):
                         self._track(t, stage, mine)
             layers.extend(stage_layers)
         self.layers = layers
+        self.index_layers()
         own_output = None
         if is_last:
             own_output = (m.shared_embedding_or_output_weight()
@@ -149,6 +153,7 @@ class GatheredRunner(ModelRunner):
             for t, _, mine, _ in self._copies:
                 if not mine and t is not self.embed_w and t is not self.output_w:
                     t.set_()  # the same tensor object (the layers refer to it), no storage
+        super().release_memory()  # this stage's stacked experts
 
     @property
     def held_copy_bytes(self) -> int:
@@ -156,9 +161,11 @@ class GatheredRunner(ModelRunner):
         return sum(t.numel() * t.element_size() for t, _, mine, _ in self._copies
                    if not mine)
 
-    def pack_weights(self) -> None:
+    def refresh_copies(self) -> None:
+        """This stage's stacked experts, then every copy from its owner (``pack_weights``
+        calls this first)."""
+        super().refresh_copies()
         self.sync_weights()
-        super().pack_weights()
 
     def agree_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """A call-level decision (before the prompts are split): TP rank 0's value,
@@ -215,7 +222,8 @@ def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int]
     copied to the host once. No tensor is pickled."""
     meta = dict(indices=mine, lengths=[len(o.token_ids) for o in local],
                 reasons=[o.finish_reason for o in local],
-                hidden=[o.hidden_states is not None for o in local], stats=stats)
+                hidden=[o.hidden_states is not None for o in local], stats=stats,
+                routes=[None if o.routes is None else tuple(o.routes.shape) for o in local])
     parts = collectives.all_gather_object(meta, group)
     dev = collectives.device_of(group)
     width, dtype = hidden
@@ -239,16 +247,37 @@ def exchange_outputs(group, rank: int, prompts: list[list[int]], mine: list[int]
         if hs is not None:
             collectives.broadcast(hs, stage, group)
             hs = hs.to("cpu")  # the stage's hidden states, one host copy
+        routes = _exchange_routes(group, stage, rank, part["routes"], local, dev)
         off = row = 0
-        for i, k, h, reason in zip(part["indices"], lengths, has, part["reasons"]):
+        for i, k, h, reason, rt in zip(part["indices"], lengths, has, part["reasons"], routes):
             hidden_i = None
             if h:
                 hidden_i = hs[row: row + k].clone()  # its own storage (the buffer frees it)
                 row += k
             outputs[i] = RolloutOutput(i, prompts[i], tokens[off: off + k],
-                                       logprobs[off: off + k], reason, hidden_i)
+                                       logprobs[off: off + k], reason, hidden_i, rt)
             off += k
     return outputs, [p["stats"] for p in parts]
+
+
+def _exchange_routes(group, stage: int, rank: int, shapes: list, local: list,
+                     dev: torch.device) -> list:
+    """Stage ``stage``'s outputs' routes (``RolloutOutput.routes``; None where absent) on
+    every stage: one tensor broadcast from it (int32 on the wire: gloo has no int16)."""
+    total = sum(s[0] for s in shapes if s is not None)
+    if not total:
+        return [None] * len(shapes)
+    width = next(s[1:] for s in shapes if s is not None)
+    if stage == rank:
+        buf = torch.cat([o.routes for o in local if o.routes is not None]).to(dev, torch.int32)
+    else:
+        buf = torch.empty(total, *width, dtype=torch.int32, device=dev)
+    collectives.broadcast(buf, stage, group)
+    buf, out, off = buf.to("cpu", torch.int16), [], 0
+    for s in shapes:
+        out.append(None if s is None else buf[off: off + s[0]].clone())
+        off += 0 if s is None else s[0]
+    return out
 
 
 def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStats:

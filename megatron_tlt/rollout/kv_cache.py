@@ -25,6 +25,11 @@ masked position could turn into a NaN.
 Layouts: "bgsd" (batch, kv heads, positions, head dim) for torch scaled_dot_product
 attention; "bsgd" (batch, positions, kv heads, head dim) for flash-attn's KV-cache
 kernel.
+
+Routes (mixture-of-experts models, ``routes=(moe_layers, k)``): beside K and V, the
+experts each position's token was routed to, ``routes`` [MoE layers, rows, capacity, k]
+int16, written by the forward like the keys and moved, copied, released with them
+(``rollout.experts``; a finished row's are read by ``row_routes``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def kv_bytes(*, num_layers: int, rows: int, kv_heads: int, capacity: int, head_d
 class KVCache:
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 layout: str = "bgsd", upto: Optional[int] = None):
+                 layout: str = "bgsd", upto: Optional[int] = None,
+                 routes: Optional[tuple[int, int]] = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.layout = layout
@@ -58,6 +64,9 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.route_shape = None if routes is None else (routes[0], max_batch, capacity,
+                                                        routes[1])
+        self.routes: Optional[torch.Tensor] = None
         self.generation = 0  # allocations so far
         self.zeroed = 0  # positions 0..zeroed-1 of every row hold finite values
         self.allocate(upto)
@@ -78,6 +87,9 @@ class KVCache:
             self.v = make(self.shape, dtype=self.dtype, device=self.device)
             self.zeroed = self.capacity if make is torch.zeros else 0
             self.generation += 1
+            if self.route_shape is not None:
+                self.routes = torch.zeros(self.route_shape, dtype=torch.int16,
+                                          device=self.device)
         if want > self.zeroed:
             lo = self.zeroed
             for c in (self.k, self.v):
@@ -87,7 +99,7 @@ class KVCache:
 
     def release(self) -> None:
         """Free the K and V tensors; ``allocate`` makes them again."""
-        self.k = self.v = None
+        self.k = self.v = self.routes = None
         self.zeroed = 0
 
     @staticmethod
@@ -100,7 +112,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held now (0 when released)."""
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        if self.k is None:
+            return 0
+        routes = 0 if self.routes is None else self.routes.numel() * 2
+        return 2 * self.k.numel() * self.k.element_size() + routes
 
     def fits(self, max_batch: int, capacity: int) -> bool:
         return self.max_batch >= max_batch and self.capacity >= capacity
@@ -144,6 +159,16 @@ class KVCache:
         else:
             self.k[:, dst, :length] = self.k[:, src, :length]
             self.v[:, dst, :length] = self.v[:, src, :length]
+        if self.routes is not None:
+            self.routes[:, dst, :length] = self.routes[:, src, :length]
+
+    def row_routes(self, row: int, length: int) -> Optional[torch.Tensor]:
+        """A copy of row ``row``'s experts at positions 0..length-1 [length, MoE layers,
+        k], on the cache's device (None without routes)."""
+        if self.routes is None:
+            return None
+        return self.routes[:, row, :length].transpose(0, 1).clone(
+            memory_format=torch.contiguous_format)
 
     def span(self, which: str, row: int, lo: int, hi: int) -> torch.Tensor:
         """A view of row ``row``'s keys (``which`` "k") or values ("v") at positions
@@ -169,6 +194,8 @@ class KVCache:
                 c[:, dst, :, :length] = c[:, src: src + 1, :, :length]
             else:
                 c[:, dst, :length] = c[:, src: src + 1, :length]
+        if self.routes is not None:
+            self.routes[:, dst, :length] = self.routes[:, src: src + 1, :length]
 
 
 def reuse_or_make(cache: Optional[KVCache], *, max_batch: int, capacity: int,

@@ -125,7 +125,7 @@ class RolloutMemory:
             num_layers=len(eng.runner.layers), max_batch=rows, kv_heads=eng.runner.groups,
             capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
             device=eng.device, layout="bsgd" if eng.attention == "flash" else "bgsd",
-            upto=upto)
+            upto=upto, routes=eng.runner.route_shape)
         self.allocations += 1
         return self.cache
 

@@ -27,6 +27,11 @@ class RolloutOutput:
         target's final hidden state (after the final norm, the LM head's input) at the
         position whose logits produced token i, i.e. at the last prompt token for i=0
         and at generated token i-1 after that.
+    routes: mixture-of-experts models: [len(prompt) + len(token_ids) - 1, MoE layers, k]
+        int16 on CPU, the experts each position's token was routed to in each MoE layer
+        (of the runner's layers, in order), for every position the engine ran: the
+        prompt and every response token but the last (the positions whose logits give
+        the response's tokens); None for dense models.
     """
 
     index: int
@@ -35,6 +40,7 @@ class RolloutOutput:
     logprobs: list[float]
     finish_reason: str
     hidden_states: Optional[torch.Tensor] = None
+    routes: Optional[torch.Tensor] = None
 
 
 @dataclass

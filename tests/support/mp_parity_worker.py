@@ -3,8 +3,9 @@
     torchrun --standalone --nproc_per_node 2 tests/support/mp_parity_worker.py \
         --models DIR --layout 2x1 --layout 1x2 --ckpt-root DIR --out result.json
 
-For each --layout TPxPP in turn (the model-parallel groups re-created in the same process
-group, so one launch checks several layouts) and every tiny model under --models it
+For each --layout TPxPP or TPxPPxEP in turn (the model-parallel groups re-created in the
+same process group, so one launch checks several layouts) and every tiny model under
+--models (at EP > 1: every mixture-of-experts model) it
 loads the model (from the HF folder, and from the megatron checkpoint under --ckpt-root)
 at that TP/PP, runs a forward pass and compares logits, log-probs and greedy generation
 with transformers. Rank 0 writes all ranks' results, each tagged with its layout.
@@ -30,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
     parser.add_argument("--ckpt-root", required=True)
-    parser.add_argument("--layout", action="append", required=True, metavar="TPxPP")
+    parser.add_argument("--layout", action="append", required=True, metavar="TPxPP[xEP]")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -39,7 +40,8 @@ def main() -> None:
     plat = init_distributed()
     results = []
     for spec in args.layout:
-        initialize_model_parallel(*map(int, spec.split("x")))
+        tp, pp, ep = (list(map(int, spec.split("x"))) + [1])[:3]
+        initialize_model_parallel(tp, pp, ep=ep)
         results += [dict(r, layout=spec) for r in _parity(args, plat, AutoModelForCausalLM)]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
@@ -53,6 +55,8 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
     lay = layout()
     results = []
     for folder in sorted(Path(args.models).iterdir()):
+        if lay.ep_size > 1 and "experts" not in (folder / "config.json").read_text():
+            continue
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         ids = torch.randint(0, hf.config.vocab_size, (3, 13),
                             generator=torch.Generator().manual_seed(1))
@@ -72,6 +76,11 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
                 if local is not None:
                     outputs[source.parent.name] = (gather_logits(local, arch),
                                                    token_logprobs(local, targets, arch))
+            uneven = None
+            if lay.ep_size > 1:  # EP ranks with different token counts (all-to-all)
+                mine = ids[: 1 + lay.ep_rank, : 6 + 3 * lay.ep_rank]
+                uneven = (gather_logits(forward_local_logits(model, mine), arch)
+                          - hf(mine).logits).abs().max().item()
         if outputs:
             (logits, lp), (ck_logits, ck_lp) = outputs.values()
             results.append(dict(
@@ -81,6 +90,7 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
                 argmax_equal=bool(torch.equal(logits.argmax(-1), ref.argmax(-1))),
                 checkpoint_equal=bool(torch.equal(logits, ck_logits) and torch.equal(lp, ck_lp)),
                 greedy_equal=all(g == ref_gen for g in generations),
+                ep_rank=lay.ep_rank, uneven_max_diff=uneven,
             ))
     return results
 
