@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
+from .models import moe_replay
 from .models.moe import moe_options
 from .parallel import ParallelLayout, initialize_model_parallel
 from .rollout.speculative import drafters
@@ -37,6 +38,7 @@ def setup(cfg: Config) -> Session:
     source = resolve_source(cfg.model.hf_path)
     arch = arch_from_source(source)
     validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
+    moe_replay.check(cfg, arch)
     drafters.check_config(cfg)  # the drafter kinds' own rules
     tokenizer = load_tokenizer(source)
     check_vocabulary(tokenizer, arch, source)

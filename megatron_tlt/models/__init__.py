@@ -10,6 +10,7 @@ from .megatron_weights import (is_megatron_checkpoint, load_into_model, read_met
                                shard_for_rank, tokenizer_folder)
 from .gpt import (NO_MEMORY_CONTROLS, MemoryControls, ModelArch, build_gpt_model, resolve_dtype,
                   resolve_impl)
+from . import moe_replay
 from .moe import NO_MOE_OPTIONS, MoeOptions
 
 __all__ = ["MemoryControls", "ModelArch", "MoeOptions", "arch_from_source", "build_gpt_model", "load_model",

@@ -15,6 +15,22 @@ aware, tied and TP-duplicated parameters counted once) and scales the gradients 
 steps on; megatron-core's fused clip asserts CUDA tensors, this path runs everywhere.
 ``train.optimizer=torch`` steps torch.optim.AdamW on the same gradient buffers.
 
+Expert parallelism (MoE, EP > 1): a MoE layer's forward and backward exchange tokens
+with the EP group's other ranks, so every rank of the group runs as many micro-batches:
+the ranks agree on the largest count and pad with ``MicroBatch.filler`` ones (a zero
+loss through every layer, no result returned).
+
+Load-balancing loss (``train.moe_aux_loss_coef`` > 0): megatron-core's per-micro-batch
+loss (a mean over the micro-batch's routed tokens), each micro-batch's weighted by its
+share of the mini-batch's tokens over DP (``MoEAuxLossAutoScaler``'s scale, times the
+float16 loss scale), so the update sees the token-weighted mean over the mini-batch, as
+its policy loss is a global token mean; at PP > 1 megatron-core's schedule sets the
+scale (each micro-batch at weight 1).
+
+Routing replay (MoE policies built with ``grpo.routing_replay``): each micro-batch's
+forward, and its backward (a recomputed forward routes alike), routes every token to the
+rollout's experts (``MicroBatch.routes``; ``models.moe_replay``).
+
 float16: megatron-core's dynamic loss scaler (its optimizer owns it). The loss is
 multiplied by the current scale before backward (``scale_loss``: here at PP = 1, through
 the model config's ``grad_scale_func`` in megatron-core's pipeline schedules at PP > 1);
@@ -33,6 +49,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..models import moe_replay
 from ..runtime_env import cuda_placements_on_cpu
 from ..optim_state import allocate_adam_state
 from .samples import MicroBatch
@@ -90,6 +107,14 @@ class Policy:
                 "(megatron-core's optimizer, dynamic loss scaling) or model.dtype=bfloat16")
         self.kind = kind
         self.module = model  # the GPTModel the rollout engine reads in place
+        self.replay = moe_replay.enabled(model)  # routing replay (MoE, grpo.routing_replay)
+        from ..parallel import expert_group
+
+        self.ep_group = expert_group() if arch.is_moe else None
+        from ..models.moe_load import ExpertLoad
+
+        self.expert_load = ExpertLoad(model) if arch.is_moe else None
+        self.aux_loss = bool(getattr(model.config, "moe_aux_loss_coeff", 0.0))
         self.ddp = _megatron_ddp(model, use_distributed_optimizer=on_cuda and kind == "megatron")
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -149,15 +174,19 @@ class Policy:
         from ..models.inference import token_logprobs
 
         arch = self.arch
-        micro_batches = [mb.fitted(self.seq_multiple) for mb in micro_batches]
+        micro_batches = self._lockstep([mb.fitted(self.seq_multiple) for mb in micro_batches])
+        real = sum(1 for mb in micro_batches if not mb.is_filler)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            self._replay(mb)
             logits = model(mb.input_ids, mb.position_ids, attention_mask=None)
 
             def finish(output, non_loss_data=False):
                 if loss_fn is None:
                     return token_logprobs(output, mb.targets, arch, temperature).detach()
+                if mb.is_filler:  # a zero loss whose backward runs every layer
+                    return output.float().sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
                 loss, metrics = loss_fn(mb, output)
                 return loss, torch.tensor(mb.tokens, dtype=torch.int), metrics
 
@@ -165,25 +194,83 @@ class Policy:
 
         if self.pp_size == 1:  # the same steps without the schedule's CUDA placements
             out = []
+            weigh = self._aux_weights(micro_batches) if loss_fn is not None else None
             for mb in micro_batches:
                 if interrupt is not None and interrupt():
                     break
+                if weigh is not None:
+                    weigh(mb)
                 logits, finish = forward_step(iter([mb]), self.ddp)
                 result = finish(logits)
+                # the loss holds the logits it needs: without this name they are freed
+                # in the backward, and not kept through the next micro-batch's forward
+                del logits
                 if loss_fn is not None:
                     self._scaled(result[0]).backward()
                     result = result[2]
                 out.append(result)
-            return out
+            moe_replay.clear(self.module)
+            return out[:real]
         # variable_seq_lengths: seq_length / micro_batch_size only bound the shapes
         S = max(mb.input_ids.shape[1] for mb in micro_batches)
         b = max(mb.input_ids.shape[0] for mb in micro_batches)
-        with cuda_placements_on_cpu():
-            return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                model=[self.ddp], num_microbatches=len(micro_batches), seq_length=S,
-                micro_batch_size=b, forward_only=forward_only,
-                collect_non_loss_data=forward_only)
+        try:
+            with cuda_placements_on_cpu():
+                out = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                    model=[self.ddp], num_microbatches=len(micro_batches), seq_length=S,
+                    micro_batch_size=b, forward_only=forward_only,
+                    collect_non_loss_data=forward_only)
+        finally:
+            moe_replay.clear(self.module)
+        return out[:real] if out else out
+
+    def _aux_weights(self, micro_batches: list[MicroBatch]) -> Optional[Callable]:
+        """With a load-balancing loss: a function that sets megatron-core's aux-loss
+        gradient scale for a micro-batch (its tokens / the mini-batch's over DP; one
+        scalar all-reduce here)."""
+        if not self.aux_loss:
+            return None
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        from .. import collectives
+
+        local = sum(mb.input_ids.numel() for mb in micro_batches if not mb.is_filler)
+        total = collectives.sum_values([local], group=ps.get_data_parallel_group())[0]
+
+        def weigh(mb: MicroBatch) -> None:
+            w = 0.0 if mb.is_filler else mb.input_ids.numel() / max(total, 1.0)
+            MoEAuxLossAutoScaler.set_loss_scale(
+                torch.tensor(w * self.loss_scale, device=self.device))
+        return weigh
+
+    def moe_metrics(self) -> dict:
+        """The update's expert load (and load-balancing loss) since the last call
+        (``models.moe_load``; collective: every rank calls it); {} for a dense model."""
+        return self.expert_load.metrics() if self.expert_load is not None else {}
+
+    def _lockstep(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """At EP > 1, ``micro_batches`` and filler ones up to the EP group's largest
+        count (one small all-reduce; the interrupt is off at EP > 1, so no rank stops
+        early)."""
+        if self.ep_group is None:
+            return micro_batches
+        from .. import collectives
+
+        most = int(collectives.max_values([len(micro_batches)], group=self.ep_group)[0])
+        return micro_batches + [MicroBatch.filler(self.seq_multiple, self.device)
+                                for _ in range(most - len(micro_batches))]
+
+    def _replay(self, mb: MicroBatch) -> None:
+        """Route ``mb``'s tokens to its recorded experts (routing replay), or let the
+        routers choose (no replay, or a micro-batch without routes)."""
+        if not self.replay:
+            return
+        if not moe_replay.set_routes(
+                self.module, mb.routes, self.arch.moe_layers,
+                sequence_parallel=bool(self.module.config.sequence_parallel)):
+            moe_replay.clear(self.module)
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the float16 loss scale (unchanged without a scaler)."""
@@ -209,9 +296,14 @@ class Policy:
         if self.pp_size != 1:
             raise ValueError("Policy.loss_metrics runs at pipeline-parallel size 1 only")
         self.ddp.train()
-        fitted = [mb.fitted(self.seq_multiple) for mb in micro_batches]
-        return [loss_fn(mb, self.ddp(mb.input_ids, mb.position_ids, attention_mask=None))[1]
-                for mb in fitted]
+        out = []
+        for mb in self._lockstep([mb.fitted(self.seq_multiple) for mb in micro_batches]):
+            self._replay(mb)
+            logits = self.ddp(mb.input_ids, mb.position_ids, attention_mask=None)
+            if not mb.is_filler:
+                out.append(loss_fn(mb, logits)[1])
+        moe_replay.clear(self.module)
+        return out
 
     @torch.no_grad()
     def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
@@ -278,7 +370,10 @@ class Policy:
                 self.scheduler.step(1)
                 return StepResult(grad_norm, self.lr, False, self.loss_scale)
             if clip > 0 and grad_norm > clip:
-                grads = [p.grad for p in self.optimizer.get_parameters() if p.grad is not None]
+                # (MoE: megatron-core chains a dense and an expert optimizer)
+                parts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+                grads = [p.grad for o in parts for p in o.get_parameters()
+                         if p.grad is not None]
                 torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
             lr = self.lr
             self.optimizer.step_with_ready_grads()

@@ -56,11 +56,12 @@ def rollout_replica(generate, prompts: Sequence, prompt_indices: Sequence[int],
             owners.append((p, idx))
             seeds.append(sample_seed(params.seed, idx, j, group_size))
     t0 = time.perf_counter()
-    outs: list[RolloutOutput] = generate(ids, params, request_seeds=seeds) if ids else []
+    # (called without prompts too: at EP > 1 the group's replicas decode together)
+    outs: list[RolloutOutput] = generate(ids, params, request_seeds=seeds)
     seconds = time.perf_counter() - t0
     samples = [Sample(prompt_index=idx, prompt_ids=list(o.prompt_token_ids),
                       response_ids=list(o.token_ids), rollout_logprobs=list(o.logprobs),
-                      finish_reason=o.finish_reason, uid=p.uid,
+                      finish_reason=o.finish_reason, uid=p.uid, routes=o.routes,
                       extra={} if o.hidden_states is None
                       else {"hidden_states": o.hidden_states})  # the drafter group's data
                for o, (p, idx) in zip(outs, owners)]

@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..models import moe_replay
+
 
 @dataclass
 class Sample:
@@ -32,6 +34,9 @@ class Sample:
     old_logprobs: Optional[torch.Tensor] = None  # [len(response)], pre-update policy
     ref_logprobs: Optional[torch.Tensor] = None  # [len(response)], frozen reference
     uid: str = ""
+    # MoE policies: the rollout's experts per input position [length - 1, MoE layers, k]
+    # (RolloutOutput.routes), replayed by the training forwards (grpo.routing_replay)
+    routes: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -57,10 +62,28 @@ class MicroBatch:
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
     lengths: Optional[list[int]] = None  # each row's prompt + response length
+    routes: Optional[torch.Tensor] = None  # [b, S, MoE layers, k] (models.moe_replay)
 
     @property
     def tokens(self) -> int:
         return int(self.mask.sum().item())
+
+    @property
+    def is_filler(self) -> bool:
+        """A micro-batch of no sample (``filler``)."""
+        return not self.samples
+
+    @classmethod
+    def filler(cls, width: int, device: torch.device) -> "MicroBatch":
+        """One row of ``width`` padding tokens that predicts nothing: the forward and
+        backward a rank runs so that its expert-parallel peers' MoE collectives have a
+        partner (``Policy``)."""
+        z = torch.zeros(1, width, device=device)
+        ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        return cls(samples=[], input_ids=ids, position_ids=torch.arange(width, device=device)
+                   .unsqueeze(0), targets=ids.clone(), mask=z, advantages=torch.zeros(
+                       1, device=device), old_logprobs=z.clone(), ref_logprobs=z.clone(),
+                   rollout_logprobs=z.clone(), lengths=[width])
 
     def fitted(self, multiple: int = 1) -> "MicroBatch":
         """This micro-batch without padding beyond its own longest sample: rows past
@@ -92,7 +115,18 @@ class MicroBatch:
             targets=fit(self.targets), mask=fit(self.mask),
             advantages=self.advantages[:rows], old_logprobs=fit(self.old_logprobs),
             ref_logprobs=fit(self.ref_logprobs), rollout_logprobs=fit(self.rollout_logprobs),
-            lengths=None if self.lengths is None else self.lengths[:rows])
+            lengths=None if self.lengths is None else self.lengths[:rows],
+            routes=None if self.routes is None else _fit_routes(self.routes, rows, longest))
+
+
+def _fit_routes(routes: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``routes`` [b, S, L, k] cut to ``rows`` rows and ``width`` positions (new
+    positions unrecorded: ``moe_replay.FILLER``)."""
+    out = routes[:rows, :width]
+    if out.shape[1] < width:
+        pad = out.new_full((rows, width - out.shape[1], *out.shape[2:]), moe_replay.FILLER)
+        out = torch.cat([out, pad], dim=1)
+    return out.contiguous()
 
 
 def _aligned(samples: Sequence[Sample], width: int, values) -> torch.Tensor:
@@ -142,6 +176,7 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], *, pad_id: int,
         if have_ref else None,
         rollout_logprobs=_aligned(chosen, S, lambda s: s.rollout_logprobs).to(device),
         lengths=[s.length for s in chosen],
+        routes=moe_replay.aligned(chosen, S),
     )
     return mb
 

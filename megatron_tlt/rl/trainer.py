@@ -146,7 +146,8 @@ class Trainer:
     def _interrupt(self) -> Optional[Callable[[], bool]]:
         """This rank's stop flag, where a replica may cut work short on its own (TP = PP
         = 1: its decode and micro-batch loops run no collective); else None."""
-        if self.stop is None or self.layout.tp_size * self.layout.pp_size > 1:
+        lay = self.layout  # (EP > 1: the expert-parallel replicas decode and train together)
+        if self.stop is None or lay.tp_size * lay.pp_size * lay.ep_size > 1:
             return None
         return self.stop.pending
 
@@ -261,6 +262,7 @@ class Trainer:
                                rounds, replaced, dp_group=self.dp_group, lr=self.policy.lr,
                                tis=g.tis_cap > 0, pp_group=self.pp_group,
                                pp_size=self.layout.pp_size)
+        metrics.update(self.policy.moe_metrics())  # MoE: expert load (models.moe_load)
         if self.online is not None:  # the canary after the policy update, drafter metrics
             metrics.update(self.online.after_update(metrics))
         self.state.step = step + 1
@@ -351,7 +353,8 @@ class Trainer:
         """Whether zero-advantage samples skip the backward: their loss is then exactly
         zero (no KL or entropy term; at PP = 1, where micro-batch shapes may vary)."""
         g = self.cfg.grpo
-        return g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1
+        return (g.kl_beta == 0 and g.entropy_coef == 0 and self.layout.pp_size == 1
+                and self.layout.ep_size == 1)  # (EP > 1: the ranks' forwards pair up)
 
     def _update(self, samples: list[Sample], loss_mask: list[bool], fused_old: bool,
                 tick: Optional[Callable] = None, snap: Optional[dict] = None) -> dict:
@@ -446,7 +449,8 @@ class Trainer:
         params = SamplingParams(temperature=t, max_new_tokens=self.cfg.grpo.max_new_tokens,
                                 top_p=self.cfg.grpo.top_p if t else 1.0,
                                 seed=self.cfg.platform.seed if t else None)
-        outs = self.engine.generate([prompts[i].token_ids for i in mine], params) if mine else []
+        # (called without prompts too: at EP > 1 the group's replicas decode together)
+        outs = self.engine.generate([prompts[i].token_ids for i in mine], params)
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
         per = [(float(x.reward), float(x.correct)) for x in res]

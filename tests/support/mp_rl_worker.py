@@ -109,6 +109,7 @@ def update_once(cfg, flat: frozenset):
     if trainer.ref_model is not None:
         trainer._fill_logprobs(samples, trainer.ref_model, "ref_logprobs")
     update = trainer._update(samples, loss_mask, fused_old=False)
+    moe = trainer.policy.moe_metrics()  # (every rank: collective)
     # probe: the updated model's log-probs of the first 4 fixed samples (every rank)
     probe = [everything[i] for i in range(4)]
     mb = collate(probe, list(range(4)), pad_id=0, device=trainer.policy.device)
@@ -123,7 +124,7 @@ def update_once(cfg, flat: frozenset):
                         "zero": sum(s.length for s in samples if s.advantage == 0),
                         "advantage_sq": sum(s.length ** 2 for s in samples if s.advantage != 0),
                         "zero_sq": sum(s.length ** 2 for s in samples if s.advantage == 0)},
-            "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank]}
+            "layout": [lay.tp_rank, lay.pp_rank, lay.dp_rank], "moe": moe}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,22 @@ def save_tiny_policy(folder: Path, smollm2_dir: Path, seed: int = 0, layers: int
     return folder
 
 
+def save_tiny_moe_policy(folder: Path, smollm2_dir: Path, seed: int = 0) -> Path:
+    """A two-layer tiny Qwen3-MoE (8 experts, top-2, every layer sparse) with SmolLM2's
+    tokenizer, as ``save_tiny_policy``."""
+    from tiny_models import save_tiny_hf
+
+    folder = Path(folder)
+    save_tiny_hf("qwen3_moe", folder, seed=seed, vocab_size=49152, num_hidden_layers=2,
+                 mlp_only_layers=[], max_position_embeddings=2048, bos_token_id=1,
+                 eos_token_id=2)
+    for name in TOKENIZER_FILES:
+        src = Path(smollm2_dir) / name
+        if src.exists():
+            shutil.copy(src, folder / name)
+    return folder
+
+
 def tiny_run_args(policy: Path, out: Path, *extra: str) -> list[str]:
     """Overrides for a short CLI run of the tiny policy named ``run`` under ``out``
     (W&B offline, no progress bars), then ``extra``."""
