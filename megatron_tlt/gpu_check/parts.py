@@ -198,9 +198,9 @@ def drafter(args) -> dict:
     from megatron_tlt.drafter_training.buffer import BufferedResponse
     from megatron_tlt.drafter_training.group import DrafterGroup
     from megatron_tlt.models import load_model
-    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
     from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.rollout.speculative.drafters import untrained
     from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
 
     silence_expected_warnings()
@@ -209,8 +209,7 @@ def drafter(args) -> dict:
     dtype = "bfloat16" if plat.device.type == "cuda" else "float32"
     model, arch = load_model(require_smollm2(), device=plat.device, dtype=dtype, impl="local")
     torch.manual_seed(0)
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch, dtype=getattr(torch, dtype),
-                     device=plat.device)
+    d = untrained(arch, dtype=getattr(torch, dtype), device=plat.device)
     sc = SpeculativeConfig(policy="fixed", strategy="2_1_2", threshold=1 << 20)
     engine = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
                            eos_token_ids=[], drafter=d)
@@ -222,7 +221,7 @@ def drafter(args) -> dict:
     outs = engine.generate(prompts, sampling)
     responses = [BufferedResponse.from_output(o, 0) for o in outs]
     cfg = DrafterGroupConfig()
-    group = DrafterGroup(d, engine.runner, cfg, dp_group=ps.get_data_parallel_group(),
+    group = DrafterGroup(d.model, engine.runner, cfg, dp_group=ps.get_data_parallel_group(),
                          mp_group=None, pp_group=None, total_steps=1000, seed=1,
                          sampling=sampling)
     window = group.run_window(0, responses)  # one replica: it is the last, trains nothing
