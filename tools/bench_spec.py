@@ -481,7 +481,7 @@ def config_record(args, engine, drafter, dname, cfg, out: Outputs, sizes, strat,
 
     return dict(model="SmolLM2-135M-Instruct",
                 dtype=str(engine.runner.dtype).replace("torch.", ""), drafter=dname,
-                drafter_config=drafter.config.to_dict(), batch_sizes=sizes,
+                drafter_config=drafter.settings(), batch_sizes=sizes,
                 strategies=strat, prompts=args.prompts, new_tokens=args.new_tokens,
                 pairs=args.pairs,
                 tail_prompts=args.tail_prompts, tail_tokens=args.tail_tokens,

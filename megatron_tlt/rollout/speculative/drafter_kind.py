@@ -71,6 +71,10 @@ class Drafter:
         states or none."""
         return ()
 
+    def settings(self) -> dict:
+        """Its kind and settings, JSON-able (benchmark records)."""
+        return {"kind": self.name}
+
     def check_target(self, arch) -> None:
         """Raise when it cannot draft for a target of ``arch``."""
 

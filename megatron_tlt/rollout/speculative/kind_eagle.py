@@ -38,6 +38,9 @@ class EagleKind(Drafter):
     def feature_layers(self) -> tuple:
         return tuple(self._model.config.feature_layers)
 
+    def settings(self) -> dict:
+        return {"kind": self.name, **self._model.config.to_dict()}
+
     def check_target(self, arch) -> None:
         self._model.config.check_target(arch)
 

@@ -82,6 +82,9 @@ class SelfDrafter(Drafter):
         self.source = source
         self._runner = None  # the copy (``SelfDraftRunner``), kept across attaches
 
+    def settings(self) -> dict:
+        return {"kind": self.name, **self.config.to_dict()}
+
     def make_decoder(self, target):
         """The ``SpeculativeDecoder`` for ``target``'s rows (``self_decoder``). The
         quantized copy is kept across attaches to the same target: attaching again
