@@ -169,3 +169,15 @@ def test_expert_parallel_needs_experts(qwen3_hf_dirs, tmp_path):
                  f"model.hf_path={qwen3_hf_dirs['qwen3_tied']}",
                  "parallel.expert_model_parallel_size=2")
     assert r.returncode == 2 and "needs a mixture-of-experts model" in r.stderr
+
+
+def test_speculation_is_refused_for_families_without_drafters():
+    from megatron_tlt.config import ConfigError, load_config
+    from megatron_tlt.models.families import check_speculation
+
+    cfg = load_config([], ["rollout.speculative.drafter=self"])
+    for model_type in ("qwen3", "qwen3_moe"):
+        with pytest.raises(ConfigError, match="rollout.speculative.drafter='self'"):
+            check_speculation(cfg, model_type)
+    check_speculation(cfg, "llama")
+    check_speculation(load_config([], []), "qwen3_moe")  # no drafter: fine

@@ -37,6 +37,7 @@ class Family:
     model_type: str
     label: str  # the checkpoints it covers, for messages ("Llama", "Qwen2/Qwen2.5")
     read: Callable[[dict[str, Any]], dict[str, Any]]
+    speculation: bool = True  # the drafter kinds (EAGLE, self) draft for it
 
 
 def require(config: dict, cond: bool, field: str, why: str) -> None:

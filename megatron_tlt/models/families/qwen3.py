@@ -15,4 +15,4 @@ def attention(config: dict) -> dict:
     return {"qkv_bias": False, "qk_layernorm": True}
 
 
-FAMILY = Family("qwen3", "Qwen3", attention)
+FAMILY = Family("qwen3", "Qwen3", attention, speculation=False)

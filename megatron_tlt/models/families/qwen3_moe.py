@@ -42,4 +42,4 @@ def _read(config: dict) -> dict:
     return out
 
 
-FAMILY = Family("qwen3_moe", "Qwen3-MoE", _read)
+FAMILY = Family("qwen3_moe", "Qwen3-MoE", _read, speculation=False)
