@@ -102,9 +102,12 @@ def step_folder(folder: str | Path, step: Optional[int] = None) -> Path:
 
 
 def _full_model_state(policy_dir: Path) -> dict[str, torch.Tensor]:
-    """The whole model (TP = PP = 1, local-spec names) from a checkpoint's ``policy/``
-    folder (megatron-core dist_checkpointing): every model tensor read at its global
-    shape, the per-layer tensors (stacked on a leading layer axis) split by layer."""
+    """The whole model (TP = PP = 1, EP = 1, local-spec names) from a checkpoint's
+    ``policy/`` folder (megatron-core dist_checkpointing): every model tensor read at its
+    global shape, the per-layer tensors (stacked on a leading layer axis, or saved per
+    layer where the layers' specs differ: QK norm, experts) split by layer, and a
+    mixture-of-experts layer's experts (``mlp.experts.experts.*``, stacked on an expert
+    axis) split into megatron-core's ``local_experts.{e}``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -116,12 +119,16 @@ def _full_model_state(policy_dir: Path) -> dict[str, torch.Tensor]:
     dcp.load(want, storage_reader=reader, no_dist=True)
     out = {}
     for key, value in want.items():
-        if key.startswith("decoder.layers."):
+        if key.startswith("decoder.layers.") and not key.split(".")[2].isdigit():
             rest = key[len("decoder.layers."):]
             for layer in range(value.shape[0]):
                 out[f"decoder.layers.{layer}.{rest}"] = value[layer].clone()
         else:
             out[key] = value
+    for key in [k for k in out if ".mlp.experts.experts." in k]:
+        stacked = out.pop(key)
+        for e in range(stacked.shape[0]):
+            out[key.replace(".experts.experts.", f".experts.local_experts.{e}.")] = stacked[e]
     return local_model_state(out)
 
 

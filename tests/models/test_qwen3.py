@@ -181,3 +181,42 @@ def test_speculation_is_refused_for_families_without_drafters():
             check_speculation(cfg, model_type)
     check_speculation(cfg, "llama")
     check_speculation(load_config([], []), "qwen3_moe")  # no drafter: fine
+
+
+def test_moe_run_checkpoint_exports_bit_exact(qwen3_hf_dirs, tmp_path):
+    """A run checkpoint of an MoE policy as megatron-core's sharded state dict writes it
+    (per-layer keys: the layers' specs differ; TE norm names; each MoE layer's experts
+    stacked on an expert axis under ``mlp.experts.experts``) exports to the source HF
+    weights, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_tlt.checkpoint.export import export_run_checkpoint, run_meta
+    from megatron_tlt.models.hf import to_te_names
+
+    src = qwen3_hf_dirs["qwen3_moe"]
+    arch = ModelArch.from_hf_folder(src)
+    local = to_te_names(hf_to_megatron(HFWeights(src), arch))
+    sd: dict = {}
+    for key, value in local.items():
+        if ".local_experts." in key:
+            head, rest = key.split(".local_experts.")
+            e, name = rest.split(".", 1)
+            sd.setdefault(f"{head}.experts.{name}", {})[int(e)] = value
+        else:
+            sd[key] = value
+    sd = {k: torch.stack([v[e] for e in sorted(v)]) if isinstance(v, dict) else v
+          for k, v in sd.items()}
+    assert sd["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].shape == (8, 64, 64)
+    folder = tmp_path / "ckpt" / "step_0000003"
+    (folder / "policy").mkdir(parents=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "policy")), no_dist=True)
+    torch.save({}, folder / "policy" / "common.pt")
+    files = {str(f.relative_to(folder)): f.stat().st_size
+             for f in folder.rglob("*") if f.is_file()}
+    (folder / "run.json").write_text(json.dumps(
+        {"format_version": 2, "step": 3, "layout": {"tp": 1, "pp": 1, "dp": 2},
+         "meta": run_meta(arch, src), "files": files}))
+    (tmp_path / "ckpt" / "latest").write_text(folder.name + "\n")
+    out = export_run_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    a, b = HFWeights(src), HFWeights(out)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
