@@ -203,15 +203,19 @@ def export_trained(policy_module, drafter, layout, arch: ModelArch, source: str 
         shutil.rmtree(parts, ignore_errors=True)
         parts.mkdir(parents=True)
     _barrier()
-    if layout.dp_rank == 0:
+    ep = layout.ep_size  # EP > 1: one rank per (TP, PP, EP) position writes (its experts)
+    if (layout.dp_rank == 0) if ep == 1 else (_expert_data_parallel_rank() == 0):
         torch.save(local_model_state(policy_module.state_dict()),
-                   parts / f"tp{layout.tp_rank}_pp{layout.pp_rank}.pt")
+                   parts / f"tp{layout.tp_rank}_pp{layout.pp_rank}_ep{layout.ep_rank}.pt")
     _barrier()
     if rank == 0:
         try:
-            shards = {(t, p): torch.load(parts / f"tp{t}_pp{p}.pt", weights_only=True)
-                      for t in range(layout.tp_size) for p in range(layout.pp_size)}
+            shards = {(t, p, e)[:3 if ep > 1 else 2]: torch.load(
+                parts / f"tp{t}_pp{p}_ep{e}.pt", weights_only=True)
+                for t in range(layout.tp_size) for p in range(layout.pp_size)
+                for e in range(ep)}
             write_hf_export(shards, arch, out, tp_size=layout.tp_size, pp_size=layout.pp_size,
+                            ep_size=ep,
                             tokenizer_dir=_tokenizer_of(str(source)),
                             drafter_state=drafter_state,
                             drafter_config=drafter.config.to_dict() if drafter else None,
@@ -226,6 +230,12 @@ def _barrier() -> None:
     collectives.barrier()
 
 
+def _expert_data_parallel_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_data_parallel_rank()
+
+
 # -------------------------------------------------------------------------------------
 # writing
 # -------------------------------------------------------------------------------------
@@ -233,13 +243,14 @@ def _barrier() -> None:
 def write_hf_export(shards, arch: ModelArch, out: str | Path, *, tp_size: int, pp_size: int,
                     tokenizer_dir: str | Path | None, dtype: str = "auto",
                     drafter_state: Optional[dict] = None, drafter_config: Optional[dict] = None,
-                    about: Optional[dict] = None, replace: bool = False) -> Path:
+                    about: Optional[dict] = None, replace: bool = False,
+                    ep_size: int = 1) -> Path:
     """Shards ``{(tp_rank, pp_rank): local-spec state}`` -> an HF folder at ``out``,
     written in a scratch folder and renamed into place (``replace``: an existing ``out``
     is replaced). ``dtype`` casts floating tensors (auto keeps them); ``about`` (step,
     source) goes into the drafter's config.json."""
     out = Path(out)
-    state = megatron_to_hf(shards, arch, tp_size=tp_size, pp_size=pp_size)
+    state = megatron_to_hf(shards, arch, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
     if dtype != "auto":
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
                  for k, v in state.items()}

@@ -76,6 +76,13 @@ class PipelinedRunner(ModelRunner):
         else:
             self.embed_w, self.output_w = self._own_embed, self._own_output
 
+    def index_layers(self) -> None:
+        """As the whole model's, but no routes are recorded: a stage holds its own
+        layers' only (routing replay takes its routes from rollout.pipeline_mode=
+        gathered, where every rank decodes through all layers)."""
+        super().index_layers()
+        self.route_shape = None
+
     def prepare_drafter(self, drafter) -> None:
         """A drafter runs on every stage: refuse EAGLE-3 feature layers (they would be
         captured on several stages), share the embedding and output layer."""

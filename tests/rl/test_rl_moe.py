@@ -1,7 +1,7 @@
 """GRPO on a mixture-of-experts policy (tiny Qwen3-MoE) under torchrun (gloo): DP=2,
-EP=2 (each rank holds half the experts; tokens dispatched by all-to-all) and TP=2
-(sequence parallelism, expert weights sharded over TP) compute what one process
-computes: loss sums, gradient norms and the updated model's log-probs of a probe
+EP=2 (each rank holds half the experts; tokens dispatched by all-to-all), TP=2
+(sequence parallelism, expert weights sharded over TP) and PP=2 compute what one
+process computes: loss sums, gradient norms and the updated model's log-probs of a probe
 batch (tests/support/mp_rl_worker.py, one update on a fixed global batch)."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ UPDATE = ["grpo.prompts_per_step=4", "grpo.group_size=2", "train.global_batch_si
           "grpo.clip_eps_high=0.2", "rollout.cpu_kernels=false",
           "train.moe_aux_loss_coef=0.0"]
 LAYOUTS = {"dp2": "", "ep2": "parallel.expert_model_parallel_size=2",
-           "tp2": "parallel.tensor_model_parallel_size=2"}
+           "tp2": "parallel.tensor_model_parallel_size=2",
+           "pp2": "parallel.pipeline_model_parallel_size=2"}
 # replica 1 holds only equal-reward groups (no KL, no entropy: zero advantages): at EP=2
 # it still runs as many micro-batches as replica 0 (filler ones), or the all-to-alls
 # of replica 0's MoE layers would wait for it forever
@@ -52,7 +53,7 @@ def test_moe_update_at_dp2_ep2_tp2_equals_one_process(smollm2_dir, tmp_path):
     ref = single[""][0]
     assert ref["sums"]["clip_low_count"] + ref["sums"]["clip_high_count"] > 0
     for layout, variant in LAYOUTS.items():
-        assert len(parallel[variant]) == 2, layout
+        assert len(parallel[variant]) == (1 if layout == "pp2" else 2), layout  # PP: last stage
         for res in parallel[variant]:
             np.testing.assert_allclose(res["probe_logprobs"], ref["probe_logprobs"],
                                        atol=2e-4, rtol=0, err_msg=layout)
