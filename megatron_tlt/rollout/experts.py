@@ -149,9 +149,28 @@ def replayed(x: torch.Tensor, router_w: torch.Tensor, shape: MoeShape,
     return torch.softmax(logits, dim=-1).gather(-1, idx).to(x.dtype)
 
 
+_GROUPED_OK: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
+
+
 def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x [M, in] @ w[g].T per group of rows (group g ends at row ends[g]); w [G, out, in]."""
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    """x [M, in] @ w[g].T per group of rows (group g ends at row ends[g]); w [G, out, in].
+    ``torch._grouped_mm`` where it runs (CPU; CUDA in bf16), else one GEMM per group
+    over every row, masked to the group's (the same fixed shapes, no host read; G times
+    the work: the float32 CUDA path)."""
+    key = (x.device.type, x.dtype)
+    if _GROUPED_OK.get(key, True):
+        try:
+            out = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+            _GROUPED_OK[key] = True
+            return out
+        except RuntimeError:
+            _GROUPED_OK[key] = False
+    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device,
+                                                  dtype=ends.dtype), right=True)
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for g in range(w.shape[0]):
+        out += (group == g).to(x.dtype)[:, None] * (x @ w[g].t())
+    return out
 
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -122,3 +122,19 @@ def test_static_steps_decode_like_the_eager_path_and_read_nothing(models, name,
     for kernels in ("false", "true"):
         steps = measure(_engine(model, arch, cpu_kernels=kernels), prompts[:3], params)
         assert len(steps) >= NEW - 1 and max(s.count for s in steps) <= 1
+
+
+def test_masked_per_expert_path_decodes_alike(models, monkeypatch):
+    """Where ``torch._grouped_mm`` does not run (float32 on CUDA), each expert's GEMM
+    over every row, masked to its own (``experts._grouped``): the same tokens, log-probs
+    and routes as the grouped GEMM."""
+    from megatron_tlt.rollout import experts
+
+    _, model, arch = models["qwen3_moe"]
+    prompts = _prompts()[:3]
+    want = _engine(model, arch, cpu_kernels="false").generate(prompts, GREEDY)
+    monkeypatch.setitem(experts._GROUPED_OK, ("cpu", torch.float32), False)
+    got = _engine(model, arch, cpu_kernels="false").generate(prompts, GREEDY)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and torch.equal(a.routes, b.routes)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
