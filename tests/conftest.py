@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,27 @@ from megatron_tlt.runtime_env import EXPECTED_WARNINGS
 
 
 def pytest_configure(config):
-    """Hide megatron-core's apex / TE import notices (the same list entry points use)."""
+    """Hide megatron-core's apex / TE import notices (the same list entry points use),
+    and share the cores among the test workers (``make test``'s pytest-xdist)."""
     for pattern in EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}:UserWarning")
+    share_cores()
+
+
+def share_cores() -> None:
+    """In a pytest-xdist worker: this worker's share of the cores as its torch threads,
+    and for the scripts it starts (``OMP_NUM_THREADS``, unless set). Each worker would
+    otherwise run a thread per core, two workers twice as many threads as cores: on 2
+    cores that tripled the CPU time of the speculation tests (idle threads spinning),
+    for no result a test checks."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 2:
+        return
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session", autouse=True)
