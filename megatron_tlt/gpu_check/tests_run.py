@@ -30,7 +30,7 @@ from .schedule import kill_group, log
 # speculation exactness; the FP8 self-drafter (new kernels on each torch release); graphed
 # speculation; the collectives on NCCL and the rollout's memory; the memory controls
 ORDER = ["test_cuda.py", "test_self_drafter_cuda.py", "test_graphs_spec_cuda.py",
-         "test_one_gpu.py", "test_memory_controls_cuda.py"]
+         "test_moe_cuda.py", "test_one_gpu.py", "test_memory_controls_cuda.py"]
 PLUGIN = "megatron_tlt.gpu_check.pytest_stream"
 MAX_STARTS = 12  # pytest (re)starts per call: each must record at least one result
 
