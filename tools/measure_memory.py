@@ -1,34 +1,39 @@
 #!/usr/bin/env python
-"""Measured peak memory of one GRPO step on CPU against the dry run's memory model.
+"""Measured peak memory of GRPO steps on CPU against the dry run's memory model.
 
-    python tools/measure_memory.py                     # every cell, docs/results JSON
-    python tools/measure_memory.py --cells small --json /tmp/m.json
+    python tools/measure_memory.py --grid                  # the validation grid
+    python tools/measure_memory.py --cells fit             # the cells the model was fitted on
+    python tools/measure_memory.py --cells NAME,NAME --json /tmp/m.json
+    python tools/measure_memory.py --cells NAME --trace    # live tensors at the peaks
 
 Each cell runs in a fresh subprocess (``--cell``): a random Llama (SmolLM2's tokenizer
 and 49,152-token vocabulary, tied embeddings) saved as a Hugging Face folder, then the
-trainer's own code: ``launch.setup`` (the model loaded through ``models.load_model``),
-``rl.trainer.Trainer`` and one ``Trainer.train_step`` (the rollout on the engine, the
-old log-probs when the step needs them, the policy update through ``rl.policy.Policy``).
-Two things are pinned so the step is the dry run's worst case and repeatable: the
-verifier gives alternate responses reward 1 and 0 (every group has reward variance, so
-every sample is trained), and the engine's end-of-sequence ids are cleared (every
-response runs to ``grpo.max_new_tokens``). The prompts are one repeated text, so they
-all have ``data.max_prompt_tokens`` tokens.
+trainer's own code: ``launch.setup``, ``rl.trainer.Trainer`` and two
+``Trainer.train_step``s (the rollout on the engine, the old / reference log-probs when
+the step needs them, the policy update through ``rl.policy.Policy``). Pinned so a step
+is repeatable: the verifier gives alternate responses reward 1 and 0 (every group has
+reward variance, so every sample is trained), and each response runs to its cell's
+length (``lengths``, cycled over the responses; the engine stops it there, below
+``grpo.max_new_tokens`` when the cell says so; EOS is ignored). The prompts are one
+repeated text; ``data.max_prompt_tokens`` is the cell's cap, at or above their length.
 
-Memory is the resident set size. The baseline is the RSS after the imports (torch,
-megatron-core, transformers), before the process group, the model or the tokenizer
-exist; the peak of each phase is the kernel's high-water mark (``VmHWM``) reset at the
-phase's start (``/proc/self/clear_refs`` 5) and read at its end, minus the baseline:
+Memory is the resident set size of the whole process, as ``/usr/bin/time -v`` reports
+it (the libraries' pages included): the kernel's high-water mark (``VmHWM``), restarted
+at each phase's start (``/proc/self/clear_refs`` 5, without returning the heap's free
+pages: what the process really holds) and read at its end, for both steps:
 
-- build: ``launch.setup`` and the ``Trainer`` (weights, DDP's gradient buffers, ...);
+- build: ``launch.setup`` and the ``Trainer`` (weights, gradient buffers, Adam state);
 - rollout: ``train_step`` up to the idle window (generation and rewards);
-- update: the rest of the step (old / reference log-probs, the optimizer step).
+- log-probs: from there to the update (the old / reference log-probs' forwards);
+- update: the policy update (forward, loss and backward per micro-batch, the
+  optimizer step).
 
-The prediction is ``megatron_tlt.rl.memory_model.estimate`` for the same config, with
-the rollout's KV cache counted as released before the update when the engine had
-dropped it after the step (``rollout.release_memory``) and resident otherwise, and the
-loss path the trainer ran (``rl/token_stats.py`` in chunks, or an inline loss with
-full-size copies in a trainer that predates it).
+The prediction is ``megatron_tlt.rl.memory_model.estimate`` for the same config, given
+the responses' real lengths (the micro-batches the trainer builds from them) and with
+the rollout's KV cache as the engine had it (released before the update or kept); the
+dry run's bound (``estimate`` without lengths: the worst micro-batch the budget allows)
+is recorded beside it. ``--trace`` adds, per phase after the rollout, the live tensors
+at the phase's peak grouped by what allocated them (torch's profiler; slow).
 """
 
 from __future__ import annotations
@@ -46,25 +51,89 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
 MIB = 1024 ** 2
+SMALL = 32 * MIB  # glibc's largest dynamic mmap threshold: smaller blocks are its heap's
+LARGE = 48 * MIB  # --trace lists allocations and frees of at least this size
+PROMPT_WORDS = 40  # the prompt text's words (66 tokens with SmolLM2's chat template)
 
-# (name, hidden, ffn, layers, heads, kv heads, responses, response tokens, micro-batch)
+# (hidden, ffn, layers, heads, kv heads) of the random models
 SHAPES = {
-    "small": dict(hidden=256, ffn=768, layers=4, heads=4, kv_heads=2, responses=8,
-                  new_tokens=128, micro_batch_size=4),
-    "medium": dict(hidden=512, ffn=1536, layers=8, heads=8, kv_heads=4, responses=8,
-                   new_tokens=256, micro_batch_size=2),
-    "large": dict(hidden=768, ffn=2048, layers=6, heads=12, kv_heads=4, responses=4,
-                  new_tokens=512, micro_batch_size=1),
+    "small": (256, 768, 4, 4, 2),
+    "medium": (512, 1536, 8, 8, 4),
+    "large": (768, 2048, 6, 12, 4),
+    "h512": (512, 1408, 14, 8, 2),
+    "h640": (640, 1792, 20, 10, 5),
+    "h768": (768, 2048, 10, 12, 4),
+    "h896": (896, 2432, 8, 14, 2),
+    "h1024": (1024, 2816, 12, 16, 8),
+    "h768x14": (768, 2048, 14, 12, 4),
 }
-RECOMPUTE = ("none", "selective", "full")
-PROMPT_WORDS = 40  # the prompt text's words (about 60 tokens with the chat template)
+
+
+def cell(name, shape, *, new_tokens, lengths=None, prompt_cap=0, responses=8, group=4,
+         mbs=4, mbt=0, chunk=1024, recompute="none", options=(), steps=2) -> dict:
+    """A cell: ``lengths`` the responses' lengths (cycled; None: all at the cap),
+    ``prompt_cap`` data.max_prompt_tokens (0: the prompts' length), ``mbs`` / ``mbt``
+    train.micro_batch_size / micro_batch_tokens, ``chunk`` train.loss_chunk_tokens,
+    ``options`` further overrides (entropy bonus, KL, ...)."""
+    return dict(name=name, shape=shape, new_tokens=new_tokens,
+                lengths=list(lengths or [new_tokens]), prompt_cap=prompt_cap,
+                responses=responses, group=group, micro_batch_size=mbs,
+                micro_batch_tokens=mbt, loss_chunk=chunk, recompute=recompute,
+                options=list(options), steps=steps)
+
+
+ENT = "grpo.entropy_coef=1e-4"
+KL3 = ("grpo.kl_beta=0.01", "grpo.kl_type=k3")
+KL1 = ("grpo.kl_beta=0.01", "grpo.kl_type=k1")
+# the cells the model's CPU terms were fitted on (all responses at the cap)
+FIT = [cell(f"{s}-{rc}", s, new_tokens=n, mbs=b, recompute=rc, chunk=1024,
+            responses=r)
+       for s, n, b, r in (("small", 128, 4, 8), ("medium", 256, 2, 8), ("large", 512, 1, 4))
+       for rc in ("none", "full")]
+# the validation grid: shapes, lengths and options the model was not fitted on
+DYN = ("grpo.dynamic_sampling=true", "grpo.dynamic_sampling_rounds=1")
+GRID = [
+    cell("h512-none-ent", "h512", new_tokens=512, lengths=[300, 410], prompt_cap=256,
+         mbt=2048, options=[ENT]),
+    cell("h512-full-kl3", "h512", new_tokens=512, lengths=[300, 410], prompt_cap=256,
+         mbt=2048, recompute="full", options=[ENT, *KL3]),
+    cell("h512-sel-self", "h512", new_tokens=256, lengths=[256], prompt_cap=128,
+         recompute="selective", options=["rollout.speculative.drafter=self"]),
+    cell("h640-sel-ent", "h640", new_tokens=256, lengths=[200, 256], prompt_cap=128,
+         recompute="selective", options=[ENT]),
+    cell("h640-full-tis", "h640", new_tokens=256, lengths=[200, 256], prompt_cap=128,
+         recompute="full", options=["grpo.tis_cap=2.0", "grpo.dual_clip_c=3.0"]),
+    cell("h768-none-ent", "h768", new_tokens=768, lengths=[450, 600], prompt_cap=128,
+         mbt=4096, options=[ENT]),
+    cell("h768-full-ent", "h768", new_tokens=768, lengths=[450, 600], prompt_cap=128,
+         mbt=4096, recompute="full", options=[ENT]),
+    cell("h768-sel-kl1", "h768", new_tokens=1024, lengths=[500, 700], prompt_cap=1024,
+         mbt=4096, recompute="selective", options=[*KL1]),
+    cell("h896-none-kl3", "h896", new_tokens=384, lengths=[384], prompt_cap=128, mbs=2,
+         options=[ENT, *KL3]),
+    cell("h896-none-dyn", "h896", new_tokens=256, lengths=[200, 256], prompt_cap=128,
+         options=[*DYN]),
+    cell("h896-full-epochs", "h896", new_tokens=384, lengths=[250, 384], prompt_cap=128,
+         mbs=2, recompute="full", options=["grpo.ppo_epochs=2", ENT]),
+    cell("h1024-sel-ent", "h1024", new_tokens=256, lengths=[256], prompt_cap=256, mbs=2,
+         recompute="selective", options=[ENT]),
+    cell("h1024-full-kl3", "h1024", new_tokens=512, lengths=[400, 512], prompt_cap=256,
+         mbs=2, recompute="full", options=[ENT, *KL3]),
+    cell("h1024-none-chunk", "h1024", new_tokens=256, lengths=[180, 256], prompt_cap=128,
+         mbs=4, chunk=256, options=[ENT]),
+]
+# a user's run as reported (the defaults: micro-batches of 4 samples / 4096 positions,
+# the prompt cap at 1024), one step
+ISSUE = [cell("user-full-ent", "h768x14", new_tokens=768, prompt_cap=1024, mbt=4096,
+              recompute="full", options=[ENT], steps=1)]
+CELLS = {c["name"]: c for c in FIT + GRID + ISSUE}
 
 
 # ------------------------------------------------------------------------ the model
-def model_folder(shape: dict, root: Path) -> Path:
-    """A random Llama of ``shape`` with SmolLM2's tokenizer files, made once."""
-    key = "h{hidden}_f{ffn}_l{layers}_a{heads}_g{kv_heads}".format(**shape)
-    folder = root / key
+def model_folder(shape: str, root: Path) -> Path:
+    """A random Llama of ``SHAPES[shape]`` with SmolLM2's tokenizer files, made once."""
+    hidden, ffn, layers, heads, kv = SHAPES[shape]
+    folder = root / f"h{hidden}_f{ffn}_l{layers}_a{heads}_g{kv}"
     if (folder / "config.json").exists():
         return folder
     import torch
@@ -74,11 +143,10 @@ def model_folder(shape: dict, root: Path) -> Path:
 
     smol = require_smollm2()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=shape["hidden"],
-                      intermediate_size=shape["ffn"], num_hidden_layers=shape["layers"],
-                      num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["kv_heads"], tie_word_embeddings=True,
-                      max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=ffn,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, tie_word_embeddings=True,
+                      max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
                       bos_token_id=1, eos_token_id=2)
     tmp = Path(tempfile.mkdtemp(dir=root))
     LlamaForCausalLM(cfg).save_pretrained(tmp)
@@ -99,28 +167,8 @@ def prompt_file(root: Path) -> Path:
     return path
 
 
-def overrides(shape: dict, recompute: str, folder: Path, prompts: Path,
-              prompt_tokens: int, cpu_kernels: str = "false",
-              loss_chunk: int = 0) -> list[str]:
-    """The cell's config: one step of ``responses`` samples (one group per 4)."""
-    group = 4
-    out = [f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
-           "data.source=jsonl", f"data.path={prompts}", "data.instruction=",
-           "data.eval_size=0", "data.train_size=0", f"data.max_prompt_tokens={prompt_tokens}",
-           f"grpo.prompts_per_step={shape['responses'] // group}", f"grpo.group_size={group}",
-           f"grpo.max_new_tokens={shape['new_tokens']}", "grpo.dynamic_sampling=false",
-           f"train.micro_batch_size={shape['micro_batch_size']}", "train.micro_batch_tokens=0",
-           "train.steps=2", "train.eval_interval=0", f"rollout.cpu_kernels={cpu_kernels}",
-           "tracking.progress=false"]
-    if recompute != "none":
-        out.append(f"train.recompute_granularity={recompute}")
-    if loss_chunk:
-        out.append(f"train.loss_chunk_tokens={loss_chunk}")
-    return out
-
-
 def prompt_tokens(folder: Path, prompts: Path) -> int:
-    """Tokens of the cell's prompt after the chat template (every prompt is the same)."""
+    """Tokens of the cells' prompt after the chat template (every prompt is the same)."""
     from megatron_tlt.config import load_config
     from megatron_tlt.models import load_tokenizer
     from megatron_tlt.rl.data import build_prompt_sets
@@ -132,51 +180,129 @@ def prompt_tokens(folder: Path, prompts: Path) -> int:
     return max(len(p.token_ids) for p in train)
 
 
+def overrides(c: dict, prompts: Path, tokens: int) -> list[str]:
+    """The cell's config (without model.hf_path): one step of ``responses`` samples."""
+    out = ["platform.device=cpu", "model.dtype=float32", "data.source=jsonl",
+           f"data.path={prompts}", "data.instruction=", "data.eval_size=0",
+           "data.train_size=0", f"data.max_prompt_tokens={max(c['prompt_cap'], tokens)}",
+           f"grpo.prompts_per_step={c['responses'] // c['group']}",
+           f"grpo.group_size={c['group']}", f"grpo.max_new_tokens={c['new_tokens']}",
+           "grpo.dynamic_sampling=false", f"train.micro_batch_size={c['micro_batch_size']}",
+           f"train.micro_batch_tokens={c['micro_batch_tokens']}",
+           f"train.loss_chunk_tokens={c['loss_chunk']}",
+           f"train.recompute_granularity={c['recompute']}",
+           f"train.steps={c.get('steps', 2)}",
+           "train.eval_interval=0", "rollout.cpu_kernels=false", "tracking.progress=false"]
+    return out + list(c["options"])
+
+
 # ------------------------------------------------------------------------ one cell
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _hwm() -> int:
     with open("/proc/self/status") as f:
         return int(re.search(r"VmHWM:\s+(\d+)\s+kB", f.read()).group(1)) * 1024
 
 
-def _reset_hwm() -> None:
-    """Return the allocator's free heap pages to the system (glibc keeps freed memory
-    of one phase resident; the next phase would otherwise start with it counted), then
-    restart the kernel's high-water mark from the current RSS."""
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _heap() -> tuple:
+    """Bytes glibc's main heap spans and of them free (``mallinfo2()``'s arena and
+    fordblks: the freed blocks it keeps mapped), (0, 0) where that is not glibc."""
     import ctypes
 
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0, 0
+    fn.restype = Info
+    got = fn()
+    return int(got.arena), int(got.fordblks)
+
+
+def _restart_hwm() -> None:
+    """Restart the kernel's high-water mark from the current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
-def _count_calls(module: str, name: str):
-    """Count calls of ``module.name`` (looked up at call time by its callers)."""
-    import importlib
+class _Tracer:
+    """Torch's profiler over a stretch of the step: the live tensor bytes at each
+    marked phase's peak, grouped by the op (and autograd node) that allocated them."""
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return lambda: 0
-    fn, calls = getattr(mod, name), [0]
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
 
-    def counted(*a, **k):
-        calls[0] += 1
-        return fn(*a, **k)
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.start()
 
-    setattr(mod, name, counted)
-    return lambda: calls[0]
+    def finish(self, top: int = 14) -> dict:
+        from torch._C._profiler import _EventType
+
+        self.prof.stop()
+        events = []
+
+        def walk(nodes, stack):
+            for n in nodes:
+                if n.typed[0] == _EventType.Allocation:
+                    f = n.typed[1]
+                    events.append((n.start_time_ns, f.alloc_size, f.ptr, stack))
+                else:
+                    walk(n.children, stack + (n.name,))
+        walk(self.prof.profiler.kineto_results.experimental_event_tree(), ())
+        events.sort(key=lambda e: e[0])
+        out = {}
+        for phase in ("log-probs", "update"):
+            live, where, cur, best, best_at = {}, {}, 0, -1, None
+            for t, size, ptr, stack in events:
+                if size > 0:
+                    live[ptr], where[ptr] = size, stack
+                    cur += size
+                elif ptr in live:
+                    cur -= live.pop(ptr)
+                if f"phase:{phase}" in stack and cur > best:
+                    best, best_at = cur, {p: (b, where[p]) for p, b in live.items()}
+            if best_at is None:
+                continue
+            groups: dict = {}
+            for ptr, (size, stack) in best_at.items():
+                key = _label(stack, size)
+                n, b = groups.get(key, (0, 0))
+                groups[key] = (n + 1, b + size)
+            rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
+            small = sum(b for b, _ in best_at.values() if b < SMALL)
+            out[phase] = {"live_since_start": best, "small_at_peak": small,
+                          "groups": [[k, n, b] for k, (n, b) in rows[:top]]}
+        cur = peak = 0
+        for t, size, ptr, stack in events:  # the heap's share: tensors under glibc's
+            if abs(size) < SMALL:  # largest dynamic mmap threshold
+                cur += size
+                peak = max(peak, cur)
+        out["small_peak"] = peak
+        t0 = events[0][0] if events else 0
+        out["large"] = [[round((t - t0) / 1e6), round(size / MIB), _label(stack, abs(size))]
+                        for t, size, _, stack in events if abs(size) >= LARGE]
+        return out
 
 
-def run_cell(argv: list[str]) -> dict:
+def _label(stack: tuple, size: int) -> str:
+    keep = [s for s in stack if s.startswith(("phase:", "autograd::engine::evaluate_function"))
+            or not s.startswith(("aten::", "autograd::", "cudaStream"))]
+    name = " > ".join(s.replace("autograd::engine::evaluate_function: ", "bwd ")
+                      for s in keep[-2:])
+    leaf = stack[-1] if stack else "?"
+    return f"{name} | {leaf} | {size / MIB:.1f} MiB"
+
+
+def run_cell(spec: dict) -> dict:
     """One cell in this (fresh) process: returns the measured bytes per phase."""
+    import dataclasses
+
     import megatron.core.distributed  # noqa: F401  (imports before the baseline)
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
@@ -190,136 +316,186 @@ def run_cell(argv: list[str]) -> dict:
     from megatron_tlt.runtime_env import silence_expected_warnings
 
     silence_expected_warnings()
-    torch.set_num_threads(1)
-    cfg = load_config(overrides=argv)
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    cfg = load_config(overrides=spec["argv"])
     baseline = _rss()
-    _reset_hwm()
+    _restart_hwm()
     session = setup(cfg)
     trainer = Trainer(cfg, session)
-    build = _hwm() - baseline
+    out = {"baseline": baseline, "build": _hwm(), "heap_after_build": _heap(), "steps": []}
 
-    class Alternating:  # rewards with variance in every group: every sample trains
+    class Alternating:  # rewards with variance in every group: every sample trains;
+        fresh = False  # with dynamic sampling a step's first round is flat (all 0), so
+        # every group is replaced by an extra round's
+
         def score_many(self, prompts, texts):
-            return [RewardResult(reward=float(i % 2), score=float(i % 2), correct=bool(i % 2),
-                                 format_ok=True, answer=None) for i in range(len(texts))]
+            flat, self.fresh = self.fresh, False
+            return [RewardResult(reward=0.0 if flat else float(i % 2), score=0.0,
+                                 correct=False, format_ok=True, answer=None)
+                    for i in range(len(texts))]
 
-    trainer.verifier = Alternating()
-    trainer.engine.eos_token_ids = ()  # every response runs to grpo.max_new_tokens
-    phases = {}
+    trainer.verifier = verifier = Alternating()
+    lengths = spec["lengths"]
+    generate = trainer.engine.generate
+
+    def at_lengths(prompts, params, **kw):  # each response stops at its cell length
+        plist = [dataclasses.replace(params, ignore_eos=True,
+                                     max_new_tokens=lengths[i % len(lengths)])
+                 for i in range(len(prompts))]
+        return generate(prompts, plist, **kw)
+    trainer.engine.generate = at_lengths
+    phases: dict = {}
+    tracer = [None]
 
     def end_of_rollout(step, roll):
-        phases["rollout"] = _hwm() - baseline
-        phases["kv_cache_bytes"] = int(roll.stats.get("kv_cache_bytes", 0) or 0) \
-            if isinstance(roll.stats, dict) else 0
+        phases["rollout"] = _hwm()
+        phases["heap_after_rollout"] = _heap()
         phases["lengths"] = sorted({len(s.response_ids) for s in roll.samples})
-        _reset_hwm()
-
-    # step 1 creates the optimizer state; step 2 is the steady state the dry run models
-    metrics = trainer.train_step(0)
-    first = _hwm() - baseline
+        _restart_hwm()
+        if spec.get("trace") and step == int(spec.get("steps", 2)) - 1:
+            tracer[0] = _Tracer()
     trainer.idle_window_hooks.append(end_of_rollout)
-    chunked = _count_calls("megatron_tlt.rl.token_stats", "token_stats")
-    _reset_hwm()
-    resident = _rss() - baseline  # weights, gradient buffers, optimizer state, KV cache
-    metrics = trainer.train_step(1)
-    phases["update"] = _hwm() - baseline
-    mem = getattr(trainer.engine, "memory", None)  # the rollout's memory lifecycle
-    released = (mem.cache is None or not mem.cache.allocated) if mem is not None \
-        else trainer.engine._cache is None
-    inline_loss = chunked() == 0  # the trainer's loss predates rl/token_stats.py
-    out = {"baseline": baseline, "build": build, "rollout": phases["rollout"],
-           "update": phases["update"], "first_step": first, "resident": resident,
-           "peak": max(build, first, phases["rollout"], phases["update"]),
-           "kv_released": released, "inline_loss": inline_loss, "lengths": phases["lengths"],
-           "grad_norm": metrics["grad_norm"]}
+    update = trainer._update
+
+    def measured_update(*a, **k):
+        from torch.profiler import record_function
+
+        phases["log-probs"] = _hwm()
+        phases["heap_before_update"] = _heap()
+        _restart_hwm()
+        with record_function("phase:update"):
+            return update(*a, **k)
+    trainer._update = measured_update
+    fill = trainer._fill_logprobs
+
+    def labelled_fill(*a, **k):
+        from torch.profiler import record_function
+
+        with record_function("phase:log-probs"):
+            return fill(*a, **k)
+    trainer._fill_logprobs = labelled_fill
+    for step in range(int(spec.get("steps", 2))):
+        verifier.fresh = cfg.grpo.dynamic_sampling
+        _restart_hwm()
+        phases.clear()
+        metrics = trainer.train_step(step)
+        phases["update"] = _hwm()
+        phases["heap_after_update"] = _heap()
+        mem = getattr(trainer.engine, "memory", None)
+        phases["kv_released"] = (mem.cache is None or not mem.cache.allocated) \
+            if mem is not None else trainer.engine._cache is None
+        phases["grad_norm"] = metrics["grad_norm"]
+        out["steps"].append(dict(phases))
+    if tracer[0] is not None:
+        out["trace"] = tracer[0].finish()
     shutdown()
+    for k in ("rollout", "log-probs", "update"):
+        out[k] = max(s.get(k, 0) for s in out["steps"])
+    out["peak"] = max(out["build"], out["rollout"], out["log-probs"], out["update"])
+    out["lengths"] = out["steps"][-1]["lengths"]
+    out["kv_released"] = out["steps"][-1]["kv_released"]
     return out
 
 
 # ------------------------------------------------------------------------ the table
-def predict(argv: list[str], kv_released: bool, inline_loss: bool) -> dict:
+def shape_arch(shape: str):
+    """The ``ModelArch`` of ``SHAPES[shape]`` (what its saved config.json reads as)."""
+    from megatron_tlt.models.gpt import ModelArch
+
+    hidden, ffn, layers, heads, kv = SHAPES[shape]
+    return ModelArch.from_hf_config(dict(
+        model_type="llama", vocab_size=49152, hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+        max_position_embeddings=4096, tie_word_embeddings=True))
+
+
+def predict(c: dict, kv_released: bool, lengths=None) -> dict:
+    """The model's phases for cell ``c``'s recorded config; ``lengths`` (prompt,
+    response) per sample, or None for the dry run's bound."""
     from megatron_tlt.config import load_config
     from megatron_tlt.rl.memory_model import estimate
-    from megatron_tlt.rl.plan import architecture
 
-    cfg = load_config(overrides=argv)
-    arch, _ = architecture(cfg)
-    est = estimate(cfg, arch, world_size=1, kv_released=kv_released,
-                   inline_loss=inline_loss)
-    return {"rollout": est.rollout_total, "update": est.update_total, "peak": est.peak,
-            "terms": {k: int(v) for k, v in est.as_dict().items()}}
+    cfg = load_config(overrides=[f"model.hf_path={c['shape']}", *c["config"]])
+    est = estimate(cfg, shape_arch(c["shape"]), world_size=1, kv_released=kv_released,
+                   lengths=lengths)
+    return {"rollout": est.rollout_total, "log-probs": est.logprobs_total,
+            "update": est.update_total, "peak": est.peak, "phase": est.peak_phase,
+            "micro_batch": [est.settings.micro_batch, est.settings.seq],
+            "terms": {f"{t.phase}: {t.name}": int(t.nbytes) for t in est.terms}}
 
 
-def measure(shape_name: str, recompute: str, root: Path, cpu_kernels: str = "false",
-            timeout: int = 900, loss_chunk: int = 0) -> dict:
-    shape = SHAPES[shape_name]
-    folder = model_folder(shape, root)
+def _errors(c: dict) -> dict:
+    p, m = c["predicted"], c["measured"]
+    return {k: 100.0 * (p[k] - m[k]) / m[k] for k in ("rollout", "update", "peak")}
+
+
+def measure(c: dict, root: Path, *, timeout: int = 1800, trace: bool = False,
+            threads: int = 1) -> dict:
+    folder = model_folder(c["shape"], root)
     prompts = prompt_file(root)
     tokens = prompt_tokens(folder, prompts)
-    argv = overrides(shape, recompute, folder, prompts, tokens, cpu_kernels, loss_chunk)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, __file__, "--cell",
-                        json.dumps({"argv": argv})], env=env,
+    argv = [f"model.hf_path={folder}", *overrides(c, prompts, tokens)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    spec = {"argv": argv, "lengths": c["lengths"], "trace": trace, "threads": threads,
+            "steps": c.get("steps", 2)}
+    r = subprocess.run([sys.executable, __file__, "--cell", json.dumps(spec)], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if r.returncode != 0:
-        raise RuntimeError(f"cell {shape_name}/{recompute} failed:\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"cell {c['name']} failed:\n{r.stderr[-4000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    pred = predict(argv, got["kv_released"], got["inline_loss"])
-    cell = {"shape": shape_name, **shape, "recompute": recompute, "cpu_kernels": cpu_kernels,
-            "prompt_tokens": tokens, "config": argv[1:], "measured": got,
-            "predicted": pred}
-    cell["error_pct"] = {k: 100.0 * (pred[k] - got[k]) / got[k]
-                         for k in ("rollout", "update", "peak")}
-    return cell
+    out = {**c, "hidden": SHAPES[c["shape"]][0], "layers": SHAPES[c["shape"]][2],
+           "prompt_tokens": tokens, "config": argv[1:], "threads": threads, "measured": got}
+    return repredict(out)
 
 
-def _loss(cell: dict) -> str:
-    """inline (a trainer before grpo.micro_batch_loss), or chunked N (its chunk rows)."""
-    if cell["measured"].get("inline_loss"):
-        return "inline"
-    key = "train.loss_chunk_tokens="
-    chunk = [c[len(key):] for c in cell["config"] if c.startswith(key)]
-    return f"chunked {chunk[0] if chunk else 1024}"
+def repredict(c: dict) -> dict:
+    """``c`` with its prediction (at the step's lengths), the dry run's bound and the
+    errors recomputed from its recorded config."""
+    kv = c["measured"]["kv_released"]
+    c["predicted"] = predict(c, kv, sample_lengths(c))
+    c["dry_run"] = predict(c, kv)
+    c["error_pct"] = _errors(c)
+    return c
 
 
-def repredict(cell: dict, root: Path) -> dict:
-    """``cell`` with its prediction and errors recomputed from its recorded config."""
-    folder = model_folder(SHAPES[cell["shape"]], root)
-    got = cell["measured"]
-    cell["predicted"] = predict([f"model.hf_path={folder}", *cell["config"]],
-                                got["kv_released"], got["inline_loss"])
-    cell["error_pct"] = {k: 100.0 * (cell["predicted"][k] - got[k]) / got[k]
-                         for k in ("rollout", "update", "peak")}
-    return cell
+def sample_lengths(c: dict) -> list[tuple]:
+    """(prompt, response) tokens of each of the cell's samples, in step order."""
+    return [(c["prompt_tokens"], c["lengths"][i % len(c["lengths"])])
+            for i in range(c["responses"])]
+
+
+def describe(c: dict) -> str:
+    opts = [o.split(".", 1)[1] for o in c["options"]]
+    lens = "/".join(str(n) for n in sorted(set(c["lengths"])))
+    mbt = f", {c['micro_batch_tokens']} tok" if c["micro_batch_tokens"] else ""
+    return (f"h {c['hidden']}, {c['layers']} layers; {c['responses']} x "
+            f"{c['prompt_tokens']}+{lens} (cap {c['new_tokens']}); mb {c['micro_batch_size']}"
+            f"{mbt}; chunk {c['loss_chunk']}; {c['recompute']}"
+            + (f"; {', '.join(opts)}" if opts else ""))
 
 
 def markdown(cells: list[dict]) -> str:
-    rows = ["| shape | recompute | loss | predicted rollout | predicted update | "
-            "predicted peak | measured rollout | measured update | measured peak | "
-            "peak error |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| cell | config | micro-batch | predicted | measured | measured / predicted "
+            "| dry-run bound |", "|---|---|---|---|---|---|---|"]
     for c in cells:
-        p, m = c["predicted"], c["measured"]
-        rows.append(
-            f"| {c['shape']}: h {c['hidden']}, {c['layers']} layers, {c['responses']} x "
-            f"{c['prompt_tokens']}+{c['new_tokens']} tokens, micro-batch "
-            f"{c['micro_batch_size']} | {c['recompute']} | {_loss(c)} | "
-            f"{p['rollout'] / MIB:.0f} MiB | "
-            f"{p['update'] / MIB:.0f} MiB | {p['peak'] / MIB:.0f} MiB | "
-            f"{m['rollout'] / MIB:.0f} MiB | {m['update'] / MIB:.0f} MiB | "
-            f"{m['peak'] / MIB:.0f} MiB | {c['error_pct']['peak']:+.1f} % |")
+        p, m, d = c["predicted"], c["measured"], c["dry_run"]
+        rows.append(f"| {c['name']} | {describe(c)} | {p['micro_batch'][0]} x "
+                    f"{p['micro_batch'][1]} | {p['peak'] / GIB:.2f} GiB ({p['phase']}) | "
+                    f"{m['peak'] / GIB:.2f} GiB | {m['peak'] / p['peak']:.3f} | "
+                    f"{d['peak'] / GIB:.2f} GiB |")
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--cell", help=argparse.SUPPRESS)
-    ap.add_argument("--cells", default=",".join(SHAPES), help="shapes, comma-separated")
-    ap.add_argument("--recompute", default=",".join(RECOMPUTE))
-    ap.add_argument("--cpu-kernels", default="false")
-    ap.add_argument("--loss-chunk", type=int, default=0,
-                    help="train.loss_chunk_tokens of the cells (0: the config's default)")
-    ap.add_argument("--append", action="store_true", help="add to the cells in --json")
+    ap.add_argument("--cells", default="", help="cell names, comma-separated, or 'fit'")
+    ap.add_argument("--grid", action="store_true", help="every cell of the validation grid")
+    ap.add_argument("--trace", action="store_true",
+                    help="live tensors at the log-probs' and the update's peaks")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of a cell")
+    ap.add_argument("--append", action="store_true",
+                    help="add to (or replace by name in) the cells in --json")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the predictions of the cells in --json (the model "
                          "changed; the measurements stay)")
@@ -328,28 +504,32 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(REPO / "docs/results/memory_model_cpu.json"))
     args = ap.parse_args(argv)
     if args.cell:
-        cell = json.loads(args.cell)
-        cell = cell if isinstance(cell, dict) else {"argv": cell}
-        print(json.dumps(run_cell(cell["argv"])))
+        print(json.dumps(run_cell(json.loads(args.cell))))
         return 0
     root = Path(args.models)
     root.mkdir(parents=True, exist_ok=True)
     out = Path(args.json)
     if args.repredict:
-        cells = [repredict(c, root) for c in json.loads(out.read_text())["cells"]]
+        cells = [repredict(c) for c in json.loads(out.read_text())["cells"]]
         out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
         print(markdown(cells))
         return 0
+    names = [c["name"] for c in GRID] if args.grid else \
+        [c["name"] for c in FIT] if args.cells == "fit" else args.cells.split(",")
+    unknown = [n for n in names if n not in CELLS]
+    if unknown or not names:
+        ap.error(f"unknown cells {unknown}; known: {', '.join(CELLS)}")
     cells = json.loads(out.read_text())["cells"] if args.append and out.exists() else []
-    for shape in args.cells.split(","):
-        for rc in args.recompute.split(","):
-            cell = measure(shape, rc, root, args.cpu_kernels, loss_chunk=args.loss_chunk)
-            print(f"{shape:7s} {rc:9s} predicted {cell['predicted']['peak'] / MIB:7.0f} MiB "
-                  f"measured {cell['measured']['peak'] / MIB:7.0f} MiB "
-                  f"({cell['error_pct']['peak']:+.1f} %)", flush=True)
-            cells.append(cell)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+    for name in names:
+        c = measure(CELLS[name], root, trace=args.trace, threads=args.threads)
+        print(f"{name:18s} predicted {c['predicted']['peak'] / MIB:7.0f} MiB measured "
+              f"{c['measured']['peak'] / MIB:7.0f} MiB ({c['error_pct']['peak']:+.1f} %)",
+              flush=True)
+        if args.trace:
+            print(json.dumps(c["measured"].get("trace"), indent=1), flush=True)
+        cells = [x for x in cells if x["name"] != name] + [c]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
     print(markdown(cells))
     return 0
 

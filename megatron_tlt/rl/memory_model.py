@@ -1,20 +1,31 @@
 """Per-rank memory of one RL step, by phase: pure arithmetic on the config and the
 architecture (no torch), for ``pretrain_rl_tlt.py --dry-run``.
 
-A step has two phases that never overlap in time:
+A step has three phases that never overlap in time:
 
 - rollout: the engine decodes on the trained weights (read in place) with its KV cache,
   the logits of a decode step, a prefill chunk's working set, and with speculation the
   drafter, its KV cache and the feature store (the self-drafter: the KV cache of its
   quantized copy); at PP > 1 in gathered mode copies of the other stages' weights;
+- log-probs: forward-only passes over the step's micro-batches for the old policy's
+  log-probs (when the update cannot take them from its own first forward) and the
+  reference's (``grpo.kl_beta > 0``);
 - update: forward/backward of one micro-batch at a time under the configured
-  recomputation, plus the loss's vocabulary-sized temporaries on the last stage.
+  recomputation, plus the loss's vocabulary-sized temporaries on the last stage, then
+  the optimizer step.
 
-What lives through both (weights, fp32 gradient buffers, optimizer state, the frozen
+What lives through all (weights, fp32 gradient buffers, optimizer state, the frozen
 reference model when ``grpo.kl_beta > 0``, the CPU kernels' packed weight copies, the
 self-drafter's quantized copy of the policy, and the KV caches unless they are released
 before the update) is *resident*. The peak is
-``resident + max(rollout-only, update-only)``.
+``resident + max(rollout-only, log-probs-only, update-only)``.
+
+The micro-batch is the worst the trainer can build (``rl/samples.plan_micro_batches``:
+``train.micro_batch_size`` samples and ``train.micro_batch_tokens`` padded positions at
+most, each fitted to its longest sample): the dry run does not know the lengths, so it
+takes every row count's longest samples under the budget, up to the cap
+(``memory_terms.budget_shapes``); given a step's lengths (``estimate(lengths=...)``,
+tools/measure_memory.py) it models the micro-batches the trainer builds from them.
 
 Where each number comes from (``Term.basis``):
 
@@ -32,28 +43,31 @@ Where each number comes from (``Term.basis``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
 
 from ..models.sizes import layer_params, stage_params
 from ..rollout.speculative import drafters
 from ..spec_strategy import Strategy, parse_arms
-from .memory_terms import (activation_bytes, cpu_layer_tensors, graph_keys, graph_pool_bytes,
-                           loss_vocab_bytes, rollout_stages)
+from . import memory_moe
+from .memory_terms import (activation_bytes, budget_shapes, cpu_layer_tensors,
+                           forward_layer_bytes, graph_keys, graph_pool_bytes,
+                           logprob_pass_bytes, loss_token_bytes, loss_vocab_bytes,
+                           optimizer_step_bytes, planned_shapes, recomputed_bytes,
+                           rollout_stages)
 
 GIB = 1024 ** 3
 GPU_BYTES = 80 * 10 ** 9          # an "80 GB" H100 / A100
 GPU_USABLE = 0.95                 # the CUDA context, NCCL buffers, fragmentation
-# CPU only, measured (tools/measure_memory.py, docs/memory.md): the RSS a run holds
-# beyond its tensors once set up (tokenizer, prompt set, Python objects: 53-70 MB on
-# the CPU cells), and the share of the update's layer activations that glibc keeps
-# resident as freed heap blocks (its dynamic mmap threshold serves tensors under
-# 32 MiB from the heap; the forward's freed temporaries of every layer stay mapped:
-# 0.77-1.0 of the activations on the cells, nothing with MALLOC_MMAP_THRESHOLD_ fixed)
+# CPU only, measured (tools/measure_memory.py, docs/memory.md): the libraries' pages
+# (torch, megatron-core, transformers imported: 395-415 MiB), the RSS a run holds beyond
+# its tensors once set up (tokenizer, prompt set, Python objects), and what glibc's heap
+# keeps (``_heap_terms``: freed blocks under its dynamic mmap threshold stay mapped)
+CPU_LIBRARIES_BYTES = 400 * 1024 ** 2
 CPU_PROCESS_BYTES = 64 * 1024 ** 2
-CPU_HEAP_RETENTION = 0.85
+HEAP_LAYERS = 4.0
 GLIBC_MMAP_MAX = 32 * 1024 ** 2   # glibc's largest dynamic mmap threshold (64-bit)
-PHASES = ("resident", "rollout", "update")
+PHASES = ("resident", "rollout", "log-probs", "update")
 # the widest panel of the CPU kernels' GEMM (AVX-512: 48 output rows; AVX2 16, portable
 # 8): an int8 matrix packed for them has its rows padded to a multiple of it
 PANEL_ROWS_MAX = 48
@@ -63,7 +77,7 @@ PANEL_ROWS_MAX = 48
 class Term:
     name: str
     nbytes: float
-    phase: str                    # resident | rollout | update
+    phase: str                    # resident | rollout | log-probs | update
     basis: str                    # exact | cpu-validated | gpu-model
     note: str = ""
 
@@ -77,9 +91,9 @@ class Settings:
     dp: int
     on_gpu: bool
     dtype_bytes: int
-    micro_batch: int              # rows per micro-batch
-    seq: int                      # positions per row (prompt + response, worst case)
-    loss_tokens: int              # response tokens per micro-batch (loss rows)
+    micro_batch: int              # rows of the modelled micro-batch
+    seq: int                      # its positions per row (fitted to its longest sample)
+    loss_tokens: int              # its response tokens (loss rows)
     micro_batches: int            # per optimizer step on this replica
     rollout_rows: int             # sequences decoded at once
     capacity: int                 # KV positions per row
@@ -88,7 +102,7 @@ class Settings:
     recompute: str                # none | selective | full
     recompute_method: str         # uniform | block
     recompute_layers: int
-    loss_chunk: Optional[int]     # rows per token_stats chunk; None: the inline loss
+    loss_chunk: Optional[int]     # rows per token_stats chunk (0 in the config: all)
     distributed_optimizer: bool
     reference: bool
     gathered: bool                # rollout.pipeline_mode=gathered at PP > 1
@@ -109,6 +123,22 @@ class Settings:
     draft_slack: int = 0
     spec: object = None
     panel_rows: int = PANEL_ROWS_MAX
+    # the micro-batches the update may run, (rows, positions, loss rows) each: the
+    # estimate takes the worst (empty: micro_batch x seq above); "budget" (the worst
+    # lengths up to the cap) or "lengths" (a step's real lengths)
+    shapes: tuple = ()
+    shapes_from: str = ""
+    # the GRPO options that change the step's memory
+    old_pass: bool = False        # a forward-only pass of the policy for old log-probs
+    entropy_grad: bool = False    # grpo.entropy_coef > 0: the entropy has a backward
+    dual_clip: bool = False
+    tis: bool = False
+    kl_type: str = "k3"
+    ppo_epochs: int = 1
+    dynamic_rounds: int = 0       # DAPO's extra rollout rounds at most
+    # mixture of experts (``memory_moe``): the expert-parallel size and routing replay
+    ep: int = 1
+    routing_replay: bool = False
 
     @property
     def graphed_drafting(self) -> bool:
@@ -121,10 +151,10 @@ class Settings:
 
 
 def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
-             inline_loss: bool = False) -> Settings:
-    """``inline_loss``: the loss of a trainer that predates ``rl/token_stats.py`` (full
-    [n, V/t] fp32 copies); the config's ``train.loss_chunk_tokens`` otherwise (0: one
-    chunk of the whole micro-batch)."""
+             lengths: Optional[Sequence[tuple]] = None) -> Settings:
+    """``lengths``: a step's (prompt, response) tokens per sample of this replica, in
+    step order; the micro-batches are then the trainer's for them (else the worst the
+    budget allows up to the cap)."""
     g, t, r, par = cfg.grpo, cfg.train, cfg.rollout, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = max(world_size // (tp * pp), 1)
@@ -132,27 +162,37 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(
         cfg.model.dtype, 2 if on_gpu else 4)
     capacity = cfg.data.max_prompt_tokens + g.max_new_tokens
-    rows = t.micro_batch_size
-    if t.micro_batch_tokens:
-        rows = max(1, min(rows, t.micro_batch_tokens // capacity))
     per_replica = g.prompts_per_step * g.group_size // dp
     gbs = t.global_batch_size or g.prompts_per_step * g.group_size
     mini = max(per_replica * dp // gbs, 1)
     sp_mode = str(getattr(par, "sequence_parallel", "off"))
-    chunk = int(getattr(t, "loss_chunk_tokens", 0) or 0) or rows * g.max_new_tokens
+    sequence_parallel = tp > 1 and (sp_mode == "on" or (sp_mode == "auto" and on_gpu))
+    multiple = tp if sequence_parallel else 1
+    if lengths:
+        shapes = planned_shapes(lengths, group_size=g.group_size, mini_batches=mini,
+                                micro_batch_size=t.micro_batch_size,
+                                micro_batch_tokens=t.micro_batch_tokens, multiple=multiple)
+    else:
+        shapes = budget_shapes(capacity=capacity, max_new=g.max_new_tokens,
+                               rows=max(per_replica // mini, 1),
+                               micro_batch_size=t.micro_batch_size,
+                               micro_batch_tokens=t.micro_batch_tokens, multiple=multiple)
+    rows, seq, loss = max(shapes, key=lambda x: (x[0] * x[1], x[1]))
+    chunk = int(getattr(t, "loss_chunk_tokens", 0) or 0)
     sc = r.speculative
     kinds = drafters.configured_kinds(cfg)
     return Settings(
         tp=tp, pp=pp, dp=dp, on_gpu=on_gpu, dtype_bytes=dtype_bytes, micro_batch=rows,
-        seq=capacity, loss_tokens=rows * g.max_new_tokens,
+        seq=seq, loss_tokens=loss,
         micro_batches=max(math.ceil(per_replica / mini / rows), 1),
-        rollout_rows=min(per_replica, r.max_batch_size), capacity=capacity,
-        prefill_tokens=r.prefill_tokens,
-        sequence_parallel=tp > 1 and (sp_mode == "on" or (sp_mode == "auto" and on_gpu)),
+        # at EP > 1 the EP group's replicas decode their requests together
+        rollout_rows=min(per_replica * par.expert_model_parallel_size, r.max_batch_size),
+        capacity=capacity,
+        prefill_tokens=r.prefill_tokens, sequence_parallel=sequence_parallel,
         recompute=str(getattr(t, "recompute_granularity", "none")),
         recompute_method=str(getattr(t, "recompute_method", "uniform")),
         recompute_layers=int(getattr(t, "recompute_num_layers", 1)),
-        loss_chunk=None if inline_loss else chunk,
+        loss_chunk=chunk,
         distributed_optimizer=on_gpu and t.optimizer in ("auto", "megatron"),
         reference=g.kl_beta > 0,
         gathered=pp > 1 and r.pipeline_mode == "gathered",
@@ -165,7 +205,15 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         arms=tuple(sorted({a for k in kinds for a in _arms(k.tuner_config(sc))})),
         spec_threshold=sc.threshold,
         cut_chains=sc.min_draft_prob > 0,
-        kinds=tuple(kinds), draft_slack=drafters.configured_slack(kinds, sc), spec=sc)
+        kinds=tuple(kinds), draft_slack=drafters.configured_slack(kinds, sc), spec=sc,
+        shapes=tuple(shapes), shapes_from="lengths" if lengths else "budget",
+        # the trainer's rule (``Trainer.train_step``): the old log-probs come from the
+        # update's own forward with one epoch and one mini-batch
+        old_pass=not g.use_rollout_logprobs and (g.ppo_epochs > 1 or mini > 1),
+        entropy_grad=g.entropy_coef > 0, dual_clip=g.dual_clip_c > 0, tis=g.tis_cap > 0,
+        kl_type=g.kl_type, ppo_epochs=g.ppo_epochs,
+        dynamic_rounds=g.dynamic_sampling_rounds if g.dynamic_sampling else 0,
+        ep=par.expert_model_parallel_size, routing_replay=g.routing_replay)
 
 
 def _arms(sc) -> tuple:
@@ -194,110 +242,223 @@ class Estimate:
         return self.resident + self.total("rollout")
 
     @property
+    def logprobs_total(self) -> float:
+        return self.resident + self.total("log-probs")
+
+    @property
     def update_total(self) -> float:
         return self.resident + self.total("update")
 
     @property
     def peak(self) -> float:
-        return max(self.rollout_total, self.update_total)
+        return max(self.rollout_total, self.logprobs_total, self.update_total)
 
     @property
     def peak_phase(self) -> str:
-        return "rollout" if self.rollout_total >= self.update_total else "update"
+        totals = {"rollout": self.rollout_total, "log-probs": self.logprobs_total,
+                  "update": self.update_total}
+        return max(totals, key=totals.get)
 
     def as_dict(self) -> dict:
         return {x.name: x.nbytes for x in self.terms}
 
 
 def estimate(cfg, arch, world_size: int, *, kv_released: Optional[bool] = None,
-             inline_loss: bool = False) -> Estimate:
-    """The worst rank's memory per phase for ``cfg`` on ``world_size`` ranks."""
+             lengths: Optional[Sequence[tuple]] = None) -> Estimate:
+    """The worst rank's memory per phase for ``cfg`` on ``world_size`` ranks (``lengths``:
+    see ``settings``)."""
     return estimate_settings(arch, settings(cfg, world_size, kv_released=kv_released,
-                                            inline_loss=inline_loss))
+                                            lengths=lengths))
 
 
 def estimate_settings(arch, s: Settings) -> Estimate:
-    """``estimate`` for settings already read from a config."""
-    db, tp, pp = s.dtype_bytes, s.tp, s.pp
+    """``estimate`` for settings already read from a config: the resident and rollout
+    terms, and the log-probs and update terms of the worst of ``s.shapes``."""
     est = Estimate(s)
-    add = est.terms.append
-    # the worst stage: the most parameters (the vocabulary matrices) and, in the update,
-    # the first stage's in-flight micro-batches or the last one's loss
-    shard = max(stage_params(arch, tp, pp, k) for k in range(pp))
-    add(Term("weights", shard * db, "resident", "exact", f"{db}-byte parameters"))
-    add(Term("grads", shard * 4, "resident", "exact", "fp32 main_grad buffers"))
+    shard = max(stage_params(arch, s.tp, s.pp, k, s.ep) for k in range(s.pp))
+    est.terms += _resident_terms(arch, s, shard) + _rollout_terms(arch, s) \
+        + [Term(*t) for t in memory_moe.fixed_terms(arch, s)]
+    worst = None
+    for rows, seq, loss in s.shapes or ((s.micro_batch, s.seq, s.loss_tokens),):
+        mb = replace(s, micro_batch=rows, seq=seq, loss_tokens=loss)
+        rollout = est.total("rollout")
+        terms = _heap_terms(arch, mb, phase="rollout", working=rollout) \
+            + _logprob_terms(arch, mb) + _update_terms(arch, mb, shard) \
+            + [Term(*t) for t in memory_moe.update_terms(arch, mb)]
+        worst_phase = max(sum(x.nbytes for x in terms if x.phase == p)
+                          + (rollout if p == "rollout" else 0)
+                          for p in ("rollout", "log-probs", "update"))
+        if worst is None or worst_phase > worst[0]:
+            worst = (worst_phase, terms, mb)
+    est.terms += worst[1]
+    est.settings = worst[2]
+    return est
+
+
+def _resident_terms(arch, s: Settings, shard: float) -> list[Term]:
+    db, tp, pp = s.dtype_bytes, s.tp, s.pp
+    out = [Term("weights", shard * db, "resident", "exact", f"{db}-byte parameters"),
+           Term("grads", shard * 4, "resident", "exact", "fp32 main_grad buffers")]
     opt = shard * (8 if db == 4 else 12) / (s.dp if s.distributed_optimizer else 1)
-    add(Term("optimizer", opt, "resident", "gpu-model" if s.distributed_optimizer else "exact",
-             ("fp32 master + " if db != 4 else "") + "Adam moments"
-             + (f", sharded over DP {s.dp}" if s.distributed_optimizer else "")))
+    out.append(Term("optimizer", opt, "resident",
+                    "gpu-model" if s.distributed_optimizer else "exact",
+                    ("fp32 master + " if db != 4 else "") + "Adam moments"
+                    + (f", sharded over DP {s.dp}" if s.distributed_optimizer else "")))
     if s.reference:
-        add(Term("reference", shard * db, "resident", "exact", "frozen copy (grpo.kl_beta)"))
+        out.append(Term("reference", shard * db, "resident", "exact",
+                        f"frozen copy (grpo.kl_beta, KL {s.kl_type})"))
     if s.cpu_kernels:
         mats = arch.num_layers // pp * (layer_params(arch, tp) - 2 * arch.hidden_size) \
             + (arch.padded_vocab_size(tp) // tp) * arch.hidden_size
-        add(Term("cpu kernel copies", mats * 4, "resident", "exact",
-                 "packed weight panels (rollout.cpu_kernels)"))
-
+        out.append(Term("cpu kernel copies", mats * 4, "resident", "exact",
+                        "packed weight panels (rollout.cpu_kernels)"))
     if not s.on_gpu:
-        add(Term("process (CPU)", CPU_PROCESS_BYTES, "resident", "cpu-validated",
-                 "tokenizer, prompts, Python objects"))
+        out.append(Term("libraries (CPU)", CPU_LIBRARIES_BYTES, "resident", "cpu-validated",
+                        "torch, megatron-core, transformers loaded"))
+        out.append(Term("process (CPU)", CPU_PROCESS_BYTES, "resident", "cpu-validated",
+                        "tokenizer, prompts, Python objects"))
+    return out
 
-    # rollout
+
+def _rollout_terms(arch, s: Settings) -> list[Term]:
+    db, tp, pp = s.dtype_bytes, s.tp, s.pp
     stages = rollout_stages(arch, tp, pp, db, s.rollout_rows, s.capacity,
                             drafter=s.drafter_reads_vocabulary,
                             mode="gathered" if s.gathered else "pipelined")
     worst = max(stages, key=lambda x: x["kv"] + x["logits"] + x["copies"])
-    add(Term("KV cache", worst["kv"], "rollout" if s.kv_released else "resident", "exact",
-             f"{s.rollout_rows} rows x {s.capacity} positions"
-             + ("" if s.kv_released else ", kept through the update")))
-    add(Term("decode logits", worst["logits"] * 3, "rollout", "cpu-validated",
-             "fp32 logits of a step and two sampling temporaries"))
+    extra = f"; DAPO's up to {s.dynamic_rounds} extra rounds reuse it" \
+        if s.dynamic_rounds else ""
+    out = [Term("KV cache", worst["kv"], "rollout" if s.kv_released else "resident", "exact",
+                f"{s.rollout_rows} rows x {s.capacity} positions"
+                + ("" if s.kv_released else ", kept through the update") + extra),
+           Term("decode logits", worst["logits"] * 3, "rollout", "cpu-validated",
+                "fp32 logits of a step and two sampling temporaries")]
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q = arch.num_attention_heads * arch.kv_channels
     kvw = arch.num_query_groups * arch.kv_channels
     prefill = min(s.prefill_tokens, s.rollout_rows * (s.capacity - 1))
-    add(Term("prefill working set", prefill * db * (3 * h + (2 * q + 2 * kvw + 4 * f) / tp),
-             "rollout", "cpu-validated", f"one layer's temporaries for {prefill} tokens"))
+    out.append(Term("prefill working set",
+                    prefill * db * (3 * h + (2 * q + 2 * kvw + 4 * f) / tp),
+                    "rollout", "cpu-validated", f"one layer's temporaries for {prefill} tokens"))
     if worst["copies"]:
-        add(Term("gathered copies" if s.gathered else "vocabulary copies", worst["copies"],
-                 "rollout", "exact", "other stages' weights" if s.gathered
-                 else "the drafter's embedding / output layer"))
+        out.append(Term("gathered copies" if s.gathered else "vocabulary copies",
+                        worst["copies"], "rollout", "exact",
+                        "other stages' weights" if s.gathered
+                        else "the drafter's embedding / output layer"))
     for kind in s.kinds:  # each drafter kind's own terms (``Drafter.memory_terms``)
         for t in kind.memory_terms(arch, s, s.spec):
             phase = "rollout" if t.lifetime == "rollout" and s.kv_released else "resident"
-            add(Term(t.name, t.nbytes, phase, "exact", t.note))
+            out.append(Term(t.name, t.nbytes, phase, "exact", t.note))
     if s.cuda_graphs:
         keys = graph_keys(arch, s)
         pools = [graph_pool_bytes(k) for k in keys.values()]
-        add(Term("CUDA graph pools", sum(p + i for p, i in pools),
-                 "rollout" if s.kv_released else "resident", "gpu-model",
-                 f"{len(keys['target'])} target + {len(keys['drafter'])} drafter keys: "
-                 "outputs + largest working set per pool, static inputs"))
+        out.append(Term("CUDA graph pools", sum(p + i for p, i in pools),
+                        "rollout" if s.kv_released else "resident", "gpu-model",
+                        f"{len(keys['target'])} target + {len(keys['drafter'])} drafter "
+                        "keys: outputs + largest working set per pool, static inputs"))
+    return out
 
-    # update
-    layers = arch.num_layers // pp
+
+def _shape_note(s: Settings) -> str:
+    how = {"budget": "the worst train.micro_batch_size / micro_batch_tokens allow up to "
+                     f"{s.capacity} positions",
+           "lengths": "the largest the trainer builds from the step's lengths"}
+    return f"{s.micro_batch} x {s.seq} positions" + (
+        f" ({how[s.shapes_from]})" if s.shapes_from in how else "")
+
+
+def _logprob_terms(arch, s: Settings) -> list[Term]:
+    """The forward-only passes before the update (old policy, reference) on the last
+    stage: the larger of a layer's forward temporaries and the logits' moment."""
+    if not (s.old_pass or s.reference):
+        return []
+    which = " and ".join(n for n, on in (("old policy", s.old_pass),
+                                         ("reference", s.reference)) if on)
+    vocab, how = logprob_pass_bytes(arch, s, reference=s.reference)
+    layer = forward_layer_bytes(arch, s)
+    basis = "gpu-model" if s.on_gpu else "cpu-validated"
+    out = [Term("log-prob forward", max(vocab, layer), "log-probs", basis,
+                f"{which}: {_shape_note(s)}; " + (how if vocab >= layer
+                                                  else "a layer's temporaries"))]
+    return out + _heap_terms(arch, s, phase="log-probs")
+
+
+def _update_terms(arch, s: Settings, shard: float) -> list[Term]:
+    h, layers, pp = arch.hidden_size, arch.num_layers // s.pp, s.pp
     first = activation_bytes(arch, s, layers=layers, in_flight=min(pp, s.micro_batches))
     last = activation_bytes(arch, s, layers=layers)
     vocab, how = loss_vocab_bytes(arch, s)
     basis = "gpu-model" if s.on_gpu else "cpu-validated"
-    outside = s.micro_batch * s.seq * 3 * h * db  # the final norm, the embedding output
+    outside = s.micro_batch * s.seq * 3 * h * s.dtype_bytes  # final norm, embedding out
+    out = []
     if pp > 1 and first > last + vocab:
-        add(Term("activations", first + outside, "update", basis,
-                 f"first stage, {min(pp, s.micro_batches)} micro-batches in flight, "
-                 f"recompute {s.recompute}"))
+        out.append(Term("activations", first + outside, "update", basis,
+                        f"first stage, {min(pp, s.micro_batches)} micro-batches in flight, "
+                        f"recompute {s.recompute}"))
     else:
-        add(Term("activations", last + outside, "update", basis,
-                 f"{s.micro_batch} x {s.seq} positions, recompute {s.recompute}"
-                 + (", sequence parallel" if s.sequence_parallel else "")))
-        add(Term("loss vocabulary", vocab, "update", "cpu-validated", how))
-    if not s.on_gpu:  # glibc's heap serves the layers' tensors under its 32 MiB limit
-        acts = next(x.nbytes for x in est.terms if x.name == "activations")
-        sizes = cpu_layer_tensors(arch, s, tokens=s.micro_batch * s.seq)
-        heap = sum(x for x in sizes if x < GLIBC_MMAP_MAX) / sum(sizes)
-        add(Term("heap retention (CPU)", CPU_HEAP_RETENTION * heap * acts, "update",
-                 "cpu-validated", f"glibc keeps freed layer temporaries: "
-                 f"{CPU_HEAP_RETENTION} x the activations under 32 MiB per tensor"))
-    return est
+        # full recomputation: a chunk's layers are rebuilt in the backward after the loss's
+        # and the output layer's (their vocabulary tensors freed): the larger moment counts
+        chunk = recomputed_bytes(arch, s, layers=layers)
+        out.append(Term("activations", last - chunk + outside, "update", basis,
+                        f"{_shape_note(s)}, recompute {s.recompute}"
+                        + (", sequence parallel" if s.sequence_parallel else "")
+                        + (": the checkpointed inputs" if chunk else "")))
+        if chunk > vocab:
+            out.append(Term("recomputed layers", chunk, "update", basis,
+                            "one chunk's activations, rebuilt in the backward"))
+        else:
+            out.append(Term("loss vocabulary", vocab, "update", "cpu-validated", how))
+        tokens, note = loss_token_bytes(s)
+        options = [n for n, on in (("entropy bonus", s.entropy_grad), ("KL", s.reference),
+                                   ("dual clip", s.dual_clip), ("TIS", s.tis)) if on]
+        out.append(Term("loss per-token", tokens, "update", "cpu-validated",
+                        note + (f" ({', '.join(options)})" if options else "")))
+    out += _heap_terms(arch, s, phase="update")
+    step = optimizer_step_bytes(arch, s, shard)
+    if step > sum(x.nbytes for x in out):  # after the backward: the activations are freed
+        return [Term("optimizer step", step, "update", basis, "AdamW's temporaries")]
+    return out
+
+
+def _heap_terms(arch, s: Settings, *, phase: str, working: float = 0.0) -> list[Term]:
+    """CPU only: glibc's heap beside the live tensors (docs/memory.md). Tensors under its
+    dynamic mmap threshold (32 MiB at most) come from the heap, which keeps the blocks
+    they free: in the update about ``HEAP_LAYERS`` layers' worth of such tensors at the
+    micro-batch's positions beyond the live ones (the forward's temporaries, the
+    backward's gradients, a recomputed layer or core attention; measured 3-4.6 whether
+    or not the layers are recomputed), and after it, through the next rollout and
+    log-prob passes, those plus the freed activations, less what the phase's own
+    ``working`` set reuses.
+
+    Not monotone in the positions: a tensor that grows past the threshold leaves the
+    heap for its own mapping. So the dry run's bound (micro-batches from the budget,
+    no lengths known) takes the worst of its micro-batch at 1/16 .. 16/16 of its
+    positions: shorter responses must not model above it."""
+    if s.on_gpu:
+        return []
+    fractions = range(1, 17) if s.shapes_from == "budget" else (16,)
+    shapes = [replace(s, seq=max(1, s.seq * k // 16)) for k in fractions]
+    retention = max(_heap_retention(arch, x) for x in shapes)
+    if phase == "update":
+        return [Term("heap retention (CPU)", retention, "update", "cpu-validated",
+                     f"glibc's freed blocks: {HEAP_LAYERS:g} layers' tensors under 32 MiB")]
+    kept = max(_heap_kept(arch, x) for x in shapes)
+    return [Term("heap kept (CPU)", max(kept - working, 0.0), phase, "cpu-validated",
+                 "the update's freed activations and blocks, in glibc's heap from the "
+                 "second step on")]
+
+
+def _heap_retention(arch, s: Settings) -> float:
+    tokens = s.micro_batch * s.seq
+    layer = cpu_layer_tensors(arch, replace(s, recompute="none"), tokens=tokens)
+    return HEAP_LAYERS * sum(x for x in layer if x < GLIBC_MMAP_MAX)
+
+
+def _heap_kept(arch, s: Settings) -> float:
+    sizes = cpu_layer_tensors(arch, s, tokens=s.micro_batch * s.seq)
+    small = sum(x for x in sizes if x < GLIBC_MMAP_MAX) / sum(sizes)
+    return small * activation_bytes(arch, s, layers=arch.num_layers // s.pp) \
+        + _heap_retention(arch, s)
 
 
 # ----------------------------------------------------------------------- the report
@@ -308,15 +469,20 @@ def report_lines(est: Estimate) -> list[str]:
         where += " (platform.device=auto; platform.device=cpu for the CPU model)"
     out = [f"memory per rank by phase (dry-run model; {s.dtype_bytes}-byte params, "
            f"{where}):"]
-    for phase, total in (("resident", est.resident), ("rollout", est.total("rollout")),
-                         ("update", est.total("update"))):
-        out.append(f"  {phase:8s} {total / GIB:8.2f} GiB"
-                   + {"resident": "  (through both phases)",
-                      "rollout": "  (rollout only)", "update": "  (update only)"}[phase])
+    for phase in PHASES:
+        total = est.total(phase)
+        if phase == "log-probs" and not total:
+            continue
+        out.append(f"  {phase:9s} {total / GIB:7.2f} GiB"
+                   + {"resident": "  (through every phase)", "rollout": "  (rollout only)",
+                      "log-probs": "  (old / reference log-prob passes only)",
+                      "update": "  (update only)"}[phase])
         for x in est.terms:
             if x.phase == phase:
                 out.append(f"    {x.name:22s} {x.nbytes / GIB:8.2f} GiB  [{x.basis}] {x.note}")
-    out.append(f"  rollout total {est.rollout_total / GIB:8.2f} GiB   update total "
+    logprobs = (f"   log-probs total {est.logprobs_total / GIB:8.2f} GiB"
+                if est.total("log-probs") else "")
+    out.append(f"  rollout total {est.rollout_total / GIB:8.2f} GiB{logprobs}   update total "
                f"{est.update_total / GIB:8.2f} GiB")
     out.append(f"  peak         {est.peak / GIB:8.2f} GiB ({est.peak_phase})")
     if s.on_gpu:
@@ -336,11 +502,11 @@ def report_lines(est: Estimate) -> list[str]:
 def advice(est: Estimate) -> str:
     s, d = est.settings, est.as_dict()
     tips = []
-    if est.peak_phase == "update":
+    if est.peak_phase != "rollout":
         if s.recompute != "full":
             tips.append("train.recompute_granularity=full" if s.recompute == "selective"
                         else "train.recompute_granularity=selective (or full)")
-        if s.loss_chunk is None or s.loss_chunk > 1024:
+        if not s.loss_chunk or s.loss_chunk > 1024:
             tips.append("train.loss_chunk_tokens=1024")
         if s.micro_batch > 1 or s.seq > 4096:
             tips.append("a smaller train.micro_batch_tokens / micro_batch_size")

@@ -7,7 +7,7 @@ phase."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..models.sizes import layer_params
 from ..rollout.kv_cache import kv_bytes
@@ -173,15 +173,17 @@ def layer_activation_bytes(arch, s, *, tokens: int) -> float:
 
 
 def cpu_layer_tensors(arch, s, *, tokens: int) -> list[float]:
-    """The tensors (bytes) one eager local-spec layer keeps for ``tokens`` positions:
-    3 per RMSNorm of h, attention's Q, expanded K and V and output of q (selective
-    recomputation: Q, K, V before the expansion and the output), SwiGLU's 2f, f, f, f,
-    and the float32 softmax [b, a/t, s, s] unless recomputed."""
+    """The tensors (bytes) one eager local-spec layer keeps for ``tokens`` positions
+    (saved tensors of a real layer, ``torch.autograd.graph.saved_tensors_hooks``): 3 per
+    RMSNorm of h, attention's Q, expanded K and V and output of q, SwiGLU's 2f, f, f,
+    f, and the float32 softmax [b, a/t, s, s]. Selective recomputation keeps instead of
+    the attention's the fused QKV output whole (q + 2 kvw: V, saved for the recomputed
+    core attention, is a view of it), the rotary outputs of Q and K and the output."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q = arch.num_attention_heads * arch.kv_channels
     kvw = arch.num_query_groups * arch.kv_channels
     t, db = s.tp, s.dtype_bytes
-    attn = [q, kvw, kvw, q] if s.recompute == "selective" else [q] * 4
+    attn = [q + 2 * kvw, q, kvw, q] if s.recompute == "selective" else [q] * 4
     widths = [h] * 6 + [w / t for w in attn] + [2 * f / t] + [f / t] * 3
     out = [tokens * w * db for w in widths]
     if s.recompute != "selective":
@@ -207,29 +209,141 @@ def activation_bytes(arch, s, *, layers: int, in_flight: int = 1) -> float:
     return in_flight * layers * full
 
 
+def recomputed_bytes(arch, s, *, layers: int) -> float:
+    """Of ``activation_bytes`` under full recomputation, the chunk rebuilt in the
+    backward (``recompute_num_layers`` layers' full activations), 0 otherwise."""
+    if s.recompute != "full":
+        return 0.0
+    n = max(1, min(s.recompute_layers, layers))
+    return n * layer_activation_bytes(arch, replace(s, recompute="none"),
+                                      tokens=s.micro_batch * s.seq)
+
+
 def loss_vocab_bytes(arch, s) -> tuple[float, str]:
-    """The loss's vocabulary-sized tensors on the last stage, at their worst moment.
+    """The loss's vocabulary-sized tensors on the last stage at the micro-batch's worst
+    moment (the layers' activations are all alive at each), with T = b x S positions,
+    V the vocabulary shard, c = ``train.loss_chunk_tokens`` rows (``rl/token_stats.py``;
+    the whole micro-batch's loss rows when 0) and db the model's bytes per element:
 
-    Unchunked (the whole micro-batch at once): the logits [b, S, V/t] stay alive; the
-    loss rows are copied out ([n, V/t]), log-probs work on a float32 copy
-    (megatron-core's cross-entropy keeps it as the softmax), the entropy metric makes
-    three float32 [n, V/t] temporaries (x - max, exp, product); in the backward the
-    logits' gradient is materialised twice ([b, S, V/t] from the row selection and a
-    contiguous copy for the output layer) next to the kept softmax.
-
-    Chunked (``train.loss_chunk_tokens`` = c, rl/token_stats.py): the logits stay
-    alive; the forward makes per chunk an fp32 copy of its rows, their exp and the
-    product inside ``linalg.vecdot`` (3 x [c, V/t] fp32); the backward writes the
-    logits' gradient [b, S, V/t] chunk by chunk (per chunk the rows and their softmax in
-    fp32, and the gradient rows in the model dtype when it is not fp32), and the output
-    layer's backward makes a contiguous copy of it."""
+    - the output layer's [S, b, V] result and the model's transposed copy [b, S, V]
+      (the logits), for a moment both: 2·T·V·db;
+    - the loss's forward: the logits and one chunk's fp32 rows, their exp and the
+      product inside ``linalg.vecdot``: T·V·db + 3·c·V·4 (+ the rows in the model
+      dtype before the cast when it is not fp32);
+    - its backward: the logits, the gradient of the logits (model dtype, written chunk
+      by chunk) and one chunk's fp32 log-probs and softmax: 2·T·V·db + 2·c·V·4 (+ the
+      chunk's gradient rows cast to the model dtype); the entropy bonus works in place
+      on the same two (no further chunk);
+    - the output layer's backward: the gradient of the logits, its contiguous [S, b, V]
+      copy (megatron-core's weight-gradient GEMM) and the weight gradient V x h in the
+      model dtype: 2·T·V·db + V·h·db (the logits themselves are freed by then)."""
     v = arch.padded_vocab_size(s.tp) // s.tp
     db, n, T = s.dtype_bytes, s.loss_tokens, s.micro_batch * s.seq
-    if s.loss_chunk is None:
-        fwd = T * v * db + n * v * (db + 4 + (0 if db == 4 else 4) + 12)
-        bwd = 3 * T * v * db + n * v * (4 + (0 if db == 4 else db))
-        return max(fwd, bwd), f"whole micro-batch: {n} loss rows, {T} positions"
-    c = min(s.loss_chunk, n)
-    fwd = T * v * db + 3 * c * v * 4
-    bwd = max(2 * T * v * db + c * v * (8 + (0 if db == 4 else db)), 3 * T * v * db)
-    return max(fwd, bwd), f"logits {T} x V/TP, loss in chunks of {c} rows"
+    c = min(s.loss_chunk or n, n) if n else 0
+    cast = 0 if db == 4 else c * v * db
+    moments = {
+        "output layer": 2 * T * v * db,
+        "loss forward": T * v * db + 3 * c * v * 4 + cast,
+        "loss backward": 2 * T * v * db + 2 * c * v * 4 + cast,
+        "output layer backward": 2 * T * v * db + v * arch.hidden_size * db,
+    }
+    worst = max(moments, key=moments.get)
+    return moments[worst], f"logits {T} x V/TP, loss in chunks of {c} rows; worst: {worst}"
+
+
+def loss_token_bytes(s) -> tuple[float, str]:
+    """The loss's per-token tensors ([b, S] fp32, rl/grpo.py ``policy_loss``): the
+    log-probs and entropies scattered back, the old / rollout (/ reference) log-probs of
+    the micro-batch, the ratio, the clipped surrogate and their autograd copies, and per
+    option a few more (dual clip 4, TIS 3, the KL term 4, the entropy bonus 2). Small
+    next to the vocabulary: modelled so every option has its term."""
+    count = 24 + 4 * bool(s.dual_clip) + 3 * bool(s.tis) + 4 * bool(s.reference) \
+        + 2 * bool(s.entropy_grad)
+    return count * s.micro_batch * s.seq * 4, f"{count} [b, S] fp32 tensors"
+
+
+def logprob_pass_bytes(arch, s, *, reference: bool) -> tuple[float, str]:
+    """A forward-only log-prob pass over one micro-batch (the old policy's,
+    ``Policy.logprobs``, or the reference's, ``Trainer._fill_logprobs``) at its worst
+    moment: the output layer's result and the model's transposed copy (2·T·V·db), then
+    ``models.inference.token_logprobs``' fp32 copy beside the logits (megatron-core's
+    cross-entropy works in place on it): T·V·(db + 4). The reference pass keeps the
+    previous micro-batch's logits until the next forward returns (one T·V·db more at
+    the output layer), a layer's forward temporaries beside it are small."""
+    v = arch.padded_vocab_size(s.tp) // s.tp
+    db, T = s.dtype_bytes, s.micro_batch * s.seq
+    out = (3 if reference else 2) * T * v * db
+    return max(out, T * v * (db + 4)), f"logits {T} x V/TP, fp32 log-softmax copy"
+
+
+def forward_layer_bytes(arch, s) -> float:
+    """One layer's forward temporaries without saving (a no-grad forward: the log-prob
+    passes, a recomputed layer's own forward is in ``activation_bytes``): the residual,
+    norm and a spare of h, the larger of attention's (QKV, rotary copies, the output)
+    and the MLP's (fc1's 2f, SiLU, the product) and, unfused (CPU), the attention's
+    scores and softmax [b, a/t, S, S] in fp32."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.kv_channels
+    kvw = arch.num_query_groups * arch.kv_channels
+    t, T, db = s.tp, s.micro_batch * s.seq, s.dtype_bytes
+    width = 3 * h + max(q + 2 * kvw + 3 * (q + kvw) + q, 4 * f) / t
+    scores = 0 if s.on_gpu else 2 * s.micro_batch * arch.num_attention_heads / t * s.seq ** 2 * 4
+    return T * db * width + scores
+
+
+def optimizer_step_bytes(arch, s, shard: float) -> float:
+    """Temporaries of the optimizer step (after the backward, the activations freed):
+    torch's AdamW (megatron-core's fallback without Transformer Engine or Apex), on CPU
+    one parameter at a time (the square root of the second moment and its scaled copy:
+    2 x the largest matrix, the vocabulary one, in fp32), on GPU over all tensors at once
+    (``_foreach_sqrt`` of the second moments: the rank's optimizer shard in fp32)."""
+    if not s.on_gpu:
+        return 2 * (arch.padded_vocab_size(s.tp) // s.tp) * arch.hidden_size * 4
+    return shard * 4 / (s.dp if s.distributed_optimizer else 1)
+
+
+# ----------------------------------------------------------------------- micro-batches
+def budget_shapes(*, capacity: int, max_new: int, rows: int, micro_batch_size: int,
+                  micro_batch_tokens: int, multiple: int = 1) -> list[tuple]:
+    """The micro-batches ``rl/samples.plan_micro_batches`` can build from ``rows``
+    samples of at most ``capacity`` positions, as (rows, positions, loss rows): for each
+    row count r, the longest positions r samples may have under the token budget
+    (``micro_batch_tokens``; one sample over it has a micro-batch of its own, at any
+    length up to ``capacity``), each with every response at most ``max_new`` tokens.
+    Positions round up to ``multiple`` (sequence parallelism's TP, ``MicroBatch.fitted``).
+    The dry run takes the worst of them: shorter samples can make a micro-batch of more
+    rows and more positions in all than the cap's."""
+    out = set()
+    for r in range(1, max(1, min(micro_batch_size, rows)) + 1):
+        longest = capacity if r == 1 or not micro_batch_tokens \
+            else min(capacity, micro_batch_tokens // r)
+        if longest < 2:
+            break
+        out.add((r, -(-longest // multiple) * multiple, r * min(max_new, longest - 1)))
+    return sorted(out)
+
+
+def planned_shapes(lengths, *, group_size: int, mini_batches: int, micro_batch_size: int,
+                   micro_batch_tokens: int, multiple: int = 1) -> list[tuple]:
+    """The micro-batches the trainer builds from a step's samples, (rows, positions,
+    loss rows) each: ``lengths`` one (prompt, response) token count per sample in step
+    order (prompt-major groups of ``group_size``), split into mini-batches by prompt
+    (``prompt % mini_batches``), each planned as ``plan_micro_batches`` does (sorted by
+    length, at most ``micro_batch_size`` samples and ``micro_batch_tokens`` padded
+    positions) and fitted to its longest sample."""
+    out = []
+    for m in range(mini_batches):
+        mine = sorted((p + r, r) for i, (p, r) in enumerate(lengths)
+                      if (i // group_size) % mini_batches == m)
+        cur: list = []
+        for total, resp in mine:
+            longest = max([x for x, _ in cur] + [total])
+            over = micro_batch_tokens and longest * (len(cur) + 1) > micro_batch_tokens
+            if cur and (len(cur) >= micro_batch_size or over):
+                out.append(cur)
+                cur = []
+            cur.append((total, resp))
+        if cur:
+            out.append(cur)
+    return sorted({(len(c), -(-max(x for x, _ in c) // multiple) * multiple,
+                    sum(r for _, r in c)) for c in out})

@@ -107,10 +107,13 @@ class _ChunkedTokenStats(torch.autograd.Function):
                 if first_pad < width:
                     z[:, first_pad:] = 0.0
                 z.add_(ent[sl].unsqueeze(1)).mul_(p).mul_(-g_ent[sl].unsqueeze(1))
+                z.addcmul_(p, gl.unsqueeze(1), value=-1.0)    # - p g_logp, in place
+                del p
                 gz = z
-                gz.sub_(p * gl.unsqueeze(1))
             else:
+                del z
                 gz = p.mul_(-gl.unsqueeze(1))
+                del p
             local = t - start
             mine = (local >= 0) & (local < width)
             gz.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1),
@@ -118,6 +121,7 @@ class _ChunkedTokenStats(torch.autograd.Function):
             if T != 1.0:
                 gz.div_(T)
             grad.index_copy_(0, r, gz.to(grad.dtype))
+            del gz  # before the next chunk's rows exist: one chunk's temporaries at a time
         return grad, None, None, None, None, None, None
 
 
