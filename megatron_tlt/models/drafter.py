@@ -11,7 +11,9 @@ output ĥ is trained to predict h_{t+1} in that same space, so when drafting sev
 tokens ahead the drafter feeds its own ĥ back in place of h. The embedding and the
 output layer are the target's own (frozen, shared, vocab-parallel under TP); the
 drafter owns only ``fc``, the decoder layer (a megatron-core ``TransformerLayer`` of the
-target's width) and its final norm, and optionally:
+target's width and attention, dense: its shape is the target family's answer,
+``Family.drafter_layer``, e.g. Qwen3's QK norm and a dense MLP for a Qwen3-MoE target)
+and its final norm, and optionally:
 
 - EAGLE-3 features: h_t is the concatenation of three target layers' outputs
   (``feature_layers``), reduced by ``feature_fc`` (3H -> H) before ``fc``;
@@ -37,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from ..fileio import write_bytes_atomic
-from .gpt import (ModelArch, layer_spec, mark_tensor_parallel_params, te_available,
-                  transformer_config)
+from . import moe as moe_specs
+from .families import FAMILIES
+from .gpt import ModelArch, mark_tensor_parallel_params, te_available, transformer_config
 
 CHECKPOINT_KEY = "megatron_tlt_drafter"
 FORMAT_VERSION = 1
@@ -66,6 +69,7 @@ class DrafterConfig:
     draft_vocab_size: int = 0  # 0 = the full vocabulary
     fp8: bool = False
     extra: dict = field(default_factory=dict)
+    qk_layernorm: bool = False  # per-head query / key RMSNorm (Qwen3 targets)
 
     def __post_init__(self):
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
@@ -86,8 +90,9 @@ class DrafterConfig:
         if feature_layers == "auto":
             n = arch.num_layers
             feature_layers = (min(1, n - 1), n // 2, n - 1)
+        layer = drafter_layer_arch(arch)
         return cls(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
-                   ffn_hidden_size=arch.ffn_hidden_size,
+                   ffn_hidden_size=layer.ffn_hidden_size, qk_layernorm=layer.qk_layernorm,
                    num_attention_heads=arch.num_attention_heads,
                    num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
                    norm_epsilon=arch.norm_epsilon, qkv_bias=arch.qkv_bias,
@@ -101,7 +106,10 @@ class DrafterConfig:
         return self.hidden_size * (len(self.feature_layers) or 1)
 
     def layer_arch(self, target: ModelArch) -> ModelArch:
-        return dataclasses.replace(target, num_layers=1)
+        """The drafter's decoder layer as a one-layer dense ``ModelArch``."""
+        return dataclasses.replace(drafter_layer_arch(target),
+                                   ffn_hidden_size=self.ffn_hidden_size,
+                                   qk_layernorm=self.qk_layernorm)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -117,15 +125,18 @@ class DrafterConfig:
         return cls(**d)
 
     def check_target(self, arch: ModelArch) -> None:
-        """Raise DrafterMismatchError unless this drafter fits ``arch``."""
+        """Raise DrafterMismatchError unless this drafter fits ``arch`` (its layer is
+        the one ``arch``'s family asks for, ``drafter_layer_arch``)."""
         problems = []
+        layer = drafter_layer_arch(arch)
         for name, mine, theirs in (
                 ("hidden_size", self.hidden_size, arch.hidden_size),
                 ("vocab_size", self.vocab_size, arch.vocab_size),
                 ("num_attention_heads", self.num_attention_heads, arch.num_attention_heads),
                 ("num_query_groups", self.num_query_groups, arch.num_query_groups),
                 ("kv_channels", self.kv_channels, arch.kv_channels),
-                ("ffn_hidden_size", self.ffn_hidden_size, arch.ffn_hidden_size)):
+                ("ffn_hidden_size", self.ffn_hidden_size, layer.ffn_hidden_size),
+                ("qk_layernorm", self.qk_layernorm, layer.qk_layernorm)):
             if mine != theirs:
                 problems.append(f"{name}: drafter {mine} vs target {theirs}")
         if self.feature_layers and max(self.feature_layers) >= arch.num_layers:
@@ -135,6 +146,15 @@ class DrafterConfig:
             raise DrafterMismatchError(
                 "the drafter was made for a different target model: " + "; ".join(problems)
                 + ". Warm up a drafter for this model with tools/warmup_drafter.py")
+
+
+def drafter_layer_arch(target: ModelArch) -> ModelArch:
+    """The one-layer drafter's decoder layer for ``target``: one layer of the target's
+    width and attention, dense, with the fields its family sets
+    (``Family.drafter_layer``)."""
+    fam = FAMILIES.get(target.model_type)
+    fields = fam.drafter_layer(target) if fam is not None else {}
+    return dataclasses.replace(target, num_layers=1, **fields)
 
 
 class EagleDrafter(torch.nn.Module):
@@ -163,9 +183,11 @@ class EagleDrafter(torch.nn.Module):
         self.config = config
         self.impl = impl
         h = config.hidden_size
-        tcfg = transformer_config(config.layer_arch(target_arch), dtype=dtype, device=device,
+        layer_arch = config.layer_arch(target_arch)
+        tcfg = transformer_config(layer_arch, dtype=dtype, device=device,
                                   tp=self.tp_size, pp=1, impl=impl)
-        spec = fp8_layer_spec() if config.fp8 else layer_spec(impl)
+        spec = (fp8_layer_spec(moe_specs.layer_spec(layer_arch, "local", 0)) if config.fp8
+                else moe_specs.layer_spec(layer_arch, impl, 0))
         self.layer = build_module(spec, config=tcfg, layer_number=1)
         mark_tensor_parallel_params(self.layer)  # (clipping sums the shards' norms over TP)
         kw = dict(dtype=dtype, device=device)
@@ -303,18 +325,21 @@ class EagleDrafter(torch.nn.Module):
 # FP8 (Transformer Engine, CUDA only)
 # -------------------------------------------------------------------------------------
 
-def fp8_layer_spec():
-    """The local layer spec with Transformer Engine norms, linears and attention, the
-    norms kept separate from the linears so the state dict has the local spec's names
-    (checkpoints are interchangeable with fp8=false) and the incremental decoder can
-    call each linear on its own."""
+def fp8_layer_spec(local=None):
+    """The local layer spec (``local``: one of its variants, e.g. with QK norm) with
+    Transformer Engine norms, linears and attention, the norms kept separate from the
+    linears so the state dict has the local spec's names (checkpoints are
+    interchangeable with fp8=false) and the incremental decoder can call each linear on
+    its own (a QK norm stays torch's)."""
     import copy
 
     from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
                                                              TEDotProductAttention, TENorm,
                                                              TERowParallelLinear)
 
-    spec = copy.deepcopy(layer_spec("local"))
+    from .gpt import layer_spec
+
+    spec = copy.deepcopy(local if local is not None else layer_spec("local"))
     sub = spec.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = TENorm
     att = sub.self_attention.submodules

@@ -20,6 +20,19 @@ KNOWN_ARCHITECTURES = {
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
         num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "Qwen3-8B": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, attention_bias=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        attention_bias=False, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 

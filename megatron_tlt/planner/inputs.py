@@ -14,7 +14,9 @@ questions below; where a number comes from is this module's business.
 - ``Acceptance``: the drafter's per-depth acceptance (alpha_j, conditional: the j-th
   draft token is accepted given the ones before it were), as a function of the
   tokens the drafter was trained on.
-- ``Hardware`` and ``RooflineCost``: bandwidth, FLOPs and a launch floor.
+- ``Hardware`` and ``RooflineCost``: bandwidth, FLOPs and a launch floor; for a
+  mixture-of-experts model the weights a forward streams are the dense part and the
+  experts its tokens touch (``ModelShape.streamed``, ``distinct_experts``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+
+from .experts import distinct_experts, moe_fields
 
 # a clone's measurements: what the validation predicts (an installed package has none)
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -120,7 +124,11 @@ HARDWARE = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the roofline needs of a model."""
+    """What the roofline needs of a model. A mixture-of-experts model also gives its
+    ``experts`` per MoE layer, ``topk`` chosen per token and ``expert_params`` (one
+    expert's parameters summed over the MoE layers); ``params`` counts every expert,
+    ``draft_layer`` the one-layer drafter's decoder layer (0: params / layers, a dense
+    target's layer)."""
 
     params: float
     layers: int
@@ -128,16 +136,40 @@ class ModelShape:
     kv_dim: int  # kv heads x head dim
     vocab: int
     bytes_per_param: float = 2.0
+    experts: int = 0
+    topk: int = 0
+    expert_params: float = 0.0
+    draft_layer: float = 0.0
 
     @property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_dim * self.bytes_per_param
 
+    @property
+    def dense_params(self) -> float:
+        """Parameters every token multiplies by (all but the experts)."""
+        return self.params - self.experts * self.expert_params
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token's forward multiplies by: the dense part and its top-k
+        experts (all of a dense model's)."""
+        return self.dense_params + self.topk * self.expert_params
+
+    def streamed(self, tokens: float, ep: int = 1) -> float:
+        """Parameters one rank of an expert-parallel group of ``ep`` reads in a forward
+        over ``tokens`` tokens of the group: the dense part, and its share of the
+        experts they touch (``distinct_experts``; every expert of a dense model)."""
+        if not self.experts:
+            return self.params
+        touched = distinct_experts(self.experts, self.topk, tokens)
+        return self.dense_params + touched / max(ep, 1) * self.expert_params
+
     @classmethod
     def from_arch(cls, arch, bytes_per_param: float = 2.0) -> "ModelShape":
         return cls(float(arch.num_parameters), arch.num_layers, arch.hidden_size,
                    arch.num_query_groups * arch.kv_channels, arch.vocab_size,
-                   bytes_per_param)
+                   bytes_per_param, **moe_fields(arch))
 
 
 @dataclass
@@ -147,28 +179,48 @@ class RooflineCost(StepCost):
     2 x params FLOPs per token, and pays a launch floor and 2 all-reduces per layer at
     TP > 1. A depth-k speculative step is one verify forward over k+1 tokens per row
     plus k drafter forwards (``draft_fraction`` of the target's weights and a
-    one-layer floor each)."""
+    one-layer floor each).
+
+    Mixture of experts (docs/planning.md): the forward streams the dense part and the
+    experts its tokens touch (``ModelShape.streamed``) and computes 2 x active
+    parameters per token. At expert parallelism ``ep`` a rank's ``rows`` stand for
+    ep x rows rows of the EP group, which decodes together: every rank runs their dense
+    part and KV cache, and its own 1/ep of the experts, all-reduced over TP x EP."""
 
     hw: Optional[Hardware] = None
     model: Optional[ModelShape] = None
     tp: int = 1
     draft_fraction: float = 0.05  # drafter weights (one layer + fc + LM head) / target
+    ep: int = 1
 
     def forward(self, rows: int, t: int, ctx: float, weights_frac: float = 1.0,
                 layers: Optional[int] = None, floor: Optional[float] = None) -> float:
+        """A forward of ``rows`` x ``t`` tokens over ``ctx`` resident KV tokens: the
+        target's (``weights_frac`` 1) or a drafter's (a dense fraction of the target's
+        parameters, ``layers`` layers)."""
         hw, m, tp = self.hw, self.model, self.tp
         layers = m.layers if layers is None else layers
-        bytes_ = (weights_frac * m.params * m.bytes_per_param
-                  + ctx * m.kv_bytes_per_token * (layers / m.layers)) / tp
-        flops = 2 * weights_frac * m.params * rows * t / tp \
-            + 4 * layers * m.hidden * ctx * t / tp
+        target = weights_frac == 1.0 and m.experts > 0
+        g = self.ep if target else 1  # rows of the EP group per rank's row
+        tokens = rows * t * g
+        if target:
+            weights = m.streamed(tokens, self.ep)
+            flops_w = 2 * (m.dense_params * tokens + m.topk * m.expert_params * rows * t)
+        else:
+            weights = weights_frac * m.params
+            flops_w = 2 * weights * rows * t
+        bytes_ = (weights * m.bytes_per_param
+                  + g * ctx * m.kv_bytes_per_token * (layers / m.layers)) / tp
+        flops = flops_w / tp + 4 * layers * m.hidden * g * ctx * t / tp
         mem = bytes_ / (hw.hbm_bytes_per_s * hw.bw_efficiency)
         comp = flops / (hw.bf16_flops * hw.mfu_decode)
         comm = 0.0
-        if tp > 1:
-            msg = rows * t * m.hidden * 2
-            comm = 2 * layers * (hw.allreduce_latency_s + msg * 2 * (tp - 1) / tp
-                                 / hw.link_bytes_per_s)
+        group = tp * g
+        if group > 1:
+            msg = tokens * m.hidden * 2
+            ring = lambda n: 0.0 if n <= 1 else (hw.allreduce_latency_s  # noqa: E731
+                                                 + msg * 2 * (n - 1) / n / hw.link_bytes_per_s)
+            comm = layers * (ring(tp) + ring(group))
         floor = hw.launch_floor_s if floor is None else floor
         return self.scale * (max(mem, comp) + comm) + floor + layers * hw.per_layer_floor_s
 
@@ -188,23 +240,29 @@ class RooflineCost(StepCost):
 
     def prefill(self, tokens: float) -> float:
         m, hw = self.model, self.hw
-        return self.scale * 2 * m.params * tokens / self.tp / (hw.bf16_flops * hw.mfu_train)
+        return self.scale * 2 * m.active_params * tokens / self.tp / (hw.bf16_flops
+                                                                      * hw.mfu_train)
 
     def train_seconds_per_token(self, gpus: int, passes: float = 3.0) -> float:
-        """A forward (passes=1) or forward + backward (3) per token over ``gpus``."""
-        return passes * 2 * self.model.params / (gpus * self.hw.bf16_flops * self.hw.mfu_train)
+        """A forward (passes=1) or forward + backward (3) per token over ``gpus`` (an
+        MoE model's active parameters)."""
+        return passes * 2 * self.model.active_params / (gpus * self.hw.bf16_flops
+                                                        * self.hw.mfu_train)
 
 
 def roofline(hw: str, model: ModelShape, tp: int, *, ref_ctx: float = 1024.0,
-             draft_fraction: Optional[float] = None) -> RooflineCost:
+             draft_fraction: Optional[float] = None, ep: int = 1) -> RooflineCost:
     h = HARDWARE[hw]
     if draft_fraction is None:  # one decoder layer + fc (2H x H) + the LM head
-        layer = model.params / max(model.layers, 1)
+        layer = model.draft_layer or model.params / max(model.layers, 1)
         draft_fraction = min(1.0, (layer + 2 * model.hidden ** 2
                                    + model.vocab * model.hidden) / model.params)
+    where = f"TP {tp}" + (f" x EP {ep}" if ep > 1 else "")
+    moe = (f", {model.experts} experts top-{model.topk}: {model.active_params / 1e9:.2f}B "
+           "active, the experts touched streamed" if model.experts else "")
     return RooflineCost(batches=(1,), seconds=(0.0,), ref_ctx=ref_ctx, hw=h, model=model,
-                        tp=tp, draft_fraction=draft_fraction, modelled=True,
-                        source=f"roofline: {h.name}, TP {tp} (modelled)")
+                        tp=tp, draft_fraction=draft_fraction, ep=ep, modelled=True,
+                        source=f"roofline: {h.name}, {where}{moe} (modelled)")
 
 
 # ---------------------------------------------------------------------- measured tables

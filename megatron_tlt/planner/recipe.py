@@ -60,7 +60,8 @@ def drafter_throughput(cost, layout: Layout, dgc) -> DrafterGroup:
     from ..drafter_training.sizing import DeviceInfo, DrafterCost, derive
 
     m, hw = cost.model, cost.hw
-    layer = m.params / max(m.layers, 1) + 2 * m.hidden ** 2  # one layer + fc (2H -> H)
+    # one layer (a dense target's, or the MoE target's dense drafter layer) + fc (2H -> H)
+    layer = (m.draft_layer or m.params / max(m.layers, 1)) + 2 * m.hidden ** 2
     dcost = DrafterCost(hidden=m.hidden, vocab=m.vocab, layer_params=int(layer))
     device = DeviceInfo("cuda", int(hw.memory_gib * 2 ** 30), (9, 0))
     sizes = derive(device, dcost, dgc.stop_checks)
@@ -138,7 +139,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
                               f"{cap}, sigma 0.8, {DEFAULT_TRUNCATED:.0%} at the cap "
                               "(assumed; pass a run's metrics.jsonl to replace it)")
     assumptions.append(f"response lengths: {lengths.source}")
-    engine = EngineSettings.from_config(ro)
+    engine = EngineSettings.from_config(ro).per_rank(par.expert_model_parallel_size)
     drafter_on = bool(ro.speculative.drafter) or cfg.drafter_group.enable
     if hardware == "cpu":
         from .cpu_inputs import PROMPT_TOKENS, cpu_1t_corun_table, cpu_train_cost
@@ -153,7 +154,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         assumptions += [cost.source, train.source]
     else:
         shape = ModelShape.from_arch(arch, 2.0 if cfg.model.dtype != "float32" else 4.0)
-        cost = roofline(hardware, shape, tp)
+        cost = roofline(hardware, shape, tp, ep=par.expert_model_parallel_size)
         prompt = min(float(cfg.data.max_prompt_tokens), DEFAULT_PROMPT_TOKENS)
         fused = m == 1
         train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)

@@ -74,6 +74,19 @@ class EngineSettings:
                 return depths
         return ()
 
+    def per_rank(self, ep: int) -> "EngineSettings":
+        """At expert parallelism ``ep`` the EP group decodes its ``ep`` ranks' requests
+        as one batch (``rollout/expert_call.py``): in rows of one rank (the simulator's
+        engine), the batch bound, the threshold and the buckets' bounds are the group's
+        divided by ``ep``."""
+        if ep <= 1:
+            return self
+        per = lambda n: n if n >= 10 ** 9 else max(1, n // ep)  # noqa: E731
+        return replace(self, max_batch_size=per(self.max_batch_size),
+                       threshold=per(self.threshold),
+                       buckets=tuple(per(b) for b in self.buckets),
+                       arms=tuple((per(bound), d) for bound, d in self.arms))
+
     @classmethod
     def from_config(cls, rollout) -> "EngineSettings":
         """From a ``RolloutConfig`` (tree arms count by their depth)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..config import Config, validate_for_run
 from ..models.known import KNOWN_ARCHITECTURES, architecture  # noqa: F401 (re-exported)
+from ..models.sizes import active_params
 from ..rollout.speculative import drafters
 from . import memory_model, memory_terms
 from .memory_model import GIB
@@ -33,13 +34,18 @@ def dry_run(cfg: Config, world_size: int) -> str:
     est = memory_model.estimate(cfg, arch, world_size)
     s = est.settings
     prompts_per_replica = g.prompts_per_step // dp
+    ep = cfg.parallel.expert_model_parallel_size
+    active = (f", {active_params(arch) / 1e9:.2f}B active: {arch.num_experts} experts "
+              f"top-{arch.moe_topk}" if arch.is_moe else "")
+    rollout = (f"EP {ep} (experts over consecutive DP ranks); a rollout replica is the EP "
+               f"group, {tp * pp * ep} ranks, {dp // ep} replica(s)" if ep > 1 else
+               f"a rollout replica is {tp * pp} rank(s), {dp} replica(s)")
     lines = [
         f"recipe OK for world size {world_size}",
         f"model      : {cfg.model.hf_path} ({arch.model_type}, "
-        f"{arch.num_parameters / 1e9:.2f}B params, {arch.num_layers} layers, hidden "
+        f"{arch.num_parameters / 1e9:.2f}B params{active}, {arch.num_layers} layers, hidden "
         f"{arch.hidden_size}; architecture from {arch_from})",
-        f"layout     : TP {tp} x PP {pp} x DP {dp} = {world_size} ranks; a rollout replica "
-        f"is {tp * pp} rank(s), {dp} replica(s)",
+        f"layout     : TP {tp} x PP {pp} x DP {dp} = {world_size} ranks; {rollout}",
         f"per step   : {g.prompts_per_step} prompts x {g.group_size} samples = "
         f"{g.prompts_per_step * g.group_size} responses ({prompts_per_replica} prompts per "
         f"replica), {m} mini-batch(es) x {g.ppo_epochs} epoch(s) = {m * g.ppo_epochs} "

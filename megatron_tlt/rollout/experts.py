@@ -44,7 +44,7 @@ hand them to the trainer (routing replay, ``models.moe_replay``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -174,10 +174,14 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tens
 
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-        shape: MoeShape, idx: Optional[torch.Tensor] = None
+        shape: MoeShape, idx: Optional[torch.Tensor] = None,
+        act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's part of the MoE MLP for tokens x [N, H] (to be all-reduced over TP x
-    EP), and the chosen experts [N, k] (``ROUTE_DTYPE``). ``idx`` forces the experts."""
+    EP), and the chosen experts [N, k] (``ROUTE_DTYPE``). ``idx`` forces the experts;
+    ``act`` maps each grouped GEMM's input rows first (the self-drafter's int8 copy
+    quantizes them, ``speculative.quantize_experts``)."""
+    act = act or (lambda rows: rows)
     n, k = x.shape[0], shape.topk
     if idx is None:
         weights, idx = route(x, router_w, shape)
@@ -194,9 +198,9 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    h = _grouped(rows, w13, ends)
+    h = _grouped(act(rows), w13, ends)
     a, u = torch.chunk(h, 2, dim=-1)
-    y = _grouped(F.silu(a) * u, w2, ends) * w.index_select(0, order)[:, None]
+    y = _grouped(act(F.silu(a) * u), w2, ends) * w.index_select(0, order)[:, None]
     pairs = torch.empty_like(y)
     pairs[order] = y  # back to (token, slot) order
     return pairs.view(n, k, -1).sum(1), idx.to(ROUTE_DTYPE)

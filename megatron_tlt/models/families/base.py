@@ -13,6 +13,10 @@ Features (``ModelArch`` fields a family sets):
   * ``num_experts`` > 0: mixture-of-experts MLPs on the layers ``moe_layers`` (top-k
     routing over softmax scores, ``moe_norm_topk_prob``: the k weights renormalised to
     sum to one; experts of ``moe_ffn_hidden_size``; megatron-core's MoE layer).
+
+The one-layer (EAGLE) drafter of a target of the family is one dense decoder layer of the
+target's width and attention; ``Family.drafter_layer`` says which ``ModelArch`` fields
+that layer takes instead of the target's (an MoE family: a dense MLP).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class Family:
     label: str  # the checkpoints it covers, for messages ("Llama", "Qwen2/Qwen2.5")
     read: Callable[[dict[str, Any]], dict[str, Any]]
     speculation: bool = True  # the drafter kinds (EAGLE, self) draft for it
+    # ``drafter_layer(arch) -> dict``: the ``ModelArch`` fields of the one-layer drafter's
+    # decoder layer that differ from the target's (``arch``); {} = the target's own layer
+    drafter_layer: Callable[[Any], dict[str, Any]] = lambda arch: {}
 
 
 def require(config: dict, cond: bool, field: str, why: str) -> None:

@@ -1,5 +1,9 @@
 """Qwen3 dense: per-head RMSNorm on queries and keys (before RoPE), an explicit
-``head_dim`` (not necessarily hidden / heads), no QKV bias, tied or untied embeddings."""
+``head_dim`` (not necessarily hidden / heads), no QKV bias, tied or untied embeddings.
+
+Its one-layer drafter's layer is the target's own layer shape, QK norm and ``head_dim``
+included (the rollout's forward runs QK norm for the drafter as for the target, and a
+target layer can be copied into it, ``drafter_training.layer_init``)."""
 
 from __future__ import annotations
 
@@ -15,4 +19,4 @@ def attention(config: dict) -> dict:
     return {"qkv_bias": False, "qk_layernorm": True}
 
 
-FAMILY = Family("qwen3", "Qwen3", attention, speculation=False)
+FAMILY = Family("qwen3", "Qwen3", attention)

@@ -6,6 +6,18 @@ logit in float32, the top ``num_experts_per_tok``, renormalised to sum to one wh
 and the token's output is the weighted sum. Layer i is sparse when it is not in
 ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; other layers have a
 dense MLP of ``intermediate_size``. No shared expert.
+
+The one-layer drafter's layer (``drafter_layer``) is dense: the target's attention (QK
+norm, ``head_dim``) and a SwiGLU MLP of ``intermediate_size``, the width of the
+family's dense layers, which the released checkpoints set to top-k x
+``moe_intermediate_size`` (Qwen3-30B-A3B: 6144 = 8 x 768), i.e. the MLP width a token
+meets in an MoE layer. A dense layer because a drafter of a few hundred million
+parameters gains nothing from sparsity (one layer's experts would be most of its
+weights, all streamed at the batch sizes speculation runs at), it trains on the idle
+replicas without expert parallelism or routing, and its decode step is the dense
+path of every family; the public EAGLE drafters for Qwen3-MoE are likewise one dense
+Llama-style layer. (An ``intermediate_size`` of 0 stands for top-k x
+``moe_intermediate_size``.)
 """
 
 from __future__ import annotations
@@ -42,4 +54,11 @@ def _read(config: dict) -> dict:
     return out
 
 
-FAMILY = Family("qwen3_moe", "Qwen3-MoE", _read, speculation=False)
+def _drafter_layer(arch) -> dict:
+    """A dense decoder layer: the target's attention and a SwiGLU MLP of the dense width."""
+    width = arch.ffn_hidden_size or arch.moe_topk * arch.moe_ffn_hidden_size
+    return dict(ffn_hidden_size=width, num_experts=0, moe_topk=0, moe_ffn_hidden_size=0,
+                moe_layers=())
+
+
+FAMILY = Family("qwen3_moe", "Qwen3-MoE", _read, drafter_layer=_drafter_layer)

@@ -17,9 +17,9 @@ its own position L, its last sampled token x_L not yet in the target's cache:
    the drafter).
 5. Commit: features of accepted nodes are stored; the engine emits the tokens, log-probs
    and hidden states exactly as plain decoding emits them (stop tokens and length
-   limits cut the accepted run) and accepted tree nodes' keys/values move to
-   consecutive cache slots (``compact``; rejected slots are simply beyond the new
-   length).
+   limits cut the accepted run) and accepted tree nodes' keys/values (and recorded
+   experts) move to consecutive cache slots (``compact``; rejected slots are simply
+   beyond the new length).
 """
 
 from __future__ import annotations
@@ -323,7 +323,10 @@ class SpeculativeDecoder:
 
     def compact(self, target_cache: KVCache, row: int, length: int, slots: Sequence[int]) -> None:
         """Move accepted tree nodes (slot offsets from ``length``) to consecutive slots
-        length+1.. in the target cache (chains are already in place)."""
+        length+1.. in the target cache (chains are already in place), their keys,
+        values and, for a mixture-of-experts target, the experts recorded for them
+        (``KVCache.routes``: the routes of the verified nodes, which a plain decode
+        of the accepted tokens would have taken)."""
         want = list(range(1, len(slots) + 1))
         if list(slots) == want:
             return
@@ -334,6 +337,8 @@ class SpeculativeDecoder:
                 c[:, row, :, dst] = c[:, row, :, src]
             else:
                 c[:, row, dst] = c[:, row, src]
+        if target_cache.routes is not None:
+            target_cache.routes[:, row, dst] = target_cache.routes[:, row, src]
 
     # ---------------------------------------------------------------- pieces
     def _agree(self, emissions: list[Emission], n: int) -> list[Emission]:

@@ -16,7 +16,6 @@ class DraftRunner(ModelRunner):
     """The drafter's layer run like the target's (same kernels, TP and cache code),
     with the target's embedding, RoPE and output layer (or its draft-vocabulary rows)."""
 
-    fused_drafting = True  # greedy chains may run in one call (cpu_kernels.draft_chain)
     refreshes = 0  # its weights are the drafter's own: never re-made from the target's
     refresh_seconds = 0.0
 
@@ -29,6 +28,12 @@ class DraftRunner(ModelRunner):
             att, mlp = drafter.layer.self_attention, drafter.layer.mlp
             self._te = {id(m.weight): m for m in (att.linear_qkv, att.linear_proj,
                                                   mlp.linear_fc1, mlp.linear_fc2)}
+
+    @property
+    def fused_drafting(self) -> bool:
+        """Whether greedy chains may run in one call (``cpu_kernels.draft_chain``): a
+        plain layer (that kernel has no QK norm)."""
+        return self.plain_stack
 
     def _lin(self, x, w, b=None, residual=None):
         mod = self._te.get(id(w))

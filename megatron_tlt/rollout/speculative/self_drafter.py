@@ -157,9 +157,10 @@ class SelfDrafter(Drafter):
                       kv_heads=max(arch.num_query_groups // s.tp, 1), capacity=positions,
                       head_dim=arch.kv_channels, itemsize=s.dtype_bytes)
         packed = " (CPU kernels' panels)" if s.cpu_kernels and fmt == "int8" else ""
+        experts = " and int8 experts" if arch.is_moe else ""
         return [MemoryTerm("self-drafter copy", copy_bytes(arch, s, sc, fmt), "resident",
-                           f"the policy's {fmt} copy, all layers and the LM head{packed}; "
-                           "kept through the update"),
+                           f"the policy's {fmt} copy, all layers{experts} and the LM "
+                           f"head{packed}; kept through the update"),
                 MemoryTerm("self-drafter KV", kv, "rollout",
                            f"all layers, {rows} rows (up to the threshold) x {positions} "
                            "positions")]
@@ -174,13 +175,25 @@ def copy_format(sc, on_gpu: bool) -> str:
 
 
 def copy_matrices(arch, tp: int) -> list[tuple[int, int]]:
-    """(rows, inputs) of every matrix of the copy on one TP rank: each layer's QKV,
-    projection, fc1 (gate and up) and fc2 shards, and the LM head's vocabulary shard
-    (the copy holds all layers, also at PP > 1: the gathered mode)."""
+    """(rows, inputs) of every int8 linear of the copy on one TP rank: each layer's QKV
+    and projection shards, a dense layer's fc1 (gate and up) and fc2 shards, and the LM
+    head's vocabulary shard (the copy holds all layers, also at PP > 1: the gathered
+    mode). A mixture-of-experts layer's experts: ``copy_expert_matrices``."""
     h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels
     q, kvw = arch.num_attention_heads * d, arch.num_query_groups * d
-    layer = [((q + 2 * kvw) // tp, h), (h, q // tp), (2 * f // tp, h), (h, f // tp)]
-    return layer * arch.num_layers + [(arch.padded_vocab_size(tp) // tp, h)]
+    attn, mlp = [((q + 2 * kvw) // tp, h), (h, q // tp)], [(2 * f // tp, h), (h, f // tp)]
+    out = []
+    for i in range(arch.num_layers):
+        out += attn + ([] if arch.is_moe_layer(i) else mlp)
+    return out + [(arch.padded_vocab_size(tp) // tp, h)]
+
+
+def copy_expert_matrices(arch, tp: int, ep: int) -> list[tuple[int, int, int]]:
+    """(experts, rows, inputs) of every stacked int8 expert tensor of the copy on one
+    rank: per MoE layer this rank's num_experts / EP experts' fc1 [2F/TP, H] and fc2
+    [H, F/TP] (``quantize_experts``)."""
+    e, h, f = arch.num_experts // max(ep, 1), arch.hidden_size, arch.moe_ffn_hidden_size
+    return [(e, 2 * f // tp, h), (e, h, f // tp)] * len(arch.moe_layers)
 
 
 def copy_bytes(arch, s, sc, fmt: str) -> float:
@@ -192,9 +205,11 @@ def copy_bytes(arch, s, sc, fmt: str) -> float:
       to the panel width P (inputs to a multiple of 4 with int8 activations), its
       scales in panel layout (Np x G) and the scales (N x G);
     - FP8: the E4M3 matrix padded to multiples of 16 and a float32 scale per padded row;
+    - experts (whatever the format): int8 q (E x N x K) and float32 scales (E x N x G);
 
-    plus the norms (2 per layer and the final one), the QKV biases and RoPE's sign
-    vector (head_dim) in the model's dtype. The embedding is the policy's own."""
+    plus the norms (2 per layer and the final one, Qwen3's per-head query and key norms),
+    the QKV biases, an MoE layer's router (num_experts x hidden) and RoPE's sign vector
+    (head_dim) in the model's dtype. The embedding is the policy's own."""
     h, db = arch.hidden_size, s.dtype_bytes
     up = lambda n, m: -(-n // m) * m  # noqa: E731
     packed = fmt == "int8" and s.cpu_kernels
@@ -210,9 +225,14 @@ def copy_bytes(arch, s, sc, fmt: str) -> float:
         else:
             total += n * k
         total += 4 * n * groups
+    for e, n, k in copy_expert_matrices(arch, s.tp, s.ep):
+        groups = -(-k // (min(sc.self_group, k) if sc.self_group else k))
+        total += e * n * k + 4 * e * n * groups
     bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.kv_channels // s.tp \
         if arch.qkv_bias else 0
-    small = arch.num_layers * (2 * h + bias) + h + arch.kv_channels
+    qk = 2 * arch.kv_channels if arch.qk_layernorm else 0
+    small = arch.num_layers * (2 * h + bias + qk) + h + arch.kv_channels \
+        + len(arch.moe_layers) * arch.num_experts * h
     return total + small * db
 
 

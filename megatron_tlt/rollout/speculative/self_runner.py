@@ -1,7 +1,9 @@
 """The self-drafter's copy of the policy (``SelfDraftRunner``): a full-depth
 ``ModelRunner`` over the target's weights quantized to int8 (or FP8), re-quantized
-from the current weights whenever they changed. The kind itself, its settings and its
-memory are ``self_drafter.py``."""
+from the current weights whenever they changed. Qwen3's query / key norms are float
+copies; a mixture-of-experts layer keeps a float copy of its router and its experts in
+int8 (``quantize_experts.py``). The kind itself, its settings and its memory are
+``self_drafter.py``."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from ... import collectives
+from .. import experts
 from ..cpu_kernels import MAX_FUSED_ROWS
 from ..forward import _NO_TENSOR, ModelRunner, _Layer
 from .quantize import QuantWeight, int8_linear, panel_byte_offset, quantize_int8
+from .quantize_experts import moe_int8, quantize_experts
 from .quantize_fp8 import Fp8Weight, fp8_linear, quantize_fp8, resolve_format
 
 
@@ -35,10 +39,15 @@ class SelfDraftRunner(ModelRunner):
         self.tp_size, self.tp_rank, self.tp_group = target.tp_size, target.tp_rank, target.tp_group
         self.groups, self.heads_per_group = target.groups, target.heads_per_group
         self.head_dim, self.eps, self.scale = target.head_dim, target.eps, target.scale
+        # mixture of experts: the target's routing and groups (the copy's experts are
+        # this rank's, as the target's)
+        self.moe_shape, self.expert_group = target.moe_shape, target.expert_group
+        self.ep_group = target.ep_group
         self._panels, self._packed_stack = {}, None
         self.d2t = None if drafter.draft_vocab is None else drafter.draft_vocab.to(target.device)
         self.embed_w, self.vocab_start = target.embed_w, target.vocab_start
         self.layers: list[_Layer] = []
+        self.index_layers()
         self.final_norm = self.output_w = None
         self._fp: Optional[list] = None  # source fingerprints at the last quantization
         self._offset = 0  # the kernels' panel byte offset (``quantize.panel_byte_offset``)
@@ -49,10 +58,13 @@ class SelfDraftRunner(ModelRunner):
 
     # ------------------------------------------------------------------ weights
     def source_weights(self) -> list[torch.Tensor]:
-        """The tensors the copy is made from, in a fixed order."""
+        """The tensors the copy is made from, in a fixed order (an MoE layer's experts:
+        the source runner's stacked copies, refreshed before the copy at every
+        ``generate``)."""
         s = self.source
         return [t for lw in s.layers for t in (lw.ln1, lw.qkv_w, lw.qkv_b, lw.proj_w,
-                                                lw.ln2, lw.fc1_w, lw.fc2_w)
+                                                lw.ln2, lw.fc1_w, lw.fc2_w, lw.q_norm,
+                                                lw.k_norm, lw.router_w, lw.w13, lw.w2)
                 if t is not None] + [s.final_norm, s.output_w]
 
     def refresh(self) -> None:
@@ -64,13 +76,8 @@ class SelfDraftRunner(ModelRunner):
         k = self._packer()
         self._offset = 0 if k is None else panel_byte_offset(k, self.config.act_block)
         with torch.no_grad():  # matrix by matrix, into the existing copy's tensors
-            self.layers = [_Layer(
-                ln1=_copy(o and o.ln1, lw.ln1), qkv_w=self._quant(o and o.qkv_w, lw.qkv_w),
-                qkv_b=None if lw.qkv_b is None else _copy(o and o.qkv_b, lw.qkv_b),
-                proj_w=self._quant(o and o.proj_w, lw.proj_w), ln2=_copy(o and o.ln2, lw.ln2),
-                fc1_w=self._quant(o and o.fc1_w, lw.fc1_w),
-                fc2_w=self._quant(o and o.fc2_w, lw.fc2_w))
-                for o, lw in zip(old, s.layers)]
+            self.layers = [self._layer(o, lw) for o, lw in zip(old, s.layers)]
+            self.index_layers()
             self.final_norm = _copy(self.final_norm, s.final_norm)
             head = s.output_w if self.d2t is None else self._head_rows(s, self.d2t)
             self.output_w = self._quant(self.output_w, head)
@@ -78,6 +85,23 @@ class SelfDraftRunner(ModelRunner):
         self._packed_stack = None
         self.refreshes += 1
         self.refresh_seconds = time.perf_counter() - t0
+
+    def _layer(self, o: Optional[_Layer], lw: _Layer) -> _Layer:
+        """The copy of source layer ``lw``, into ``o``'s tensors where they fit: int8
+        linears (a dense MLP's, or int8 experts and a float router), float norms."""
+        def opt(name: str, make):
+            src = getattr(lw, name)
+            return None if src is None else make(o and getattr(o, name), src)
+
+        def experts_of(old, w):
+            return quantize_experts(w, self.config.group, self.config.act_block, old)
+
+        return _Layer(ln1=_copy(o and o.ln1, lw.ln1), qkv_w=self._quant(o and o.qkv_w, lw.qkv_w),
+                      qkv_b=opt("qkv_b", _copy), proj_w=self._quant(o and o.proj_w, lw.proj_w),
+                      ln2=_copy(o and o.ln2, lw.ln2), fc1_w=opt("fc1_w", self._quant),
+                      fc2_w=opt("fc2_w", self._quant), q_norm=opt("q_norm", _copy),
+                      k_norm=opt("k_norm", _copy), router_w=opt("router_w", _copy),
+                      w13=opt("w13", experts_of), w2=opt("w2", experts_of))
 
     def _quant(self, old: Optional[QuantWeight], w: torch.Tensor) -> QuantWeight:
         """``w`` quantized, written into ``old``'s tensors when their shapes match (the
@@ -128,17 +152,21 @@ class SelfDraftRunner(ModelRunner):
         return rows
 
     def quant_weights(self) -> list[QuantWeight]:
-        """Every quantized matrix of the copy."""
+        """Every quantized matrix of the copy (not the experts: ``QuantExperts``)."""
         return [w for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)
-                ] + [self.output_w]
+                if w is not None] + [self.output_w]
 
     def own_tensors(self) -> list[torch.Tensor]:
         """Every tensor the copy holds: its matrices' tensors (int8 ``q`` or the
         kernels' panel copy, scales, panel scales; FP8 matrices and scales), the norms,
-        the QKV biases, the draft vocabulary's ids and RoPE's sign vector. Not the
-        target's embedding and rotary tables, which it reads."""
-        out = [t for lw in self.layers for t in (lw.ln1, lw.ln2, lw.qkv_b) if t is not None]
+        the QKV biases, the QK norms, an MoE layer's router and int8 experts with their
+        scales, the draft vocabulary's ids and RoPE's sign vector. Not the target's
+        embedding and rotary tables, which it reads."""
+        out = [t for lw in self.layers for t in (lw.ln1, lw.ln2, lw.qkv_b, lw.q_norm,
+                                                 lw.k_norm, lw.router_w) if t is not None]
         out += [t for w in self.quant_weights() for t in w.tensors()]
+        out += [t for lw in self.layers for w in (lw.w13, lw.w2) if w is not None
+                for t in w.tensors()]
         return out + [t for t in (self.final_norm, self.d2t, self._sin_sign) if t is not None]
 
     @property
@@ -154,7 +182,11 @@ class SelfDraftRunner(ModelRunner):
         (a content fingerprint per tensor through the CPU kernels; without them, every
         call: a GPU quantizes the copy in milliseconds, and version counters would miss
         writes through ``.data``, which optimizers use). The controller calls this at
-        the start of every ``generate``, so each policy update is picked up."""
+        the start of every ``generate``, so each policy update is picked up. Not while
+        the source's stacked experts are released (between rollouts): the next
+        ``generate`` makes them, then this quantizes."""
+        if any(lw.w13 is not None and lw.w13.numel() == 0 for lw in self.source.layers):
+            return
         k = self.kernels
         if k is None or self.source.device.type != "cpu":
             self.refresh()
@@ -270,21 +302,41 @@ class SelfDraftRunner(ModelRunner):
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
-        if self.tp_group is None and capture is None and self._int8_kernels():
+        if (self.tp_group is None and capture is None and self._int8_kernels()
+                and self.plain_stack):
             return kern.decode_layers_int8(x.contiguous(), *self._fused_stack(),
                                            self.final_norm, cache.k, cache.v, cos, sin, pos,
                                            g, hpg, d, self.scale, self.eps, row_of)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = self._lin(h, lw.qkv_w, lw.qkv_b)
+            if lw.q_norm is not None:
+                qkv = experts.qk_norm_rows(qkv, lw.q_norm, lw.k_norm, self.eps, g, hpg, d)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
                                  g, hpg, d, self.scale, row_of)
             x = self._residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
-            x = self._residual(x, kern.silu_mul(self._lin(h, lw.fc1_w)), lw.fc2_w)
+            if lw.router_w is not None:
+                rows = row_of if row_of is not None else torch.arange(x.shape[0],
+                                                                      device=x.device)
+                x = x + self._moe(i, lw, h, cache, rows, pos)
+            else:
+                x = self._residual(x, kern.silu_mul(self._lin(h, lw.fc1_w)), lw.fc2_w)
             if capture is not None:
                 capture(i, x)
         return kern.rms_norm(x, self.final_norm, self.eps)
+
+    def _moe(self, i: int, lw: _Layer, h: torch.Tensor, cache, rows,
+             positions: torch.Tensor) -> torch.Tensor:
+        """``ModelRunner._moe`` over the int8 experts (``quantize_experts.moe_int8``);
+        the copy's own cache keeps no routes."""
+        out, idx = moe_int8(h.reshape(-1, h.shape[-1]), lw.router_w, lw.w13, lw.w2,
+                            self.moe_shape)
+        if cache.routes is not None:
+            experts.record(cache.routes[self.moe_index[i]], rows, positions, idx)
+        if self.expert_group is not None:
+            collectives.all_reduce(out, group=self.expert_group)
+        return out.view(h.shape)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)

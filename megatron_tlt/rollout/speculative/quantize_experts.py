@@ -1,0 +1,90 @@
+"""The self-drafter's copy of a mixture-of-experts layer's experts: int8, one scale per
+output channel of each expert (or per group of inputs), and the copy's MoE forward.
+
+A rank's experts are stacked [E, N, K] (the rollout forward's ``experts.StackedExperts``
+copies: fc1 [E, 2F, H], fc2 [E, H, F]); each expert's matrix is quantized as
+``quantize.quantize_int8`` quantizes a linear (symmetric, s = max|w| / 127 per row or
+per group, q = round(w / s)), so q [E, N, K] int8 and scales [E, N, G] float32: a
+quarter of the float32 experts' bytes, and bit-identical wherever the same weights are
+quantized (elementwise and a max).
+
+The copy's MoE step (``moe_int8``) is ``experts.moe`` (the same routing on the copy's
+float router, the same sort and grouped GEMMs) over the dequantized experts, with each
+grouped GEMM's inputs quantized per row and per block of ``act_block`` inputs as the
+copy's linears quantize theirs (``quantize.quantize_activations``). It is a reference
+path: every call dequantizes the rank's experts (torch has no int8 grouped GEMM; the
+CPU kernels' int8 GEMM takes one matrix), so its time grows with the experts held,
+not with the experts a step touches (docs/speculation.md gives the measured cost). The
+FP8 copy format keeps its experts in this int8 form too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import experts
+from .quantize import dequantize_activations, quantize_activations, quantize_int8
+
+
+@dataclass
+class QuantExperts:
+    """Stacked int8 experts [E, N, K] and their float32 scales [E, N, G]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int  # inputs per scale (K when per output channel)
+    act_block: int = 0  # inputs per activation scale of the GEMMs' inputs (0: float)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """q * s as [E, N, K] of ``dtype``."""
+        k = self.q.shape[-1]
+        s = self.scale.repeat_interleave(self.group, dim=-1)[..., :k]
+        return (self.q.float() * s).to(dtype)
+
+
+def quantize_experts(w: torch.Tensor, group: int = 0, act_block: int = 0,
+                     out: Optional[QuantExperts] = None) -> QuantExperts:
+    """Stacked experts ``w`` [E, N, K] as int8, expert by expert (one matrix's
+    temporaries at a time), written into ``out``'s tensors when their shapes match."""
+    first = quantize_int8(w[0], group, act_block)
+    if out is None or out.q.shape != w.shape or out.scale.shape[1:] != first.scale.shape:
+        out = QuantExperts(torch.empty(w.shape, dtype=torch.int8, device=w.device),
+                           torch.empty(w.shape[0], *first.scale.shape,
+                                       dtype=first.scale.dtype, device=w.device),
+                           first.group, act_block)
+    with torch.no_grad():
+        for e in range(w.shape[0]):
+            p = first if e == 0 else quantize_int8(w[e], group, act_block)
+            out.q[e].copy_(p.q)
+            out.scale[e].copy_(p.scale)
+    out.group, out.act_block = first.group, act_block
+    return out
+
+
+def moe_int8(x: torch.Tensor, router_w: torch.Tensor, w13: QuantExperts, w2: QuantExperts,
+             shape: "experts.MoeShape") -> tuple[torch.Tensor, torch.Tensor]:
+    """``experts.moe`` over the int8 experts (dequantized for the call; the GEMMs'
+    inputs quantized per ``act_block`` like the copy's linears)."""
+    block = w13.act_block
+
+    def act(rows: torch.Tensor) -> torch.Tensor:
+        if not block:
+            return rows
+        return dequantize_activations(*quantize_activations(rows, block), block).to(rows.dtype)
+
+    return experts.moe(x, router_w, w13.dequantize(x.dtype), w2.dequantize(x.dtype), shape,
+                       act=act)
