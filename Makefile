@@ -34,7 +34,7 @@ demo: assets
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
 test: assets
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # CUDA paths (GPU machines only; not part of `make test`)
 test-gpu: $(STAMP)

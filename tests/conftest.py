@@ -18,6 +18,19 @@ def pytest_configure(config):
     share_cores()
 
 
+def pytest_report_header(config):
+    """The machine the timings are from: CPU model, the widest vector ISA it has, the
+    one the CPU kernels use (``MEGATRON_TLT_CPU_ISA`` forces one), and the cores."""
+    from megatron_tlt.rollout.cpu_kernels import cpu_info
+
+    model, flags = cpu_info()
+    widest = next((isa for isa, flag in (("avx512", "avx512f"), ("avx2", "avx2"))
+                   if flag in flags), "portable")
+    forced = os.environ.get("MEGATRON_TLT_CPU_ISA")
+    return (f"cpu: {model}, {len(os.sched_getaffinity(0))} cores, widest ISA {widest}"
+            + (f", forced to {forced} (MEGATRON_TLT_CPU_ISA)" if forced else ""))
+
+
 def share_cores() -> None:
     """In a pytest-xdist worker: this worker's share of the cores as its torch threads,
     and for the scripts it starts (``OMP_NUM_THREADS``, unless set). Each worker would
