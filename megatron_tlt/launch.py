@@ -16,7 +16,6 @@ from .config import Config, validate_for_run
 from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
 from .models import moe_replay
-from .models.families import check_speculation
 from .models.moe import moe_options
 from .parallel import ParallelLayout, initialize_model_parallel
 from .rollout.speculative import drafters
@@ -40,7 +39,6 @@ def setup(cfg: Config) -> Session:
     arch = arch_from_source(source)
     validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
     moe_replay.check(cfg, arch)
-    check_speculation(cfg, arch.model_type)
     drafters.check_config(cfg)  # the drafter kinds' own rules
     tokenizer = load_tokenizer(source)
     check_vocabulary(tokenizer, arch, source)

@@ -322,14 +322,15 @@ def _resident_terms(arch, s: Settings, shard: float) -> list[Term]:
 
 def _rollout_terms(arch, s: Settings) -> list[Term]:
     db, tp, pp = s.dtype_bytes, s.tp, s.pp
-    stages = rollout_stages(arch, tp, pp, db, s.rollout_rows, s.capacity,
+    positions = s.capacity + s.draft_slack  # the target's cache: drafts' slack included
+    stages = rollout_stages(arch, tp, pp, db, s.rollout_rows, positions,
                             drafter=s.drafter_reads_vocabulary,
                             mode="gathered" if s.gathered else "pipelined")
     worst = max(stages, key=lambda x: x["kv"] + x["logits"] + x["copies"])
     extra = f"; DAPO's up to {s.dynamic_rounds} extra rounds reuse it" \
         if s.dynamic_rounds else ""
     out = [Term("KV cache", worst["kv"], "rollout" if s.kv_released else "resident", "exact",
-                f"{s.rollout_rows} rows x {s.capacity} positions"
+                f"{s.rollout_rows} rows x {positions} positions"
                 + ("" if s.kv_released else ", kept through the update") + extra),
            Term("decode logits", worst["logits"] * 3, "rollout", "cpu-validated",
                 "fp32 logits of a step and two sampling temporaries")]

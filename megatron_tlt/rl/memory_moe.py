@@ -70,10 +70,11 @@ def fixed_terms(arch, s) -> list[tuple]:
                 f"the engine's stacked copy of this rank's {arch.num_experts // ep} experts "
                 "per MoE layer (grouped GEMMs), re-made every generate"))
     moe = len(arch.moe_layers) if whole else moe_layers_of_stage(arch, pp)
-    out.append(("expert routes (KV)", moe * s.rollout_rows * s.capacity * arch.moe_topk
+    positions = s.capacity + s.draft_slack  # the target's cache: drafts' slack included
+    out.append(("expert routes (KV)", moe * s.rollout_rows * positions * arch.moe_topk
                 * ROUTE_BYTES, phase, "exact",
                 f"int16 experts per position: {moe} MoE layers x top-{arch.moe_topk}, "
-                f"{s.rollout_rows} rows x {s.capacity} positions"))
+                f"{s.rollout_rows} rows x {positions} positions"))
     return out
 
 

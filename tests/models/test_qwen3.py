@@ -171,16 +171,23 @@ def test_expert_parallel_needs_experts(qwen3_hf_dirs, tmp_path):
     assert r.returncode == 2 and "needs a mixture-of-experts model" in r.stderr
 
 
-def test_speculation_is_refused_for_families_without_drafters():
-    from megatron_tlt.config import ConfigError, load_config
-    from megatron_tlt.models.families import check_speculation
+def test_start_up_checks_accept_drafters_for_qwen3_and_moe(qwen3_hf_dirs):
+    """The checks ``launch.setup`` runs before any process group: the self-drafter,
+    a one-layer drafter with the drafter group at DP = 2, and both kinds together, on
+    Qwen3 and Qwen3-MoE."""
+    from megatron_tlt.config import load_config, validate_for_run
+    from megatron_tlt.models import arch_from_source, moe_replay
+    from megatron_tlt.rollout.speculative import drafters
 
-    cfg = load_config([], ["rollout.speculative.drafter=self"])
-    for model_type in ("qwen3", "qwen3_moe"):
-        with pytest.raises(ConfigError, match="rollout.speculative.drafter='self'"):
-            check_speculation(cfg, model_type)
-    check_speculation(cfg, "llama")
-    check_speculation(load_config([], []), "qwen3_moe")  # no drafter: fine
+    for name in ("qwen3_tied", "qwen3_moe"):
+        arch = arch_from_source(qwen3_hf_dirs[name])
+        for over in (["rollout.speculative.drafter=self"], ["drafter_group.enable=true"],
+                     ["rollout.speculative.drafter=/d.safetensors",
+                      "rollout.speculative.self_too=true"]):
+            cfg = load_config([], [f"model.hf_path={qwen3_hf_dirs[name]}", *over])
+            validate_for_run(cfg, arch, 2)
+            moe_replay.check(cfg, arch)
+            drafters.check_config(cfg)
 
 
 def test_moe_run_checkpoint_exports_bit_exact(qwen3_hf_dirs, tmp_path):

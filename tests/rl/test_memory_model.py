@@ -441,3 +441,87 @@ def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_proce
     assert est["self-drafter KV"] == eng.spec.cache.nbytes
     assert eng.spec.cache.max_batch == 4  # min(6 rows, threshold 4)
     assert eng.spec.cache.capacity == sd.copy_kv_positions(s, "int8")
+
+
+# ----------------------------------------------------------------------------- Qwen3 / MoE
+@pytest.mark.parametrize("name", ["qwen3_tied", "qwen3_moe"])
+def test_qwen3_and_moe_terms_are_what_the_engine_holds(qwen3_hf_dirs, single_process_parallel,
+                                                       name):
+    """The self-drafter's int8 copy of a tiny Qwen3 (QK norms) and Qwen3-MoE (int8
+    experts, a float router) and, for the MoE model, the engine's stacked experts and
+    the experts recorded beside the keys (``KVCache.routes``), after a generate with
+    the self-drafter: each term equals the bytes the engine's tensors hold; the target's
+    KV cache term too (its positions include the drafts' slack)."""
+    import torch
+
+    from megatron_tlt.models import load_model
+    from megatron_tlt.rollout import RolloutEngine, SamplingParams
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    folder = qwen3_hf_dirs[name]
+    model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
+    cfg = load_config(overrides=[
+        f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
+        "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.max_new_tokens=6",
+        "data.max_prompt_tokens=12", "rollout.max_batch_size=8",
+        "rollout.speculative.drafter=self", "rollout.speculative.threshold=4"])
+    s = mm.settings(cfg, 1)
+    eng = RolloutEngine(model, None, cfg.rollout, arch=arch, eos_token_ids=[],
+                        max_prompt_tokens=12, max_new_tokens=6, max_rows=s.rollout_rows)
+    prompts = [[3, 5, 7, 11, 2], [2, 4], [9] * 12, [1, 2, 3], [8, 8], [5]]
+    eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6))
+    draft = eng.spec.draft
+    if s.cpu_kernels:
+        s = dataclasses.replace(s, panel_rows=draft.kernels.PANEL)
+    est = mm.estimate_settings(arch, s).as_dict()
+    assert est["self-drafter copy"] == draft.nbytes
+    assert est["self-drafter KV"] == eng.spec.cache.nbytes
+    cache = eng.memory.cache
+    assert cache.capacity == s.capacity + s.draft_slack and s.draft_slack > 0
+    routes = 0 if cache.routes is None else cache.routes.nbytes
+    assert est["KV cache"] == cache.nbytes - routes
+    if not arch.is_moe:
+        assert "stacked experts" not in est and cache.routes is None
+        assert draft.nbytes == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                    for t in draft.own_tensors()}.values())
+        return
+    experts = [t for lw in draft.layers for w in (lw.w13, lw.w2) if w is not None
+               for t in w.tensors()]
+    assert experts and all(t.dtype in (torch.int8, torch.float32) for t in experts)
+    assert any(t.dtype == torch.int8 for t in experts)
+    stacks = eng.runner._stacks
+    assert len(stacks) == len(arch.moe_layers) == 3
+    assert est["stacked experts"] == sum(t.nbytes for st in stacks for t in (st.w13, st.w2))
+    assert routes > 0 and est["expert routes (KV)"] == routes
+
+
+def test_moe_parameter_counts_are_the_built_models(qwen3_hf_dirs, single_process_parallel):
+    """models/sizes.py on a tiny Qwen3-MoE: at TP = EP = 1 the built megatron-core
+    model's parameters; at EP = 2 its dense part and half its experts; one token's
+    active parameters are all but the experts its router did not choose."""
+    import torch
+
+    from megatron_tlt.models import load_model
+    from megatron_tlt.models.sizes import (active_params, expert_params, stage_expert_params,
+                                           stage_params)
+
+    model, arch = load_model(qwen3_hf_dirs["qwen3_moe"], device=torch.device("cpu"),
+                             dtype="float32")
+    named = dict(model.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    in_experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    one = sum(p.numel() for p in model.decoder.layers[0].mlp.experts.local_experts[0]
+              .parameters())
+    assert arch.moe_layers == (0, 2, 3) and arch.num_experts == 8 and arch.moe_topk == 2
+    assert expert_params(arch) == one
+    assert in_experts == len(arch.moe_layers) * arch.num_experts * one
+    assert stage_params(arch, 1, 1, 0) == total
+    assert stage_expert_params(arch, 1, 1, 0) == in_experts
+    assert stage_params(arch, 1, 1, 0, ep=2) == total - in_experts / 2
+    assert stage_expert_params(arch, 1, 1, 0, ep=2) == in_experts / 2
+    unpadded = total - (arch.padded_vocab_size(1) - arch.vocab_size) * arch.hidden_size * (
+        1 if arch.tie_word_embeddings else 2)
+    assert arch.num_parameters == unpadded
+    idle = len(arch.moe_layers) * (arch.num_experts - arch.moe_topk) * one
+    assert active_params(arch) == unpadded - idle

@@ -25,22 +25,4 @@ def family_of(config: dict) -> Family:
     return FAMILIES[model_type]
 
 
-def check_speculation(cfg, model_type: str) -> None:
-    """Refuse speculative decoding or the drafter group for a family its drafter kinds
-    do not draft for yet (their layers have no QK norm or experts)."""
-    from ...config import ConfigError
-
-    fam = FAMILIES.get(model_type)
-    if fam is None or fam.speculation:
-        return
-    if cfg.rollout.speculative.drafter or cfg.drafter_group.enable:
-        able = ", ".join(f.model_type for f in FAMILIES.values() if f.speculation)
-        raise ConfigError(
-            f"rollout.speculative.drafter={cfg.rollout.speculative.drafter!r} / "
-            f"drafter_group.enable={cfg.drafter_group.enable}: the drafters do not draft "
-            f"for {fam.label} ({model_type}) models yet (supported: {able}); set "
-            f"rollout.speculative.drafter='' and drafter_group.enable=false")
-
-
-__all__ = ["FAMILIES", "Family", "UnsupportedModelError", "check_speculation", "family_of",
-           "supported"]
+__all__ = ["FAMILIES", "Family", "UnsupportedModelError", "family_of", "supported"]

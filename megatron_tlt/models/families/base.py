@@ -41,7 +41,6 @@ class Family:
     model_type: str
     label: str  # the checkpoints it covers, for messages ("Llama", "Qwen2/Qwen2.5")
     read: Callable[[dict[str, Any]], dict[str, Any]]
-    speculation: bool = True  # the drafter kinds (EAGLE, self) draft for it
     # ``drafter_layer(arch) -> dict``: the ``ModelArch`` fields of the one-layer drafter's
     # decoder layer that differ from the target's (``arch``); {} = the target's own layer
     drafter_layer: Callable[[Any], dict[str, Any]] = lambda arch: {}
