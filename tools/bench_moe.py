@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Qwen3 / Qwen3-MoE in the rollout engine: speed against transformers ``generate``, and
-the engine / trainer log-prob mismatch of an MoE policy with and without routing replay.
+the engine / trainer log-prob mismatch of an MoE policy with and without routing replay,
+and both drafter kinds on an MoE target.
 
     python tools/bench_moe.py --part speed --reps 5 --json F       # ~12 min on 2 cores
     python tools/bench_moe.py --part replay --prompts 32 --new-tokens 48 --json F  # ~2 min
     python tools/bench_moe.py --part speed --quick                  # < 3 min
+    python tools/bench_moe.py --part spec --threads 1 --new-tokens 48 --reps 5 \
+        --json F                                                     # ~1 min
 
 ``--part speed``: a small random Qwen3 (dense, head_dim != hidden / heads) and a small
 random Qwen3-MoE, float32, greedy, ``--new-tokens`` tokens per sequence (EOS ignored),
@@ -17,6 +20,10 @@ experts; the trainer's forward scores them (micro-batches of padded samples): me
 tail |Δ log p| and the share of flipped routes, for the MoE model without and with
 routing replay and for a dense model of the same shape
 (``megatron_tlt/bench/replay_mismatch.py``).
+
+``--part spec``: the self-drafter and the one-layer drafter on a small random Qwen3-MoE
+at T = 1 (a fixed depth-4 chain): acceptance, tokens per step, and a draft step's time
+against the target's decode step (``megatron_tlt/bench/spec_moe.py``).
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from megatron_tlt.runtime_env import silence_expected_warnings
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--part", choices=("speed", "replay"), required=True)
+    ap.add_argument("--part", choices=("speed", "replay", "spec"), required=True)
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3, help="speed: A/B pairs per batch size")
+    ap.add_argument("--reps", type=int, default=3, help="speed: A/B pairs per batch "
+                    "size; spec: generates per drafter (medians)")
     ap.add_argument("--prompts", type=int, default=32, help="replay: responses")
     ap.add_argument("--micro-batch", type=int, default=4, help="replay: trainer rows")
     ap.add_argument("--models", default=None, help="folder for the random models "
@@ -62,6 +70,10 @@ def main(argv=None) -> int:
 
         result = families.run(root, new_tokens=args.new_tokens, reps=args.reps,
                               threads=args.threads)
+    elif args.part == "spec":
+        from megatron_tlt.bench import spec_moe
+
+        result = spec_moe.run(root, new_tokens=args.new_tokens, reps=args.reps)
     else:
         from megatron_tlt.bench import replay_mismatch as rm
 
