@@ -124,8 +124,9 @@ GRID = [
 ]
 # a user's run as reported (the defaults: micro-batches of 4 samples / 4096 positions,
 # the prompt cap at 1024), one step
-ISSUE = [cell("user-full-ent", "h768x14", new_tokens=768, prompt_cap=1024, mbt=4096,
-              recompute="full", options=[ENT], steps=1)]
+ISSUE = [cell(f"user-{rc}{'-ent' if opts else ''}", "h768x14", new_tokens=768,
+              prompt_cap=1024, mbt=4096, recompute=rc, options=opts, steps=1)
+         for rc, opts in (("none", []), ("none", [ENT]), ("full", [ENT]))]
 CELLS = {c["name"]: c for c in FIT + GRID + ISSUE}
 
 
