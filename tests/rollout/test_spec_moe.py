@@ -17,7 +17,11 @@ from megatron_tlt.drafter_training.layer_init import copy_target_layer
 from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.speculative.quantize_experts import QuantExperts, quantize_experts
+from megatron_tlt.rollout import experts
+from megatron_tlt.rollout.speculative.quantize import (dequantize_activations,
+                                                       quantize_activations)
+from megatron_tlt.rollout.speculative.quantize_experts import (QuantExperts, moe_int8,
+                                                              quantize_experts)
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_speculative import (DIST_DRAWS, P_MIN, _chi2_pvalue, _exact_joint, _prompts,
                               _sample_continuations)
@@ -179,3 +183,29 @@ def test_coupled_speculation_on_moe_equals_plain_coupled_decoding(qwen3, kind):
         outs = eng.generate(prompts, sp, request_seeds=seeds)
         assert [o.token_ids for o in outs] == [r.token_ids for r in plain], strategy
         assert all(torch.equal(o.routes, r.routes) for o, r in zip(outs, plain))
+
+
+@pytest.mark.parametrize("act_block", [0, 16])
+@pytest.mark.parametrize("first,local", [(0, 8), (4, 4)], ids=["ep1", "ep2_rank1"])
+def test_the_copys_small_batch_moe_step_is_its_grouped_step(first, local, act_block):
+    """Fewer (token, expert) pairs than experts: the int8 copy dequantizes only the
+    chosen experts and multiplies pair by pair; the result and the routes are the
+    grouped path's over all dequantized experts (this rank's experts only at EP > 1)."""
+    g = torch.Generator().manual_seed(0)
+    h, f, e = 32, 24, 8
+    shape = experts.MoeShape(num_experts=e, topk=2, norm_topk_prob=True, first=first,
+                             local=local)
+    router = torch.randn(e, h, generator=g)
+    w13 = quantize_experts(torch.randn(local, 2 * f, h, generator=g), 0, act_block)
+    w2 = quantize_experts(torch.randn(local, h, f, generator=g), 0, act_block)
+    for n in (1, 3):  # 2 and 6 pairs: under the 8 (or 4 ... 8) experts only at n=1
+        x = torch.randn(n, h, generator=g)
+        got, routes = moe_int8(x, router, w13, w2, shape)
+        def act(rows):
+            if not act_block:
+                return rows
+            return dequantize_activations(*quantize_activations(rows, act_block), act_block)
+        want, want_routes = experts.moe(x, router, w13.dequantize(), w2.dequantize(), shape,
+                                        act=act)
+        assert torch.equal(routes, want_routes)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,14 +8,15 @@ per group, q = round(w / s)), so q [E, N, K] int8 and scales [E, N, G] float32: 
 quarter of the float32 experts' bytes, and bit-identical wherever the same weights are
 quantized (elementwise and a max).
 
-The copy's MoE step (``moe_int8``) is ``experts.moe`` (the same routing on the copy's
-float router, the same sort and grouped GEMMs) over the dequantized experts, with each
-grouped GEMM's inputs quantized per row and per block of ``act_block`` inputs as the
-copy's linears quantize theirs (``quantize.quantize_activations``). It is a reference
-path: every call dequantizes the rank's experts (torch has no int8 grouped GEMM; the
-CPU kernels' int8 GEMM takes one matrix), so its time grows with the experts held,
-not with the experts a step touches (docs/speculation.md gives the measured cost). The
-FP8 copy format keeps its experts in this int8 form too.
+The copy's MoE step (``moe_int8``) routes on the copy's float router as the target
+does, with each GEMM's inputs quantized per row and per block of ``act_block`` inputs as
+the copy's linears quantize theirs (``quantize.quantize_activations``). Its experts are
+dequantized for the call (torch has no int8 grouped GEMM; the CPU kernels' int8 GEMM
+takes one matrix): at small batches, fewer (token, expert) pairs than experts, only the
+chosen experts, one matrix-vector product per pair, so the cost follows the experts a
+step touches; at larger batches every expert of the rank, for ``experts.moe``'s grouped
+GEMMs (docs/speculation.md gives the measured cost). The FP8 copy format keeps its
+experts in this int8 form too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import experts
 from .quantize import dequantize_activations, quantize_activations, quantize_int8
@@ -77,8 +79,11 @@ def quantize_experts(w: torch.Tensor, group: int = 0, act_block: int = 0,
 
 def moe_int8(x: torch.Tensor, router_w: torch.Tensor, w13: QuantExperts, w2: QuantExperts,
              shape: "experts.MoeShape") -> tuple[torch.Tensor, torch.Tensor]:
-    """``experts.moe`` over the int8 experts (dequantized for the call; the GEMMs'
-    inputs quantized per ``act_block`` like the copy's linears)."""
+    """``experts.moe`` over the int8 experts (the GEMMs' inputs quantized per
+    ``act_block`` like the copy's linears). With fewer (token, expert) pairs than the
+    rank's experts (the tail's small batches) only the chosen experts are dequantized,
+    one matrix per pair (``_moe_pairs``); otherwise all of them, for the grouped GEMMs.
+    Which path runs follows from the shapes alone (no host read)."""
     block = w13.act_block
 
     def act(rows: torch.Tensor) -> torch.Tensor:
@@ -86,5 +91,31 @@ def moe_int8(x: torch.Tensor, router_w: torch.Tensor, w13: QuantExperts, w2: Qua
             return rows
         return dequantize_activations(*quantize_activations(rows, block), block).to(rows.dtype)
 
+    if x.shape[0] * shape.topk < shape.local:
+        return _moe_pairs(x, router_w, w13, w2, shape, act)
     return experts.moe(x, router_w, w13.dequantize(x.dtype), w2.dequantize(x.dtype), shape,
                        act=act)
+
+
+def _dequantize_rows(w: QuantExperts, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The experts ``ids`` [P] of ``w`` dequantized: [P, N, K]."""
+    k = w.q.shape[-1]
+    s = w.scale.index_select(0, ids).repeat_interleave(w.group, dim=-1)[..., :k]
+    return (w.q.index_select(0, ids).float() * s).to(dtype)
+
+
+def _moe_pairs(x, router_w, w13: QuantExperts, w2: QuantExperts, shape, act):
+    """The MoE MLP pair by pair: each (token, slot) multiplies its token by its own
+    expert's dequantized matrices (a batched matrix-vector product); pairs whose expert
+    another rank holds weigh 0."""
+    n, k = x.shape[0], shape.topk
+    weights, idx = experts.route(x, router_w, shape)
+    local = idx.reshape(-1) - shape.first
+    mine = (local >= 0) & (local < shape.local)
+    ids = torch.where(mine, local, torch.zeros_like(local))
+    w = torch.where(mine, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
+    rows = act(x.repeat_interleave(k, dim=0))  # [P, H], pair p = token p // k
+    h = torch.bmm(_dequantize_rows(w13, ids, x.dtype), rows[:, :, None])[..., 0]
+    a, u = torch.chunk(h, 2, dim=-1)
+    y = torch.bmm(_dequantize_rows(w2, ids, x.dtype), act(F.silu(a) * u)[:, :, None])[..., 0]
+    return (y * w[:, None]).view(n, k, -1).sum(1), idx.to(experts.ROUTE_DTYPE)
