@@ -129,11 +129,12 @@ def run(root: Path, *, new_tokens: int, depth: int = 4, reps: int = 3) -> dict:
                    for n in torch.randint(8, 33, (batch,), generator=g)]
         plain_s, _ = _run(_engine(model, arch, None, depth), prompts, new_tokens, reps)
         step_ms = 1e3 * plain_s / new_tokens  # CPU time per plain decode step
-        for kind, drafter in (("self", SelfDrafter()),
-                              ("one-layer", _layer_drafter(model, arch))):
+        # (label, drafter, whether to time the copy's MoE layer: the self-drafter's)
+        for kind, drafter, copy_layer in (("self", SelfDrafter(), True),
+                                          ("one-layer", _layer_drafter(model, arch), False)):
             eng = _engine(model, arch, drafter, depth)
             seconds, st = _run(eng, prompts, new_tokens, reps)
-            if kind == "self":
+            if copy_layer:
                 layer = moe_layer_ms(eng, batch)
                 out.setdefault("moe_layer", []).append(layer)
                 print(f"MoE layer, {batch} rows: target {layer['target_ms']:.3f} ms, "
