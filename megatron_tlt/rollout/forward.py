@@ -561,13 +561,17 @@ class ModelRunner:
         """Layer ``i``'s mixture of experts of h [..., hidden] (this rank's experts'
         partial sums all-reduced over TP x EP); the tokens' experts kept in ``cache`` at
         (``rows``, ``positions``), as ``experts.record`` takes them."""
-        out, idx = experts.moe(h.reshape(-1, h.shape[-1]), lw.router_w, lw.w13, lw.w2,
-                               self.moe_shape)
+        out, idx = self._expert_mlp(h.reshape(-1, h.shape[-1]), lw)
         if cache.routes is not None:
             experts.record(cache.routes[self.moe_index[i]], rows, positions, idx)
         if self.expert_group is not None:
             collectives.all_reduce(out, group=self.expert_group)
         return out.view(h.shape)
+
+    def _expert_mlp(self, x: torch.Tensor, lw: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts of layer ``lw`` for tokens x [N, hidden]: their partial
+        sums and the chosen experts (``experts.moe``)."""
+        return experts.moe(x, lw.router_w, lw.w13, lw.w2, self.moe_shape)
 
     def _fused_residual(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor):
         wp, n = self._panel(w), w.shape[0]

@@ -405,13 +405,9 @@ def test_self_drafter_terms_follow_the_config():
     assert "self-drafter copy" in "\n".join(mm.report_lines(mm.estimate_settings(arch, s)))
 
 
-@pytest.mark.parametrize("kernels", ["true", "false"])
-def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_process_parallel,
-                                                      kernels):
-    """A tiny model with QKV biases, the engine the trainer builds from the same config,
-    after a generate: the copy's bytes (``SelfDraftRunner.nbytes``, every tensor it
-    holds: tests/rollout/test_self_drafter_memory.py) and its KV cache's equal the
-    model's terms exactly (with the CPU kernels, given their panel width)."""
+def _self_drafter_engine(folder, *overrides):
+    """A tiny model's engine with the self-drafter, built from the config the trainer
+    reads, after a greedy generate of 6 prompts: (arch, the memory settings, engine)."""
     import torch
 
     from megatron_tlt.models import load_model
@@ -419,23 +415,32 @@ def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_proce
     from megatron_tlt.runtime_env import apply_cpu_redirection
 
     apply_cpu_redirection()
-    folder = tiny_hf_dirs["qwen2"]
     model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
     cfg = load_config(overrides=[
         f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
         "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.max_new_tokens=6",
         "data.max_prompt_tokens=12", "rollout.max_batch_size=8",
-        "rollout.speculative.drafter=self", "rollout.speculative.threshold=4",
-        f"rollout.cpu_kernels={kernels}"])
+        "rollout.speculative.drafter=self", "rollout.speculative.threshold=4", *overrides])
     s = mm.settings(cfg, 1)
     eng = RolloutEngine(model, None, cfg.rollout, arch=arch, eos_token_ids=[],
                         max_prompt_tokens=12, max_new_tokens=6, max_rows=s.rollout_rows)
     prompts = [[3, 5, 7, 11, 2], [2, 4], [9] * 12, [1, 2, 3], [8, 8], [5]]
     eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6))
+    if s.cpu_kernels:
+        s = dataclasses.replace(s, panel_rows=eng.spec.draft.kernels.PANEL)
+    return arch, s, eng
+
+
+@pytest.mark.parametrize("kernels", ["true", "false"])
+def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_process_parallel,
+                                                      kernels):
+    """A tiny model with QKV biases, the engine the trainer builds from the same config,
+    after a generate: the copy's bytes (``SelfDraftRunner.nbytes``, every tensor it
+    holds: tests/rollout/test_self_drafter_memory.py) and its KV cache's equal the
+    model's terms exactly (with the CPU kernels, given their panel width)."""
+    arch, s, eng = _self_drafter_engine(tiny_hf_dirs["qwen2"], f"rollout.cpu_kernels={kernels}")
     draft = eng.spec.draft
     assert draft._int8_kernels() == (kernels == "true") == s.cpu_kernels
-    if s.cpu_kernels:
-        s = dataclasses.replace(s, panel_rows=draft.kernels.PANEL)
     est = mm.estimate_settings(arch, s).as_dict()
     assert est["self-drafter copy"] == draft.nbytes
     assert est["self-drafter KV"] == eng.spec.cache.nbytes
@@ -452,28 +457,8 @@ def test_qwen3_and_moe_terms_are_what_the_engine_holds(qwen3_hf_dirs, single_pro
     the experts recorded beside the keys (``KVCache.routes``), after a generate with
     the self-drafter: each term equals the bytes the engine's tensors hold; the target's
     KV cache term too (its positions include the drafts' slack)."""
-    import torch
-
-    from megatron_tlt.models import load_model
-    from megatron_tlt.rollout import RolloutEngine, SamplingParams
-    from megatron_tlt.runtime_env import apply_cpu_redirection
-
-    apply_cpu_redirection()
-    folder = qwen3_hf_dirs[name]
-    model, arch = load_model(folder, device=torch.device("cpu"), dtype="float32")
-    cfg = load_config(overrides=[
-        f"model.hf_path={folder}", "platform.device=cpu", "model.dtype=float32",
-        "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.max_new_tokens=6",
-        "data.max_prompt_tokens=12", "rollout.max_batch_size=8",
-        "rollout.speculative.drafter=self", "rollout.speculative.threshold=4"])
-    s = mm.settings(cfg, 1)
-    eng = RolloutEngine(model, None, cfg.rollout, arch=arch, eos_token_ids=[],
-                        max_prompt_tokens=12, max_new_tokens=6, max_rows=s.rollout_rows)
-    prompts = [[3, 5, 7, 11, 2], [2, 4], [9] * 12, [1, 2, 3], [8, 8], [5]]
-    eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6))
+    arch, s, eng = _self_drafter_engine(qwen3_hf_dirs[name])
     draft = eng.spec.draft
-    if s.cpu_kernels:
-        s = dataclasses.replace(s, panel_rows=draft.kernels.PANEL)
     est = mm.estimate_settings(arch, s).as_dict()
     assert est["self-drafter copy"] == draft.nbytes
     assert est["self-drafter KV"] == eng.spec.cache.nbytes
@@ -486,6 +471,8 @@ def test_qwen3_and_moe_terms_are_what_the_engine_holds(qwen3_hf_dirs, single_pro
         assert draft.nbytes == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                     for t in draft.own_tensors()}.values())
         return
+    import torch
+
     experts = [t for lw in draft.layers for w in (lw.w13, lw.w2) if w is not None
                for t in w.tensors()]
     assert experts and all(t.dtype in (torch.int8, torch.float32) for t in experts)

@@ -326,17 +326,10 @@ class SelfDraftRunner(ModelRunner):
                 capture(i, x)
         return kern.rms_norm(x, self.final_norm, self.eps)
 
-    def _moe(self, i: int, lw: _Layer, h: torch.Tensor, cache, rows,
-             positions: torch.Tensor) -> torch.Tensor:
-        """``ModelRunner._moe`` over the int8 experts (``quantize_experts.moe_int8``);
-        the copy's own cache keeps no routes."""
-        out, idx = moe_int8(h.reshape(-1, h.shape[-1]), lw.router_w, lw.w13, lw.w2,
-                            self.moe_shape)
-        if cache.routes is not None:
-            experts.record(cache.routes[self.moe_index[i]], rows, positions, idx)
-        if self.expert_group is not None:
-            collectives.all_reduce(out, group=self.expert_group)
-        return out.view(h.shape)
+    def _expert_mlp(self, x: torch.Tensor, lw: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ModelRunner._expert_mlp`` over the int8 experts
+        (``quantize_experts.moe_int8``)."""
+        return moe_int8(x, lw.router_w, lw.w13, lw.w2, self.moe_shape)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
