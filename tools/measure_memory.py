@@ -6,9 +6,9 @@
     python tools/measure_memory.py --cells NAME,NAME --json /tmp/m.json
     python tools/measure_memory.py --cells NAME --trace    # live tensors at the peaks
 
-Each cell runs in a fresh subprocess (``--cell``): a random Llama (SmolLM2's tokenizer
-and 49,152-token vocabulary, tied embeddings) saved as a Hugging Face folder, then the
-trainer's own code: ``launch.setup``, ``rl.trainer.Trainer`` and two
+Each cell runs in a fresh subprocess (``--cell``): a random Llama (or a Qwen3-MoE,
+``MOE``; SmolLM2's tokenizer and 49,152-token vocabulary, tied embeddings) saved as a
+Hugging Face folder, then the trainer's own code: ``launch.setup``, ``rl.trainer.Trainer`` and two
 ``Trainer.train_step``s (the rollout on the engine, the old / reference log-probs when
 the step needs them, the policy update through ``rl.policy.Policy``). Pinned so a step
 is repeatable: the verifier gives alternate responses reward 1 and 0 (every group has
@@ -66,7 +66,11 @@ SHAPES = {
     "h896": (896, 2432, 8, 14, 2),
     "h1024": (1024, 2816, 12, 16, 8),
     "h768x14": (768, 2048, 14, 12, 4),
+    "moe512": (512, 1536, 8, 8, 2),
 }
+# shapes that are Qwen3-MoE models (QK norm, head_dim = hidden / heads): their experts
+MOE = {"moe512": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
+                      norm_topk_prob=True)}
 
 
 def cell(name, shape, *, new_tokens, lengths=None, prompt_cap=0, responses=8, group=4,
@@ -124,33 +128,51 @@ GRID = [
 ]
 # a user's run as reported (the defaults: micro-batches of 4 samples / 4096 positions,
 # the prompt cap at 1024), one step
+# a mixture-of-experts policy (Qwen3-MoE, 16 experts, top-4; routing replay on)
+MOE_CELLS = [cell("moe512-none", "moe512", new_tokens=256, lengths=[200, 256],
+                  prompt_cap=128),
+             cell("moe512-full-ent", "moe512", new_tokens=512, lengths=[300, 410],
+                  prompt_cap=256, mbt=2048, recompute="full", options=[ENT])]
 ISSUE = [cell(f"user-{rc}{'-ent' if opts else ''}", "h768x14", new_tokens=768,
               prompt_cap=1024, mbt=4096, recompute=rc, options=opts, steps=1)
          for rc, opts in (("none", []), ("none", [ENT]), ("full", [ENT]))]
-CELLS = {c["name"]: c for c in FIT + GRID + ISSUE}
+CELLS = {c["name"]: c for c in FIT + GRID + ISSUE + MOE_CELLS}
 
 
 # ------------------------------------------------------------------------ the model
-def model_folder(shape: str, root: Path) -> Path:
-    """A random Llama of ``SHAPES[shape]`` with SmolLM2's tokenizer files, made once."""
+def hf_config(shape: str) -> dict:
+    """The Hugging Face config of ``SHAPES[shape]``: a Llama, or a Qwen3-MoE (``MOE``)."""
     hidden, ffn, layers, heads, kv = SHAPES[shape]
-    folder = root / f"h{hidden}_f{ffn}_l{layers}_a{heads}_g{kv}"
+    base = dict(vocab_size=49152, hidden_size=hidden, intermediate_size=ffn,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                tie_word_embeddings=True, max_position_embeddings=4096)
+    if shape in MOE:
+        return dict(base, model_type="qwen3_moe", head_dim=hidden // heads, rope_theta=1e6,
+                    rms_norm_eps=1e-6, attention_bias=False, decoder_sparse_step=1,
+                    mlp_only_layers=[], **MOE[shape])
+    return dict(base, model_type="llama", rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+def model_folder(shape: str, root: Path) -> Path:
+    """A random model of ``SHAPES[shape]`` with SmolLM2's tokenizer files, made once."""
+    cfg = hf_config(shape)
+    hidden, ffn, layers, heads, kv = SHAPES[shape]
+    folder = root / (f"h{hidden}_f{ffn}_l{layers}_a{heads}_g{kv}"
+                     + (f"_moe{MOE[shape]['num_experts']}" if shape in MOE else ""))
     if (folder / "config.json").exists():
         return folder
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
     from megatron_tlt.assets import require_smollm2
 
     smol = require_smollm2()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=ffn,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, tie_word_embeddings=True,
-                      max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
-                      bos_token_id=1, eos_token_id=2)
+    config_cls, model_cls = ((tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM) if shape in MOE
+                             else (tf.LlamaConfig, tf.LlamaForCausalLM))
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
     tmp = Path(tempfile.mkdtemp(dir=root))
-    LlamaForCausalLM(cfg).save_pretrained(tmp)
+    model_cls(config_cls(bos_token_id=1, eos_token_id=2, **fields)).save_pretrained(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja", "generation_config.json"):
         if (smol / name).exists():
@@ -403,11 +425,7 @@ def shape_arch(shape: str):
     """The ``ModelArch`` of ``SHAPES[shape]`` (what its saved config.json reads as)."""
     from megatron_tlt.models.gpt import ModelArch
 
-    hidden, ffn, layers, heads, kv = SHAPES[shape]
-    return ModelArch.from_hf_config(dict(
-        model_type="llama", vocab_size=49152, hidden_size=hidden, intermediate_size=ffn,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        max_position_embeddings=4096, tie_word_embeddings=True))
+    return ModelArch.from_hf_config(hf_config(shape))
 
 
 def predict(c: dict, kv_released: bool, lengths=None) -> dict:

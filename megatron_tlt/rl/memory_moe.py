@@ -30,8 +30,8 @@ Here, beside those:
   CPU it is counted in the update.
 
 Bases: the parameter, copy and record sizes are ``exact``; the router and dispatcher
-activations follow megatron-core's MoE layer and are a ``gpu-model`` assumption (not
-yet measured on either platform).
+activations follow megatron-core's MoE layer: a ``gpu-model`` assumption on a GPU, their
+CPU form measured within 1.5 % of two Qwen3-MoE cells' peaks (docs/memory.md).
 """
 
 from __future__ import annotations
