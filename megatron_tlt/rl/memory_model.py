@@ -278,10 +278,9 @@ def estimate_settings(arch, s: Settings) -> Estimate:
     shard = max(stage_params(arch, s.tp, s.pp, k, s.ep) for k in range(s.pp))
     est.terms += _resident_terms(arch, s, shard) + _rollout_terms(arch, s) \
         + [Term(*t) for t in memory_moe.fixed_terms(arch, s)]
-    worst = None
+    worst, rollout = None, est.total("rollout")
     for rows, seq, loss in s.shapes or ((s.micro_batch, s.seq, s.loss_tokens),):
         mb = replace(s, micro_batch=rows, seq=seq, loss_tokens=loss)
-        rollout = est.total("rollout")
         terms = _heap_terms(arch, mb, phase="rollout", working=rollout) \
             + _logprob_terms(arch, mb) + _update_terms(arch, mb, shard) \
             + [Term(*t) for t in memory_moe.update_terms(arch, mb)]

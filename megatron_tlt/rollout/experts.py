@@ -173,6 +173,17 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tens
     return out
 
 
+def local_pairs(weights: torch.Tensor, idx: torch.Tensor, shape: MoeShape
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (token, slot) pair's expert among this rank's [N*k] and its weight: a pair
+    whose expert another rank holds goes to this rank's last expert with weight 0."""
+    local = idx.reshape(-1) - shape.first
+    mine = (local >= 0) & (local < shape.local)
+    flat = weights.reshape(-1)
+    return (torch.where(mine, local, torch.full_like(local, shape.local - 1)),
+            torch.where(mine, flat, torch.zeros_like(flat)))
+
+
 def moe(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         shape: MoeShape, idx: Optional[torch.Tensor] = None,
         act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -188,11 +199,7 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     else:
         idx = idx.long()
         weights = replayed(x, router_w, shape, idx)
-    local = idx.reshape(-1) - shape.first  # [N*k]
-    mine = (local >= 0) & (local < shape.local)
-    # other ranks' experts: the last group, weight 0
-    group = torch.where(mine, local, torch.full_like(local, shape.local - 1))
-    w = torch.where(mine, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
+    group, w = local_pairs(weights, idx, shape)
     order = torch.sort(group, stable=True).indices
     counts = torch.zeros(shape.local, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from megatron_tlt.checkpoint.export import ExportError, export_run_checkpoint, run_meta
+from megatron_tlt.checkpoint.export import ExportError, export_run_checkpoint
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.models.hf import HFWeights, hf_to_megatron, to_te_names
 from cli import run_main, run_script
-from rl_fixtures import save_tiny_policy
+from rl_fixtures import save_tiny_policy, write_run_checkpoint
 
 UPDATE = ["grpo.prompts_per_step=4", "grpo.group_size=2", "train.micro_batch_size=4",
           "train.lr=1e-2", "data.train_size=16", "rollout.cpu_kernels=false"]
@@ -24,8 +24,6 @@ def _fake_run_checkpoint(root, hf_dir, step: int, te_names: bool = False):
     checkpoint.save writes it: the model in policy/ (torch.distributed.checkpoint, the
     per-layer tensors stacked on a layer axis under TransformerEngine names, as
     megatron-core's sharded state dict keys them) and run.json with the file sizes."""
-    import torch.distributed.checkpoint as dcp
-
     arch = ModelArch.from_hf_folder(hf_dir)
     model = to_te_names(hf_to_megatron(HFWeights(hf_dir), arch, tp_size=1, tp_rank=0,
                                        pp_size=1, pp_rank=0))
@@ -39,17 +37,7 @@ def _fake_run_checkpoint(root, hf_dir, step: int, te_names: bool = False):
     sd = {k: torch.stack(v) if isinstance(v, list) else v for k, v in stacked.items()}
     if not te_names:
         sd["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(1)
-    folder = root / f"step_{step:07d}"
-    (folder / "policy").mkdir(parents=True)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "policy")), no_dist=True)
-    torch.save({}, folder / "policy" / "common.pt")
-    files = {str(f.relative_to(folder)): f.stat().st_size
-             for f in folder.rglob("*") if f.is_file()}
-    (folder / "run.json").write_text(json.dumps(
-        {"format_version": 2, "step": step, "layout": {"tp": 1, "pp": 1, "dp": 1},
-         "meta": run_meta(arch, hf_dir), "files": files}))
-    (root / "latest").write_text(folder.name + "\n")
-    return root
+    return write_run_checkpoint(root, step, sd, arch, hf_dir)
 
 
 @pytest.mark.parametrize("te", [False, True])

@@ -14,6 +14,7 @@ from megatron_tlt.models.gpt import ModelArch, UnsupportedModelError
 from megatron_tlt.models.hf import HFWeights, expected_hf_keys, hf_to_megatron, megatron_to_hf
 from megatron_tlt.models.inference import forward_local_logits, gather_logits, token_logprobs
 from cli import run_main
+from rl_fixtures import write_run_checkpoint
 from tiny_models import QWEN3_CONFIGS, VOCAB, build_tiny_hf
 
 TOL = 1e-4
@@ -195,9 +196,7 @@ def test_moe_run_checkpoint_exports_bit_exact(qwen3_hf_dirs, tmp_path):
     (per-layer keys: the layers' specs differ; TE norm names; each MoE layer's experts
     stacked on an expert axis under ``mlp.experts.experts``) exports to the source HF
     weights, bit for bit."""
-    import torch.distributed.checkpoint as dcp
-
-    from megatron_tlt.checkpoint.export import export_run_checkpoint, run_meta
+    from megatron_tlt.checkpoint.export import export_run_checkpoint
     from megatron_tlt.models.hf import to_te_names
 
     src = qwen3_hf_dirs["qwen3_moe"]
@@ -214,16 +213,7 @@ def test_moe_run_checkpoint_exports_bit_exact(qwen3_hf_dirs, tmp_path):
     sd = {k: torch.stack([v[e] for e in sorted(v)]) if isinstance(v, dict) else v
           for k, v in sd.items()}
     assert sd["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].shape == (8, 64, 64)
-    folder = tmp_path / "ckpt" / "step_0000003"
-    (folder / "policy").mkdir(parents=True)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "policy")), no_dist=True)
-    torch.save({}, folder / "policy" / "common.pt")
-    files = {str(f.relative_to(folder)): f.stat().st_size
-             for f in folder.rglob("*") if f.is_file()}
-    (folder / "run.json").write_text(json.dumps(
-        {"format_version": 2, "step": 3, "layout": {"tp": 1, "pp": 1, "dp": 2},
-         "meta": run_meta(arch, src), "files": files}))
-    (tmp_path / "ckpt" / "latest").write_text(folder.name + "\n")
+    write_run_checkpoint(tmp_path / "ckpt", 3, sd, arch, src, dp=2)
     out = export_run_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
     a, b = HFWeights(src), HFWeights(out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -18,9 +18,8 @@ from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout import experts
-from megatron_tlt.rollout.speculative.quantize import (dequantize_activations,
-                                                       quantize_activations)
-from megatron_tlt.rollout.speculative.quantize_experts import (QuantExperts, moe_int8,
+from megatron_tlt.rollout.speculative.quantize_experts import (QuantExperts,
+                                                              activation_rounding, moe_int8,
                                                               quantize_experts)
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_speculative import (DIST_DRAWS, P_MIN, _chi2_pvalue, _exact_joint, _prompts,
@@ -201,11 +200,7 @@ def test_the_copys_small_batch_moe_step_is_its_grouped_step(first, local, act_bl
     for n in (1, 3):  # 2 and 6 pairs: under the 8 (or 4 ... 8) experts only at n=1
         x = torch.randn(n, h, generator=g)
         got, routes = moe_int8(x, router, w13, w2, shape)
-        def act(rows):
-            if not act_block:
-                return rows
-            return dequantize_activations(*quantize_activations(rows, act_block), act_block)
         want, want_routes = experts.moe(x, router, w13.dequantize(), w2.dequantize(), shape,
-                                        act=act)
+                                        act=activation_rounding(act_block))
         assert torch.equal(routes, want_routes)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -65,3 +65,33 @@ def saved_tensors(policy) -> dict:
     apply_factories(sd)
     return {(v.key, v.global_offset): v.data.detach().to("cpu", copy=True)
             for v in nested_values(sd) if isinstance(v, ShardedTensor)}
+
+
+def write_run_checkpoint(root, step: int, model_state: dict, arch, hf_dir, *,
+                         dp: int = 1):
+    """A checkpoint.save step folder under ``root`` holding ``model_state`` (keys as
+    megatron-core's sharded state dict names them) in policy/
+    (torch.distributed.checkpoint), run.json with the files' sizes and the layout
+    (TP = PP = 1, ``dp``), and ``latest`` pointing at it. Returns ``root``."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_tlt.checkpoint.export import run_meta
+
+    root = Path(root)
+    folder = root / f"step_{step:07d}"
+    (folder / "policy").mkdir(parents=True)
+    dcp.save(model_state, storage_writer=dcp.FileSystemWriter(str(folder / "policy")),
+             no_dist=True)
+    torch.save({}, folder / "policy" / "common.pt")
+    files = {str(f.relative_to(folder)): f.stat().st_size
+             for f in folder.rglob("*") if f.is_file()}
+    (folder / "run.json").write_text(json.dumps(
+        {"format_version": 2, "step": step, "layout": {"tp": 1, "pp": 1, "dp": dp},
+         "meta": run_meta(arch, hf_dir), "files": files}))
+    (root / "latest").write_text(folder.name + "\n")
+    return root
+

@@ -22,7 +22,7 @@ experts in this int8 form too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +51,13 @@ class QuantExperts:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """q * s as [E, N, K] of ``dtype``."""
-        k = self.q.shape[-1]
-        s = self.scale.repeat_interleave(self.group, dim=-1)[..., :k]
-        return (self.q.float() * s).to(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32,
+                   ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q * s as [E, N, K] of ``dtype``; ``ids`` [P]: those experts only, [P, N, K]."""
+        q, scale = (self.q, self.scale) if ids is None else \
+            (self.q.index_select(0, ids), self.scale.index_select(0, ids))
+        s = scale.repeat_interleave(self.group, dim=-1)[..., :q.shape[-1]]
+        return (q.float() * s).to(dtype)
 
 
 def quantize_experts(w: torch.Tensor, group: int = 0, act_block: int = 0,
@@ -77,6 +79,15 @@ def quantize_experts(w: torch.Tensor, group: int = 0, act_block: int = 0,
     return out
 
 
+def activation_rounding(block: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The copy's GEMM inputs as its int8 linears see them: quantized per row and per
+    block of ``block`` inputs and back (unchanged when ``block`` is 0)."""
+    if not block:
+        return lambda rows: rows
+    return lambda rows: dequantize_activations(*quantize_activations(rows, block),
+                                               block).to(rows.dtype)
+
+
 def moe_int8(x: torch.Tensor, router_w: torch.Tensor, w13: QuantExperts, w2: QuantExperts,
              shape: "experts.MoeShape") -> tuple[torch.Tensor, torch.Tensor]:
     """``experts.moe`` over the int8 experts (the GEMMs' inputs quantized per
@@ -84,24 +95,11 @@ def moe_int8(x: torch.Tensor, router_w: torch.Tensor, w13: QuantExperts, w2: Qua
     rank's experts (the tail's small batches) only the chosen experts are dequantized,
     one matrix per pair (``_moe_pairs``); otherwise all of them, for the grouped GEMMs.
     Which path runs follows from the shapes alone (no host read)."""
-    block = w13.act_block
-
-    def act(rows: torch.Tensor) -> torch.Tensor:
-        if not block:
-            return rows
-        return dequantize_activations(*quantize_activations(rows, block), block).to(rows.dtype)
-
+    act = activation_rounding(w13.act_block)
     if x.shape[0] * shape.topk < shape.local:
         return _moe_pairs(x, router_w, w13, w2, shape, act)
     return experts.moe(x, router_w, w13.dequantize(x.dtype), w2.dequantize(x.dtype), shape,
                        act=act)
-
-
-def _dequantize_rows(w: QuantExperts, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The experts ``ids`` [P] of ``w`` dequantized: [P, N, K]."""
-    k = w.q.shape[-1]
-    s = w.scale.index_select(0, ids).repeat_interleave(w.group, dim=-1)[..., :k]
-    return (w.q.index_select(0, ids).float() * s).to(dtype)
 
 
 def _moe_pairs(x, router_w, w13: QuantExperts, w2: QuantExperts, shape, act):
@@ -110,12 +108,9 @@ def _moe_pairs(x, router_w, w13: QuantExperts, w2: QuantExperts, shape, act):
     another rank holds weigh 0."""
     n, k = x.shape[0], shape.topk
     weights, idx = experts.route(x, router_w, shape)
-    local = idx.reshape(-1) - shape.first
-    mine = (local >= 0) & (local < shape.local)
-    ids = torch.where(mine, local, torch.zeros_like(local))
-    w = torch.where(mine, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
+    ids, w = experts.local_pairs(weights, idx, shape)
     rows = act(x.repeat_interleave(k, dim=0))  # [P, H], pair p = token p // k
-    h = torch.bmm(_dequantize_rows(w13, ids, x.dtype), rows[:, :, None])[..., 0]
+    h = torch.bmm(w13.dequantize(x.dtype, ids), rows[:, :, None])[..., 0]
     a, u = torch.chunk(h, 2, dim=-1)
-    y = torch.bmm(_dequantize_rows(w2, ids, x.dtype), act(F.silu(a) * u)[:, :, None])[..., 0]
+    y = torch.bmm(w2.dequantize(x.dtype, ids), act(F.silu(a) * u)[:, :, None])[..., 0]
     return (y * w[:, None]).view(n, k, -1).sum(1), idx.to(experts.ROUTE_DTYPE)
