@@ -238,6 +238,21 @@ class RolloutConfig:
     max_seq_len: int = _help(
         "Longest prompt + response, in tokens; 0 means the model's "
         "max_position_embeddings. A prompt this long or longer is an error.", 0)
+    kv_cache: str = _help(
+        "How the target's KV cache holds rows. paged: fixed-size blocks of "
+        "kv_block_size positions, a block table per row, blocks taken as tokens are "
+        "written and returned when a row finishes; a GRPO group's rows share their "
+        "prompt's blocks; rows are admitted while blocks are free (at most "
+        "max_batch_size in flight) and, when blocks run out, the newest row is "
+        "preempted and recomputed later with the same output. slots: every row "
+        "reserves capacity positions (max_batch_size rows).", "slots")
+    kv_block_size: int = _help(
+        "Positions per KV block (rollout.kv_cache=paged).", 16)
+    kv_cache_gib: float = _help(
+        "KV budget of the paged cache in GiB per GPU (the target's K and V, and its "
+        "expert routes); 0 means what max_batch_size full-length slots reserve "
+        "(max_batch_size x capacity positions). The dry run proposes a value from the "
+        "memory left after the rest of the step.", 0.0)
     prefill_tokens: int = _help(
         "Prompt tokens (padded) processed per prefill forward; bounds prefill "
         "activation memory.", 4096)
@@ -311,6 +326,12 @@ class RolloutConfig:
             raise ConfigError(f"rollout.max_seq_len must be >= 0 (0 = model's), "
                               f"got {self.max_seq_len}")
         _positive("rollout", "prefill_tokens", self.prefill_tokens)
+        _choice("rollout", "kv_cache", self.kv_cache, ("paged", "slots"))
+        _positive("rollout", "kv_block_size", self.kv_block_size)
+        if self.kv_cache_gib < 0:
+            raise ConfigError(f"rollout.kv_cache_gib must be >= 0 (0 = what "
+                              f"max_batch_size full-length slots reserve), got "
+                              f"{self.kv_cache_gib}")
         _choice("rollout", "attention", self.attention, ("auto", "sdpa", "flash"))
         # YAML / CLI booleans arrive as True / "False"; Python callers may pass bools
         self.cpu_kernels = str(self.cpu_kernels).strip().lower()
