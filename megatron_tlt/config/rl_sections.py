@@ -232,6 +232,12 @@ class TrainConfig:
         "Steps whose reward or loss is NaN or inf are skipped (no optimizer update), "
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
         "once more than this many were skipped (0 = at the first).", 3)
+    offload_during_rollout: bool = _help(
+        "Lend the rollout the memory only the update needs: from the end of one update "
+        "to the start of the next step's log-probs, the policy's gradient buffers, "
+        "optimizer state and fp32 main parameters live in host memory, so the rollout's "
+        "KV budget can use that device memory; they are brought back (bit-identical) "
+        "before the log-prob and update phases.", False)
     moe_aux_loss_coef: float = _help(
         "Mixture-of-experts policies: coefficient of megatron-core's load-balancing "
         "auxiliary loss (0 = off, the default: a pretrained router is already balanced "
