@@ -8,13 +8,15 @@ cut it off:
 - a part is started only when at least its ``min_s`` remain (else it is recorded as
   ``skipped`` with the reason "no time left", and the next, cheaper part may still fit);
 - a started part gets ``min(cap_s, time left)``: each of its commands runs in a new
-  process group that is killed (TERM, then KILL) when that time is up, so the GPU is
-  never left busy and a hung part costs only its own time;
+  process group; when that time is up the group and every descendant of the command
+  (torchrun's workers, which run in sessions of their own, included) are killed (TERM,
+  then KILL), so the GPU is never left busy and a hung part costs only its own time;
 - ``gpu_check.json`` is rewritten when a part starts (as ``running``) and when it ends,
   so a result folder cut off anywhere still says what ran, what passed, and what was in
   flight.
 
-Standard library only (and the package's ``fileio``).
+Standard library only (and the package's ``fileio``); the process tree is read from
+``/proc`` (Linux).
 """
 
 from __future__ import annotations
@@ -39,18 +41,93 @@ def log(msg: str) -> None:
     print(f"[gpu-check {datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def kill_group(p: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """TERM to ``p``'s whole process group, ``grace_s`` to exit, then KILL."""
-    for sig, grace in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            p.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """Every live process: pid -> (parent pid, state, start time in clock ticks), read
+    from ``/proc/<pid>/stat`` (empty where there is no ``/proc``)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
             continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # (it ended meanwhile)
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()  # (the command name may hold spaces)
+        if len(rest) > 19:
+            table[int(name)] = (int(rest[1]), rest[0], rest[19])
+    return table
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid``'s live descendants (pid -> start time), found through their parents: a
+    worker in a session of its own (torchrun starts its workers with
+    ``start_new_session``) is outside its launcher's process group but still its
+    child."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = {}, list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in out and table[p][1] != "Z":
+            out[p] = table[p][2]
+            todo += children.get(p, [])
+    return out
+
+
+def _alive(tree: dict[int, str]) -> dict[int, str]:
+    """The members of ``tree`` still running (the same pid with the same start time, not
+    a zombie), with their own descendants started since."""
+    table = _proc_table()
+    out = {}
+    for p, start in tree.items():
+        if p in table and table[p][2] == start and table[p][1] != "Z":
+            out[p] = start
+            out.update(process_tree(p))
+    return out
+
+
+def _signal_all(pid: int, tree: dict[int, str], sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in tree:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_tree(p: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """TERM to ``p``'s process group and to every descendant of ``p`` (those in sessions
+    of their own included), ``grace_s`` for all of them to exit, then KILL to whatever is
+    left. The tree is read before the first signal: a launcher that exits first leaves
+    its workers orphaned, and they are still found by their pid and start time."""
+    tree = process_tree(p.pid)
+    end = time.monotonic() + grace_s
+    _signal_all(p.pid, tree, signal.SIGTERM)
+    while time.monotonic() < end:
+        if p.poll() is not None and not _alive(tree):
+            break
+        time.sleep(0.1)
+    tree.update(process_tree(p.pid) if p.poll() is None else {})
+    left = _alive(tree)
+    if p.poll() is None or left:
+        _signal_all(p.pid, left, signal.SIGKILL)
+    try:
+        p.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        pass
+    end = time.monotonic() + 5.0
+    while _alive(left) and time.monotonic() < end:  # (KILL is not refused: a moment)
+        time.sleep(0.05)
 
 
 def run_command(name: str, cmd: list, deadline: float, *, log_path: Path, cwd: Path,
@@ -73,7 +150,7 @@ def run_command(name: str, cmd: list, deadline: float, *, log_path: Path, cwd: P
             rec["rc"] = p.wait(timeout=left)
             rec["timed_out"] = False
         except subprocess.TimeoutExpired:
-            kill_group(p)
+            kill_tree(p)
             rec.update(rc=p.returncode, timed_out=True)
             f.write(f"\n===== {name}: killed at its time limit\n")
     rec["seconds"] = round(time.monotonic() - t0, 1)

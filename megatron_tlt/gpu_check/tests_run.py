@@ -4,7 +4,7 @@ One pytest process runs the files in priority order (``ORDER``) with the
 ``pytest_stream`` plugin, which appends each test's result to a JSONL file as it
 finishes. The runner reads that file while pytest runs:
 
-- a test running longer than ``per_test_s`` is killed with pytest's process group
+- a test running longer than ``per_test_s`` is killed with pytest's process tree
   (a hung CUDA call cannot be interrupted from inside), recorded as ``timeout``, and
   pytest starts again on the tests that have no result yet;
 - a pytest that dies (a crash in a CUDA library, an ``os._exit``) has its test in
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .schedule import kill_group, log
+from .schedule import kill_tree, log
 
 # most valuable first: the engine against transformers, graphs against eager, bf16 and
 # speculation exactness; the FP8 self-drafter (new kernels on each torch release); graphed
@@ -119,10 +119,10 @@ def run_tests(py: str, targets: list, deadline: float, *, stream: Path, log_path
             _, _, current = _state(read_stream(stream)[offset:])
             now = time.monotonic()
             if now >= deadline:
-                kill_group(p)
+                kill_tree(p)
                 killed = ("killed", "no time left in the part")
             elif current is not None and time.time() - current["t"] > per_test_s:
-                kill_group(p)
+                kill_tree(p)
                 killed = ("timeout", f"over the per-test limit of {per_test_s:.0f} s")
         rec.update(rc=p.returncode, seconds=round(time.monotonic() - t0, 1),
                    timed_out=bool(killed and killed[0] == "killed"))

@@ -123,6 +123,59 @@ def test_a_part_over_its_time_is_killed_and_the_rest_run_and_report(tmp_path):
     assert not marker.exists()  # the part's whole process group was killed
 
 
+WORKER = """import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker stuck in a CUDA call
+if sys.argv[1] == "worker":  # its own child, in yet another session
+    subprocess.Popen([sys.executable, __file__, "grandchild", sys.argv[2]],
+                     start_new_session=True)
+with open(sys.argv[2], "a") as f:
+    f.write(f"{os.getpid()} {os.getsid(0)}\\n")
+time.sleep(60)
+"""
+LAUNCHER = """import subprocess, sys, time
+# as torchrun starts its workers: each in a session of its own (start_new_session)
+subprocess.Popen([sys.executable, sys.argv[1], "worker", sys.argv[2]], start_new_session=True)
+time.sleep(60)
+"""
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan killed and not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+def test_a_part_that_overruns_leaves_no_process_behind(tmp_path):
+    """A launcher whose worker runs in a session of its own (torchrun's way: outside the
+    process group the deadline kills) and ignores TERM, and whose worker has a child in a
+    third session: when the part's time is up, every one of them is gone."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    pids = tmp_path / "pids"
+    log = tmp_path / "log"
+    out = tmp_path / "out"
+    out.mkdir()
+    sched = Schedule(60, out, lambda p, final: {"parts": p}, log)
+    launched = {}
+
+    def part(deadline):
+        cmd = [sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "worker.py"),
+               str(pids)]
+        return "passed", {}, [run_command("torchrun_like", cmd, deadline, log_path=log,
+                                          cwd=tmp_path, env=None)]
+
+    rec = sched.run(Part("overrun", part, cap_s=6, min_s=1))
+    assert rec["status"] == "timeout" and rec["commands"][0]["timed_out"]
+    rows = [line.split() for line in pids.read_text().splitlines()]
+    assert len(rows) == 2, rows  # the worker and its child both started before the cut
+    launched.update({int(pid): int(sid) for pid, sid in rows})
+    assert len(set(launched.values())) == 2  # each in a session of its own
+    assert not [pid for pid in launched if _running(pid)], launched
+
+
 def test_the_deadline_bounds_a_part_with_a_larger_cap(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
