@@ -42,8 +42,8 @@ test-gpu: $(STAMP)
 
 # The one-GPU machine (no network; docs/running_at_scale.md "The GPU check"):
 # `make gpu-wheels` here fills gpu_wheels/ (ignored, ~16 MiB) with every wheel that
-# machine lacks; it needs pip and the network only (SmolLM2's shape files are added when
-# `make assets` has prepared the asset). Carried there,
+# machine lacks and SmolLM2's shape files; it needs pip, the network and the asset that
+# `make assets` prepares (without it, it fails at once and says so). Carried there,
 # `PYTHONPATH=$PWD python3 tools/gpu_check.py` (what `make gpu-check` runs; call it
 # directly there: no make target installs anything on that machine) installs them into the machine's own python (its CUDA torch) and runs
 # its parts under one deadline (--deadline, 540 s). GPU_CHECK_DRY=1: the same parts on

@@ -6,10 +6,14 @@ network and a 10-minute limit per command (docs/running_at_scale.md, "The GPU ch
     PYTHONPATH=$PWD python3 tools/gpu_check.py      # there (its own python3, CUDA torch)
     GPU_CHECK_DRY=1 make gpu-check                  # here, on CPU (tools/gpu_check.py --dry)
 
-The parts run in priority order under one wall deadline (``--deadline``, 540 s by
-default, counted from the start): a part starts only with at least its minimum left
-(else "skipped: no time left"), runs for at most its cap and what is left, and has its
-process group killed when that time is up (megatron_tlt/gpu_check/schedule.py).
+Before any part the wheel folder is verified (every pinned wheel, SmolLM2's shape
+files, every requirement met): an incomplete folder stops the check at once, exit
+status 2, with what is missing and how to make it (``--allow-incomplete-wheels`` runs
+on). The parts run in priority order under one wall deadline (``--deadline``, 540 s by
+default, counted from the start; the GPU caps add up to it): a part starts only with at
+least its minimum left (else "skipped: no time left"), runs for at most its cap and
+what is left, and has its process tree (torchrun's workers in their own sessions
+included) killed when that time is up (megatron_tlt/gpu_check/schedule.py).
 ``gpu_check.json`` is rewritten as each part starts and ends.
 
 1. install: the wheel folder into a target folder (``pip install --no-index --no-deps
@@ -20,13 +24,15 @@ process group killed when that time is up (megatron_tlt/gpu_check/schedule.py).
    ``tests_gpu.jsonl`` as it finishes; a test over ``--per-test`` seconds or a crash is
    recorded and the rest run on (megatron_tlt/gpu_check/tests_run.py).
 4. grpo: 3 GRPO steps of the demo recipe on one GPU (torchrun, 1 process: NCCL, bf16,
-   megatron-core's distributed optimizer, selective recomputation where the config has
-   it, the TE spec when TE is importable, speculation on through the drafter group's
-   random drafter); peak GPU memory per phase against the dry run's prediction.
+   megatron-core's distributed optimizer, selective recomputation, the TE spec when TE
+   is importable, speculation on through the drafter group's random drafter); peak GPU
+   memory per phase against the dry run's prediction.
 5. first_step: bf16 against fp32 on identical, teacher-forced responses: loss and grad
    norm of one update (megatron_tlt/gpu_check/first_step.py).
-6. drafter: the drafter group's training micro-step on the GPU.
-7. bench_spec (T=0, and T=1 coupled) and 8. bench_rollout, with CUDA graphs, --quick.
+6. bench_rollout: graphed plain decode step times (--quick, CUDA graphs).
+7. bench_spec (T=0, and T=1 coupled), with CUDA graphs, --quick: step times only (the
+   weights are random, so its JSON says ``timing_only``).
+8. drafter: the drafter group's training micro-step on the GPU.
 9. tests_gpu_rest: the tests that part 3's cap left unrun, in the time left.
 
 Results in ``--out`` (default ``$OUT``; else docs/results/gpu_check_<date>/ on a GPU, a
@@ -46,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from datetime import date
@@ -55,7 +60,7 @@ from pathlib import Path
 try:  # (standard library only: the check starts before anything is installed there)
     from megatron_tlt.gpu_check.schedule import Part, Schedule, log, run_command
     from megatron_tlt.gpu_check.tests_run import ordered_files, run_tests, summarize
-    from megatron_tlt.gpu_check.wheels import PLATFORMS, manifest
+    from megatron_tlt.gpu_check.wheels import PLATFORMS, folder_problems, manifest
 except ImportError as e:  # the GPU machine has the repository, not the installed package
     sys.exit(f"error: {e}. The check needs the megatron_tlt package importable; where it "
              "is not installed, run it from the repository root as "
@@ -67,14 +72,19 @@ WHEELS = REPO / "gpu_wheels"
 RECIPE = "examples/rl/smollm2_cpu.yaml"
 DEADLINE_S = 540  # of the 600 s a command may run there: 60 s for start-up and $OUT
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# Parts in priority order: (cap: the most seconds it may take, min: the fewest worth
-# starting it with), on one H100 and in the CPU dry run (2 shared cores)
-PLAN = {"install": (60, 10), "assets": (60, 10), "tests_gpu": (240, 30), "grpo": (150, 60),
-        "first_step": (60, 20), "drafter": (60, 20), "bench_spec": (90, 40),
-        "bench_rollout": (60, 30), "tests_gpu_rest": (600, 30)}
+# Parts in priority order (by value: CUDA correctness, the GRPO steps with memory per
+# phase, graphed decode step times, then the benches), as (cap: the most seconds it may
+# take, min: the fewest worth starting it with). On the GPU the caps add up to the
+# deadline less the summary's reserve (a test holds them to it), so no part's cap is
+# promised time that another took; tests_gpu_rest gets whatever the others left. The
+# CPU dry run's caps (2 shared cores) are its own and may overrun: its last parts are
+# then skipped for time, as on the GPU.
+PLAN = {"install": (35, 10), "assets": (25, 10), "tests_gpu": (180, 30), "grpo": (110, 60),
+        "first_step": (35, 20), "bench_rollout": (45, 25), "bench_spec": (70, 40),
+        "drafter": (35, 20), "tests_gpu_rest": (DEADLINE_S, 30)}
 DRY_PLAN = {"install": (120, 10), "assets": (120, 20), "tests_gpu": (120, 20),
-            "grpo": (400, 60), "first_step": (240, 30), "drafter": (240, 30),
-            "bench_spec": (240, 30), "bench_rollout": (240, 30), "tests_gpu_rest": (0, 0)}
+            "grpo": (400, 60), "first_step": (240, 30), "bench_rollout": (240, 30),
+            "bench_spec": (240, 30), "drafter": (240, 30), "tests_gpu_rest": (0, 0)}
 PER_TEST_S = 120  # a tests_gpu test (its module's fixtures included) past this is killed
 
 # tests_gpu tests that must be collected (docs/running_at_scale.md)
@@ -132,6 +142,8 @@ class Check:
         self.log_path = self.out / "gpu_check.log"
         self.stream = self.out / "tests_gpu.jsonl"
         self.probe: dict = {}
+        self.folder_problems: list[str] = []
+        self.stopped = False  # by an incomplete wheel folder, before any part
         os.environ.update(OFFLINE)  # nothing here may reach a hub
         self.env = dict(os.environ)
         # SmolLM2's shape files when the wheel folder has none: this machine's asset
@@ -145,7 +157,6 @@ class Check:
         if self.dry:  # CPU only; no kernel compile into the fresh cache
             self.env.update(CUDA_VISIBLE_DEVICES="", MEGATRON_TLT_NO_CPU_KERNELS="1")
         self.py = sys.executable
-        self._fields: set[str] | None = None  # the config's section.field names
 
     def run(self, name: str, cmd: list, deadline: float, env=None,
             output: Path | None = None) -> dict:
@@ -258,10 +269,9 @@ class Check:
         return self._tests_result(cmds)
 
     def _grpo_overrides(self, dtype: str, steps: int) -> list[str]:
-        if self._fields is None:
-            self._fields = config_fields(self.env, self.py)
         impl = "transformer_engine" if self.te_available() else "local"
         o = ["model.hf_path=smollm2", f"model.dtype={dtype}", f"model.transformer_impl={impl}",
+             "train.recompute_granularity=selective",
              f"train.steps={steps}", "train.eval_interval=0", "data.eval_size=0",
              "data.train_size=64", "train.optimizer=auto", "drafter_group.enable=true",
              # speculation on at every step (a random drafter: the adaptive gate would
@@ -274,8 +284,6 @@ class Check:
              "checkpoint.export_hf=false", "tracking.wandb_mode=disabled",
              "tracking.plots=false", f"tracking.output_dir={self.work / 'runs'}",
              f"tracking.run_name={dtype}", "tracking.on_existing_run=new_version"]
-        o += [f for f in ("train.recompute_granularity=selective",)
-              if f.split("=")[0] in self._fields]  # (where the config has the field)
         if self.dry:
             o += ["platform.device=cpu", "platform.backend=gloo", "grpo.prompts_per_step=1",
                   "grpo.group_size=4", "grpo.max_new_tokens=8", "train.micro_batch_size=4"]
@@ -349,12 +357,14 @@ class Check:
         return {"mode": "smoke" if self.smoke else "dry" if self.dry else "gpu",
                 "date": str(date.today()), "finished": final,
                 # every part that ran passed (an incomplete tests_gpu: no failure so far)
-                "passed": all(p["status"] in ("passed", "skipped", "incomplete") for p in ran),
+                "passed": not self.stopped and all(
+                    p["status"] in ("passed", "skipped", "incomplete") for p in ran),
                 # nothing was cut short or left out for want of time
-                "complete": final and not self.cut_short(parts),
+                "complete": final and not self.stopped and not self.cut_short(parts),
                 "plan": {k: {"cap_s": v[0], "min_s": v[1]} for k, v in self.plan.items()},
                 "device": self.probe.get("device"), "fp8": self.probe.get("fp8"),
                 "transformer_engine": self.te_available(), "wheels": str(self.wheels),
+                "wheel_folder_problems": self.folder_problems,
                 "files": sorted(p.name for p in self.out.iterdir() if p.is_file()),
                 "notes": NOTES, "parts": parts}
 
@@ -384,6 +394,17 @@ class Check:
         sched = Schedule(self.args.deadline, self.out, self.summary, self.log_path)
         log(f"results in {self.out}, work folder {self.work}, deadline "
             f"{self.args.deadline:.0f} s")
+        # the folder first: a missing wheel or shape file would fail half the parts
+        self.folder_problems = folder_problems(self.wheels)
+        for problem in self.folder_problems:
+            log(f"wheel folder: {problem}")
+        if self.folder_problems and not self.args.allow_incomplete_wheels:
+            self.stopped = True
+            sched.write(final=True)
+            log(f"FAILED before any part: the wheel folder {self.wheels} is incomplete "
+                "(above: what is missing and how to make it; --allow-incomplete-wheels "
+                "runs the parts anyway)")
+            return 2
         for name in self.selected():
             cap, least = self.plan[name]
             sched.run(Part(name, getattr(self, name), cap, least))
@@ -396,20 +417,6 @@ class Check:
         return 0 if s["passed"] and s["complete"] else 1
 
 
-def config_fields(env: dict, py: str) -> set[str]:
-    """Every section.field the megatron_tlt config knows."""
-    code = ("import dataclasses as d, json\nfrom megatron_tlt.config import Config\n"
-            "c = Config()\nout = []\nfor f in d.fields(c):\n  s = getattr(c, f.name)\n"
-            "  if d.is_dataclass(s):\n    out += [f.name + '.' + g.name for g in d.fields(s)]\n"
-            "print(json.dumps(out))")
-    r = subprocess.run([py, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
-    try:
-        return set(json.loads(r.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        return set()
-
-
 def default_out(dry: bool) -> Path:
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"])
@@ -418,7 +425,7 @@ def default_out(dry: bool) -> Path:
     return REPO / "docs" / "results" / f"gpu_check_{date.today()}"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry", action="store_true", default=bool(os.environ.get("GPU_CHECK_DRY")),
                     help="CPU: every part with the GPU steps stubbed (also GPU_CHECK_DRY=1)")
@@ -432,6 +439,10 @@ def main(argv=None) -> int:
                     help="a previous call's tests_gpu.jsonl: run only the tests it did not "
                          "finish")
     ap.add_argument("--wheels", default=str(WHEELS), help="the wheel folder")
+    ap.add_argument("--allow-incomplete-wheels", action="store_true",
+                    help="run the parts even when the wheel folder lacks a pinned wheel or "
+                    "SmolLM2's shape files (default: stop before the first part and say "
+                    "what is missing)")
     ap.add_argument("--out", default=None, help="results folder (default: $OUT, else "
                     "docs/results/gpu_check_<date>/, dry: a temporary folder)")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
@@ -439,7 +450,11 @@ def main(argv=None) -> int:
                     help="run only these (with install and assets, which they need)")
     ap.add_argument("--cap", nargs="*", default=[], metavar="PART=SECONDS",
                     help="change a part's cap")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     args.out = args.out or str(default_out(args.dry or args.smoke))
     return Check(args).main()
 

@@ -14,12 +14,16 @@ as requirements.txt pins them (requirements-image.txt lists the same pins for
   (``python3.12``, or ``GPU_WHEELS_PY312``); without one its source is carried and
   built there (``--no-build-isolation``);
 - SmolLM2-135M-Instruct's config, tokenizer and chat template (``smollm2_shape/``) from
-  this machine's prepared asset when it exists, for the check's random-weight model.
+  this machine's prepared asset (``make assets``), for the check's random-weight model:
+  without that asset ``make_wheels`` stops before downloading anything
+  (``WheelFolderError``, naming the folder and ``make assets``).
 
 ``manifest(dest)``: every wheel's requirements (markers evaluated for CPython 3.12 on
 Linux x86_64) must be met by the folder or by the GPU image (``GPU_IMAGE_PACKAGES``),
 and the folder must stay under ``MAX_WHEELS_MIB``; ``MANIFEST.json`` lists the files and
-sizes. Standard library and pip only: no CPU environment is needed.
+sizes. ``folder_problems(dest)``: what a folder lacks (a pinned wheel, a shape file, a
+requirement), each with how to make it; the GPU check calls it before its first part.
+Standard library and pip only: no CPU environment is needed.
 """
 
 from __future__ import annotations
@@ -55,11 +59,27 @@ pytest-timeout requests scipy pandas networkx filelock fsspec typing-extensions 
 huggingface-hub tqdm python-dateutil six mpmath setuptools""".split())
 
 
-def default_shape_source() -> Path | None:
-    """This machine's prepared SmolLM2 asset (``make assets``), if there is one."""
+class WheelFolderError(RuntimeError):
+    """The wheel folder cannot be made complete here (the message says how)."""
+
+
+def default_shape_source() -> Path:
+    """Where this machine's prepared SmolLM2 asset (``make assets``) lives."""
     cache = os.environ.get("MEGATRON_TLT_CACHE") or Path.home() / ".cache" / "megatron_tlt"
-    shape = Path(cache).expanduser() / "SmolLM2-135M-Instruct"
-    return shape if (shape / "config.json").is_file() else None
+    return Path(cache).expanduser() / "SmolLM2-135M-Instruct"
+
+
+def shape_source_problem(src: Path) -> str | None:
+    """Why ``src`` cannot give the shape files (None: it can)."""
+    missing = [n for n in SHAPE_FILES if not (Path(src) / n).is_file()]
+    if not missing:
+        return None
+    return (f"the prepared SmolLM2 asset {src} lacks {', '.join(missing)}: the GPU check's "
+            "random-weight model needs SmolLM2's config, tokenizer and chat template "
+            "(without them its assets part fails, and with it grpo, first_step, drafter, "
+            "the benches and the SmolLM2 tests of tests_gpu). Run `make assets` (it builds "
+            "the CPU environment and prepares the asset; MEGATRON_TLT_CACHE moves it), "
+            "then `make gpu-wheels` again")
 
 
 def log(msg: str) -> None:
@@ -93,9 +113,13 @@ def _py312_env() -> dict:
     return {**os.environ, "PYENV_VERSION": os.environ.get("GPU_WHEELS_PYENV_VERSION", "3.12.1")}
 
 
-def make_wheels(dest: Path, shape_src: Path | None) -> dict:
+def make_wheels(dest: Path, shape_src: Path) -> dict:
     """Download / build every wheel the GPU machine lacks into ``dest``; copy SmolLM2's
-    shape files; check the requirements close; write MANIFEST.json."""
+    shape files from ``shape_src``; check the requirements close; write MANIFEST.json.
+    Without the shape files nothing is downloaded: ``WheelFolderError``."""
+    problem = shape_source_problem(shape_src)
+    if problem:
+        raise WheelFolderError(problem)
     dest.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     _pip(py, "download", "-q", "--only-binary=:all:", "--python-version", "3.12",
@@ -111,11 +135,9 @@ def make_wheels(dest: Path, shape_src: Path | None) -> dict:
     else:  # built there (it has a compiler and Python's headers): --no-build-isolation
         _pip(py, "download", "-q", "--no-binary=:all:", "--no-deps", "-d", str(dest),
              *SDIST_C)
-    if shape_src is not None:
-        (dest / "smollm2_shape").mkdir(exist_ok=True)
-        for name in SHAPE_FILES:
-            if (shape_src / name).is_file():
-                shutil.copy(shape_src / name, dest / "smollm2_shape" / name)
+    (dest / "smollm2_shape").mkdir(exist_ok=True)
+    for name in SHAPE_FILES:
+        shutil.copy(shape_src / name, dest / "smollm2_shape" / name)
     return manifest(dest)
 
 
@@ -149,8 +171,9 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def manifest(dest: Path) -> dict:
-    """Sizes, and the requirements that neither the folder nor the GPU image meets."""
+def manifest(dest: Path, write: bool = True) -> dict:
+    """Sizes, and the requirements that neither the folder nor the GPU image meets
+    (written as ``MANIFEST.json`` unless ``write`` is false)."""
     files = sorted(p for p in dest.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     have = {_norm(p.name.split("-")[0]) for p in files if p.suffix in (".whl", ".gz")}
     image = {_norm(n) for n in GPU_IMAGE_PACKAGES}
@@ -165,5 +188,52 @@ def manifest(dest: Path) -> dict:
            "smollm2_shape": (dest / "smollm2_shape" / "config.json").is_file(),
            "total_bytes": total, "total_mib": round(total / 2 ** 20, 2),
            "unmet_requirements": missing, "fits": total < MAX_WHEELS_MIB * 2 ** 20}
-    (dest / "MANIFEST.json").write_text(json.dumps(out, indent=1))
+    if write:
+        (dest / "MANIFEST.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _carried(dest: Path) -> dict[str, str]:
+    """The folder's packages: normalized name -> version, from the wheels' and source
+    archives' file names."""
+    out = {}
+    for p in dest.glob("*.whl"):
+        name, version = p.name.split("-")[:2]
+        out[_norm(name)] = version
+    for p in dest.glob("*.tar.gz"):
+        name, _, version = p.name[: -len(".tar.gz")].rpartition("-")
+        out[_norm(name)] = version
+    return out
+
+
+def folder_problems(dest: Path) -> list[str]:
+    """Everything the GPU check needs from the wheel folder and ``dest`` lacks, each
+    with how to make it: every pinned package at its version, SmolLM2's shape files,
+    every wheel's requirements met, the size limit kept. Empty: complete."""
+    dest = Path(dest)
+    remake = ("on a machine with pip and the network, from the repository root: "
+              "`make gpu-wheels` (after `make assets`, which prepares the SmolLM2 asset "
+              "the shape files come from), then carry the folder")
+    if not dest.is_dir():
+        return [f"no wheel folder at {dest}: {remake}"]
+    out = []
+    have = _carried(dest)
+    for spec in BINARY_WHEELS + SDIST_PURE + SDIST_C:
+        name, version = spec.split("==")
+        got = have.get(_norm(name))
+        if got != version:
+            what = "missing" if got is None else f"at {got}, not {version}"
+            out.append(f"{dest}: {spec} {what}: {remake}")
+    shape = [n for n in SHAPE_FILES if not (dest / "smollm2_shape" / n).is_file()]
+    if shape:
+        out.append(f"{dest}/smollm2_shape lacks {', '.join(shape)} (SmolLM2's shape files "
+                   f"for the random-weight model): {remake}")
+    m = manifest(dest, write=False)
+    for wheel, lack in sorted(m["unmet_requirements"].items()):
+        out.append(f"{dest}/{wheel} requires {', '.join(lack)}, which neither the folder "
+                   "nor the GPU image has: add it to megatron_tlt/gpu_check/wheels.py "
+                   "(BINARY_WHEELS) and `make gpu-wheels` again")
+    if not m["fits"]:
+        out.append(f"{dest} holds {m['total_mib']} MiB, over {MAX_WHEELS_MIB} MiB: what "
+                   "travels with the GPU job is 64 MiB, the repository included")
     return out

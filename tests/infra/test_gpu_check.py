@@ -32,12 +32,12 @@ def gpu_check():
     return mod
 
 
-def _wheel(folder: Path, name: str, requires: list[str]) -> Path:
+def _wheel(folder: Path, name: str, requires: list[str], version: str = "1.0") -> Path:
     """A minimal pure-Python wheel (one module) with these Requires-Dist lines."""
-    path = folder / f"{name}-1.0-py3-none-any.whl"
-    meta = "Metadata-Version: 2.1\nName: {0}\nVersion: 1.0\n".format(name) + "".join(
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
         f"Requires-Dist: {r}\n" for r in requires)
-    info = f"{name}-1.0.dist-info"
+    info = f"{name}-{version}.dist-info"
     files = {f"{name}.py": "VALUE = 1\n", f"{info}/METADATA": meta,
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                               "Tag: py3-none-any\n"}
@@ -84,6 +84,82 @@ def test_image_requirements_pin_what_the_wheel_folder_carries():
         name, version = spec.split("==")
         assert pins.get(wheels._norm(name)) == version, spec
     assert pins["torch"] == "2.11.0" and pins["transformers"] == "5.17.0"
+
+
+def _complete_folder(folder: Path) -> Path:
+    """A wheel folder with every pinned package (empty stand-ins) and the shape files."""
+    folder.mkdir()
+    for spec in wheels.BINARY_WHEELS + wheels.SDIST_PURE:
+        name, version = spec.split("==")
+        _wheel(folder, name.replace("-", "_"), [], version)
+    for spec in wheels.SDIST_C:
+        (folder / "{}-{}.tar.gz".format(*spec.split("=="))).write_bytes(b"")
+    (folder / "smollm2_shape").mkdir()
+    for name in wheels.SHAPE_FILES:
+        (folder / "smollm2_shape" / name).write_text("{}")
+    return folder
+
+
+def test_the_folder_check_names_each_missing_piece_and_how_to_make_it(tmp_path):
+    folder = _complete_folder(tmp_path / "wheels")
+    assert wheels.folder_problems(folder) == []
+    (folder / "smollm2_shape" / "tokenizer.json").unlink()
+    next(folder.glob("omegaconf-*.whl")).unlink()
+    old = next(folder.glob("pytz-*.whl"))
+    old.rename(folder / "pytz-2020.1-py3-none-any.whl")
+    _wheel(folder, "extra", ["no_such_requirement"])
+    problems = wheels.folder_problems(folder)
+    assert len(problems) == 4, problems
+    text = "\n".join(problems)
+    assert "omegaconf==2.4.0 missing" in text and "pytz==2026.6 at 2020.1" in text
+    assert "smollm2_shape lacks tokenizer.json" in text
+    assert "extra-1.0-py3-none-any.whl requires no_such_requirement" in text
+    assert all("make gpu-wheels" in p for p in problems)
+    assert "make assets" in problems[2]
+    assert wheels.folder_problems(tmp_path / "nowhere")[0].startswith("no wheel folder")
+
+
+def test_gpu_wheels_without_the_asset_fails_before_downloading(tmp_path):
+    """`make gpu-wheels` (tools/wheel_folder.py) on a machine without the prepared
+    SmolLM2 asset: exit 1 at once, naming the asset folder and `make assets`, nothing
+    downloaded."""
+    dest = tmp_path / "gpu_wheels"
+    r = subprocess.run([sys.executable, "tools/wheel_folder.py", "--dest", str(dest)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO),
+                            "MEGATRON_TLT_CACHE": str(tmp_path / "empty_cache")})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "make assets" in r.stderr and str(tmp_path / "empty_cache") in r.stderr
+    assert "config.json" in r.stderr and not dest.exists()
+
+
+def test_an_incomplete_folder_stops_the_check_before_any_part(gpu_check, tmp_path):
+    folder = _complete_folder(tmp_path / "wheels")
+    (folder / "smollm2_shape" / "config.json").unlink()
+    args = gpu_check.build_parser().parse_args(
+        ["--dry", "--wheels", str(folder), "--out", str(tmp_path / "out"), "--work",
+         str(tmp_path / "w")])
+    assert gpu_check.Check(args).main() == 2
+    s = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert s["parts"] == {} and s["finished"] and not s["complete"]
+    assert len(s["wheel_folder_problems"]) == 1
+    assert "smollm2_shape lacks config.json" in s["wheel_folder_problems"][0]
+
+
+def test_the_gpu_caps_fit_the_deadline_in_order_of_value(gpu_check):
+    """On the GPU the parts' caps add up to no more than the deadline less the
+    summary's reserve (tests_gpu_rest takes what the others leave), in order of value:
+    CUDA correctness, the GRPO steps, graphed decode step times, then the benches."""
+    from megatron_tlt.gpu_check.schedule import RESERVE_S
+
+    plan = gpu_check.PLAN
+    caps = sum(cap for name, (cap, _) in plan.items() if name != "tests_gpu_rest")
+    assert caps <= gpu_check.DEADLINE_S - RESERVE_S, caps
+    assert all(least <= cap for cap, least in plan.values())
+    order = list(plan)
+    assert order[:4] == ["install", "assets", "tests_gpu", "grpo"]
+    assert order.index("bench_rollout") < order.index("bench_spec")
+    assert order[-1] == "tests_gpu_rest" and list(gpu_check.DRY_PLAN) == order
 
 
 def test_a_part_over_its_time_is_killed_and_the_rest_run_and_report(tmp_path):
@@ -200,7 +276,7 @@ def test_the_dry_check_runs_on_past_an_overrunning_part(gpu_check, tmp_path, mon
     wheel_dir.mkdir()
     _wheel(wheel_dir, "gpucheckprobe", ["numpy"])
     args = argparse.Namespace(dry=True, smoke=False, cap=["assets=2"], work=str(tmp_path / "w"),
-                              tests_after=None,
+                              tests_after=None, allow_incomplete_wheels=True,
                               out=str(tmp_path / "out"), wheels=str(wheel_dir),
                               parts=["tests_gpu", "grpo"], deadline=300, per_test=60)
     check = gpu_check.Check(args)
@@ -364,7 +440,8 @@ def test_smoke_run_of_the_check_writes_its_summary(tmp_path, smollm2_dir):
     out = tmp_path / "out"
     r = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--smoke", "--wheels", str(wheel_dir), "--out",
-         str(out), "--work", str(tmp_path / "work"), "--parts", "install", "assets",
+         str(out), "--work", str(tmp_path / "work"), "--allow-incomplete-wheels", "--parts",
+         "install", "assets",
          "tests_gpu", "grpo", "--deadline", "400"], cwd=REPO, capture_output=True, text=True,
         timeout=450)
     summary = json.loads((out / "gpu_check.json").read_text())
