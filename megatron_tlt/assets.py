@@ -356,3 +356,12 @@ def _write_marker(gguf_path: Path, out_dir: Path, seconds: float) -> None:
 def read_marker(folder: Path) -> dict:
     """The provenance recorded by ``prepare_smollm2`` for a prepared folder."""
     return json.loads((Path(folder) / MARKER_NAME).read_text())
+
+
+def weights_are_random(folder: Path) -> bool:
+    """True when the folder's marker says its weights are random (the GPU check's
+    stand-in of SmolLM2's shape: ``weights: random ...``)."""
+    try:
+        return str(read_marker(folder).get("weights", "")).startswith("random")
+    except (OSError, ValueError):
+        return False

@@ -409,9 +409,14 @@ def result_record(args, session, modes: list[str], results: dict, t0: float) -> 
     cpu = next(iter(results.values())).pop("cpu")
     for r in results.values():
         r.pop("cpu", None)
+    from megatron_tlt.assets import weights_are_random
+    from megatron_tlt.bench.common import timing_only
+
     cfg = make_config(args, modes[0])
     return {
         "benchmark": "bench_e2e",
+        **timing_only(target_random=weights_are_random(session.source),
+                      drafter_random=args.drafter == "random"),
         "date": date.today().isoformat(),
         "config": dict(
             model=session.source.name, model_path=str(session.source),

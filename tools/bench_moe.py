@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     silence_expected_warnings()
     import torch
 
+    from megatron_tlt.bench.common import timing_only
     from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
 
@@ -70,10 +71,12 @@ def main(argv=None) -> int:
 
         result = families.run(root, new_tokens=args.new_tokens, reps=args.reps,
                               threads=args.threads)
+        result.update(timing_only(target_random=True))  # (random models: speed only)
     elif args.part == "spec":
         from megatron_tlt.bench import spec_moe
 
         result = spec_moe.run(root, new_tokens=args.new_tokens, reps=args.reps)
+        result.update(timing_only(target_random=True))  # random target and drafters
     else:
         from megatron_tlt.bench import replay_mismatch as rm
 

@@ -76,7 +76,7 @@ from typing import Optional
 
 import torch
 
-from megatron_tlt.bench.common import check_against_engine, cpu_description
+from megatron_tlt.bench.common import check_against_engine, cpu_description, timing_only
 from megatron_tlt.bench.stats import (declined_step_ratio, median_or_none, rate_ratio,
                                       tail_speedup_bound, tuned_summary)
 from megatron_tlt.drafter_training.prepared import default_drafter_path, ensure_drafter
@@ -531,7 +531,7 @@ def headline(rows, tail, tail_fixed, alpha) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     silence_expected_warnings()
-    from megatron_tlt.assets import require_smollm2
+    from megatron_tlt.assets import require_smollm2, weights_are_random
     from megatron_tlt.bench.sync_budget import plain_and_spec_syncs
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.drafter_training.warmup import WarmupError
@@ -567,7 +567,11 @@ def main(argv=None) -> int:
     syncs = plain_and_spec_syncs(engine, drafter, pool[:2], out.params(8), strategy)
     print(f"host syncs per step: plain {syncs['host_syncs_plain_step']}, speculative "
           f"{syncs['host_syncs_spec_step']}", flush=True)
-    result = {"benchmark": "bench_spec",
+    label = timing_only(target_random=weights_are_random(require_smollm2()),
+                        drafter_random=str(args.drafter).startswith("random"))
+    if label["timing_only"]:
+        print(f"timing only: {label['timing_only_reason']}", flush=True)
+    result = {"benchmark": "bench_spec", **label,
               "config": config_record(args, engine, drafter, dname, cfg, out, sizes, strat,
                                       tail_fixed),
               "results": rows, "tail": tail, "drafter_cost": cost,

@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "hardware: its decode steps replace the roofline's")
     p.add_argument("--spec-table", type=Path, default=None,
                    help="with --table: a tools/bench_spec.py --json file of the same hardware "
-                   "(speculative step costs)")
+                   "(speculative step costs only: a timing-only one, measured on random "
+                   "weights, serves; acceptance comes from the CPU measurements or "
+                   "--accept-by-bucket)")
     p.add_argument("--accept-by-bucket", type=Path, default=None,
                    help="a tools/bench_spec.py --json file: acceptance by batch size, as "
                    "factors on the assumed acceptance")
@@ -119,8 +121,15 @@ def run(args) -> int:
                           source=f"drift run {args.drift.name} (per-step acceptance of "
                           "both arms)")
         if args.accept_by_bucket is not None:
+            doc = load_json(args.accept_by_bucket)
+            if doc.get("timing_only"):  # random weights: its acceptance means nothing
+                print(f"--accept-by-bucket: {args.accept_by_bucket} is timing only "
+                      f"({doc.get('timing_only_reason')}); give a bench_spec JSON measured "
+                      "on trained weights (e.g. on CPU), and this one as --spec-table",
+                      file=sys.stderr)
+                return 2
             acc = acc or default_acceptance(cfg, args.hardware)
-            factors = bucket_factors_from_bench_spec(load_json(args.accept_by_bucket))
+            factors = bucket_factors_from_bench_spec(doc)
             acc = replace(acc, bucket_factors=factors, source=acc.source + "; by batch x "
                           + ", ".join(f"{f:.2f} (<= {b})" for b, f in factors)
                           + f" from {args.accept_by_bucket.name}")

@@ -3,7 +3,8 @@
 ``check_ties`` compares two decoders' outputs that must be identical, forgiving only
 floating-point near-ties (``check_against_engine``: the ties judged on the engine's own
 logits); ``cpu_description`` records the CPU, its instruction sets and the engine's
-CPU-kernel build next to a benchmark's numbers.
+CPU-kernel build next to a benchmark's numbers; ``timing_only`` labels a result measured
+with random weights, whose acceptance and speedups mean nothing for TLT.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["check_ties", "check_against_engine", "cpu_description", "ISA_FLAGS"]
+__all__ = ["check_ties", "check_against_engine", "cpu_description", "timing_only",
+           "ISA_FLAGS"]
 
 
 def check_ties(prompts: Sequence[list[int]], ours: Sequence[list[int]],
@@ -84,3 +86,17 @@ def cpu_description(engine) -> dict:
                 kernel_panel=getattr(kern, "PANEL", None),
                 kernel_policy=policy.describe() if policy is not None else "eager torch ops",
                 kernel_policy_source=getattr(policy, "source", None))
+
+
+def timing_only(*, target_random: bool, drafter_random: bool = False) -> dict:
+    """The label a benchmark's JSON carries: ``timing_only`` is true when the target's
+    weights are random (the GPU check's stand-in, ``assets.weights_are_random``) or the
+    drafter is untrained. Then acceptance, accept lengths and speedups describe random
+    logits, not TLT; only the step times hold, to be combined with acceptance measured
+    on trained weights (``tools/plan_tlt.py --table/--spec-table``)."""
+    why = (["the target's weights are random"] if target_random else []) + (
+        ["the drafter is untrained (random)"] if drafter_random else [])
+    return {"timing_only": bool(why),
+            "timing_only_reason": ("; ".join(why) + ": acceptance, accept lengths and "
+                                   "speedups mean nothing for TLT, only the step times do")
+            if why else None}

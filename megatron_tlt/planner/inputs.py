@@ -366,8 +366,10 @@ def table_from_bench_rollout(doc: dict, *, thread_factor: Sequence[float] = (1.0
     ctx = float(doc["config"].get("new_tokens", 128)) / 2 + 32  # mean resident context
     src = (f"bench_rollout {doc.get('date', '')} on {cpu_of(doc)}, "
            f"{doc['config'].get('threads', '?')} threads")
-    if spec_doc:
-        src += f"; speculative costs from bench_spec on {cpu_of(spec_doc)}"
+    if spec_doc:  # step costs only: a timing-only (random-weight) run serves as well
+        src += (f"; speculative costs from bench_spec on {cpu_of(spec_doc)}"
+                + (" (timing only: its acceptance unused)" if spec_doc.get("timing_only")
+                   else ""))
     return StepCost(tuple(r["batch"] for r in rows), secs, ref_ctx=ctx,
                     kv_seconds_per_token=kv_seconds_per_token, spec_batches=sb,
                     spec_slope=ss, prefill_seconds_per_token=prefill_seconds_per_token,

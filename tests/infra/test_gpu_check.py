@@ -459,3 +459,44 @@ def test_smoke_run_of_the_check_writes_its_summary(tmp_path, smollm2_dir):
     assert tests["missing_required"] == [] and tests["collected"] >= 30
     assert summary["parts"]["assets"]["result"]["mini"] is True
     assert "--dry-run" in summary["parts"]["grpo"]["commands"][0]["cmd"]
+
+
+def test_random_weights_label_the_figures_timing_only(tmp_path, smollm2_dir):
+    """The check's random-weight model says so in its marker, and a benchmark on it (or
+    with an untrained drafter) labels its JSON timing only; a prepared (converted)
+    SmolLM2 does not."""
+    from megatron_tlt.assets import weights_are_random
+    from megatron_tlt.bench.common import timing_only
+
+    made = parts.assets(argparse.Namespace(shape=str(smollm2_dir), cache=str(tmp_path),
+                                           mini=True))
+    assert weights_are_random(Path(made["path"])) and not weights_are_random(smollm2_dir)
+    assert not weights_are_random(tmp_path / "nowhere")
+    label = timing_only(target_random=True)
+    assert label["timing_only"] and "random" in label["timing_only_reason"]
+    assert timing_only(target_random=False, drafter_random=True)["timing_only"]
+    assert timing_only(target_random=False) == {"timing_only": False,
+                                                "timing_only_reason": None}
+
+
+def test_the_planner_takes_step_times_not_acceptance_from_a_timing_only_run(tmp_path, capsys):
+    """tools/plan_tlt.py: a timing-only bench_spec JSON serves as --spec-table (its step
+    costs), not as --accept-by-bucket (its acceptance): that is refused, naming the
+    file, so the prediction combines the GPU's step times with acceptance measured on
+    trained weights."""
+    from megatron_tlt.planner.inputs import load_table, table_from_bench_rollout
+
+    spec = {**load_table("bench_spec_1k_drafter_cpu.json"), "timing_only": True,
+            "timing_only_reason": "the target's weights are random"}
+    cost = table_from_bench_rollout(load_table("bench_rollout_quick_amd_epyc_avx2_cpu.json"),
+                                    spec_doc=spec)
+    assert "timing only" in cost.source and cost.spec_slope
+    path = tmp_path / "bench_spec_t0.json"
+    path.write_text(json.dumps(spec))
+    mod_spec = importlib.util.spec_from_file_location("plan_tlt", REPO / "tools" / "plan_tlt.py")
+    plan_tlt = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(plan_tlt)
+    rc = plan_tlt.main(["--config", str(REPO / "examples/rl/smollm2_cpu.yaml"),
+                        "--accept-by-bucket", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "timing only" in err and str(path) in err and "--spec-table" in err
