@@ -63,16 +63,13 @@ def _proc_table() -> dict[int, tuple[int, str, str]]:
     return table
 
 
-def process_tree(pid: int) -> dict[int, str]:
-    """``pid``'s live descendants (pid -> start time), found through their parents: a
-    worker in a session of its own (torchrun starts its workers with
-    ``start_new_session``) is outside its launcher's process group but still its
-    child."""
-    table = _proc_table()
+def _descendants(table: dict, roots: list[int]) -> dict[int, str]:
+    """The live (not zombie) descendants of ``roots`` in ``table`` (pid -> start time)."""
     children: dict[int, list[int]] = {}
     for p, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(p)
-    out, todo = {}, list(children.get(pid, []))
+    out: dict[int, str] = {}
+    todo = [c for r in roots for c in children.get(r, [])]
     while todo:
         p = todo.pop()
         if p not in out and table[p][1] != "Z":
@@ -81,15 +78,21 @@ def process_tree(pid: int) -> dict[int, str]:
     return out
 
 
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid``'s live descendants (pid -> start time), found through their parents: a
+    worker in a session of its own (torchrun starts its workers with
+    ``start_new_session``) is outside its launcher's process group but still its
+    child."""
+    return _descendants(_proc_table(), [pid])
+
+
 def _alive(tree: dict[int, str]) -> dict[int, str]:
     """The members of ``tree`` still running (the same pid with the same start time, not
     a zombie), with their own descendants started since."""
     table = _proc_table()
-    out = {}
-    for p, start in tree.items():
-        if p in table and table[p][2] == start and table[p][1] != "Z":
-            out[p] = start
-            out.update(process_tree(p))
+    out = {p: start for p, start in tree.items()
+           if p in table and table[p][2] == start and table[p][1] != "Z"}
+    out.update(_descendants(table, list(out)))
     return out
 
 
