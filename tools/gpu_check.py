@@ -175,7 +175,7 @@ class Check:
                *extra] + (["--", *rest] if rest else [])
         c = self.run(name, cmd, deadline)
         res = self._json(result)
-        return ("passed" if c["rc"] == 0 and res.get("ok") else "failed"), res, [c]
+        return _status(c["rc"] == 0 and res.get("ok"), [c]), res, [c]
 
     # ------------------------------------------------------------------ the parts
     def install(self, deadline):
@@ -296,13 +296,13 @@ class Check:
         if self.smoke:  # the recipe and overrides validated, nothing trained
             c = self.run("grpo", [self.py, "pretrain_rl_tlt.py", "--config", RECIPE, *over,
                                   "--dry-run"], deadline)
-            return ("passed" if c["rc"] == 0 else "failed"), {}, [c]
+            return _status(c["rc"] == 0, [c]), {}, [c]
         rp = self.work / "grpo.json"
         c = self.run("grpo", [self.py, "-m", "torch.distributed.run", "--standalone",
                               "--nproc_per_node", "1", "-m", "megatron_tlt.gpu_check.parts",
                               "grpo", "--result", rp, "--", "--config", RECIPE, *over], deadline)
         res = self._json(rp)
-        return ("passed" if c["rc"] == 0 and res.get("ok") else "failed"), res, [c]
+        return _status(c["rc"] == 0 and res.get("ok"), [c]), res, [c]
 
     def first_step(self, deadline):
         if self.smoke:
@@ -337,7 +337,7 @@ class Check:
                                                 "--json", out], deadline))
             full = self._json(out)
             res[tag] = {k: v for k, v in full.items() if k not in ("results", "tail", "config")}
-        return ("passed" if all(c["rc"] == 0 for c in cmds) else "failed"), res, cmds
+        return _status(all(c["rc"] == 0 for c in cmds), cmds), res, cmds
 
     def bench_rollout(self, deadline):
         if self.smoke:
@@ -349,7 +349,7 @@ class Check:
                                        "--json", out], deadline)
         full = self._json(out)
         res = {k: v for k, v in full.items() if k != "config"}
-        return ("passed" if c["rc"] == 0 and full else "failed"), res, [c]
+        return _status(c["rc"] == 0 and bool(full), [c]), res, [c]
 
     # ------------------------------------------------------------------ the summary
     def summary(self, parts: dict, final: bool) -> dict:
@@ -415,6 +415,17 @@ class Check:
             f"{'PASSED' if s['passed'] else 'FAILED'}"
             f"{'' if s['complete'] else ' (incomplete: see skipped or timed-out parts)'}")
         return 0 if s["passed"] and s["complete"] else 1
+
+
+def _status(ok, cmds: list) -> str:
+    """A part's status from its commands: failed when one of them failed by itself; else
+    ``timeout`` when one was cut at the part's time limit (what it did not finish is
+    missing, not wrong); passed when ``ok``."""
+    if ok:
+        return "passed"
+    if any(c.get("rc") not in (0, None) and not c.get("timed_out") for c in cmds):
+        return "failed"
+    return "timeout" if any(c.get("timed_out") for c in cmds) else "failed"
 
 
 def default_out(dry: bool) -> Path:

@@ -500,3 +500,11 @@ def test_the_planner_takes_step_times_not_acceptance_from_a_timing_only_run(tmp_
                         "--accept-by-bucket", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and "timing only" in err and str(path) in err and "--spec-table" in err
+
+
+def test_a_part_cut_at_its_limit_is_a_timeout_not_a_failure(gpu_check):
+    cut = {"rc": -15, "timed_out": True}
+    assert gpu_check._status(False, [cut]) == "timeout"
+    assert gpu_check._status(False, [{"rc": 1, "timed_out": False}, cut]) == "failed"
+    assert gpu_check._status(False, [{"rc": 0, "timed_out": False}]) == "failed"
+    assert gpu_check._status(True, [{"rc": 0, "timed_out": False}]) == "passed"
