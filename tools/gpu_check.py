@@ -214,7 +214,7 @@ class Check:
               and not res.get("manifest_unmet") and not missing)
         if self.dry and not (wheels or sdists):
             return "skipped", res, cmds
-        return ("passed" if ok else "failed"), res, cmds
+        return _status(ok, cmds), res, cmds
 
     def te_available(self) -> bool:
         imports = self.probe.get("imports", {})
