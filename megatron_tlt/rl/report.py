@@ -113,6 +113,8 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
         console.print(f"held-out   : accuracy {_eval_cell(first)} at step {first['step']} -> "
                       f"{_eval_cell(last)} at step {last['step']} "
                       f"({last.get('eval/prompts', 0)} prompts, Wilson 95% intervals)")
+    for line in reading(history):
+        console.print(line)
     console.print(f"run folder : {run_dir}")
     console.print(f"metrics    : {metrics}")
     if wandb_dir:
@@ -123,6 +125,42 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
         console.print(f"HF export  : {exported}  (transformers: "
                       f"AutoModelForCausalLM.from_pretrained('{exported}'))")
     console.print(f"wall time  : {seconds / 60:.1f} min")
+
+
+def reading(history: Sequence[dict]) -> list[str]:
+    """What the run can and cannot show, in plain words: whether held-out accuracy
+    moved beyond its first interval, and what TLT did in the steps' rollouts."""
+    lines = []
+    evals = [h for h in history if "eval/accuracy_lo" in h]
+    steps = [h for h in history if "reward/mean" in h]
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        n_steps = last["step"] - first["step"]
+        if last["eval/accuracy_lo"] > first["eval/accuracy_hi"]:
+            verdict = f"rose beyond the step-{first['step']} 95% interval"
+        elif last["eval/accuracy_hi"] < first["eval/accuracy_lo"]:
+            verdict = f"fell below the step-{first['step']} 95% interval"
+        else:
+            verdict = (f"no measurable change: the intervals overlap; {n_steps} steps "
+                       f"on {last.get('eval/prompts', 0)} prompts are too few to move "
+                       f"held-out accuracy (a learning run needs tens of steps: "
+                       f"train.steps, data.eval_size)")
+        lines.append(f"reading    : held-out accuracy {verdict}")
+    spec = [h.get("spec") or {} for h in steps]
+    if steps and any(spec):
+        t = [h.get("timing", {}) for h in steps]
+        rollout = sum(x.get("rollout", 0.0) for x in t) / len(t)
+        tail = sum(x.get("tail", 0.0) for x in t) / len(t)
+        on = sum(s.get("on_fraction", 0.0) for s in spec) / len(spec)
+        per_kind = []
+        for k in step_kinds(history):
+            runs = [s[k] for s in spec if (s.get(k) or {}).get("steps")]
+            if runs:
+                per_kind.append(f"{k} x{sum(r['accept_len'] for r in runs) / len(runs):.2f}")
+        lines.append(f"TLT        : rollout {rollout:.1f} s per step ({tail:.1f} s in the tail); "
+                     f"speculation on {on:.0%} of decode steps"
+                     + (f"; accepted length by kind: {', '.join(per_kind)}" if per_kind else ""))
+    return lines
 
 
 def _eval_cell(h: dict) -> str:

@@ -110,3 +110,21 @@ def test_the_step_0_evaluation_sits_in_the_held_out_column_with_drafter_columns(
     lo, hi = wilson_interval(5, 32)
     assert cells[-1] == f"0.16 [{lo:.2f}, {hi:.2f}]"
     assert all(c == "-" for c in cells[1:-1])
+
+
+def test_the_reading_says_whether_held_out_accuracy_moved_and_what_tlt_did():
+    from megatron_tlt.rl.report import reading
+
+    history = _history()  # 5/32 -> 12/32: the intervals overlap
+    lines = reading(history)
+    assert any("no measurable change" in ln and "2 steps on 32 prompts" in ln for ln in lines)
+    assert not any(ln.startswith("TLT") for ln in lines)  # no speculation recorded
+    history[-1].update(eval_metrics([(1.0, 1.0)] * 28 + [(0.0, 0.0)] * 4))
+    assert any("rose beyond the step-0 95% interval" in ln for ln in reading(history))
+    for h in history[1:]:
+        h["spec"] = {"on_fraction": 0.5, "kinds": ["self", "eagle"],
+                     "self": {"steps": 3, "accept_len": 3.0}, "eagle": {"steps": 0}}
+    tlt = next(ln for ln in reading(history) if ln.startswith("TLT"))
+    assert "rollout 1.0 s per step (0.5 s in the tail)" in tlt
+    assert "speculation on 50% of decode steps" in tlt and "self x3.00" in tlt
+    assert "eagle" not in tlt  # a kind that never speculated is not reported
