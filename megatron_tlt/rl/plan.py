@@ -32,6 +32,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     g = cfg.grpo
     m = mini_batch_count(cfg)
     est = memory_model.estimate(cfg, arch, world_size)
+    from .kv_budget import report_lines as kv_lines
     s = est.settings
     prompts_per_replica = g.prompts_per_step // dp
     ep = cfg.parallel.expert_model_parallel_size
@@ -52,6 +53,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
         f"optimizer step(s); micro-batches of {s.micro_batch} x {s.seq} positions",
     ]
     lines += memory_model.report_lines(est)
+    lines += kv_lines(cfg, arch, world_size, est)
     lines += rollout_memory_lines(arch, tp, pp, s.dtype_bytes, s.rollout_rows, s.capacity,
                                   drafter=s.drafter_reads_vocabulary,
                                   mode=cfg.rollout.pipeline_mode)
