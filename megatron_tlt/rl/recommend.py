@@ -122,14 +122,14 @@ def _evaluate(files, overrides, extra: dict, arch, world_size: int, *, steps: in
     extra = dict(extra, **{"rollout.kv_cache": "paged"})
     try:
         cfg = _load(files, overrides, extra)
-        if propose:
+        if propose and cfg.platform.device != "cpu":  # a CPU run has no device bound
             prop = kv_budget.propose(cfg, arch, world_size)
             if not prop.gib:
                 return None
             gib = max(kv_budget.STEP_GIB,
                       round(prop.gib * kv_scale / kv_budget.STEP_GIB) * kv_budget.STEP_GIB)
             extra["rollout.kv_cache_gib"] = gib
-            cfg = _load(files, overrides, extra)
+            cfg.rollout.kv_cache_gib = gib
         est = check(cfg, arch, world_size)
     except (ConfigError, ValueError):
         return None
@@ -205,6 +205,8 @@ def _reason(c: Candidate, nxt: Optional[Candidate], base_tlt: float, base_engine
                    + (f" ({'; '.join(diff)})" if diff else ""))
     why.append(f"speculation on {c.spec_share:.0%} of tokens, rollout "
                f"{c.rollout_fraction:.0%} of the step")
+    if "PP 1 " not in c.layout:
+        why.append("PP > 1: the training's pipeline bubble is not modelled (optimistic)")
     return ("fastest: " if best else "") + "; ".join(why)
 
 
