@@ -562,6 +562,8 @@ def advice(est: Estimate) -> str:
             tips.append("train.loss_chunk_tokens=1024")
         if s.micro_batch > 1 or s.seq > 4096:
             tips.append("a smaller train.micro_batch_tokens / micro_batch_size")
+    elif s.kv_paged:
+        tips.append("a smaller rollout.kv_cache_gib (the dry run proposes one)")
     else:
         tips.append("a smaller rollout.max_batch_size")
     if not s.kv_released and d.get("KV cache"):
