@@ -52,12 +52,11 @@ def propose(cfg, arch, world_size: int, *,
         return memory_model.estimate(cfg, arch, world_size, kv_gib=gib)
 
     lo, hi = 0, int(limit_bytes / GIB / STEP_GIB)
-    # past this budget more positions add no rows: the rows' worst case holds them all
+    # past the budget that holds every row an engine may run, more adds no rows
     pe = for_config(cfg, arch, world_size, kv_gib=STEP_GIB)
-    full = pe.plan.held * min(cfg.rollout.max_batch_size,
-                              pe.replica_rows if pe.plan.limited_by != "budget" else 10 ** 9,
-                              _responses(cfg, world_size)) / pe.engines
-    hi = min(hi, int(full * pe.token_bytes / GIB / STEP_GIB) + 1)
+    rows = min(-(-cfg.rollout.max_batch_size // pe.engines),
+               -(-_responses(cfg, world_size) // pe.engines))
+    hi = min(hi, int(pe.plan.held * (rows + 1) * pe.token_bytes / GIB / STEP_GIB) + 1)
     best = None
     while lo < hi:  # the largest k in [1, hi] with est(k * STEP) within the target
         mid = (lo + hi + 1) // 2

@@ -6,7 +6,6 @@ shipped recipe (each recommendation passes the dry run's checks and bound)."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
