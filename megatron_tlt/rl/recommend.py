@@ -54,8 +54,9 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        """What the candidate runs (the same settings reached by two paths are one)."""
-        return (self.layout, self.kind, self.threshold, self.kv_gib)
+        """What the candidate runs (the same settings reached by two paths are one; two
+        budgets that keep the same rows in flight predict the same step)."""
+        return (self.layout, self.kind, self.threshold, self.rows)
 
     def to_dict(self) -> dict:
         return {"overrides": self.overrides, "layout": self.layout,
@@ -176,7 +177,7 @@ def recommend(files, overrides=(), world_size: int = 8, *, top: int = 3, steps: 
                     if c is not None and c.key not in seen:
                         seen.add(c.key)
                         found.append(c)
-    found.sort(key=lambda c: c.step_tlt)
+    found.sort(key=lambda c: (round(c.step_tlt, 3), c.kv_gib))
     shown = found[:top]
     base_tlt = base.tlt.step
     for i, c in enumerate(shown):
