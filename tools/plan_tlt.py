@@ -5,6 +5,7 @@
     python tools/plan_tlt.py --config examples/rl/qwen2.5_7b_grpo.yaml --world-size 8 \
         --hardware h200 --lengths runs/qwen/metrics.jsonl --json /tmp/plan.json
     python tools/plan_tlt.py --validate --json docs/results/planner_validation.json
+    python tools/plan_tlt.py --config examples/rl/qwen3_8b_grpo.yaml --world-size 8 --recommend
 
 The prediction is a model (megatron_tlt.planner): a discrete-event simulation of the
 step over the layout's replicas, with step costs from a roofline (GPU, modelled) or
@@ -14,7 +15,9 @@ run's metrics.jsonl or a ``tools/workload_lengths.py --json`` file; ``--drift`` 
 drafter), which replaces the alpha-against-tokens curve. The measured tables ship with
 the package (megatron_tlt/planner/data/); ``--calibration DIR`` reads tables of the same
 names from DIR first. ``--validate`` predicts the repository's own runs in
-docs/results/, so it runs from a clone. docs/planning.md explains the model and its
+docs/results/, so it runs from a clone. ``--recommend`` searches the layout, the paged
+KV budget, the speculation threshold and the drafter kind under the dry run's memory
+bound (megatron_tlt.rl.recommend). docs/planning.md explains the model and its
 validation.
 """
 
@@ -56,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
     p.add_argument("--validate", action="store_true",
                    help="run the validation (CPU runs and published points)")
+    p.add_argument("--recommend", action="store_true",
+                   help="search the layout (TP, PP, EP, DP), the paged KV budget, the "
+                   "speculation threshold and the drafter kind under the dry run's memory "
+                   "bound; print the fastest few with their overrides and why each wins")
+    p.add_argument("--top", type=int, default=3, help="with --recommend: how many to print")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     return p
@@ -113,6 +121,20 @@ def run(args) -> int:
         if args.lengths is not None:
             lengths = (lengths_from_metrics(args.lengths) if args.lengths.suffix == ".jsonl"
                        else lengths_from_workload(args.lengths))
+        if args.recommend:
+            from megatron_tlt.config import ConfigError
+            from megatron_tlt.rl.recommend import lines, recommend
+
+            try:
+                out = recommend(args.config, args.overrides, args.world_size, top=args.top,
+                                steps=min(args.steps, 2), hardware=args.hardware,
+                                lengths=lengths)
+            except ConfigError as e:
+                print(f"--recommend: {e}", file=sys.stderr)
+                return 2
+            out.pop("_candidates")
+            print("\n".join(lines(out)))
+            return _write(args, out, t0)
         acc = None
         if args.drift is not None:
             online, frozen = drift_from_json(json.loads(args.drift.read_text()))
@@ -143,6 +165,10 @@ def run(args) -> int:
                                   cost=cost)
         print("\n".join(pred.lines()))
         out = pred.to_dict()
+    return _write(args, out, t0)
+
+
+def _write(args, out: dict, t0: float) -> int:
     out["planner_seconds"] = time.perf_counter() - t0
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -192,6 +192,7 @@ class RooflineCost(StepCost):
     tp: int = 1
     draft_fraction: float = 0.05  # drafter weights (one layer + fc + LM head) / target
     ep: int = 1
+    draft_layers: int = 1  # the drafter's layers (the self-drafter: all, its own cache)
 
     def forward(self, rows: int, t: int, ctx: float, weights_frac: float = 1.0,
                 layers: Optional[int] = None, floor: Optional[float] = None) -> float:
@@ -231,7 +232,9 @@ class RooflineCost(StepCost):
         if k <= 0:
             return self.plain(b, ctx)
         # drafter forwards: one layer, its own small KV cache, no sampling floor
-        draft = k * self.forward(b, 1, 0.0, self.draft_fraction, layers=1, floor=3e-5)
+        dl = self.draft_layers
+        draft = k * self.forward(b, 1, ctx if dl > 1 else 0.0, self.draft_fraction,
+                                 layers=dl, floor=3e-5)
         return self.forward(b, k + 1, ctx) + draft
 
     def relative(self, b: int, k: int) -> float:

@@ -8,18 +8,25 @@ assumption with a default, listed in the prediction's ``assumptions`` and overri
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, StepCost,
                      TrainCost, alpha_curve, roofline)
+from .paged import (DEFAULT_MEDIAN_FRACTION, DEFAULT_PROMPT_TOKENS,  # noqa: F401
+                    DEFAULT_TRUNCATED, default_lengths, typical_prompt)
+from .paged import for_config as paged_for_config
 from .report import Prediction, predict
 from .sim import EngineSettings, Layout, Scenario
 
-# Defaults for what a recipe does not say (each printed with the prediction).
-DEFAULT_MEDIAN_FRACTION = 0.2  # median response = 20 % of max_new_tokens (reasoning RL)
-DEFAULT_TRUNCATED = 0.03  # 3 % of responses reach max_new_tokens
+# Defaults for what a recipe does not say (each printed with the prediction; the
+# lengths' and the prompt's live in paged.py, which the dry run shares).
 DEFAULT_ALPHA_GPU = 0.7  # per-token acceptance of a warmed-up EAGLE drafter at T = 1
-DEFAULT_PROMPT_TOKENS = 256.0
+# the self-drafter (rollout.speculative.drafter=self): the policy's 8-bit copy, every
+# layer, its own cache; SmolLM2's int8 copy measured alpha 0.966 per token at T = 1
+# (alpha_kinds_smollm2_demo_recipe_cpu.json): 0.9 assumed for a large model's FP8 copy
+SELF_ALPHA = 0.9
+SELF_DRAFT_FRACTION = 0.5  # 8-bit weights: half the bf16 bytes streamed per draft
 DEFAULT_TOKENS_SCALE = 10.0  # a 7B-32B drafter needs ~10x the tokens of the 135M one
 
 
@@ -38,6 +45,18 @@ def scaled_curve(final_alpha: float, tokens_scale: float = 1.0, flat: bool = Tru
     return Acceptance(tuple(t * tokens_scale for t in base.tokens), rows,
                       source=f"{base.source}: shape rescaled to alpha {final_alpha:.2f}"
                       f"{' at every depth' if flat else ''}, tokens x {tokens_scale:g}")
+
+
+def paged_note(pe, ep: int = 1) -> str:
+    """The paged engine's budget and rows, as an assumption line."""
+    p = pe.plan
+    group = " (the EP group's)" if ep > 1 else ""
+    return (f"paged KV cache: {pe.budget_bytes / 2 ** 30:.1f} GiB per GPU "
+            f"({'rollout.kv_cache_gib' if pe.from_config else 'what max_batch_size slots reserve'})"
+            f" = {p.tokens:,.0f} positions per engine{group}; {p.rows} rows in flight "
+            f"(limited by {p.limited_by}; {p.held:,.0f} positions held per row on these "
+            f"lengths, a group's prompt shared, blocks of {p.block}); a row enters while "
+            "the tokens held leave room (preemption not modelled)")
 
 
 def gpu_train_cost(cost, layout: Layout, *, logprob_passes: float,
@@ -132,14 +151,14 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     m = mini_batch_count(cfg) * g.ppo_epochs
     assumptions = []
     if lengths is None:
-        cap = g.max_new_tokens
-        lengths = LengthModel(cap=cap, median=DEFAULT_MEDIAN_FRACTION * cap, sigma=0.8,
-                              cap_fraction=DEFAULT_TRUNCATED,
-                              source=f"log-normal, median {DEFAULT_MEDIAN_FRACTION:.0%} of "
-                              f"{cap}, sigma 0.8, {DEFAULT_TRUNCATED:.0%} at the cap "
-                              "(assumed; pass a run's metrics.jsonl to replace it)")
+        lengths = default_lengths(g.max_new_tokens)
     assumptions.append(f"response lengths: {lengths.source}")
-    engine = EngineSettings.from_config(ro).per_rank(par.expert_model_parallel_size)
+    engine = EngineSettings.from_config(ro)
+    if ro.kv_cache == "paged":
+        pe = paged_for_config(cfg, arch, world_size, lengths=lengths)
+        engine = replace(engine, max_batch_size=pe.plan.rows, kv_tokens=pe.plan.tokens)
+        assumptions.append(paged_note(pe, par.expert_model_parallel_size))
+    engine = engine.per_rank(par.expert_model_parallel_size)
     drafter_on = bool(ro.speculative.drafter) or cfg.drafter_group.enable
     if hardware == "cpu":
         from .cpu_inputs import PROMPT_TOKENS, cpu_1t_corun_table, cpu_train_cost
@@ -155,7 +174,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
     else:
         shape = ModelShape.from_arch(arch, 2.0 if cfg.model.dtype != "float32" else 4.0)
         cost = roofline(hardware, shape, tp, ep=par.expert_model_parallel_size)
-        prompt = min(float(cfg.data.max_prompt_tokens), DEFAULT_PROMPT_TOKENS)
+        prompt = typical_prompt(cfg.data.max_prompt_tokens)
         fused = m == 1
         train = gpu_train_cost(cost, layout, logprob_passes=(0.0 if fused else 1.0)
                                + (1.0 if g.kl_beta > 0 else 0.0),
@@ -166,7 +185,15 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         dg = drafter_throughput(cost, layout, dgc)
         dg.enable = True  # TLT = speculation + the drafter group
         dg.tokens_trained0 = acc.tokens[len(acc.tokens) // 2]  # the warm-up's end
-        if acc.drift_online:
+        if ro.speculative.drafter == "self" and not ro.speculative.self_too:
+            acc = acceptance or Acceptance.constant(
+                (SELF_ALPHA,) * 8, source=f"the self-drafter: alpha {SELF_ALPHA} at every "
+                "depth (assumed; SmolLM2's int8 copy measured 0.97), nothing to train")
+            cost = replace(cost, draft_fraction=SELF_DRAFT_FRACTION, draft_layers=shape.layers)
+            dg = DrafterGroup(False, 0.0, source="the self-drafter trains nothing")
+            assumptions.append(f"self-drafter drafts: every layer at {SELF_DRAFT_FRACTION:.0%} "
+                               "of the target's weight bytes, over its own cache")
+        elif acc.drift_online:
             assumptions.append("per-step acceptance of the online and frozen drafters from "
                                "the drift run (the curve is not walked)")
         else:

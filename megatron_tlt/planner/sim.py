@@ -67,6 +67,12 @@ class EngineSettings:
                    (10 ** 9, (1, 2)))  # (upper bound of the batch sizes, chain depths)
     probe_budget: float = 0.01
     share_prefill: bool = True  # rollout.share_prefill: a GRPO group's prompt once
+    # rollout.kv_cache=paged: the engine's KV budget in positions (0: slots, every row
+    # reserves its capacity and max_batch_size alone bounds the rows); a row is
+    # admitted while the tokens held (a group's prompt once, each row's written
+    # tokens, half a block of rounding) leave room for it (planner/paged.py)
+    kv_tokens: float = 0.0
+    kv_block: int = 16
 
     def depths(self, b: int) -> tuple:
         for bound, depths in self.arms:
@@ -83,7 +89,7 @@ class EngineSettings:
             return self
         per = lambda n: n if n >= 10 ** 9 else max(1, n // ep)  # noqa: E731
         return replace(self, max_batch_size=per(self.max_batch_size),
-                       threshold=per(self.threshold),
+                       threshold=per(self.threshold), kv_tokens=self.kv_tokens / ep,
                        buckets=tuple(per(b) for b in self.buckets),
                        arms=tuple((per(bound), d) for bound, d in self.arms))
 
@@ -98,7 +104,8 @@ class EngineSettings:
         arms = tuple((bound, tuple(sorted({a.depth for a in table.get(i, []) if a.depth})))
                      for i, bound in enumerate(bounds))
         return cls(rollout.max_batch_size, s.threshold, tuple(bounds), arms,
-                   s.probe_budget, bool(rollout.share_prefill))
+                   s.probe_budget, bool(rollout.share_prefill),
+                   kv_block=int(getattr(rollout, "kv_block_size", 16)))
 
 
 @dataclass
@@ -180,6 +187,9 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
     while qi < len(queue) or heap:
         if qi < len(queue) and len(heap) < eng.max_batch_size:
             n = min(eng.max_batch_size - len(heap), len(queue) - qi)
+            if eng.kv_tokens > 0:
+                n = _paged_admits(eng, running, len(heap) * progress - entered, len(heap),
+                                  qi, n, group if share else 1, prompt_tokens)
             prompts = [i // group if share else i for i in range(qi, qi + n)]
             fresh = len({p for p in prompts if not running.get(p)})
             t += cost.prefill(fresh * prompt_tokens)
@@ -225,6 +235,26 @@ def run_engine(lengths: np.ndarray, prompt_tokens: float, cost: StepCost,
             running[p] -= 1
     out.finish = t
     return out
+
+
+def _paged_admits(eng: EngineSettings, running: dict, written: float, rows: int,
+                  qi: int, n: int, group: int, prompt_tokens: float) -> int:
+    """How many of the next ``n`` queued requests (from ``qi``) a paged engine admits:
+    while the tokens held (each running prompt once, the rows' ``written`` tokens,
+    half a block per row) leave room for the request's prompt (when not running yet)
+    and a block; at least one when nothing runs."""
+    live = {p for p, c in running.items() if c}
+    held = written + len(live) * prompt_tokens + rows * eng.kv_block / 2
+    k = 0
+    while k < n:
+        p = (qi + k) // group
+        need = (0.0 if p in live else prompt_tokens) + eng.kv_block
+        if held + need > eng.kv_tokens and (rows + k) > 0:
+            break
+        held += need - eng.kv_block / 2
+        live.add(p)
+        k += 1
+    return k
 
 
 @dataclass

@@ -139,6 +139,14 @@ class Settings:
     # mixture of experts (``memory_moe``): the expert-parallel size and routing replay
     ep: int = 1
     routing_replay: bool = False
+    # rollout.kv_cache=paged (``planner/paged.py``): the budget per GPU in positions
+    # (K, V and expert routes of the stage's layers; all layers in the gathered mode),
+    # the positions a row in flight holds on average, and the budget's bytes
+    kv_paged: bool = False
+    kv_tokens: float = 0.0
+    kv_held: float = 0.0
+    kv_budget_bytes: float = 0.0
+    kv_note: str = ""
 
     @property
     def graphed_drafting(self) -> bool:
@@ -151,10 +159,13 @@ class Settings:
 
 
 def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
-             lengths: Optional[Sequence[tuple]] = None) -> Settings:
+             lengths: Optional[Sequence[tuple]] = None, arch=None,
+             kv_gib: Optional[float] = None) -> Settings:
     """``lengths``: a step's (prompt, response) tokens per sample of this replica, in
     step order; the micro-batches are then the trainer's for them (else the worst the
-    budget allows up to the cap)."""
+    budget allows up to the cap). ``arch``: needed with ``rollout.kv_cache=paged``
+    (the budget's positions), whose budget ``kv_gib`` replaces
+    ``rollout.kv_cache_gib``."""
     g, t, r, par = cfg.grpo, cfg.train, cfg.rollout, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = max(world_size // (tp * pp), 1)
@@ -181,12 +192,15 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
     chunk = int(getattr(t, "loss_chunk_tokens", 0) or 0)
     sc = r.speculative
     kinds = drafters.configured_kinds(cfg)
+    paged = _paged_fields(cfg, arch, world_size, kv_gib, dtype_bytes) \
+        if r.kv_cache == "paged" else {}
     return Settings(
         tp=tp, pp=pp, dp=dp, on_gpu=on_gpu, dtype_bytes=dtype_bytes, micro_batch=rows,
         seq=seq, loss_tokens=loss,
         micro_batches=max(math.ceil(per_replica / mini / rows), 1),
         # at EP > 1 the EP group's replicas decode their requests together
-        rollout_rows=min(per_replica * par.expert_model_parallel_size, r.max_batch_size),
+        rollout_rows=paged.pop("rows", None)
+        or min(per_replica * par.expert_model_parallel_size, r.max_batch_size),
         capacity=capacity,
         prefill_tokens=r.prefill_tokens, sequence_parallel=sequence_parallel,
         recompute=str(getattr(t, "recompute_granularity", "none")),
@@ -213,7 +227,36 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         entropy_grad=g.entropy_coef > 0, dual_clip=g.dual_clip_c > 0, tis=g.tis_cap > 0,
         kl_type=g.kl_type, ppo_epochs=g.ppo_epochs,
         dynamic_rounds=g.dynamic_sampling_rounds if g.dynamic_sampling else 0,
-        ep=par.expert_model_parallel_size, routing_replay=g.routing_replay)
+        ep=par.expert_model_parallel_size, routing_replay=g.routing_replay, **paged)
+
+
+def _paged_fields(cfg, arch, world_size: int, kv_gib: Optional[float],
+                  dtype_bytes: int) -> dict:
+    """The paged cache's settings (``planner/paged.for_config``: the budget, the rows it
+    keeps in flight on the planner's length model); a budget below one row of the
+    longest prompt is the config's error."""
+    from ..config import ConfigError
+    from ..planner.paged import for_config
+
+    if arch is None:
+        raise ValueError("memory_model.settings: rollout.kv_cache=paged needs the arch")
+    pe = for_config(cfg, arch, world_size, kv_gib=kv_gib, dtype_bytes=dtype_bytes)
+    p = pe.plan
+    if p.tokens < pe.min_tokens:
+        need = pe.min_tokens * pe.token_bytes / GIB
+        raise ConfigError(
+            f"rollout.kv_cache_gib={pe.budget_bytes / GIB:.3g} holds {p.tokens:,.0f} "
+            f"positions per GPU, fewer than one row of the longest prompt "
+            f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens} + 1, in blocks of "
+            f"rollout.kv_block_size={p.block}: {pe.min_tokens} positions); set "
+            f"rollout.kv_cache_gib to at least {math.ceil(need * 1000) / 1000:g} (or 0 for "
+            "what max_batch_size slots reserve)")
+    note = (f"paged: {p.tokens:,.0f} positions ("
+            + ("rollout.kv_cache_gib" if pe.from_config else "max_batch_size slots' worth")
+            + f"), {pe.replica_rows} rows in flight x {p.held:,.0f} held on average "
+            f"(limited by {p.limited_by}), blocks of {p.block}")
+    return dict(kv_paged=True, kv_tokens=p.tokens, kv_held=p.held,
+                kv_budget_bytes=pe.budget_bytes, kv_note=note, rows=pe.replica_rows)
 
 
 def _arms(sc) -> tuple:
@@ -264,11 +307,12 @@ class Estimate:
 
 
 def estimate(cfg, arch, world_size: int, *, kv_released: Optional[bool] = None,
-             lengths: Optional[Sequence[tuple]] = None) -> Estimate:
-    """The worst rank's memory per phase for ``cfg`` on ``world_size`` ranks (``lengths``:
-    see ``settings``)."""
+             lengths: Optional[Sequence[tuple]] = None,
+             kv_gib: Optional[float] = None) -> Estimate:
+    """The worst rank's memory per phase for ``cfg`` on ``world_size`` ranks (``lengths``,
+    ``kv_gib``: see ``settings``)."""
     return estimate_settings(arch, settings(cfg, world_size, kv_released=kv_released,
-                                            lengths=lengths))
+                                            lengths=lengths, arch=arch, kv_gib=kv_gib))
 
 
 def estimate_settings(arch, s: Settings) -> Estimate:
@@ -328,9 +372,14 @@ def _rollout_terms(arch, s: Settings) -> list[Term]:
     worst = max(stages, key=lambda x: x["kv"] + x["logits"] + x["copies"])
     extra = f"; DAPO's up to {s.dynamic_rounds} extra rounds reuse it" \
         if s.dynamic_rounds else ""
-    out = [Term("KV cache", worst["kv"], "rollout" if s.kv_released else "resident", "exact",
-                f"{s.rollout_rows} rows x {positions} positions"
-                + ("" if s.kv_released else ", kept through the update") + extra),
+    kv, what = worst["kv"], f"{s.rollout_rows} rows x {positions} positions"
+    if s.kv_paged:  # the budget's positions (its expert routes: memory_moe)
+        kv = s.kv_tokens * rollout_stages(arch, tp, pp, db, 1, 1, drafter=False,
+                                          mode="gathered" if s.gathered else "pipelined"
+                                          )[0]["kv"]
+        what = s.kv_note
+    out = [Term("KV cache", kv, "rollout" if s.kv_released else "resident", "exact",
+                what + ("" if s.kv_released else ", kept through the update") + extra),
            Term("decode logits", worst["logits"] * 3, "rollout", "cpu-validated",
                 "fp32 logits of a step and two sampling temporaries")]
     h, f = arch.hidden_size, arch.ffn_hidden_size
@@ -345,8 +394,11 @@ def _rollout_terms(arch, s: Settings) -> list[Term]:
                         worst["copies"], "rollout", "exact",
                         "other stages' weights" if s.gathered
                         else "the drafter's embedding / output layer"))
-    for kind in s.kinds:  # each drafter kind's own terms (``Drafter.memory_terms``)
-        for t in kind.memory_terms(arch, s, s.spec):
+    # each drafter kind's own terms (``Drafter.memory_terms``); with the paged cache
+    # its caches page too: the rows in flight at the positions they hold on average
+    ks = replace(s, capacity=math.ceil(s.kv_held)) if s.kv_paged else s
+    for kind in s.kinds:
+        for t in kind.memory_terms(arch, ks, s.spec):
             phase = "rollout" if t.lifetime == "rollout" and s.kv_released else "resident"
             out.append(Term(t.name, t.nbytes, phase, "exact", t.note))
     if s.cuda_graphs:
@@ -510,6 +562,8 @@ def advice(est: Estimate) -> str:
             tips.append("train.loss_chunk_tokens=1024")
         if s.micro_batch > 1 or s.seq > 4096:
             tips.append("a smaller train.micro_batch_tokens / micro_batch_size")
+    elif s.kv_paged:
+        tips.append("a smaller rollout.kv_cache_gib (the dry run proposes one)")
     else:
         tips.append("a smaller rollout.max_batch_size")
     if not s.kv_released and d.get("KV cache"):

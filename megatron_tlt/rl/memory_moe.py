@@ -71,10 +71,12 @@ def fixed_terms(arch, s) -> list[tuple]:
                 "per MoE layer (grouped GEMMs), re-made every generate"))
     moe = len(arch.moe_layers) if whole else moe_layers_of_stage(arch, pp)
     positions = s.capacity + s.draft_slack  # the target's cache: drafts' slack included
-    out.append(("expert routes (KV)", moe * s.rollout_rows * positions * arch.moe_topk
-                * ROUTE_BYTES, phase, "exact",
-                f"int16 experts per position: {moe} MoE layers x top-{arch.moe_topk}, "
-                f"{s.rollout_rows} rows x {positions} positions"))
+    cells = s.kv_tokens if s.kv_paged else s.rollout_rows * positions
+    out.append(("expert routes (KV)", moe * cells * arch.moe_topk * ROUTE_BYTES, phase,
+                "exact", f"int16 experts per position: {moe} MoE layers x "
+                f"top-{arch.moe_topk}, " + (f"the paged budget's {s.kv_tokens:,.0f} positions"
+                                           if s.kv_paged else
+                                           f"{s.rollout_rows} rows x {positions} positions")))
     return out
 
 

@@ -32,6 +32,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     g = cfg.grpo
     m = mini_batch_count(cfg)
     est = memory_model.estimate(cfg, arch, world_size)
+    from .kv_budget import report_lines as kv_lines
     s = est.settings
     prompts_per_replica = g.prompts_per_step // dp
     ep = cfg.parallel.expert_model_parallel_size
@@ -52,9 +53,11 @@ def dry_run(cfg: Config, world_size: int) -> str:
         f"optimizer step(s); micro-batches of {s.micro_batch} x {s.seq} positions",
     ]
     lines += memory_model.report_lines(est)
+    lines += kv_lines(cfg, arch, world_size, est)
     lines += rollout_memory_lines(arch, tp, pp, s.dtype_bytes, s.rollout_rows, s.capacity,
                                   drafter=s.drafter_reads_vocabulary,
-                                  mode=cfg.rollout.pipeline_mode)
+                                  mode=cfg.rollout.pipeline_mode,
+                                  paged_tokens=s.kv_tokens if s.kv_paged else 0.0)
     from ..planner import predict_for_config  # predicted, with its assumptions listed
 
     try:
@@ -66,7 +69,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
 
 def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
                          capacity: int, *, drafter: bool,
-                         mode: str = "pipelined") -> list[str]:
+                         mode: str = "pipelined", paged_tokens: float = 0.0) -> list[str]:
     """The rollout engine's memory on each pipeline stage (one TP rank): the weights it
     reads in place (not extra), the KV cache of the stage's own layers for ``seqs``
     sequences of ``capacity`` positions, the float32 logits every stage receives from
@@ -74,12 +77,20 @@ def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
     output layer the stages that do not own them receive. ``mode="gathered"``
     (``rollout.pipeline_mode``, PP > 1): every rank holds copies of the other stages'
     layers and of the vocabulary matrices it does not own, and the KV cache of all the
-    layers for its share of the sequences."""
+    layers for its share of the sequences. ``paged_tokens`` (rollout.kv_cache=paged):
+    the KV cache is that many positions (the budget), not sequences x capacity."""
     stages = memory_terms.rollout_stages(arch, tp, pp, dtype_bytes, seqs, capacity,
                                          drafter=drafter, mode=mode)
     gathered = stages[0]["gathered"]
-    out = [f"rollout memory per pipeline stage (one TP rank; {seqs} sequences x "
-           f"{capacity} positions; weights read in place, not extra"
+    shape = f"{seqs} sequences x {capacity} positions"
+    if paged_tokens:
+        per = memory_terms.rollout_stages(arch, tp, pp, dtype_bytes, 1, 1, drafter=drafter,
+                                          mode=mode)[0]["kv"]
+        for st in stages:
+            st["kv"] = per * paged_tokens
+        shape = f"{seqs} sequences in flight, paged: {paged_tokens:,.0f} positions"
+    out = [f"rollout memory per pipeline stage (one TP rank; {shape}; weights read in "
+           "place, not extra"
            + (f"; gathered: all layers, {stages[0]['share']} sequences per rank"
               if gathered else "") + "):"]
     for st in stages:
