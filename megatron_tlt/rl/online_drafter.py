@@ -25,7 +25,6 @@ import warnings
 from .. import collectives
 from ..arrival import BOUND_FACTOR
 from ..config import ConfigError
-from ..config.loading import check_drafter_group_layout
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
 from ..drafter_training.sizing import resolve
@@ -42,7 +41,6 @@ class OnlineDrafter:
         from megatron.core import parallel_state as ps
 
         dg = cfg.drafter_group
-        check_drafter_group_layout(cfg)  # PP > 1: the gathered rollout only
         kind = drafters.trainable(engine.drafters)
         if kind is None:
             names = ", ".join(f"{d.label} ({n})" for n, d in engine.drafters.items())

@@ -33,7 +33,7 @@ from .. import checkpoint as checkpointing
 from .. import collectives
 from ..arrival import BOUND_FACTOR, StepPoints
 from ..checkpoint.export import run_meta
-from ..config import Config, check_layout, mini_batch_count
+from ..config import Config, mini_batch_count
 from ..rollout.engine import GenerationInterrupted
 from ..rollout.speculative import drafters
 from ..tracking import Tracker
@@ -67,7 +67,6 @@ class Trainer:
         self.rank = collectives.rank()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        check_layout(cfg, self.layout.dp_size)
         self.mini_batches = mini_batch_count(cfg)
         self.train_prompts, self.eval_prompts = build_prompt_sets(cfg.data, self.tokenizer)
         preflight.check_prompts(self.train_prompts, self.eval_prompts, cfg, self.arch)
