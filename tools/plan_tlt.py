@@ -27,6 +27,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # a clone's docs/results/ for --validate
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4, help="RL steps simulated per arm")
     p.add_argument("--validate", action="store_true",
                    help="run the validation (CPU runs and published points)")
+    p.add_argument("--results", type=Path, default=REPO / "docs" / "results",
+                   help="--validate: the folder of measured runs it predicts (default: "
+                   "this clone's docs/results/; the shipped tables are read from the "
+                   "package)")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     return p
@@ -88,11 +94,11 @@ def run(args) -> int:
         from megatron_tlt.planner.validate import check_sources, summary_lines, validate_all
 
         try:
-            check_sources()
+            check_sources(args.results)
         except FileNotFoundError as e:
             print(f"--validate: {e}", file=sys.stderr)
             return 2
-        out = validate_all()
+        out = validate_all(args.results)
         print("\n".join(summary_lines(out)))
     else:
         from megatron_tlt.config import load_config
