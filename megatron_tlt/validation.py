@@ -24,6 +24,7 @@ from .config.loading import (check_data_parallel_layout, check_drafter_group_lay
                              check_parallel_sizes)
 from .models import moe_replay
 from .rollout.speculative import drafters
+from .tasks.answers import EXTRACTION_MODES
 
 Rule = Callable[[Config, object, int], None]
 
@@ -53,6 +54,31 @@ def check_drafter_group_kind(cfg: Config, arch, world_size: int) -> None:
                           "empty for a cold start)")
 
 
+def check_reward_settings(cfg: Config, arch, world_size: int) -> None:
+    """The verifier's settings (``rl/rewards.py`` ``Verifier`` trusts them)."""
+    r, d = cfg.reward, cfg.data
+    if r.answer_extraction not in EXTRACTION_MODES:
+        raise ConfigError(f"reward.answer_extraction={r.answer_extraction!r} is not valid; "
+                          f"choose one of {', '.join(EXTRACTION_MODES)}")
+    if r.verifier == "reasoning_gym" and d.source != "reasoning_gym":
+        raise ConfigError(
+            f"reward.verifier=reasoning_gym needs data.source=reasoning_gym (got "
+            f"{d.source}); use math or exact for file prompts")
+    if r.timeout_seconds <= 0:
+        raise ConfigError(f"reward.timeout_seconds must be > 0, got {r.timeout_seconds}")
+
+
+def check_prompt_settings(cfg: Config, arch, world_size: int) -> None:
+    """The generated prompt set's settings (``rl/data.py`` trusts them)."""
+    d = cfg.data
+    if d.source == "reasoning_gym":
+        if d.seed < 0:
+            raise ConfigError(f"data.seed must be >= 0 for data.source=reasoning_gym, got "
+                              f"{d.seed}")
+        if d.train_size < 1:
+            raise ConfigError("data.train_size must be >= 1 for data.source=reasoning_gym")
+
+
 # name -> rule, in the order they run (the first failure is the message)
 RULES: dict[str, Rule] = {
     "parallel_sizes": check_parallel_sizes,
@@ -62,6 +88,8 @@ RULES: dict[str, Rule] = {
     "routing_replay": check_routing_replay,
     "drafter_kinds": check_drafter_kinds,
     "drafter_group_kind": check_drafter_group_kind,
+    "reward_settings": check_reward_settings,
+    "prompt_settings": check_prompt_settings,
 }
 
 

@@ -316,9 +316,8 @@ def has_calibration(name: str) -> bool:
 
 
 def results_file(name: str, results: Path):
-    """A measured run the validation predicts: in the folder ``results`` (a clone's
-    docs/results/, given by tools/plan_tlt.py --validate --results), else the package's
-    one copy of a shipped table (``megatron_tlt/planner/data/``)."""
+    """A measured run the validation predicts: in the folder ``results`` (plan_tlt.py
+    --validate --results), else the package's shipped copy (``planner/data/``)."""
     path = Path(results).expanduser() / name
     if path.is_file():
         return path
@@ -326,10 +325,9 @@ def results_file(name: str, results: Path):
     if shipped.is_file():
         return shipped
     raise FileNotFoundError(
-        f"{path}: not found. The validation (tools/plan_tlt.py --validate) predicts "
-        "the repository's own measured runs in docs/results/, which an installed "
-        "package does not carry: run it from a clone of megatron_tlt, or give the "
-        "folder that holds them with --results DIR")
+        f"{path}: not found. The validation (tools/plan_tlt.py --validate) predicts the "
+        "repository's measured runs in docs/results/, which an installed package does "
+        "not carry: run it from a clone, or give their folder with --results DIR")
 
 
 def load_table(name: str) -> dict:

@@ -165,6 +165,13 @@ BAD_CONFIGS = {
         "the self-drafter (rollout.speculative.drafter=self or self_too=true)"),
     "self-too-alone": ("llama_tied", 1, ["rollout.speculative.self_too=true"],
                        "rollout.speculative.self_too=true needs a drafter checkpoint"),
+    "reward-verifier-vs-source": (
+        "llama_tied", 1, ["reward.verifier=reasoning_gym", "data.source=jsonl",
+                          "data.path=/p.jsonl"],
+        "reward.verifier=reasoning_gym needs data.source=reasoning_gym"),
+    "reward-timeout": ("llama_tied", 1, ["reward.timeout_seconds=0"],
+                       "reward.timeout_seconds must be > 0"),
+    "prompt-seed": ("llama_tied", 1, ["data.seed=-1"], "data.seed must be >= 0"),
     "drafter-group-untrainable": (
         "llama_tied", 2, ["drafter_group.enable=true", "rollout.speculative.drafter=self"],
         "drafter_group.enable=true trains a drafter"),
