@@ -19,7 +19,6 @@ and ``GRAD_NORM_RTOL x fp32``: any gap is the precision's alone.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 LOSS_ATOL, LOSS_RTOL, GRAD_NORM_RTOL = 0.02, 0.05, 0.10
 PROMPTS, GROUP, PROMPT_TOKENS = 2, 4, 24
