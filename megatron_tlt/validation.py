@@ -1,7 +1,7 @@
 """One validation for every entry point: ``validate(cfg, arch, world_size)``.
 
-The launch (``launch.setup``), the dry run (``rl/plan.py``), the GPU check's parts and
-the conversion tool call it, so a recipe the dry run accepts is one the launch accepts,
+The launch (``launch.setup``), the dry run (``rl/plan.py``), the planner
+(``tools/plan_tlt.py``), the GPU check's first step and the conversion tool call it, so a recipe the dry run accepts is one the launch accepts,
 with the same message when it is not. A rule may live next to the code it protects
 (``config/loading.py``, ``config/expert_layout.py``, ``models/moe_replay.py``, the
 drafter kinds through ``rollout/speculative/drafters.py``); it is registered here, in

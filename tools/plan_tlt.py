@@ -113,6 +113,15 @@ def run(args) -> int:
             print("--config is required (or --validate)", file=sys.stderr)
             return 2
         cfg = load_config(args.config, args.overrides)
+        from megatron_tlt.config import ConfigError
+        from megatron_tlt.models.known import architecture
+        from megatron_tlt.validation import validate
+
+        try:  # the rules the launch and the dry run apply: no prediction for a refused recipe
+            validate(cfg, architecture(cfg)[0], args.world_size)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         lengths = None
         if args.lengths is not None:
             lengths = (lengths_from_metrics(args.lengths) if args.lengths.suffix == ".jsonl"

@@ -239,7 +239,8 @@ def test_validate_is_the_only_caller_of_the_rules():
                 found.append(f"{rel}: {owner + '.' if owner else ''}{name}")
     assert not found, "rules called outside validation.validate:\n" + "\n".join(found)
     for entry in ("megatron_tlt/launch.py", "megatron_tlt/rl/plan.py",
-                  "megatron_tlt/gpu_check/first_step.py", "tools/convert_hf_checkpoint.py"):
+                  "megatron_tlt/gpu_check/first_step.py", "tools/convert_hf_checkpoint.py",
+                  "tools/plan_tlt.py"):
         assert ("", "validate") in _calls(ast.parse((REPO / entry).read_text())), entry
 
 
@@ -247,3 +248,21 @@ def test_the_only_caller_check_bites():
     tree = ast.parse("from megatron_tlt.models import moe_replay\nmoe_replay.check(c, a)\n"
                      "check_parallel_sizes(c, a, 1)\n")
     assert {("moe_replay", "check"), ("", "check_parallel_sizes")} <= set(_calls(tree))
+
+
+def test_the_planner_refuses_what_the_launch_refuses(model_dirs, monkeypatch, capsys):
+    """tools/plan_tlt.py predicts no recipe the launch would refuse: the same message."""
+    from cli import run_main
+
+    from megatron_tlt.config import ConfigError, load_config
+    from megatron_tlt.launch import setup
+
+    model, world, over, fragment = BAD_CONFIGS["routing-replay-pp-recompute"]
+    args = [f"model.hf_path={model_dirs[model]}", *over]
+    recipe = REPO / "examples" / "rl" / "smollm2_cpu.yaml"
+    r = run_main("tools/plan_tlt.py", "--config", recipe, "--world-size", str(world), *args)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as info:
+        setup(load_config([recipe], args))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {info.value}", r.stderr
+    assert fragment in r.stderr
