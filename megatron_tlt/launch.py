@@ -12,15 +12,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import Config, validate_for_run
+from .config import Config
 from .models import arch_from_source, load_model, load_tokenizer, resolve_source
 from .models.gpt import ModelArch, memory_controls
-from .models import moe_replay
 from .models.moe import moe_options
 from .parallel import ParallelLayout, initialize_model_parallel
-from .rollout.speculative import drafters
 from .runtime_env import Platform, init_distributed, seed_everything
 from .rl.preflight import check_vocabulary
+from .validation import validate
 
 
 @dataclass
@@ -37,9 +36,7 @@ def setup(cfg: Config) -> Session:
     """Validate, initialise torch.distributed and megatron-core, build and load the model."""
     source = resolve_source(cfg.model.hf_path)
     arch = arch_from_source(source)
-    validate_for_run(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))
-    moe_replay.check(cfg, arch)
-    drafters.check_config(cfg)  # the drafter kinds' own rules
+    validate(cfg, arch, int(os.environ.get("WORLD_SIZE", "1")))  # every rule, as --dry-run
     tokenizer = load_tokenizer(source)
     check_vocabulary(tokenizer, arch, source)
     plat = init_distributed(cfg.platform.device, cfg.platform.backend,

@@ -92,7 +92,8 @@ def sampling_and_prompts(args, tokenizer):
 
 def one_layer_drafter(arg, engine, draft_vocab: int, seed: int):
     """(drafter or None, description)."""
-    from megatron_tlt.rollout.speculative.drafters import make_drafter
+    from megatron_tlt.rollout.speculative.drafters import (is_untrained, make_drafter,
+                                                           resolve_value, untrained_value)
 
     if arg == "none":
         return None, None
@@ -100,12 +101,11 @@ def one_layer_drafter(arg, engine, draft_vocab: int, seed: int):
         from megatron_tlt.assets import default_cache_dir
 
         demo = default_cache_dir() / "drafters" / "smollm2-chain_sum-demo-sampled.safetensors"
-        arg = str(demo) if demo.is_file() else "random"
-    if arg == "random":
-        arg = f"random:{draft_vocab}"
+        arg = str(demo) if demo.is_file() else untrained_value(draft_vocab)
+    arg = resolve_value(arg, draft_vocab=draft_vocab)  # random: --draft-vocab tokens
     d = make_drafter(arg, arch=engine.arch, dtype=engine.runner.dtype, device=engine.device,
                      seed=seed)
-    return d, (f"random (untrained, seed {seed})" if arg.startswith("random") else arg)
+    return d, (f"{arg} (untrained, seed {seed})" if is_untrained(arg) else arg)
 
 
 def main(argv=None) -> int:

@@ -281,9 +281,9 @@ def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
 def attach_random_drafter(engine, seed: int) -> None:
     """An untrained drafter of the target's shape (a 1,024-token draft vocabulary, as
     the warmed ones), seeded, on the engine; its tuner as the config makes it."""
-    from megatron_tlt.rollout.speculative.drafters import make_drafter
+    from megatron_tlt.rollout.speculative.drafters import make_drafter, untrained_value
 
-    engine.attach_drafter(make_drafter("random:1024", arch=engine.arch,
+    engine.attach_drafter(make_drafter(untrained_value(), arch=engine.arch,
                                        dtype=engine.runner.dtype, device=engine.device,
                                        seed=seed))
 
@@ -315,8 +315,11 @@ def build_arms(args, mode: str, session, first_model) -> dict:
     from megatron_tlt.models import load_model
     from megatron_tlt.runtime_env import seed_everything
 
+    from megatron_tlt.rollout.speculative.drafters import is_untrained
+
     cfg = make_config(args, mode)
-    drafter = "" if args.drafter in ("off", "random") else str(args.drafter)
+    untrained = is_untrained(str(args.drafter))  # attached after the arms are built
+    drafter = "" if args.drafter == "off" or untrained else str(args.drafter)
     cfgs = {"tlt": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
         cfg.rollout.speculative, drafter=drafter))),
         "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
@@ -328,7 +331,7 @@ def build_arms(args, mode: str, session, first_model) -> dict:
             session.source, device=session.platform.device, dtype=cfg.model.dtype,
             impl=cfg.model.transformer_impl)[0]
         arms[name] = Arm(name, cfgs[name], session, model)
-    if args.drafter == "random":
+    if untrained:
         attach_random_drafter(arms["tlt"].trainer.engine, args.seed)
     start = max_param_delta(arms["tlt"].model, arms["off"].model)
     if start != 0.0:
@@ -573,10 +576,11 @@ def launch(args, argv: list[str]) -> int:
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from megatron_tlt.rollout.speculative.drafters import names
+    from megatron_tlt.rollout.speculative.drafters import is_untrained, names
 
-    if args.drafter not in (None, "off", "random") and not (
-            args.drafter in names() or Path(args.drafter).is_file()):
+    if args.drafter not in (None, "off") and not (
+            args.drafter in names() or is_untrained(args.drafter)
+            or Path(args.drafter).is_file()):
         print(f"error: no drafter checkpoint at {args.drafter} (or give one of "
               f"{names()}, random, off)", file=sys.stderr)
         return 2

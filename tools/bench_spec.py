@@ -89,17 +89,17 @@ def resolve_drafter(arg, quick_run: bool, engine, seed: int):
     """(drafter, description) for --drafter: full or quick (the warmed drafters, made on
     first use), random (untrained, the warmed ones' shape: a 1,024-token vocabulary), or
     any value a drafter kind takes (self, a checkpoint path)."""
-    from megatron_tlt.rollout.speculative.drafters import make_drafter
+    from megatron_tlt.rollout.speculative.drafters import (is_untrained, make_drafter,
+                                                           resolve_value)
 
     if arg is None:
         arg = "quick" if quick_run and not default_drafter_path().is_file() else "full"
     if arg in ("full", "quick"):
         arg = str(ensure_drafter(default_drafter_path(arg == "quick"), arg == "quick"))
-    elif arg == "random":
-        arg = "random:1024"
+    arg = resolve_value(arg)  # a kind's bare word made concrete (random: 1,024 tokens)
     d = make_drafter(arg, arch=engine.arch, dtype=engine.runner.dtype, device=engine.device,
                      seed=seed)
-    return d, f"{d.label} ({arg}{f', seed {seed}' if arg.startswith('random') else ''})"
+    return d, f"{d.label} ({arg}{f', seed {seed}' if is_untrained(arg) else ''})"
 
 
 def drafter_cost(engine, reps: int = 20) -> dict:

@@ -24,13 +24,14 @@ import sys
 import time
 
 from megatron_tlt.assets import AssetError
-from megatron_tlt.config import build_parser, config_from_args, validate_for_run
+from megatron_tlt.config import build_parser, config_from_args
 from megatron_tlt.checkpoint.export import ExportError, export_run_checkpoint
 from megatron_tlt.models import resolve_source
 from megatron_tlt.models.gpt import DTYPES, ModelArch
 from megatron_tlt.models.hf import (HFWeights, expected_hf_keys, hf_to_megatron,
                                     megatron_to_hf, save_hf_folder)
 from megatron_tlt.run_files import is_run_checkpoint
+from megatron_tlt.validation import validate
 from megatron_tlt.models.megatron_weights import (is_megatron_checkpoint,
                                                   load_megatron_shards,
                                                   save_megatron_checkpoint, tokenizer_folder)
@@ -46,7 +47,7 @@ def to_megatron(cfg, src, out: str) -> None:
     pp = cfg.parallel.pipeline_model_parallel_size
     ep = cfg.parallel.expert_model_parallel_size
     arch = ModelArch.from_hf_folder(src)
-    validate_for_run(cfg, arch, world_size=tp * pp * ep)
+    validate(cfg, arch, world_size=tp * pp * ep)
     hf = HFWeights(src)
     missing = [k for k in expected_hf_keys(arch) if k not in hf]
     if missing:

@@ -123,14 +123,10 @@ def worker(argv: list[str]) -> int:
         if int(os.environ.get("RANK", "0")) == int(rank[0] if rank else 1):
             arm(phase, int(step), _terminate)
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    import importlib.util
+    from megatron_tlt.cli import main
 
     # the training entry point, run in this process so the patches above apply
-    spec = importlib.util.spec_from_file_location("pretrain_rl_tlt",
-                                                  REPO / "pretrain_rl_tlt.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.main(rest)
+    return main(rest)
 
 
 # ------------------------------------------------------------------ sweep

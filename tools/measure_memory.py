@@ -344,8 +344,6 @@ def run_cell(spec: dict) -> dict:
     baseline = _rss()
     _restart_hwm()
     session = setup(cfg)
-    trainer = Trainer(cfg, session)
-    out = {"baseline": baseline, "build": _hwm(), "heap_after_build": _heap(), "steps": []}
 
     class Alternating:  # rewards with variance in every group: every sample trains;
         fresh = False  # with dynamic sampling a step's first round is flat (all 0), so
@@ -357,16 +355,18 @@ def run_cell(spec: dict) -> dict:
                                  correct=False, format_ok=True, answer=None)
                     for i in range(len(texts))]
 
-    trainer.verifier = verifier = Alternating()
+    verifier = Alternating()
+    trainer = Trainer(cfg, session, verifier=verifier)
+    out = {"baseline": baseline, "build": _hwm(), "heap_after_build": _heap(), "steps": []}
     lengths = spec["lengths"]
-    generate = trainer.engine.generate
+    generate = trainer.generate  # the rollout's generation (the trainer's seam)
 
     def at_lengths(prompts, params, **kw):  # each response stops at its cell length
         plist = [dataclasses.replace(params, ignore_eos=True,
                                      max_new_tokens=lengths[i % len(lengths)])
                  for i in range(len(prompts))]
         return generate(prompts, plist, **kw)
-    trainer.engine.generate = at_lengths
+    trainer.generate = at_lengths
     phases: dict = {}
     tracer = [None]
 
@@ -378,25 +378,21 @@ def run_cell(spec: dict) -> dict:
         if spec.get("trace") and step == int(spec.get("steps", 2)) - 1:
             tracer[0] = _Tracer()
     trainer.idle_window_hooks.append(end_of_rollout)
-    update = trainer._update
+    labels: dict = {}
 
-    def measured_update(*a, **k):
+    def marks(phase, when):  # the trainer's phase hooks: memory marks, profiler labels
         from torch.profiler import record_function
 
-        phases["log-probs"] = _hwm()
-        phases["heap_before_update"] = _heap()
-        _restart_hwm()
-        with record_function("phase:update"):
-            return update(*a, **k)
-    trainer._update = measured_update
-    fill = trainer._fill_logprobs
-
-    def labelled_fill(*a, **k):
-        from torch.profiler import record_function
-
-        with record_function("phase:log-probs"):
-            return fill(*a, **k)
-    trainer._fill_logprobs = labelled_fill
+        if when == "start":
+            if phase == "update":
+                phases["log-probs"] = _hwm()
+                phases["heap_before_update"] = _heap()
+                _restart_hwm()
+            labels[phase] = record_function(f"phase:{phase}")
+            labels[phase].__enter__()
+        elif phase in labels:
+            labels.pop(phase).__exit__(None, None, None)
+    trainer.phase_hooks.append(marks)
     for step in range(int(spec.get("steps", 2))):
         verifier.fresh = cfg.grpo.dynamic_sampling
         _restart_hwm()
@@ -404,9 +400,8 @@ def run_cell(spec: dict) -> dict:
         metrics = trainer.train_step(step)
         phases["update"] = _hwm()
         phases["heap_after_update"] = _heap()
-        mem = getattr(trainer.engine, "memory", None)
-        phases["kv_released"] = (mem.cache is None or not mem.cache.allocated) \
-            if mem is not None else trainer.engine._cache is None
+        cache = trainer.engine.memory.cache  # the engine's rollout memory (public)
+        phases["kv_released"] = cache is None or not cache.allocated
         phases["grad_norm"] = metrics["grad_norm"]
         out["steps"].append(dict(phases))
     if tracer[0] is not None:

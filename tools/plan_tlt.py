@@ -30,6 +30,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # a clone's docs/results/ for --validate
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "speculation threshold and the drafter kind under the dry run's memory "
                    "bound; print the fastest few with their overrides and why each wins")
     p.add_argument("--top", type=int, default=3, help="with --recommend: how many to print")
+    p.add_argument("--results", type=Path, default=REPO / "docs" / "results",
+                   help="--validate: the folder of measured runs it predicts (default: "
+                   "this clone's docs/results/; the shipped tables are read from the "
+                   "package)")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     return p
@@ -98,11 +104,11 @@ def run(args) -> int:
         from megatron_tlt.planner.validate import check_sources, summary_lines, validate_all
 
         try:
-            check_sources()
+            check_sources(args.results)
         except FileNotFoundError as e:
             print(f"--validate: {e}", file=sys.stderr)
             return 2
-        out = validate_all()
+        out = validate_all(args.results)
         print("\n".join(summary_lines(out)))
     else:
         from megatron_tlt.config import load_config
@@ -117,6 +123,15 @@ def run(args) -> int:
             print("--config is required (or --validate)", file=sys.stderr)
             return 2
         cfg = load_config(args.config, args.overrides)
+        from megatron_tlt.config import ConfigError
+        from megatron_tlt.models.known import architecture
+        from megatron_tlt.validation import validate
+
+        try:  # the rules the launch and the dry run apply: no prediction for a refused recipe
+            validate(cfg, architecture(cfg)[0], args.world_size)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         lengths = None
         if args.lengths is not None:
             lengths = (lengths_from_metrics(args.lengths) if args.lengths.suffix == ".jsonl"

@@ -12,14 +12,14 @@ a prompt needs no quoting; an empty value is "" or, for an optional string, not 
 other fields are parsed as YAML. OmegaConf does the merging and type coercion (the
 same structured-config model NeMo and Hydra use); this module adds what users need on
 top: errors that name the field, the file and line, and the closest valid key, and
-checks against the model and the world size that fail before any compute.
+the rules against the model and the world size (``config/loading.py``), which
+``megatron_tlt.validation.validate`` runs with every other rule before any compute.
 """
 
 from __future__ import annotations
 
 from .base import ConfigError
-from .loading import (build_parser, check_layout, config_from_args, load_config, mini_batch_count,
-                      parse_args, validate_for_run)
+from .loading import build_parser, config_from_args, load_config, mini_batch_count, parse_args
 from .markdown import describe
 from .rl_sections import (CheckpointConfig, DataConfig, DrafterGroupConfig, GRPOConfig,
                           RewardConfig, TrackingConfig, TrainConfig)
@@ -30,6 +30,6 @@ __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "PlatformConfig",
     "GenerateConfig", "RolloutConfig", "SpeculativeConfig", "DataConfig", "RewardConfig",
     "GRPOConfig", "TrainConfig", "DrafterGroupConfig", "CheckpointConfig", "TrackingConfig",
-    "build_parser", "check_layout", "config_from_args", "describe", "load_config",
-    "mini_batch_count", "parse_args", "validate_for_run",
+    "build_parser", "config_from_args", "describe", "load_config", "mini_batch_count",
+    "parse_args",
 ]

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .base import ConfigError
-from .expert_layout import check_expert_layout
 from .keys import _translate
 from .markdown import describe
 from .overrides import apply_override
@@ -73,7 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls=Config, description: st
 
 
 # -------------------------------------------------------------------------------------
-# checks against the model and the launch
+# rules against the model and the launch: registered and run by validation.validate
 # -------------------------------------------------------------------------------------
 
 def mini_batch_count(cfg: Config) -> int:
@@ -88,7 +87,10 @@ def mini_batch_count(cfg: Config) -> int:
     return total // gbs
 
 
-def check_layout(cfg: Config, dp: int) -> None:
+def check_data_parallel_layout(cfg: Config, arch, world_size: int) -> None:
+    """Every replica gets whole groups of every mini-batch (and the batch sizes agree)."""
+    dp = max(world_size // (cfg.parallel.tensor_model_parallel_size
+                            * cfg.parallel.pipeline_model_parallel_size), 1)
     m = mini_batch_count(cfg)
     if cfg.grpo.prompts_per_step % (m * dp):
         raise ConfigError(
@@ -97,7 +99,7 @@ def check_layout(cfg: Config, dp: int) -> None:
             f"every replica gets whole groups of every mini-batch")
 
 
-def check_drafter_group_layout(cfg: Config) -> None:
+def check_drafter_group_layout(cfg: Config, arch, world_size: int) -> None:
     """The drafter group at PP > 1 trains on the gathered rollout's whole-model copies
     and all-gathered responses; the stage-to-stage rollout has neither."""
     pp = cfg.parallel.pipeline_model_parallel_size
@@ -110,8 +112,9 @@ def check_drafter_group_layout(cfg: Config) -> None:
             f"rollout.pipeline_mode=gathered (the default) or drafter_group.enable=false")
 
 
-def validate_for_run(cfg: Config, arch, world_size: int) -> None:
-    """Checks that need the model's architecture and the world size; run before compute."""
+def check_parallel_sizes(cfg: Config, arch, world_size: int) -> None:
+    """TP, PP and the recomputed layers against the model's heads and layers and the
+    world size."""
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     if arch.num_attention_heads % tp:
@@ -124,7 +127,6 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"parallel.tensor_model_parallel_size={tp} does not divide the model's "
             f"{arch.num_query_groups} KV groups (num_key_value_heads); use a divisor of "
             f"{arch.num_query_groups}")
-    check_drafter_group_layout(cfg)
     if arch.num_layers % pp:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the model's "
@@ -141,4 +143,3 @@ def validate_for_run(cfg: Config, arch, world_size: int) -> None:
             f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
             f"({tp}) x parallel.pipeline_model_parallel_size ({pp}) = {tp * pp}; launch a "
             f"multiple of {tp * pp} processes or change the parallel sizes")
-    check_expert_layout(cfg, arch, world_size)

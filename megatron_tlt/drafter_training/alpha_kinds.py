@@ -33,14 +33,14 @@ def alpha_by_kind(runner, drafters: dict, samples: Sequence, *, temperature: flo
     for name, d in drafters.items():
         d = as_drafter(d)
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, depth=depth)
-        if d.fed == "features":
+        copy = d.token_runner(runner)  # a token-fed kind's copy drafts through it
+        if copy is not None:
+            rep = measure_self_alpha(copy, runner, samples, **kw)
+        elif d.model is not None:  # a trained drafter's model, fed the target's features
             rep = measure_alpha(d.model, runner, samples, **kw)
         else:
-            copy = d.token_runner(runner)
-            if copy is None:
-                raise ValueError(f"{d.label} ({name}) has no model whose alpha can be "
-                                 "measured on held-out responses")
-            rep = measure_self_alpha(copy, runner, samples, **kw)
+            raise ValueError(f"{d.label} ({name}) has no model whose alpha can be "
+                             "measured on held-out responses")
         rep.extra["kind"] = d.name
         out[name] = rep
     return out

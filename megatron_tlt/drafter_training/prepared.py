@@ -3,7 +3,7 @@ bounded ``run_warmup`` on first use and reused after:
 
 * ``demo_drafter``: the demo's (``make demo``; also the default of bench_e2e,
   bench_drift, sweep_drafter_lr and bench_rollout ``--spec-drafter demo``), warmed at
-  the demo recipe's sampling settings (examples/rl/smollm2_cpu.yaml);
+  the demo recipe's sampling settings (shipped as ``data/demo_sampling.yaml``);
 * ``default_drafter_path`` / ``ensure_drafter``: the speculative benchmark's SmolLM2
   drafters on basic_arithmetic, ``full`` (8,192 prompts, about 2 h on 2 cores; its
   responses kept beside it, so an interrupted warm-up resumes) and ``quick`` (64
@@ -21,8 +21,8 @@ from .warmup import WarmupConfig, run_warmup
 __all__ = ["DEMO_RECIPE", "DEMO_WARMUP", "demo_drafter", "default_drafter_path",
            "ensure_drafter"]
 
-# the demo's recipe (a checkout's examples/rl/smollm2_cpu.yaml)
-DEMO_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "rl" / "smollm2_cpu.yaml"
+# the demo recipe's model, task and sampling, shipped with the package (package data)
+DEMO_RECIPE = Path(__file__).resolve().parent / "data" / "demo_sampling.yaml"
 # bounded to a few minutes on 2 cores: the recipe's sampling, fewer and shorter responses
 DEMO_WARMUP = dict(train_prompts=8, max_new_tokens=128, epochs=4, batch_tokens=1024,
                    draft_vocab=1024, eval_prompts=2, eval_strategy="4_1_4",

@@ -19,10 +19,7 @@ and ``GRAD_NORM_RTOL x fp32``: any gap is the precision's alone.
 from __future__ import annotations
 
 import gc
-import runpy
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 LOSS_ATOL, LOSS_RTOL, GRAD_NORM_RTOL = 0.02, 0.05, 0.10
 PROMPTS, GROUP, PROMPT_TOKENS = 2, 4, 24
 
@@ -66,7 +63,7 @@ def teacher_forced_samples(vocab_size: int, max_new_tokens: int, seed: int = 0):
 def first_step(rest: list[str]) -> dict:
     import torch
 
-    from megatron_tlt.models import load_model, resolve_source
+    from megatron_tlt.models import arch_from_source, load_model, resolve_source
     from megatron_tlt.parallel import initialize_model_parallel
     from megatron_tlt.rl import grpo
     from megatron_tlt.rl.policy import Policy
@@ -74,10 +71,14 @@ def first_step(rest: list[str]) -> dict:
     from megatron_tlt.runtime_env import init_distributed, silence_expected_warnings
 
     silence_expected_warnings()
-    _, cfg = runpy.run_path(str(REPO / "pretrain_rl_tlt.py"), run_name="gpu_check")["parse"](rest)
+    from megatron_tlt.cli import parse
+    from megatron_tlt.validation import validate
+
+    _, cfg = parse(rest)
+    source = resolve_source(cfg.model.hf_path)
+    validate(cfg, arch_from_source(source), 1)  # one process: every rule, as the launch
     plat = init_distributed(cfg.platform.device, cfg.platform.backend)
     initialize_model_parallel(1, 1, seed=cfg.platform.seed)
-    source = resolve_source(cfg.model.hf_path)
     g = cfg.grpo
     runs: dict[str, dict] = {}
     samples = None

@@ -32,14 +32,12 @@ import json
 import os
 import re
 import resource
-import runpy
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "generation_config.json")
 MINI = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -106,7 +104,8 @@ def _dry_run_numbers(text: str) -> dict:
 
 
 def grpo(args, rest: list[str]) -> dict:
-    """Run pretrain_rl_tlt.py's main with per-phase peak memory recorded."""
+    """Run the training entry point's main (``cli.main``) with per-phase peak memory
+    recorded."""
     from megatron_tlt.rl import trainer as trainer_mod
 
     cuda = torch.cuda.is_available()
@@ -136,10 +135,11 @@ def grpo(args, rest: list[str]) -> dict:
         return _Measured(original(self, name, total), name)
 
     trainer_mod.Trainer._phase = measured_phase
-    pretrain = runpy.run_path(str(REPO / "pretrain_rl_tlt.py"), run_name="gpu_check")
-    _, cfg = pretrain["parse"](rest)
+    from megatron_tlt import cli
+
+    _, cfg = cli.parse(rest)
     t0 = time.perf_counter()
-    rc = pretrain["main"](rest)
+    rc = cli.main(rest)
     seconds = time.perf_counter() - t0
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:

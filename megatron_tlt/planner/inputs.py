@@ -32,8 +32,6 @@ import numpy as np
 
 from .experts import distinct_experts, moe_fields
 
-# a clone's measurements: what the validation predicts (an installed package has none)
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 _calibration: Optional[Path] = None  # use_calibration's folder, read before the shipped one
 NOISY_STEP_OVER_FLOOR = 2.0  # a bench_rollout row whose median step is > 2x its floor
 # (the step's own lower bound, measured beside it) was taken on a busy machine: dropped
@@ -320,15 +318,19 @@ def has_calibration(name: str) -> bool:
     return True
 
 
-def results_file(name: str) -> Path:
-    """A measured run in a clone's ``docs/results/`` (what the validation predicts)."""
-    path = RESULTS / name
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: not found. The validation (tools/plan_tlt.py --validate) predicts "
-            "the repository's own measured runs in docs/results/, which an installed "
-            "package does not carry: run it from a clone of megatron_tlt")
-    return path
+def results_file(name: str, results: Path):
+    """A measured run the validation predicts: in the folder ``results`` (plan_tlt.py
+    --validate --results), else the package's shipped copy (``planner/data/``)."""
+    path = Path(results).expanduser() / name
+    if path.is_file():
+        return path
+    shipped = resources.files(__package__).joinpath("data", name)
+    if shipped.is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"{path}: not found. The validation (tools/plan_tlt.py --validate) predicts the "
+        "repository's measured runs in docs/results/, which an installed package does "
+        "not carry: run it from a clone, or give their folder with --results DIR")
 
 
 def load_table(name: str) -> dict:

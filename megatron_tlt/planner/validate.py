@@ -75,17 +75,17 @@ def predict_record(rec: dict, table, alpha: Optional[list], upd: dict,
             "speculation_share": spec_tok / max(tok, 1.0)}
 
 
-def _measured_run(name: str) -> dict:
-    """A measured run the validation predicts, from the clone's docs/results/ (the
-    planner's own copy, in megatron_tlt/planner/data/, is the same file)."""
-    return json.loads(results_file(name).read_text())
+def _measured_run(name: str, results: Path) -> dict:
+    """A measured run the validation predicts, from the folder ``results`` or the
+    planner's shipped tables (``inputs.results_file``)."""
+    return json.loads(results_file(name, results).read_text())
 
 
-def check_sources() -> None:
+def check_sources(results: Path) -> None:
     """Raise FileNotFoundError, saying what to do, unless every measured run the
-    validation predicts is at hand (a clone's docs/results/)."""
+    validation predicts is at hand (in ``results``, a clone's docs/results/, or shipped)."""
     for name in (*E2E_FILES, DEMO_RUN):
-        results_file(name)
+        results_file(name, results)
 
 
 def _err(pred: float, meas: float) -> Optional[float]:
@@ -106,14 +106,14 @@ def _phase_errors(rows: list[dict]) -> dict:
     return out
 
 
-def validate_e2e() -> dict:
+def validate_e2e(results: Path) -> dict:
     """Each bench_e2e command's steps (all its runs pooled) predicted from the co-run
     and alone tables and each step's recorded workload; the update fitted on the other
     command's runs. Per run as well: the spread between runs of the same work is this
     machine's, not the model's."""
     table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     alpha = demo_drafter_alpha().at(0)
-    docs = {f: _measured_run(f) for f in E2E_FILES}
+    docs = {f: _measured_run(f, results) for f in E2E_FILES}
     recs = {f: e2e_records(d) for f, d in docs.items()}
     out = {"table": table.source, "alone_table": alone.source if alone else None,
            "alpha": alpha, "commands": {}}
@@ -193,22 +193,25 @@ def demo_records(path) -> list[dict]:
     return out
 
 
-def validate_demo(upd: Optional[dict] = None) -> dict:
+def validate_demo(results: Path, upd: Optional[dict] = None) -> dict:
     """The demo recipe run with TLT off (``DEMO_RUN``: 4 prompts x 8, 2 replicas, cap
     256), each step predicted from its own workload; the update fitted on both
     bench_e2e files."""
     table, alone = cpu_1t_corun_table(), cpu_1t_alone_table()
     if upd is None:
-        upd = fit_update([r for f in E2E_FILES for r in e2e_records(_measured_run(f))])
+        upd = fit_update([r for f in E2E_FILES
+                          for r in e2e_records(_measured_run(f, results))])
     rows = [{"step": rec["step"], "predicted": predict_record(rec, table, None, upd, alone),
-             "measured": rec["measured"]} for rec in demo_records(results_file(DEMO_RUN))]
+             "measured": rec["measured"]} for rec in demo_records(
+                 results_file(DEMO_RUN, results))]
     return {"run": DEMO_RUN, "update_model": upd | {"fitted_on": list(E2E_FILES)},
             "phases": _phase_errors(rows), "steps": rows}
 
 
-def validate_cpu() -> dict:
-    e2e = validate_e2e()
-    demo = validate_demo()
+def validate_cpu(results: Path) -> dict:
+    """The CPU runs in the folder ``results`` (a clone's docs/results/) predicted."""
+    e2e = validate_e2e(results)
+    demo = validate_demo(results)
     headline = {}
     for ph in PHASES:
         errs = [abs(v["phases"][ph]["error_of_mean"]) for v in
@@ -357,14 +360,15 @@ def validate_published() -> dict:
             "nemo_rl_qwen3_8b_generation": nemo_rl_qwen3_8b()}
 
 
-def validate_all() -> dict:
-    """The whole validation, JSON-able (``tools/plan_tlt.py --validate --json``)."""
-    check_sources()
+def validate_all(results: Path) -> dict:
+    """The whole validation, JSON-able (``tools/plan_tlt.py --validate --json``): the
+    measured runs in the folder ``results`` (a clone's docs/results/) predicted."""
+    check_sources(results)
     from .cpu_inputs import (CORUN, CORUN_MEASURED, DECODE_TABLE, DECODE_TABLE_AVX2,
                              DEMO_ALPHA, SPEC_TABLE)
     from .recipe import DEFAULT_ALPHA_GPU
 
-    cpu, pub = validate_cpu(), validate_published()
+    cpu, pub = validate_cpu(results), validate_published()
     scaling = pub["tlt_qwen25_7b_scaling"]["points"]
     nemo = pub["nemo_rl_qwen3_8b_generation"]["points"]
     return {

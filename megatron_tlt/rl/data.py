@@ -183,11 +183,7 @@ class _Collector:
 
 
 def _build_reasoning_gym(cfg: DataConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
-    if cfg.seed < 0:
-        raise ConfigError(f"data.seed must be >= 0 for data.source=reasoning_gym, got "
-                          f"{cfg.seed}")
-    if cfg.train_size < 1:
-        raise ConfigError("data.train_size must be >= 1 for data.source=reasoning_gym")
+    # data.seed and data.train_size: checked by validation.validate (prompt_settings)
     task_params = dict(cfg.task_params or {})
     try:
         config = task_config(cfg.task, task_params)

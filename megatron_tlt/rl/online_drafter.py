@@ -1,9 +1,15 @@
-"""The RL trainer's side of the drafter group (``drafter_group.enable=true``).
+"""The RL trainer's side of the drafter group (``drafter_group.enable=true``): a part
+of the trainer with a no-op form, so the trainer never branches on it.
 
-    online = OnlineDrafter(cfg, engine, layout, dp_group)  # the engine's trainable drafter
+    online = online_drafter(cfg, engine, arch, layout, dp_group)  # or NoDrafterTraining()
     trainer.idle_window_hooks.append(online.hook)
     with online.rollout_guard(): ...          # speculation off once after a failure
     metrics.update(online.after_update(metrics))
+
+Every form answers ``hidden`` (the rollout returns hidden states), ``group`` (the
+``DrafterGroup`` a checkpoint saves, or None), ``hook``, ``rollout_guard``,
+``after_update`` and ``settle`` (an averaging in flight finished before a snapshot is
+restored).
 
 The engine must hold a trainable drafter (``Drafter.trainable``): a configured one, or
 an untrained one the trainer attaches for a cold start (``drafters.untrained``).
@@ -19,13 +25,13 @@ is logged as ``drafter/alpha`` and ``spec/alpha``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
 from .. import collectives
 from ..arrival import BOUND_FACTOR
 from ..config import ConfigError
-from ..config.loading import check_drafter_group_layout
 from ..drafter_training.buffer import BufferedResponse
 from ..drafter_training.group import DrafterGroup
 from ..drafter_training.sizing import resolve
@@ -33,7 +39,41 @@ from ..rollout.speculative import drafters
 from .rollout import sampling_params
 
 
+class NoDrafterTraining:
+    """The no-op form (``drafter_group.enable=false``): nothing buffered, trained or
+    reported."""
+
+    hidden = False
+    group = None
+
+    def hook(self, step: int, roll) -> None:
+        pass
+
+    def rollout_guard(self):
+        return contextlib.nullcontext()
+
+    def after_update(self, metrics: dict) -> dict:
+        return {}
+
+    def settle(self) -> None:
+        pass
+
+
+def online_drafter(cfg, engine, arch, layout, dp_group):
+    """The run's drafter-training part: ``OnlineDrafter`` with ``drafter_group.enable``
+    (a cold start first attaches an untrained drafter, the same on every rank), else
+    ``NoDrafterTraining``."""
+    if not cfg.drafter_group.enable:
+        return NoDrafterTraining()
+    if not engine.drafters:  # a cold start: an untrained drafter to train
+        engine.attach_drafter(drafters.untrained(arch, dtype=engine.runner.dtype,
+                                                 device=engine.device))
+    return OnlineDrafter(cfg, engine, layout, dp_group)
+
+
 class OnlineDrafter:
+    hidden = True  # the rollout returns each response's hidden states
+
     def __init__(self, cfg, engine, layout, dp_group):
         """``cfg``: the run's config; ``engine``: the replica's ``RolloutEngine`` (its
         trainable drafter is trained, its runner read); ``layout``: this rank's
@@ -42,7 +82,6 @@ class OnlineDrafter:
         from megatron.core import parallel_state as ps
 
         dg = cfg.drafter_group
-        check_drafter_group_layout(cfg)  # PP > 1: the gathered rollout only
         kind = drafters.trainable(engine.drafters)
         if kind is None:
             names = ", ".join(f"{d.label} ({n})" for n, d in engine.drafters.items())
@@ -89,6 +128,10 @@ class OnlineDrafter:
 
     def rollout_guard(self):
         return self.group.speculation_guard(self.engine)
+
+    def settle(self) -> None:
+        """The window's averaging, if still in flight, finished without a record."""
+        self.group.finish_sync(record=False)
 
     def after_update(self, metrics: dict) -> dict:
         """The canary and the step's drafter metrics (every rank calls it). The window's

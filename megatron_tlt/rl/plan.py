@@ -10,25 +10,21 @@ recipe can be checked on a laptop.
 
 from __future__ import annotations
 
-from ..config import Config, validate_for_run
+from ..config import Config, mini_batch_count
 from ..models.known import KNOWN_ARCHITECTURES, architecture  # noqa: F401 (re-exported)
 from ..models.sizes import active_params
-from ..rollout.speculative import drafters
+from ..validation import validate
 from . import memory_model, memory_terms
 from .memory_model import GIB
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
     """Validate ``cfg`` for ``world_size`` processes; return the report text."""
-    from ..config import check_layout, mini_batch_count
-
     arch, arch_from = architecture(cfg)
-    validate_for_run(cfg, arch, world_size)
-    drafters.check_config(cfg)
+    validate(cfg, arch, world_size)  # every rule, as the launch
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
-    check_layout(cfg, dp)
     g = cfg.grpo
     m = mini_batch_count(cfg)
     est = memory_model.estimate(cfg, arch, world_size)

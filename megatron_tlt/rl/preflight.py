@@ -1,6 +1,6 @@
 """Checks of the inputs against each other, run before any compute.
 
-The config (``config.load_config``, ``config.validate_for_run``), the data
+The config (``config.load_config``, ``validation.validate``), the data
 (``rl.data``) and the drafter (``models.drafter.DrafterConfig.check_target``) check
 themselves; these are the checks that need two of them at once:
 

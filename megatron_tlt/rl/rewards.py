@@ -43,7 +43,6 @@ from typing import Callable, Optional
 
 from ..config import ConfigError, DataConfig, RewardConfig
 from ..tasks import (
-    EXTRACTION_MODES,
     Prompt,
     TaskError,
     extract,
@@ -161,16 +160,7 @@ class Verifier:
     def __init__(self, reward_cfg: RewardConfig, data_cfg: DataConfig, workers: int = 1):
         self.cfg = reward_cfg
         self.data_cfg = data_cfg
-        if reward_cfg.answer_extraction not in EXTRACTION_MODES:
-            raise ConfigError(f"reward.answer_extraction={reward_cfg.answer_extraction!r} "
-                              f"is not valid; choose one of {', '.join(EXTRACTION_MODES)}")
-        if reward_cfg.verifier == "reasoning_gym" and data_cfg.source != "reasoning_gym":
-            raise ConfigError(
-                f"reward.verifier=reasoning_gym needs data.source=reasoning_gym (got "
-                f"{data_cfg.source}); use math or exact for file prompts")
-        if reward_cfg.timeout_seconds <= 0:
-            raise ConfigError(f"reward.timeout_seconds must be > 0, got "
-                              f"{reward_cfg.timeout_seconds}")
+        # its settings were checked by validation.validate (rule reward_settings)
         self._format = re.compile(reward_cfg.format_pattern, re.DOTALL)
         self._scorers: dict[str, Callable[[Optional[str], dict], float]] = {}
         self._workers = max(1, int(workers))

@@ -33,7 +33,7 @@ from .. import checkpoint as checkpointing
 from .. import collectives
 from ..arrival import BOUND_FACTOR, StepPoints
 from ..checkpoint.export import run_meta
-from ..config import Config, check_layout, mini_batch_count
+from ..config import Config, mini_batch_count
 from ..rollout.engine import GenerationInterrupted
 from ..rollout.speculative import drafters
 from ..tracking import Tracker
@@ -49,13 +49,20 @@ from .step_metrics import reduce_update, step_metrics
 class Trainer:
     """Owns the run's components; ``train()`` runs the loop, ``train_step`` one step."""
 
-    def __init__(self, cfg: Config, session, *, stop=None):
+    def __init__(self, cfg: Config, session, *, stop=None, verifier=None, online=None):
         """``session``: ``launch.setup``'s (model, tokenizer, layout, platform);
-        ``stop``: the run's ``preemption.StopRequest`` (None: no stop requests)."""
+        ``stop``: the run's ``preemption.StopRequest`` (None: no stop requests).
+
+        Parts a test or tool may give instead of the ones built from ``cfg``:
+        ``verifier`` (``score_many(prompts, texts)``, as ``rewards.Verifier``) and
+        ``online`` (the drafter-training part, as ``online_drafter.online_drafter``'s).
+        After construction ``generate`` (the rollout's generation, the engine's
+        ``generate``), ``idle_window_hooks`` and ``phase_hooks`` are the seams."""
         from megatron.core import parallel_state as ps
 
         from ..rollout import RolloutEngine
         from .data import PromptSampler, build_prompt_sets
+        from .online_drafter import online_drafter
         from .rewards import Verifier
 
         self.cfg = cfg
@@ -67,11 +74,10 @@ class Trainer:
         self.rank = collectives.rank()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        check_layout(cfg, self.layout.dp_size)
         self.mini_batches = mini_batch_count(cfg)
         self.train_prompts, self.eval_prompts = build_prompt_sets(cfg.data, self.tokenizer)
         preflight.check_prompts(self.train_prompts, self.eval_prompts, cfg, self.arch)
-        self.verifier = Verifier(cfg.reward, cfg.data)
+        self.verifier = verifier if verifier is not None else Verifier(cfg.reward, cfg.data)
         total_opt_steps = cfg.train.steps * cfg.grpo.ppo_epochs * self.mini_batches
         self.policy = Policy(session.model, self.arch, cfg.train,
                              total_optimizer_steps=total_opt_steps)
@@ -81,14 +87,10 @@ class Trainer:
             self.policy.module, self.tokenizer, cfg.rollout, arch=self.arch,
             max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=cfg.grpo.max_new_tokens,
             max_rows=len(self.replica_prompts(cfg.grpo.prompts_per_step)) * cfg.grpo.group_size)
-        self.online = None
-        if cfg.drafter_group.enable:
-            from .online_drafter import OnlineDrafter
-
-            if not self.engine.drafters:  # a cold start: an untrained drafter to train,
-                self.engine.attach_drafter(drafters.untrained(  # the same on every rank
-                    self.arch, dtype=self.engine.runner.dtype, device=self.engine.device))
-            self.online = OnlineDrafter(cfg, self.engine, self.layout, self.dp_group)
+        # the drafter group's side (drafter_group.enable), or its no-op form
+        self.online = online if online is not None else online_drafter(
+            cfg, self.engine, self.arch, self.layout, self.dp_group)
+        self.generate = self.engine.generate  # the rollout's generation (a seam)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id or 0)
         saved = drafters.trainable(self.engine.drafters)  # (a quantized copy has no
@@ -96,21 +98,22 @@ class Trainer:
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner,
             drafter=saved.model if saved is not None and saved.saveable else None,
-            drafter_group=self.online.group if self.online is not None else None,
+            drafter_group=self.online.group,
             meta=run_meta(self.arch, session.source))
         self.saver = checkpointing.Saver(checkpointing.async_enabled(
             cfg.checkpoint.async_save, session.platform.device))
         self.safe = SafePoints(
             self.state, self.saver, cfg.checkpoint, self.layout, last_step=cfg.train.steps,
-            stop=stop, settle=(lambda: self.online.group.finish_sync(record=False))
-            if self.online is not None else None)
+            stop=stop, settle=lambda: self.online.settle())
         self.tracker = None  # the run's Tracker while ``train`` runs
         # Called on every rank between this replica's rollout finishing and the step
         # barrier, with (step, this replica's ReplicaRollout). The drafter group trains
         # here; the callback must return before the barrier can complete.
-        self.idle_window_hooks: list[Callable[[int, ReplicaRollout], None]] = []
-        if self.online is not None:
-            self.idle_window_hooks.append(self.online.hook)
+        self.idle_window_hooks: list[Callable[[int, ReplicaRollout], None]] = [
+            lambda step, roll: self.online.hook(step, roll)]
+        # Called with (phase, "start" | "end") around the step's "log-probs" and "update"
+        # phases on every rank (a tool's memory marks and profiler labels)
+        self.phase_hooks: list[Callable[[str, str], None]] = []
         self._reward_seconds = 0.0
         # a replica that finished early waits for the others on the store, then enters
         # the collective (arrival.py): a tail longer than the process group's timeout
@@ -134,9 +137,9 @@ class Trainer:
         return [p for p in range(n_prompts) if (p // m) % dp == self.layout.dp_rank]
 
     def _rollout(self, prompts, indices, seed: int, t_step: float) -> ReplicaRollout:
-        params = sampling_params(self.cfg.grpo, seed, hidden=self.online is not None)
+        params = sampling_params(self.cfg.grpo, seed, hidden=self.online.hidden)
         try:
-            return rollout_replica(self.engine.generate, [prompts[i] for i in indices],
+            return rollout_replica(self.generate, [prompts[i] for i in indices],
                                    indices, self.cfg.grpo.group_size, params, t_step,
                                    lambda: self.engine.last_stats.summary())
         except GenerationInterrupted:  # a stop request: the step is abandoned after the
@@ -198,9 +201,8 @@ class Trainer:
 
         # 2. rollout on the trained weights; 3. rewards
         seed = cfg.platform.seed * 1_000_003 + step
-        guard = self.online.rollout_guard() if self.online is not None \
-            else contextlib.nullcontext()
-        with self._phase(f"step {step + 1}: rollout"), guard, self._interruptible_rollout():
+        with self._phase(f"step {step + 1}: rollout"), self.online.rollout_guard(), \
+                self._interruptible_rollout():
             roll = self._rollout(prompts, mine, seed, t_step)
             self._score(roll.samples, prompts)
             rounds, replaced = self._dynamic_sampling(roll, step, t_step)
@@ -235,6 +237,7 @@ class Trainer:
         skip = self._dp_sum([nonfinite.bad_rewards(samples)])[0] > 0  # NaN/inf: no update
 
         # 5. old and reference log-probs
+        self._mark("log-probs", "start")
         t0 = time.perf_counter()
         fused_old = (not g.use_rollout_logprobs and g.ppo_epochs == 1
                      and self.mini_batches == 1)
@@ -248,13 +251,16 @@ class Trainer:
         if self.ref_model is not None:
             self._fill_logprobs(samples, self.ref_model, "ref_logprobs")
         timing["ref_logprob"] = time.perf_counter() - t0
+        self._mark("log-probs", "end")
 
         # 6. update: ppo_epochs x mini-batches, micro-batches accumulate
+        self._mark("update", "start")
         t0 = time.perf_counter()
         with self._phase(f"step {step + 1}: update", g.ppo_epochs * self.mini_batches) as tick:
             update = nonfinite.skipped_update(g.ppo_epochs * self.mini_batches, self.policy.lr) \
                 if skip else self._update(samples, loss_mask, fused_old, tick, snap)
         timing["update"] = time.perf_counter() - t0
+        self._mark("update", "end")
         timing["step"] = time.perf_counter() - t_step
 
         # 7. metrics
@@ -263,8 +269,8 @@ class Trainer:
                                tis=g.tis_cap > 0, pp_group=self.pp_group,
                                pp_size=self.layout.pp_size)
         metrics.update(self.policy.moe_metrics())  # MoE: expert load (models.moe_load)
-        if self.online is not None:  # the canary after the policy update, drafter metrics
-            metrics.update(self.online.after_update(metrics))
+        # the canary after the policy update, drafter metrics (the drafter group's)
+        metrics.update(self.online.after_update(metrics))
         self.state.step = step + 1
         return metrics
 
@@ -342,6 +348,10 @@ class Trainer:
                 s = samples[i]
                 p = len(s.prompt_ids)
                 setattr(s, attr, lp[r, p - 1:p - 1 + len(s.response_ids)].float().cpu())
+
+    def _mark(self, phase: str, when: str) -> None:
+        for hook in self.phase_hooks:
+            hook(phase, when)
 
     def _phase(self, name: str, total: Optional[int] = None):
         """A progress line on rank 0's terminal while a phase runs."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,21 @@ def test_a_missing_drafter_is_warmed_up_with_the_benchmark_settings(tmp_path, mo
     assert (full.train_prompts, full.unroll, full.lr) == (8192, 2, 3e-3)
     assert full.responses == str(tmp_path / "d.responses.jsonl")  # a warm-up resumes
     assert prepared.DEMO_RECIPE.is_file()
+
+
+def test_the_shipped_demo_settings_are_the_demo_recipes():
+    """The package ships the demo recipe's warm-up settings (it reads no checkout's
+    examples/): they give the warm-up the recipe itself gives."""
+    from dataclasses import asdict
+
+    from cli import REPO
+    from megatron_tlt.drafter_training.warmup import WarmupConfig
+
+    assert prepared.DEMO_RECIPE.parent.parent == Path(prepared.__file__).parent
+    shipped = asdict(WarmupConfig.from_recipe(prepared.DEMO_RECIPE))
+    recipe = asdict(WarmupConfig.from_recipe(REPO / "examples" / "rl" / "smollm2_cpu.yaml"))
+    shipped.pop("recipe"), recipe.pop("recipe")
+    assert shipped == recipe
 
 
 @pytest.mark.multiproc

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tlt.config import Config, ConfigError, describe, load_config, validate_for_run
+from megatron_tlt.config import Config, ConfigError, describe, load_config
+from megatron_tlt.validation import validate
 from megatron_tlt.models.gpt import ModelArch
 
 from cli import REPO, run_script
@@ -85,37 +86,37 @@ def test_malformed_override():
 
 def test_tp_must_divide_attention_heads():
     with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads"):
-        validate_for_run(_cfg("parallel.tensor_model_parallel_size=2"), SMOLLM2_LIKE, 2)
+        validate(_cfg("parallel.tensor_model_parallel_size=2"), SMOLLM2_LIKE, 2)
 
 
 def test_tp_must_divide_kv_groups():
     arch = ModelArch.from_hf_config(dict(
         model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2))
-    validate_for_run(_cfg("parallel.tensor_model_parallel_size=2"), arch, 2)
+    validate(_cfg("parallel.tensor_model_parallel_size=2"), arch, 2)
     with pytest.raises(ConfigError, match="does not divide the model's 2 KV groups"):
-        validate_for_run(_cfg("parallel.tensor_model_parallel_size=4"), arch, 4)
+        validate(_cfg("parallel.tensor_model_parallel_size=4"), arch, 4)
 
 
 def test_world_size_must_be_multiple_of_tp_pp():
     cfg = _cfg("parallel.tensor_model_parallel_size=3", "parallel.pipeline_model_parallel_size=2")
-    validate_for_run(cfg, SMOLLM2_LIKE, 12)
+    validate(cfg, SMOLLM2_LIKE, 12)
     with pytest.raises(ConfigError, match="world size 8 is not divisible by .* = 6"):
-        validate_for_run(cfg, SMOLLM2_LIKE, 8)
+        validate(cfg, SMOLLM2_LIKE, 8)
 
 
 def test_drafter_group_at_pp2_needs_the_gathered_rollout():
     pp2 = ("drafter_group.enable=true", "parallel.pipeline_model_parallel_size=2")
-    validate_for_run(_cfg(*pp2), SMOLLM2_LIKE, 4)  # rollout.pipeline_mode=gathered (default)
+    validate(_cfg(*pp2), SMOLLM2_LIKE, 4)  # rollout.pipeline_mode=gathered (default)
     with pytest.raises(ConfigError, match="drafter_group.enable=true at parallel.pipeline_model"
                        "_parallel_size=2 needs rollout.pipeline_mode=gathered .* got "
                        "rollout.pipeline_mode=pipelined; set rollout.pipeline_mode=gathered"):
-        validate_for_run(_cfg(*pp2, "rollout.pipeline_mode=pipelined"), SMOLLM2_LIKE, 4)
+        validate(_cfg(*pp2, "rollout.pipeline_mode=pipelined"), SMOLLM2_LIKE, 4)
 
 
 def test_pp_must_divide_layers():
     with pytest.raises(ConfigError, match="does not divide the model's 30 layers"):
-        validate_for_run(_cfg("parallel.pipeline_model_parallel_size=4"), SMOLLM2_LIKE, 4)
+        validate(_cfg("parallel.pipeline_model_parallel_size=4"), SMOLLM2_LIKE, 4)
 
 
 def test_missing_config_file():

@@ -21,10 +21,11 @@ LAYERS = [
     ("config",),            # typed configuration, recipes, overrides, checks
     ("models",),            # megatron-core GPT from HF configs, conversion, drafter model
     ("rollout",),           # the engine, runners, speculation and the drafter kinds
-    ("bench", "drafter_training"),
+    ("bench", "drafter_training", "validation"),
     ("checkpoint", "planner"),
     ("rl",),                # the GRPO trainer, the dry run
     ("launch",),            # entry points' start-up
+    ("cli",),               # the training entry point (pretrain_rl_tlt.py calls it)
     ("gpu_check",),         # the one-GPU check's parts (tools/gpu_check.py)
 ]
 MAX_LINES = 600

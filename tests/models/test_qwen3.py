@@ -176,9 +176,9 @@ def test_start_up_checks_accept_drafters_for_qwen3_and_moe(qwen3_hf_dirs):
     """The checks ``launch.setup`` runs before any process group: the self-drafter,
     a one-layer drafter with the drafter group at DP = 2, and both kinds together, on
     Qwen3 and Qwen3-MoE."""
-    from megatron_tlt.config import load_config, validate_for_run
-    from megatron_tlt.models import arch_from_source, moe_replay
-    from megatron_tlt.rollout.speculative import drafters
+    from megatron_tlt.config import load_config
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.validation import validate
 
     for name in ("qwen3_tied", "qwen3_moe"):
         arch = arch_from_source(qwen3_hf_dirs[name])
@@ -186,9 +186,7 @@ def test_start_up_checks_accept_drafters_for_qwen3_and_moe(qwen3_hf_dirs):
                      ["rollout.speculative.drafter=/d.safetensors",
                       "rollout.speculative.self_too=true"]):
             cfg = load_config([], [f"model.hf_path={qwen3_hf_dirs[name]}", *over])
-            validate_for_run(cfg, arch, 2)
-            moe_replay.check(cfg, arch)
-            drafters.check_config(cfg)
+            validate(cfg, arch, 2)
 
 
 def test_moe_run_checkpoint_exports_bit_exact(qwen3_hf_dirs, tmp_path):

@@ -152,9 +152,10 @@ def test_drafter_group_moves_acceptance_along_the_curve():
 
 
 def test_drift_data_replaces_the_curve():
-    from megatron_tlt.planner.inputs import RESULTS
+    from cli import REPO
 
-    online, frozen = drift_from_json(load_json(RESULTS / "bench_drift_quick_cpu.json"))
+    results = REPO / "docs" / "results"
+    online, frozen = drift_from_json(load_json(results / "bench_drift_quick_cpu.json"))
     assert online[0] == 1.0 and frozen[0] == 1.0 and len(online) == len(frozen) == 4
     acc = replace(alpha_curve(), drift_online=online, drift_frozen=frozen)
     sc = gpu_scenario(acceptance=acc)
@@ -174,9 +175,9 @@ def test_gathered_pp_decodes_on_more_engines():
 
 
 def test_lengths_from_a_runs_metrics():
-    from megatron_tlt.planner.inputs import RESULTS
+    from cli import REPO
 
-    m = lengths_from_metrics(RESULTS / "rl_smollm2_chain_sum_30steps_cpu.jsonl")
+    m = lengths_from_metrics(REPO / "docs" / "results" / "rl_smollm2_chain_sum_30steps_cpu.jsonl")
     assert m.cap == 256 and 0 < m.cap_fraction < 0.2
     x = m.draw(4096, np.random.default_rng(0))
     assert x.max() <= 256 and abs(np.median(x) - m.median) < 0.2 * m.median
@@ -319,9 +320,11 @@ def test_the_simulators_update_charges_attention_cells():
 
 
 def test_cpu_validation_from_the_shipped_measurements():
+    from cli import REPO
+
     from megatron_tlt.planner.validate import validate_cpu
 
-    v = validate_cpu()
+    v = validate_cpu(REPO / "docs" / "results")
     err = v["cpu_validation_error"]
     for phase in ("rollout", "update", "step", "rollout_fraction"):
         assert math.isfinite(err[phase])
@@ -394,11 +397,13 @@ def test_a_calibration_folder_replaces_the_shipped_tables(tmp_path):
 def test_the_shipped_validation_is_current():
     """docs/results/planner_validation.json is what the planner computes now (rerun
     `python tools/plan_tlt.py --validate --json docs/results/planner_validation.json`)."""
-    from megatron_tlt.planner.inputs import RESULTS
+    from cli import REPO
+
     from megatron_tlt.planner.validate import validate_all
 
-    shipped = json.loads((RESULTS / "planner_validation.json").read_text())
-    now = json.loads(json.dumps(validate_all(), default=float))
+    results = REPO / "docs" / "results"
+    shipped = json.loads((results / "planner_validation.json").read_text())
+    now = json.loads(json.dumps(validate_all(results), default=float))
     for key in ("cpu_validation_error", "published_error"):
         numbers = {k: v for k, v in now[key].items() if isinstance(v, float)}
         assert numbers == pytest.approx({k: shipped[key][k] for k in numbers}, rel=1e-9), key

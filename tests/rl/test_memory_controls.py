@@ -139,7 +139,8 @@ def test_memory_control_fields(tmp_path):
 
 
 def test_recompute_layers_beyond_a_stage_are_refused():
-    from megatron_tlt.config import ConfigError, load_config, validate_for_run
+    from megatron_tlt.config import ConfigError, load_config
+    from megatron_tlt.validation import validate
     from megatron_tlt.models.gpt import ModelArch
     from tiny_models import TINY_CONFIGS
 
@@ -149,7 +150,7 @@ def test_recompute_layers_beyond_a_stage_are_refused():
                            "train.recompute_granularity=full",
                            "train.recompute_num_layers=3"])
     with pytest.raises(ConfigError, match="recompute_num_layers=3 exceeds the 2 layers"):
-        validate_for_run(cfg, arch, 2)
+        validate(cfg, arch, 2)
 
 
 def test_gpu_recipes_turn_the_controls_on():

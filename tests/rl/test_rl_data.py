@@ -417,8 +417,12 @@ def test_exact_verifier():
     assert v.score(file_prompt("0.5"), "<answer>0.50</answer>").correct
     assert not v.score(file_prompt("0.5"), "<answer>1/2</answer>").correct
     assert normalize_exact(" New   York ") == "new york" and normalize_exact("-0.0") == "0"
+    from megatron_tlt.config import Config
+    from megatron_tlt.validation import RULES
+
     with pytest.raises(ConfigError, match="needs data.source=reasoning_gym"):
-        Verifier(RewardConfig(verifier="reasoning_gym"), file_cfg("x.jsonl"))
+        RULES["reward_settings"](Config(reward=RewardConfig(verifier="reasoning_gym"),
+                                        data=file_cfg("x.jsonl")), None, 1)
 
 
 def test_extraction_modes():

@@ -57,18 +57,20 @@ def main() -> None:
     dist.barrier()  # every rank set up (and every group connected) before the short timeout
     for g in list(c10d._world.pg_map):
         c10d._set_pg_timeout(datetime.timedelta(seconds=args.timeout), g)
-    rollout = trainer._rollout
+    generate = trainer.generate  # the rollout's generation: the trainer's seam
     if trainer.layout.dp_rank == 1:
         def late(*a, **k):
             time.sleep(args.tail)
-            return rollout(*a, **k)
-        trainer._rollout = late
+            return generate(*a, **k)
+        trainer.generate = late
 
     res["steps"] = []
     for step in range(2):
         if step == 1:  # the drafter group off: the trainer's own barrier
+            from megatron_tlt.rl.online_drafter import NoDrafterTraining
+
             trainer.idle_window_hooks.clear()
-            trainer.online = None
+            trainer.online = NoDrafterTraining()  # the part's no-op form
         m = trainer.train_step(step)
         res["steps"].append({"replica_finish": m["timeline"]["replica_finish"],
                              "barrier_wait": m["timing"]["barrier_wait"],

@@ -59,6 +59,9 @@ class Drafter:
     # or "tokens" (a copy of the model, a model-free proposer)
     fed: ClassVar[str] = "tokens"
     graphed_drafting: ClassVar[bool] = False  # its drafting forwards are CUDA-graphed
+    # config words it takes besides its name (EAGLE's "random": an untrained drafter);
+    # only the kind's own file parses them (tests/rollout/test_drafter_registry.py)
+    words: ClassVar[tuple] = ()
 
     @property
     def model(self):
@@ -108,6 +111,23 @@ class Drafter:
     def reads_vocabulary(cls) -> bool:
         """Whether it reads the target's embedding and output layer (at PP > 1 every
         stage then holds copies of the vocabulary matrices it does not own)."""
+        return False
+
+    @classmethod
+    def untrained_value(cls, draft_vocab: int) -> Optional[str]:
+        """The config value of an untrained (seeded) drafter of this kind with a
+        ``draft_vocab``-token draft vocabulary (0: the full one), or None: it has none."""
+        return None
+
+    @classmethod
+    def resolve_value(cls, value: str, *, draft_vocab: int) -> Optional[str]:
+        """A tool's value made concrete for this kind (its bare untrained word at
+        ``draft_vocab``), or None when ``value`` is not one of its words."""
+        return None
+
+    @classmethod
+    def is_untrained(cls, value: str) -> bool:
+        """Whether ``value`` asks this kind for an untrained drafter."""
         return False
 
     @classmethod

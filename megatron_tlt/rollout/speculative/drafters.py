@@ -69,6 +69,30 @@ def make_drafter(value: str, *, arch, dtype, device, sc=None, seed: int = 0) -> 
                      f"of {names()}")
 
 
+# the warmed drafters' draft vocabulary: a tool's bare untrained value gets this size
+WARMED_DRAFT_VOCAB = 1024
+
+
+def resolve_value(value: str, *, draft_vocab: int = WARMED_DRAFT_VOCAB) -> str:
+    """A tool's ``--drafter`` value made concrete by the kind whose word it is (e.g. an
+    untrained drafter's bare word at ``draft_vocab``); other values unchanged."""
+    for kind in KINDS:
+        out = kind.resolve_value(value, draft_vocab=draft_vocab)
+        if out is not None:
+            return out
+    return value
+
+
+def is_untrained(value: str) -> bool:
+    """Whether ``value`` asks a kind for an untrained (seeded) drafter."""
+    return any(kind.is_untrained(value) for kind in KINDS)
+
+
+def untrained_value(draft_vocab: int = WARMED_DRAFT_VOCAB) -> str:
+    """The config value of an untrained drafter of the trainable kind."""
+    return trainable_kind().untrained_value(draft_vocab)
+
+
 def as_drafter(obj) -> Drafter:
     """``obj`` as a ``Drafter``: a drafter already, or a one-layer drafter module
     (``models.drafter.EagleDrafter``, as tools and tests build them)."""
@@ -132,8 +156,8 @@ def trainable_kind() -> type[Drafter]:
 
 def untrained(arch, *, dtype, device, seed: int = 0) -> Drafter:
     """An untrained drafter of the trainable kind, the same on every rank (``seed``)."""
-    return trainable_kind().from_value("random", arch=arch, dtype=dtype, device=device,
-                                       seed=seed)
+    return trainable_kind().from_value(untrained_value(0), arch=arch, dtype=dtype,
+                                       device=device, seed=seed)
 
 
 def trainable(drafters: dict) -> Optional[Drafter]:

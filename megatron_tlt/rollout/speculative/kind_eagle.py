@@ -25,6 +25,7 @@ class EagleKind(Drafter):
     trainable = True
     saveable = True
     fed = "features"
+    words = (RANDOM,)
     graphed_drafting = True
 
     def __init__(self, model):
@@ -69,6 +70,21 @@ class EagleKind(Drafter):
         return True
 
     @classmethod
+    def untrained_value(cls, draft_vocab: int) -> str:
+        return f"{RANDOM}:{int(draft_vocab)}"
+
+    @classmethod
+    def resolve_value(cls, value: str, *, draft_vocab: int) -> Optional[str]:
+        """``random`` -> ``random:<draft_vocab>``; ``random:N`` as given."""
+        if value == RANDOM:
+            return cls.untrained_value(draft_vocab)
+        return value if cls.is_untrained(value) else None
+
+    @classmethod
+    def is_untrained(cls, value: str) -> bool:
+        return value == RANDOM or value.startswith(RANDOM + ":")
+
+    @classmethod
     def from_value(cls, value: str, *, arch, dtype, device, sc=None,
                    seed: int = 0) -> Optional["EagleKind"]:
         """``random[:N]``: untrained (seeded); anything else non-empty: a checkpoint."""
@@ -76,7 +92,7 @@ class EagleKind(Drafter):
 
         if not value:
             return None
-        if value == RANDOM or value.startswith(RANDOM + ":"):
+        if cls.is_untrained(value):
             size = value.split(":", 1)[1] if ":" in value else "0"
             if not size.isdigit():
                 raise ValueError(f"drafter {value!r}: random:N takes the draft vocabulary's "
