@@ -1,11 +1,9 @@
 """The planner's inputs: per-step cost tables, response lengths, acceptance, hardware.
 
 Everything here is data with its provenance (``source``): a table measured by one of
-the project's benchmarks, or a roofline model of hardware we cannot measure, marked
-``modelled``. The measured tables a prediction reads travel with the package
-(``megatron_tlt/planner/data/``: copies of the files of the same names in a clone's
-``docs/results/``); ``use_calibration`` puts a folder of one's own tables first. The simulator (``sim.py``) only asks the
-questions below; where a number comes from is this module's business.
+the project's benchmarks, or a roofline model marked ``modelled``. The measured tables
+travel with the package (``planner/data/``, their one copy); ``use_calibration`` puts a
+folder of one's own first. The simulator (``sim.py``) only asks the questions below.
 
 - ``StepCost``: seconds of one decode step of one rollout engine at a running batch
   ``b`` with ``ctx`` resident KV tokens, and of a speculative step of depth ``k``
@@ -592,10 +590,8 @@ class TrainCost:
 
 @dataclass
 class DrafterGroup:
-    """The drafter group: idle DP replicas train the drafter (``tokens_per_second``
-    per replica, at most ``max_tokens_per_window`` each per step). The alpha curve's
-    axis is distinct tokens trained on, so a replica's step adds at most the tokens of
-    its own new responses (more passes over the same buffer are not counted)."""
+    """Idle DP replicas train the drafter (``tokens_per_second`` each, at most
+    ``max_tokens_per_window`` per step); alpha's axis is distinct tokens trained on."""
 
     enable: bool = True
     tokens_per_second: float = 0.0

@@ -6,8 +6,8 @@ overrides, loaded and checked as a run would be):
 
 1. layouts: TP (dividing the heads, at most 8: one node's NVLink), PP (dividing the
    layers, at most 4), EP for a mixture-of-experts model (dividing the experts and
-   DP), DP the rest; each must pass the dry run's checks (``validate_for_run``,
-   ``check_layout``, the drafters' ``check_config``) and, with the paged KV cache at
+   DP), DP the rest; each must pass the dry run's checks (``validation.validate``:
+   every rule the launch runs) and, with the paged KV cache at
    the budget ``kv_budget.propose`` sizes for it, fit the device
    (``memory_model.estimate``'s peak); each is predicted once with the recipe's
    speculation settings;
@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ConfigError, check_layout, load_config, validate_for_run
+from ..config import ConfigError, load_config
 from ..models.known import architecture
-from ..rollout.speculative import drafters
+from ..validation import validate
 from . import kv_budget, memory_model
 from .memory_model import GIB
 
@@ -76,11 +76,7 @@ def _load(files, overrides: list, extra: dict):
 def check(cfg, arch, world_size: int) -> memory_model.Estimate:
     """The dry run's checks and its memory bound; raises ConfigError (or ValueError) when
     the candidate would not pass ``--dry-run``."""
-    par = cfg.parallel
-    validate_for_run(cfg, arch, world_size)
-    drafters.check_config(cfg)
-    dp = world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
-    check_layout(cfg, dp)
+    validate(cfg, arch, world_size)
     est = memory_model.estimate(cfg, arch, world_size)
     limit = memory_model.GPU_BYTES * memory_model.GPU_USABLE
     if est.settings.on_gpu and est.peak > limit:
