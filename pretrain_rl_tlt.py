@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     from megatron_tlt.rl import run_dir
     from megatron_tlt.rl.preemption import Stopped, StopRequest
     from megatron_tlt.rl.report import print_summary, write_plots
+    from megatron_tlt.rl.reproducibility import contract
     from megatron_tlt.rl.trainer import Trainer, config_dict
     from megatron_tlt.tracking import Tracker
 
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
                  f"{session.platform.backend}; {cfg.grpo.prompts_per_step} prompts x "
                  f"{cfg.grpo.group_size} samples per step, {cfg.train.steps} steps; "
                  f"speculative decoding {speculation(trainer.engine)}")
+    tracker.info(contract(cfg)[1])  # bit-exact, or exact in distribution only
     try:
         history = trainer.train(tracker)
     except Stopped as stopped:
