@@ -5,8 +5,7 @@
   tuner on modelled costs (``rollout.speculative.costs=modelled``, the default) and no
   drafter group; coupled sampling (``rollout.sampling_mode=coupled``: the drafts never
   change the tokens), with or without the drafter group (there the drafter's own
-  numbers, its loss and the acceptance, follow the idle time it trained in); greedy
-  rollouts (``grpo.temperature=0``).
+  numbers, its loss and the acceptance, follow the idle time it trained in).
 - ``distribution``: exact in distribution only (every token is still drawn from the
   policy's distribution): standard sampling with the drafter group, whose training
   amount follows each step's idle time, so later drafts, hence the sampled tokens,
@@ -24,11 +23,10 @@ def contract(cfg) -> tuple[str, str]:
     group = cfg.drafter_group.enable
     if not (sc.drafter or group):
         return EXACT, "reproducible: bit-exact reruns and resumes (no speculation)"
-    if cfg.rollout.sampling_mode == "coupled" or cfg.grpo.temperature == 0:
-        why = "coupled sampling" if cfg.rollout.sampling_mode == "coupled" else "greedy"
+    if cfg.rollout.sampling_mode == "coupled":
         extra = ("; the drafter's own loss and acceptance follow idle time"
                  if group else "")
-        return EXACT, f"reproducible: bit-exact reruns and resumes ({why}{extra})"
+        return EXACT, f"reproducible: bit-exact reruns and resumes (coupled sampling{extra})"
     if group:
         return DISTRIBUTION, ("reproducible in distribution only: the drafter group trains "
                               "for each step's idle time, so reruns and resumes draw other "

@@ -108,3 +108,20 @@ def test_calibration_then_the_table_not_the_clock_decides(self_engine, tmp_path,
     assert spec["arms"] == spec_ref["arms"] and spec["steps"] == spec_ref["steps"]
     assert spec["steps"] > 0
     assert other.tuner.state_dict()["gate"]["reach"] == eng.tuner.state_dict()["gate"]["reach"]
+
+
+def test_several_kinds_are_calibrated_each(tiny_llama):
+    """With two drafter kinds each kind's tuner gets its own costs, measured on its own
+    decoder (the kind decoder steps with the kind being calibrated)."""
+    from test_speculative import _random_drafter
+
+    model, arch = tiny_llama
+    sc = SpeculativeConfig(threshold=2, buckets="1,2", arms="*:2_1_2", self_arms="")
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
+                        eos_token_ids=[])
+    eng.attach_drafters({"eagle": _random_drafter(arch), "self": SelfDrafter()})
+    table = calibrate.ensure_costs(eng)
+    assert sorted(table.kinds) == ["eagle", "self"]
+    for kind, tuner in eng.tuner.tuners.items():
+        assert tuner.costs is table.kinds[kind] and "2_1_2" in tuner.costs.relative
+    assert eng.tuner.active is None
