@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     from .rl import run_dir
     from .rl.preemption import Stopped, StopRequest
     from .rl.report import print_summary, write_plots
+    from .rl.reproducibility import contract
     from .rl.trainer import Trainer, config_dict
     from .tracking import Tracker
 
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
                  f"{session.platform.backend}; {cfg.grpo.prompts_per_step} prompts x "
                  f"{cfg.grpo.group_size} samples per step, {cfg.train.steps} steps; "
                  f"speculative decoding {speculation(trainer.engine)}")
+    tracker.info(contract(cfg)[1])  # bit-exact, or exact in distribution only
     try:
         history = trainer.train(tracker)
     except Stopped as stopped:

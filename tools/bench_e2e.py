@@ -6,11 +6,17 @@
     python tools/bench_e2e.py --sampling-mode coupled --task basic_arithmetic --steps 4
     python tools/bench_e2e.py --quick --drafter off       # A/A: both arms plain
     python tools/bench_e2e.py --quick --drafter random    # an untrained drafter (loses)
+    python tools/bench_e2e.py --quick --drafter self --off-arm measured  # tuner costs
 
 The same recipe (examples/rl/smollm2_cpu.yaml plus the flags below and any
 ``section.field=value`` overrides), seed and prompts for N GRPO steps, two arms
 interleaved step by step from the same starting weights: ``tlt`` (the drafter attached,
-``rollout.speculative.drafter=PATH``) and ``off`` (``rollout.speculative.drafter=""``).
+``rollout.speculative.drafter=PATH``) and ``off`` (``rollout.speculative.drafter=""``;
+``--off-arm measured``: the same drafter, its tuner charging measured step times,
+``rollout.speculative.costs=measured``, where ``tlt`` charges modelled ones;
+``--off-arm modelled``: the same drafter and costs, the A/A control of that ratio).
+Before its first step each arm's tuner gets its step-cost table (calibrated once on
+this machine, ``rl/spec_costs.py``).
 Each step runs both arms' ``Trainer.train_step`` one after the other, the first arm
 alternating (TLT first on steps 1, 3, ...), so drift of a shared machine cancels over
 pairs.
@@ -99,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "copy (rollout.speculative.drafter=self); 'random': an untrained "
                          "drafter of the target's shape (seeded; a drafter that loses); "
                          "'off': no drafter in either arm (A/A)")
+    ap.add_argument("--off-arm", choices=("off", "measured", "modelled"), default="off",
+                    help="the second arm: no drafter (off), or the tlt arm's drafter with "
+                         "rollout.speculative.costs=measured / modelled")
     ap.add_argument("--config", default=str(RECIPE), help="base recipe (YAML)")
     ap.add_argument("--nproc", type=int, default=2, help="DP replicas (processes)")
     ap.add_argument("--warmup-tokens", type=int, default=16,
@@ -199,7 +208,10 @@ class Arm:
 
     def warm_up(self, tokens: int) -> None:
         """Kernels, caches and weight copies of the engine, outside the timed steps."""
+        from megatron_tlt.rl.spec_costs import ensure_run_costs
+
         t = self.trainer
+        ensure_run_costs(t.engine, None)  # costs=modelled: the table, before any step
         if tokens <= 0:
             return
         from megatron_tlt.rollout import SamplingParams
@@ -324,6 +336,9 @@ def build_arms(args, mode: str, session, first_model) -> dict:
         cfg.rollout.speculative, drafter=drafter))),
         "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
             cfg.rollout.speculative, drafter="")))}
+    if args.off_arm != "off":  # the same drafter, the tuner charging the other costs
+        cfgs["off"] = replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
+            cfgs["tlt"].rollout.speculative, costs=args.off_arm)))
     seed_everything(cfg.platform.seed)
     arms = {}
     for name in ARMS:
@@ -430,7 +445,10 @@ def result_record(args, session, modes: list[str], results: dict, t0: float) -> 
             max_new_tokens=args.max_new_tokens, temperature=cfg.grpo.temperature,
             seed=args.seed, sampling_modes=modes,
             drafter=None if args.drafter == "off" else str(args.drafter),
-            aa_control=args.drafter == "off",
+            aa_control=args.drafter == "off" or args.off_arm == "modelled",
+            off_arm=args.off_arm,
+            costs=dict(tlt=cfg.rollout.speculative.costs,
+                       off=None if args.off_arm == "off" else args.off_arm),
             speculative=dict(threshold=cfg.rollout.speculative.threshold,
                              policy=cfg.rollout.speculative.policy,
                              arms=cfg.rollout.speculative.arms,

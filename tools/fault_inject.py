@@ -31,6 +31,14 @@ each point's record::
 
 ``--policy`` is an HF folder (``tests/rl_fixtures.save_tiny_policy`` writes the tiny one
 with SmolLM2's tokenizer; ``--make-tiny-policy`` does that first).
+
+``--config NAME`` (sweep) runs one of ``CONFIGS`` instead of the plain run: speculation
+active, on a tiny Llama or a tiny Qwen3-MoE at EP 2 (``--make-tiny-policy`` writes the
+model the configuration names, and a random one-layer drafter beside it where it needs
+one), in the configurations docs/running_at_scale.md, "Reproducibility", calls exact::
+
+    python tools/fault_inject.py sweep --config moe_ep2_self_standard --make-tiny-policy \
+        --policy runs/faults/moe --out runs/faults/moe_self --points 4
 """
 
 from __future__ import annotations
@@ -53,6 +61,59 @@ PHASES = ("rollout", "update", "save", "publish")
 # metrics that depend on wall-clock time, not on the computation
 VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds", "elapsed",
             "mem")
+
+
+# Speculation active in every decode step (threshold above the rows, no plain arm, the
+# break-even gate off): the tuner's choice among two chains, from modelled costs.
+SPEC_ON = ["rollout.speculative.threshold=64", "rollout.speculative.break_even=false",
+           "rollout.speculative.arms=*:2_1_2,3_1_3", "rollout.speculative.self_arms=auto"]
+# name -> (model: llama | moe, the drafter: self | eagle | both, overrides); moe runs at
+# EP 2, the drafter group trains the one-layer drafter (coupled sampling: exact)
+CONFIGS = {
+    "llama_self_standard": ("llama", "self", []),
+    "llama_eagle_standard": ("llama", "eagle", []),
+    "llama_both_standard": ("llama", "both", []),
+    "llama_eagle_coupled_group": ("llama", "eagle", [
+        "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
+    "moe_ep2_self_standard": ("moe", "self", []),
+    "moe_ep2_eagle_standard": ("moe", "eagle", []),
+    "moe_ep2_eagle_coupled_group": ("moe", "eagle", [
+        "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
+}
+
+
+def config_args(name: str, policy: Path, costs: Path) -> list[str]:
+    """The overrides of configuration ``name`` for ``policy`` (its drafter checkpoint
+    ``policy/drafter.safetensors``, ``make_drafter``), charging the step-cost table
+    ``costs`` (written by the first run, read by the others)."""
+    model, drafter, extra = CONFIGS[name]
+    eagle = f"rollout.speculative.drafter={policy / 'drafter.safetensors'}"
+    kinds = {"self": ["rollout.speculative.drafter=self"], "eagle": [eagle],
+             "both": [eagle, "rollout.speculative.self_too=true"]}[drafter]
+    if drafter == "eagle" and "drafter_group.enable=true" in extra:
+        kinds = []  # the group starts from an untrained drafter
+    ep = ["parallel.expert_model_parallel_size=2"] if model == "moe" else []
+    return [*ep, *kinds, *SPEC_ON, f"rollout.speculative.step_costs={costs}", *extra]
+
+
+def make_drafter(policy: Path) -> Path:
+    """A random one-layer drafter for ``policy`` at ``policy/drafter.safetensors``."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_tlt.models import arch_from_source
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter, save_drafter
+
+    if not ps.model_parallel_is_initialized():  # (one process: TP = 1)
+        from megatron_tlt.parallel import initialize_model_parallel
+        from megatron_tlt.runtime_env import init_distributed
+
+        init_distributed("cpu", "auto")
+        initialize_model_parallel(1, 1, seed=0)
+    arch = arch_from_source(policy)
+    torch.manual_seed(0)
+    return save_drafter(EagleDrafter(DrafterConfig.for_target(arch), arch),
+                        policy / "drafter.safetensors")
 
 
 def _die() -> None:
@@ -164,23 +225,29 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
         return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
 
 
-def metrics(run_folder: Path) -> dict[int, dict]:
+def _stable(rec, skip=VOLATILE):
+    """``rec`` without the keys naming a wall-clock quantity (``skip``), at any depth."""
+    if not isinstance(rec, dict):
+        return rec
+    return {k: _stable(v, skip) for k, v in rec.items() if not any(w in k for w in skip)}
+
+
+def metrics(run_folder: Path, skip=VOLATILE) -> dict[int, dict]:
     """A run's metrics by step (the last record of a step wins), without the
-    wall-clock ones (``VOLATILE``)."""
+    wall-clock ones (``VOLATILE``, at any depth, or ``skip``)."""
     from megatron_tlt.tracking import read_metrics
 
-    return {int(rec["step"]): {k: v for k, v in rec.items()
-                               if not any(w in k for w in VOLATILE)}
+    return {int(rec["step"]): _stable(rec, skip)
             for rec in read_metrics(run_folder / "metrics.jsonl")}
 
 
 def killed_and_resumed(policy: Path, root: Path, steps: int, kill: str,
-                       nproc: int = 2) -> dict:
+                       nproc: int = 2, extra: tuple = ()) -> dict:
     """Kill a run at ``kill``, resume from ``latest`` until it finishes; returns the
     run folder, the checkpoint it resumed from and the launches' return codes."""
     shutil.rmtree(root, ignore_errors=True)
     out, ckpt = root / "runs", root / "ckpt"
-    args = run_args(policy, out, ckpt, steps)
+    args = run_args(policy, out, ckpt, steps) + list(extra)
     t0 = time.perf_counter()
     first = launch(args, nproc=nproc, kill=kill)
     latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").is_file() else None
@@ -202,9 +269,10 @@ def compare(reference: dict[int, dict], got: dict[int, dict]) -> list[str]:
     return diffs
 
 
-def make_tiny_policy(path: Path) -> None:
+def make_tiny_policy(path: Path, model: str = "llama") -> None:
     """The tests' tiny policy (a checkout's tests/support/rl_fixtures.py, which imports
-    its neighbour tiny_models) with SmolLM2's tokenizer, written to ``path``."""
+    its neighbour tiny_models) with SmolLM2's tokenizer, written to ``path``: the
+    one-layer Llama, or (``model="moe"``) the two-layer Qwen3-MoE."""
     import importlib.util
 
     from megatron_tlt.assets import prepare_smollm2
@@ -214,14 +282,17 @@ def make_tiny_policy(path: Path) -> None:
         spec = importlib.util.spec_from_file_location(name, support / f"{name}.py")
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
-    save_tiny_policy = sys.modules["rl_fixtures"].save_tiny_policy
-
-    save_tiny_policy(path, prepare_smollm2())
+    fixtures = sys.modules["rl_fixtures"]
+    if model == "moe":
+        fixtures.save_tiny_moe_policy(path, prepare_smollm2())
+    else:
+        fixtures.save_tiny_policy(path, prepare_smollm2(), layers=1)
 
 
 def kill_point_run(args, i: int, kill: str, reference: dict) -> dict:
     """One point: killed at ``kill``, resumed, its metrics compared with the reference."""
-    res = killed_and_resumed(args.policy, args.out / f"kill_{i:02d}", args.steps, kill)
+    res = killed_and_resumed(args.policy, args.out / f"kill_{i:02d}", args.steps, kill,
+                             extra=tuple(args.extra))
     got = metrics(res.pop("run")) if res["resume_rc"] == 0 else {}
     res["diffs"] = compare(reference, got)[:5] if got else ["resume failed"]
     res["exact"] = not res["diffs"]
@@ -237,7 +308,10 @@ def sweep_summary(args, points, results, reference, reference_seconds) -> dict:
             phase = r["kill"].split(":")[0]
             hit[phase] = hit.get(phase, 0) + 1
     pairs = [r["seconds"] for r in results]
-    return {"steps": args.steps, "ranks": 2, "points": len(points), "kills": points,
+    return {"steps": args.steps, "ranks": 2, "config": args.config or "plain",
+            "spec_on_fraction": {s: m.get("spec", {}).get("on_fraction")
+                                 for s, m in reference.items()} if args.config else None,
+            "points": len(points), "kills": points,
             "phases_hit": hit, "exact": sum(r["exact"] for r in results),
             "all_exact": all(r["exact"] for r in results),
             "killed_nonzero": sum(r["killed_rc"] != 0 for r in results),
@@ -259,13 +333,23 @@ def sweep(argv: list[str]) -> int:
     p.add_argument("--points", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", type=Path, default=None)
+    p.add_argument("--config", default="", choices=["", *CONFIGS],
+                   help="a configuration with speculation active (CONFIGS; empty: none)")
     args = p.parse_args(argv)
+    args.extra = []
     if args.make_tiny_policy:
-        make_tiny_policy(args.policy)
+        make_tiny_policy(args.policy, CONFIGS[args.config][0] if args.config else "llama")
+    if args.config:
+        if not (args.policy / "drafter.safetensors").is_file():
+            make_drafter(args.policy)
+        costs = args.out / "step_costs.json"
+        costs.unlink(missing_ok=True)  # calibrated by the reference, read by the rest
+        args.extra = config_args(args.config, args.policy, costs)
     ref_root = args.out / "reference"
     shutil.rmtree(ref_root, ignore_errors=True)
     t0 = time.perf_counter()
-    r = launch(run_args(args.policy, ref_root / "runs", ref_root / "ckpt", args.steps))
+    r = launch(run_args(args.policy, ref_root / "runs", ref_root / "ckpt", args.steps)
+               + args.extra)
     reference_seconds = round(time.perf_counter() - t0, 1)
     if r.returncode != 0:
         print(r.stderr[-3000:], file=sys.stderr)

@@ -183,6 +183,19 @@ class SpeculativeConfig:
         "over all buckets) that speculative steps may lose against plain decoding, "
         "probes included; a probe that confirms the loss halves it (down to an eighth).",
         0.01)
+    costs: str = _help(
+        "What the tuner and its break-even gate charge a decode step: modelled (a step-"
+        "cost table measured once at start, frozen and saved with the run, so decisions "
+        "follow the run's state: the same seed and config decide the same, a resume "
+        "decides as the uninterrupted run) or measured (the step's wall-clock time: "
+        "follows the machine's load as it runs, but runs are not reproducible in "
+        "standard sampling; docs/speculation.md, 'Costs').", "modelled")
+    step_costs: str = _help(
+        "costs=modelled: the step-cost table file, read when it exists, else calibrated "
+        "(a few short calls on synthetic prompts before the first rollout) and written "
+        "there; auto = $MEGATRON_TLT_CACHE/step_costs/<model, drafter, arms and machine "
+        "key>.json, so reruns on this machine share one table. A resume takes the "
+        "checkpoint's table.", "auto")
     seed: int = _help("Seed of the tuner's own random stream.", 0)
     tuner_state: str = _help(
         "JSON file the tuner's state is loaded from when it exists and saved to after "
@@ -191,6 +204,7 @@ class SpeculativeConfig:
     def __post_init__(self):
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, POLICIES)
+        _choice("rollout.speculative", "costs", self.costs, ("modelled", "measured"))
         _positive("rollout.speculative", "window", self.window)
         if self.self_group < 0:
             raise ConfigError("rollout.speculative.self_group must be >= 0 (0 = one scale "

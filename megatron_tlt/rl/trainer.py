@@ -42,6 +42,7 @@ from .evaluation import eval_metrics
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .safe_point import SafePoints
+from .spec_costs import ensure_run_costs
 from .samples import Sample, collate, plan_micro_batches
 from .step_metrics import reduce_update, step_metrics
 
@@ -476,6 +477,8 @@ class Trainer:
         history = []
         if tracker is not None:
             tracker.start_progress(cfg.train.steps, self.state.step)
+        # costs=modelled: rank 0's step costs on every rank, before the first rollout
+        ensure_run_costs(self.engine, tracker.run_dir if tracker is not None else None)
         interval = cfg.train.eval_interval
         if interval and self.state.step == 0:
             ev = self.evaluate()

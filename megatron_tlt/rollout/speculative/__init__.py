@@ -19,7 +19,8 @@ A decode step reads engine -> ``controller.py`` -> ``decoder.py``:
   engine, the kind chosen per batch-size bucket;
 - ``tuner.py``: ``StrategyTuner`` (``decide`` -> ``Decision``, ``record(decision,
   Outcome)``; ``decision.py``), a bucketed bandit (``bandit.py``) plus the break-even
-  gate (``gate.py``);
+  gate (``gate.py``), charging steps modelled costs (``step_costs.py``, measured
+  once by ``calibrate.py``) or measured ones;
 - ``stats.py``: ``SpecStats``, what speculation did in one ``generate`` call
   (``position_accept.py``: acceptance by response position).
 

@@ -19,6 +19,12 @@ Buckets are ascending upper bounds: bucket ``i`` covers batch sizes
 ``(bound[i-1], bound[i]]``, and the last bucket also takes every larger batch. The
 state (``state_dict``, ``save``) holds the bandit's RNG, so a saved and reloaded tuner
 makes the same further choices.
+
+Costs (``costs``): ``modelled`` (the default) charges every step its modelled cost
+(``step_costs.KindCosts``: measured once, frozen, part of the state), so the decisions
+follow the run's state and a seed reproduces them; ``measured`` charges the step's
+wall-clock time (adapts to the machine as it runs, but two runs, or a run and its
+resume, decide differently).
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ from ...spec_strategy import (OFF, POLICIES, Strategy, bucket_label, bucket_of,
 from .bandit import Bandit
 from .decision import Decision, Outcome
 from .gate import BreakEvenGate
+from .step_costs import KindCosts
+
+COSTS = ("modelled", "measured")
 
 STATE_VERSION = 2  # 2: break-even gate state (version 1 states load with an empty gate)
 
 
 class StrategyTuner:
-    """Per-bucket bandit over drafting strategies, rewarded by accepted tokens/second,
+    """Per-bucket bandit over drafting strategies, rewarded by accepted tokens per
+    second (modelled or measured, ``costs``),
     with an optional break-even gate that declines speculation where it loses.
 
     Settings come validated from ``RolloutSpecConfig`` (``from_config``); a tuner built
@@ -49,8 +59,13 @@ class StrategyTuner:
                  policy: str = "egreedy", epsilon: float = 0.1, window: int = 50,
                  ucb_c: float = 1.0, fixed: Optional[Strategy] = None,
                  seed: int = 0, break_even: bool = False, probe_budget: float = 0.01,
-                 gate_window: int = 12, budget_horizon: int = 200) -> None:
+                 gate_window: int = 12, budget_horizon: int = 200,
+                 costs: str = "measured") -> None:
         self.buckets = parse_buckets(buckets)
+        if costs not in COSTS:
+            raise ValueError(f"costs must be one of {COSTS}, got {costs!r}")
+        self.costs_mode = costs
+        self.costs: Optional[KindCosts] = None  # the modelled costs (set before deciding)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if policy == "fixed" and not isinstance(fixed, Strategy):
@@ -90,7 +105,8 @@ class StrategyTuner:
         return cls(sc.buckets, parse_arms(sc.arms, sc.buckets), policy=sc.policy,
                    epsilon=sc.epsilon, window=sc.window, ucb_c=sc.ucb_c,
                    fixed=Strategy.parse(sc.strategy), seed=sc.seed,
-                   break_even=sc.break_even, probe_budget=sc.probe_budget)
+                   break_even=sc.break_even, probe_budget=sc.probe_budget,
+                   costs=sc.costs)
 
     # settings kept by the bandit and the gate, readable here
     epsilon = property(lambda self: self.bandit.epsilon)
@@ -190,6 +206,22 @@ class StrategyTuner:
         return self.gate.acceptance_profile()
 
     # ---------------------------------------------------------------- recording
+    @property
+    def needs_costs(self) -> bool:
+        """Whether this tuner charges modelled costs and has none yet (``calibrate``)."""
+        return self.costs_mode == "modelled" and self.costs is None
+
+    def _charged(self, decision: Decision, o: Outcome) -> Outcome:
+        """``o`` with its modelled seconds (``costs=modelled``): the step's cost at its
+        batch size and strategy, the catch-up's at its positions. Until costs are set
+        (an engine nobody calibrated: ``calibrate.ensure_costs``) the measured ones."""
+        c = self.costs
+        if self.costs_mode != "modelled" or c is None:
+            return o
+        return Outcome(o.batch_size, o.tokens, c.spec_seconds(o.batch_size, decision.strategy),
+                       o.accepted_drafts, c.catchup_seconds(o.switch_positions),
+                       o.switch_positions)
+
     def record(self, decision: Decision, outcome: Outcome) -> None:
         """Record what the step ``decision`` decided measured: ``outcome.tokens /
         outcome.seconds`` rewards its strategy in its bucket, and the gate learns from
@@ -197,7 +229,7 @@ class StrategyTuner:
         in ``seconds``: the gate charges it to a probe that finds speculation losing,
         and to nothing else. Steps with ``seconds <= 0`` (or a non-finite reward) are
         ignored entirely."""
-        o, strategy = outcome, decision.strategy
+        o, strategy = self._charged(decision, outcome), decision.strategy
         if isinstance(o.tokens, bool) or not isinstance(o.tokens, (int, float)) \
                 or not o.tokens >= 0:
             raise ValueError(f"Outcome.tokens must be a number >= 0, got {o.tokens!r}")
@@ -220,6 +252,8 @@ class StrategyTuner:
         time is kept, as the break-even reference at that batch size, and counts in the
         decode time the probe budget is a share of."""
         if self.break_even:
+            if self.costs_mode == "modelled" and self.costs is not None:
+                seconds = self.costs.plain_seconds(batch_size)
             self.gate.observe_plain(batch_size, seconds)
 
     # ------------------------------------------------------------------ stats
@@ -263,19 +297,25 @@ class StrategyTuner:
             "probe_budget": self.probe_budget,
             "gate_window": self.gate_window,
             "budget_horizon": self.budget_horizon,
+            "costs": self.costs_mode,
         }
 
     def state_dict(self) -> dict:
         """JSON-able config, reward windows, pull counts, RNG state and gate state."""
-        return {"version": STATE_VERSION, "config": self._config(), **self.bandit.state(),
-                "gate": self.gate.state()}
+        out = {"version": STATE_VERSION, "config": self._config(), **self.bandit.state(),
+               "gate": self.gate.state()}
+        if self.costs is not None:
+            out["step_costs"] = self.costs.to_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore windows, pulls, RNG and break-even gate state from ``state_dict()``.
 
         Buckets and arms must match this tuner's; policy, epsilon, window, ucb_c and the
         gate's settings stay as configured here (a smaller window keeps the most recent
-        rewards). A version-1 state (before the gate) loads with an empty gate.
+        rewards). A version-1 state (before the gate) loads with an empty gate. The
+        modelled step costs it holds are restored (a resume charges what the
+        uninterrupted run charged).
         """
         if not isinstance(state, dict):
             raise ValueError(f"tuner state must be a dict, got {type(state).__name__}")
@@ -305,7 +345,9 @@ class StrategyTuner:
                              window=self.gate_window, budget_horizon=self.budget_horizon)
         if "gate" in state:
             gate.load(state["gate"])
-        self.bandit, self.gate = bandit, gate
+        costs = (KindCosts.from_dict(state["step_costs"]) if "step_costs" in state
+                 else self.costs)
+        self.bandit, self.gate, self.costs = bandit, gate, costs
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write ``state_dict()`` as JSON atomically (``fileio.atomic_write``)."""
@@ -329,7 +371,8 @@ class StrategyTuner:
                 seed=config["seed"], break_even=config.get("break_even", False),
                 probe_budget=config.get("probe_budget", 0.01),
                 gate_window=config.get("gate_window", 12),
-                budget_horizon=config.get("budget_horizon", 200))
+                budget_horizon=config.get("budget_horizon", 200),
+                costs=config.get("costs", "measured"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"tuner file {os.fspath(path)!r} has an invalid config: "
                              f"{e!r}") from None
