@@ -523,12 +523,17 @@ def compare_offload(names: list, root: Path, out: Path, threads: int) -> dict:
     doc = {"command": "python tools/measure_memory.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu": cpu_model(), "threads": threads, "cells": []}
+    from concurrent.futures import ThreadPoolExecutor
+
     for name in names:
-        runs = {}
-        for label, on in (("off", False), ("on", True), ("off A/A", False)):
-            c = dict(CELLS[name], options=[*CELLS[name]["options"],
-                                           f"train.offload_during_rollout={str(on).lower()}"])
-            r = measure(c, root, threads=threads)
+        runs, labels = {}, (("off", False), ("on", True), ("off A/A", False))
+        cells = [dict(CELLS[name], options=[*CELLS[name]["options"],
+                                            f"train.offload_during_rollout={str(on).lower()}"])
+                 for _, on in labels]
+        prompt_tokens(model_folder(cells[0]["shape"], root), prompt_file(root))  # imports
+        with ThreadPoolExecutor(len(cells)) as pool:  # one process each, at once
+            measured = list(pool.map(lambda c: measure(c, root, threads=threads), cells))
+        for (label, _), r in zip(labels, measured):
             runs[label] = {
                 "measured": {k: [st[k] for st in r["measured"]["steps"]]
                              for k in ("rollout", "log-probs", "update", "lent_bytes",
@@ -538,7 +543,7 @@ def compare_offload(names: list, root: Path, out: Path, threads: int) -> dict:
                 "update_only": sum(v for k, v in r["predicted"]["terms"].items()
                                    if k in ("resident: grads", "resident: optimizer"))}
         off, on, aa = (runs[k]["measured"]["rollout"] for k in ("off", "on", "off A/A"))
-        doc["cells"].append({"cell": name, "config": describe(CELLS[name]), "runs": runs,
+        doc["cells"].append({"cell": name, "config": describe(measured[0]), "runs": runs,
                              "rollout_drop": [a - b for a, b in zip(off, on)],
                              "rollout_aa": [a - b for a, b in zip(off, aa)]})
         out.write_text(json.dumps(doc, indent=1) + "\n")

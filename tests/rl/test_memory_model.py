@@ -178,7 +178,7 @@ def test_recorded_offload_drops_the_rollout_by_the_lent_bytes():
     for c in doc["cells"]:
         runs = c["runs"]
         lent = runs["on"]["measured"]["lent_bytes"]
-        assert all(n == runs["on"]["update_only"] for n in lent), c["cell"]
+        assert all(n == pytest.approx(runs["on"]["update_only"], rel=1e-3) for n in lent)
         assert runs["off"]["measured"]["lent_bytes"] == [0] * len(lent)
         noise = max(abs(x) for x in c["rollout_aa"])
         for drop in c["rollout_drop"]:
