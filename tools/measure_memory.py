@@ -379,6 +379,12 @@ def run_cell(spec: dict) -> dict:
             tracer[0] = _Tracer()
     trainer.idle_window_hooks.append(end_of_rollout)
     labels: dict = {}
+    lend = trainer.update_memory.lend
+
+    def measured_lend():  # train.offload_during_rollout: the rollout starts once lent
+        lend()
+        _restart_hwm()
+    trainer.update_memory.lend = measured_lend
 
     def marks(phase, when):  # the trainer's phase hooks: memory marks, profiler labels
         from torch.profiler import record_function
@@ -403,6 +409,8 @@ def run_cell(spec: dict) -> dict:
         cache = trainer.engine.memory.cache  # the engine's rollout memory (public)
         phases["kv_released"] = cache is None or not cache.allocated
         phases["grad_norm"] = metrics["grad_norm"]
+        phases["lent_bytes"] = trainer.update_memory.bytes_lent
+        phases["offload_seconds"] = dict(trainer.update_memory.seconds)
         out["steps"].append(dict(phases))
     if tracer[0] is not None:
         out["trace"] = tracer[0].finish()
@@ -500,6 +508,50 @@ def markdown(cells: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def compare_offload(names: list, root: Path, out: Path, threads: int) -> dict:
+    """Each cell with train.offload_during_rollout off, on, and off again (the A/A
+    control: the RSS's run-to-run noise), side by side; ``out`` gets the JSON."""
+    import datetime
+
+    from megatron_tlt.rollout.cpu_kernels import cpu_model
+
+    doc = {"command": "python tools/measure_memory.py " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "cpu": cpu_model(), "threads": threads, "cells": []}
+    from concurrent.futures import ThreadPoolExecutor
+
+    for name in names:
+        runs, labels = {}, (("off", False), ("on", True), ("off A/A", False))
+        cells = [dict(CELLS[name], options=[*CELLS[name]["options"],
+                                            f"train.offload_during_rollout={str(on).lower()}"])
+                 for _, on in labels]
+        prompt_tokens(model_folder(cells[0]["shape"], root), prompt_file(root))  # imports
+        with ThreadPoolExecutor(len(cells)) as pool:  # one process each, at once
+            measured = list(pool.map(lambda c: measure(c, root, threads=threads), cells))
+        for (label, _), r in zip(labels, measured):
+            runs[label] = {
+                "measured": {k: [st[k] for st in r["measured"]["steps"]]
+                             for k in ("rollout", "log-probs", "update", "lent_bytes",
+                                       "offload_seconds")},
+                "predicted": {k: r["predicted"][k] for k in ("rollout", "log-probs",
+                                                            "update", "peak")},
+                "update_only": sum(v for k, v in r["predicted"]["terms"].items()
+                                   if k in ("resident: grads", "resident: optimizer"))}
+        off, on, aa = (runs[k]["measured"]["rollout"] for k in ("off", "on", "off A/A"))
+        doc["cells"].append({"cell": name, "config": describe(measured[0]), "runs": runs,
+                             "rollout_drop": [a - b for a, b in zip(off, on)],
+                             "rollout_aa": [a - b for a, b in zip(off, aa)]})
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    for c in doc["cells"]:
+        lent = c["runs"]["on"]["measured"]["lent_bytes"][-1]
+        for step, (drop, aa) in enumerate(zip(c["rollout_drop"], c["rollout_aa"])):
+            print(f"{c['cell']} step {step + 1}: rollout peak RSS off "
+                  f"{c['runs']['off']['measured']['rollout'][step] / MIB:.0f} MiB, on "
+                  f"{c['runs']['on']['measured']['rollout'][step] / MIB:.0f} MiB: drop "
+                  f"{drop / MIB:.0f} MiB (lent {lent / MIB:.0f} MiB; A/A {aa / MIB:+.0f} MiB)")
+    return doc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--cell", help=argparse.SUPPRESS)
@@ -515,8 +567,13 @@ def main(argv=None) -> int:
                          "changed; the measurements stay)")
     ap.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "megatron_tlt_mem"),
                     help="folder for the random models (kept between runs)")
-    ap.add_argument("--json", default=str(REPO / "docs/results/memory_model_cpu.json"))
+    ap.add_argument("--offload", action="store_true",
+                    help="the cells with train.offload_during_rollout off / on / off (A/A) "
+                         "side by side, into --json (default docs/results/offload_rss_cpu.json)")
+    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.json = args.json or str(REPO / "docs/results" / (
+        "offload_rss_cpu.json" if args.offload else "memory_model_cpu.json"))
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell))))
         return 0
@@ -533,6 +590,9 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CELLS]
     if unknown or not names:
         ap.error(f"unknown cells {unknown}; known: {', '.join(CELLS)}")
+    if args.offload:
+        compare_offload(names, root, out, args.threads)
+        return 0
     cells = json.loads(out.read_text())["cells"] if args.append and out.exists() else []
     for name in names:
         c = measure(CELLS[name], root, trace=args.trace, threads=args.threads)

@@ -87,6 +87,10 @@ def _load_torch_optimizer(optimizer, state: dict) -> None:
 
 
 def policy_sharded_state_dict(policy, is_loading: bool = False) -> dict:
+    if getattr(policy, "lent", False):  # rl/offload.py: the optimizer state is elsewhere
+        raise CheckpointError("the policy's optimizer state is lent to the rollout "
+                              "(train.offload_during_rollout): restore it before a save "
+                              "or a load (UpdateMemory.restore)")
     model_sd = model_sharded_state_dict(policy.module)
     if policy.kind == "megatron":
         with cuda_placements_on_cpu():

@@ -233,11 +233,15 @@ class TrainConfig:
         "warned about and counted (metrics nonfinite/*); the run stops with an error "
         "once more than this many were skipped (0 = at the first).", 3)
     offload_during_rollout: bool = _help(
-        "Lend the rollout the memory only the update needs: from the end of one update "
-        "to the start of the next step's log-probs, the policy's gradient buffers, "
-        "optimizer state and fp32 main parameters live in host memory, so the rollout's "
-        "KV budget can use that device memory; they are brought back (bit-identical) "
-        "before the log-prob and update phases.", False)
+        "Lend the rollout the memory only the update needs: during every generation "
+        "(the step's rollout and the evaluations) the policy's gradient buffers are "
+        "released and its optimizer state (Adam moments, fp32 main parameters) waits in "
+        "pinned host memory (on CPU: a temporary file), so the rollout's KV budget can "
+        "use that memory (the dry run prints the rollout with and without); they are "
+        "brought back bit-identical before the log-prob and update phases and before "
+        "any checkpoint (timing/offload, timing/reload). Off by default: it costs two "
+        "transfers of those bytes per step and gains only where the rollout is the "
+        "peak or the KV budget is sized from what it leaves.", False)
     moe_aux_loss_coef: float = _help(
         "Mixture-of-experts policies: coefficient of megatron-core's load-balancing "
         "auxiliary loss (0 = off, the default: a pretrained router is already balanced "

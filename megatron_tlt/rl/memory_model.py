@@ -108,6 +108,7 @@ class Settings:
     gathered: bool                # rollout.pipeline_mode=gathered at PP > 1
     cpu_kernels: bool             # CPU float32 packed weight copies
     kv_released: bool             # the KV cache is freed before the update
+    offload: bool = False         # train.offload_during_rollout (``_lent_terms``)
     device: str = "cuda"          # platform.device as configured
     cuda_graphs: bool = False     # rollout.cuda_graphs captures decode steps (GPU)
     # speculation's arms as (depth, top_k, verify_tokens), the running batch it
@@ -213,6 +214,7 @@ def settings(cfg, world_size: int, *, kv_released: Optional[bool] = None,
         cpu_kernels=not on_gpu and dtype_bytes == 4 and r.cpu_kernels != "false",
         kv_released=bool(getattr(r, "release_memory", True)) if kv_released is None
         else kv_released,
+        offload=bool(getattr(t, "offload_during_rollout", False)),
         device=str(cfg.platform.device),
         cuda_graphs=on_gpu and r.cuda_graphs != "false"
         and not (pp > 1 and r.pipeline_mode == "pipelined"),
@@ -333,9 +335,45 @@ def estimate_settings(arch, s: Settings) -> Estimate:
                           for p in ("rollout", "log-probs", "update"))
         if worst is None or worst_phase > worst[0]:
             worst = (worst_phase, terms, mb)
-    est.terms += worst[1]
+    est.terms += worst[1] + _lent_terms(est.terms, s)
     est.settings = worst[2]
     return est
+
+
+# the resident terms only the update reads: lent to the rollout with
+# train.offload_during_rollout (rl/offload.py)
+UPDATE_ONLY = ("grads", "optimizer", "expert optimizer (EP)")
+
+
+def _lent_terms(terms: list, s: Settings) -> list[Term]:
+    """``train.offload_during_rollout``: the gradient buffers and the optimizer state
+    (Adam's moments, fp32 main copies) leave the device (pinned host memory; on CPU a
+    temporary file) from the rollout's start until after it, so the rollout phase
+    holds the resident terms less these: a negative rollout term. The log-prob and
+    update phases have them back."""
+    if not s.offload:
+        return []
+    lent = [x for x in terms if x.phase == "resident" and x.name in UPDATE_ONLY]
+    where = "pinned host memory" if s.on_gpu else "a temporary file"
+    basis = "gpu-model" if any(x.basis == "gpu-model" for x in lent) else "exact"
+    return [Term("lent by the update", -sum(x.nbytes for x in lent), "rollout", basis,
+                 f"train.offload_during_rollout: grads + optimizer state in {where}")]
+
+
+def update_only_bytes(est: Estimate) -> float:
+    """The resident bytes ``train.offload_during_rollout`` lends to the rollout."""
+    return sum(x.nbytes for x in est.terms if x.phase == "resident" and x.name in UPDATE_ONLY)
+
+
+def offload_lines(est: Estimate) -> list[str]:
+    """The rollout phase with and without ``train.offload_during_rollout``."""
+    lent = update_only_bytes(est)
+    on = est.total("rollout") if est.settings.offload else est.total("rollout") - lent
+    off = on + lent
+    now = "on" if est.settings.offload else "off"
+    return [f"  rollout total with train.offload_during_rollout=true "
+            f"{(est.resident + on) / GIB:8.2f} GiB, =false {(est.resident + off) / GIB:8.2f} "
+            f"GiB ({lent / GIB:.2f} GiB lent by the update; {now} in this config)"]
 
 
 def _resident_terms(arch, s: Settings, shard: float) -> list[Term]:

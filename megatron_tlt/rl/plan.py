@@ -48,7 +48,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
         f"replica), {m} mini-batch(es) x {g.ppo_epochs} epoch(s) = {m * g.ppo_epochs} "
         f"optimizer step(s); micro-batches of {s.micro_batch} x {s.seq} positions",
     ]
-    lines += memory_model.report_lines(est)
+    lines += memory_model.report_lines(est) + memory_model.offload_lines(est)
     lines += kv_lines(cfg, arch, world_size, est)
     lines += rollout_memory_lines(arch, tp, pp, s.dtype_bytes, s.rollout_rows, s.capacity,
                                   drafter=s.drafter_reads_vocabulary,

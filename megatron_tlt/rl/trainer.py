@@ -39,6 +39,7 @@ from ..rollout.speculative import drafters
 from ..tracking import Tracker
 from . import grpo, nonfinite, preflight
 from .evaluation import eval_metrics
+from .offload import UpdateMemory
 from .policy import Policy
 from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .safe_point import SafePoints
@@ -82,6 +83,8 @@ class Trainer:
         total_opt_steps = cfg.train.steps * cfg.grpo.ppo_epochs * self.mini_batches
         self.policy = Policy(session.model, self.arch, cfg.train,
                              total_optimizer_steps=total_opt_steps)
+        # train.offload_during_rollout: the update-only memory lent to the rollout
+        self.update_memory = UpdateMemory(self.policy, cfg.train.offload_during_rollout)
         self.ref_model = self._reference_model() if cfg.grpo.kl_beta > 0 else None
         # this replica's stages decode together at PP > 1 (each its own layers' KV cache)
         self.engine = RolloutEngine(  # its memory sized once for the run (rollout.memory)
@@ -202,6 +205,7 @@ class Trainer:
 
         # 2. rollout on the trained weights; 3. rewards
         seed = cfg.platform.seed * 1_000_003 + step
+        self.update_memory.lend()  # restored below, before anything may save
         with self._phase(f"step {step + 1}: rollout"), self.online.rollout_guard(), \
                 self._interruptible_rollout():
             roll = self._rollout(prompts, mine, seed, t_step)
@@ -222,9 +226,10 @@ class Trainer:
         finish_times = self._dp_all_gather(roll.finished_at)  # the step barrier
         window = time.perf_counter() - t_idle
         timing["barrier_wait"] = window
-        self.safe.abandon_if_agreed(snap)  # a stop request: raises Stopped
         if cfg.rollout.release_memory:  # the update runs without the rollout's caches
             self.engine.release_memory()
+        timing.update(self.update_memory.restore())  # the caches first, then the state
+        self.safe.abandon_if_agreed(snap)  # a stop request: raises Stopped
 
         # 4. advantages per group (groups are local to the replica)
         samples = roll.samples
@@ -461,7 +466,9 @@ class Trainer:
                                 top_p=self.cfg.grpo.top_p if t else 1.0,
                                 seed=self.cfg.platform.seed if t else None)
         # (called without prompts too: at EP > 1 the group's replicas decode together)
-        outs = self.engine.generate([prompts[i].token_ids for i in mine], params)
+        with self.update_memory.lent(self.engine.release_memory  # (rl/offload.py)
+                                     if self.cfg.rollout.release_memory else None):
+            outs = self.engine.generate([prompts[i].token_ids for i in mine], params)
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
         per = [(float(x.reward), float(x.correct)) for x in res]

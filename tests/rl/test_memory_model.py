@@ -137,6 +137,58 @@ def test_the_dry_run_names_what_does_not_fit():
     assert "rollout total" in text and "update total" in text and "peak" in text
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_offload_lends_the_update_only_terms_to_the_rollout(device):
+    """train.offload_during_rollout: the rollout phase holds the resident terms less the
+    gradient buffers and the optimizer state; the log-prob and update phases keep them;
+    the dry run prints the rollout with and without the flag, whichever is set."""
+    recipe = [REPO / "examples/rl/qwen3_8b_grpo.yaml"]
+    extra = [f"platform.device={device}", "model.dtype=bfloat16"]
+    arch = ModelArch.from_hf_config(KNOWN_ARCHITECTURES["Qwen3-8B"])
+    off = mm.estimate(load_config(recipe, extra), arch, 8)
+    on = mm.estimate(load_config(recipe, [*extra, "train.offload_during_rollout=true"]),
+                     arch, 8)
+    d = off.as_dict()
+    lent = d["grads"] + d["optimizer"]
+    assert mm.update_only_bytes(off) == mm.update_only_bytes(on) == lent > 0
+    assert on.as_dict()["lent by the update"] == -lent
+    assert on.rollout_total == pytest.approx(off.rollout_total - lent)
+    assert (on.resident, on.logprobs_total, on.update_total) == \
+        (off.resident, off.logprobs_total, off.update_total)
+    assert on.peak == pytest.approx(max(on.rollout_total, on.logprobs_total,
+                                        on.update_total))
+    if device == "cuda":  # the recipe's rollout-bound peak comes down to its update's
+        assert off.peak_phase == "rollout" and on.peak < off.peak
+    lines = [mm.offload_lines(e)[0] for e in (off, on)]
+    assert lines[0].replace("off in", "on in") == lines[1]
+    assert f"{on.rollout_total / mm.GIB:8.2f} GiB, =false {off.rollout_total / mm.GIB:8.2f}" \
+        in lines[1]
+    assert lines[1] in dry_run(load_config(recipe, ["train.offload_during_rollout=true"]), 8) \
+        or device == "cpu"
+
+
+def test_recorded_offload_drops_the_rollout_by_the_lent_bytes():
+    """docs/results/offload_rss_cpu.json (tools/measure_memory.py --offload): with the
+    flag on, the rollout phase's peak RSS is lower by the bytes the update lent (75-115 %
+    of them, and beyond the A/A control's difference), the lent bytes are the
+    model's gradient and optimizer terms, and the other phases are unchanged within
+    the A/A noise."""
+    doc = json.loads((REPO / "docs/results/offload_rss_cpu.json").read_text())
+    assert doc["cells"] and doc["cpu"] and doc["date"] and doc["command"]
+    for c in doc["cells"]:
+        runs = c["runs"]
+        lent = runs["on"]["measured"]["lent_bytes"]
+        assert all(n == pytest.approx(runs["on"]["update_only"], rel=1e-3) for n in lent)
+        assert runs["off"]["measured"]["lent_bytes"] == [0] * len(lent)
+        noise = max(abs(x) for x in c["rollout_aa"])
+        for drop in c["rollout_drop"]:
+            # (short of the lent bytes by what glibc's heap keeps of the tensors under its
+            # mmap threshold once they are freed again: docs/memory.md)
+            assert 0.75 * lent[0] <= drop <= 1.15 * lent[0] and drop > noise, c["cell"]
+        pred = {k: runs[k]["predicted"]["rollout"] for k in ("off", "on")}
+        assert pred["off"] - pred["on"] == pytest.approx(lent[0], rel=1e-6)
+
+
 def _tool():
     import importlib.util
 
