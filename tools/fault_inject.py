@@ -156,8 +156,10 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        from megatron_tlt.runtime_env import thread_env, threads_for
+
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=thread_env(threads_for(nproc)))
         try:
             rc = proc.wait(timeout=timeout)
         finally:
