@@ -33,8 +33,10 @@ assets: $(STAMP)
 demo: assets
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
+# the header names the CPU, its ISA, the threads per process and the load average (again
+# at the end); then the 25 slowest tests by wall time and by CPU seconds (docs/testing.md)
 test: assets
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 --cpu-durations=25 $(PYTEST_ARGS)
 
 # CUDA paths (GPU machines only; not part of `make test`)
 test-gpu: $(STAMP)

@@ -57,15 +57,30 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
             f"expert_model_parallel_size {ep} does not divide the data-parallel size "
             f"{world // (tp * pp)} (world {world} / (TP {tp} x PP {pp})); launch a "
             f"multiple of {tp * pp * ep} processes")
+    global _made
+    made = (dist.group.WORLD, world, tp, pp, ep, timeout_s)
     if parallel_state.model_parallel_is_initialized():
+        if _made is not None and all(a is b or a == b for a, b in zip(_made, made)):
+            # the same groups again (a process that sets up several times: tests, the
+            # GPU check's parts): keep them. megatron-core's destroy_model_parallel
+            # forgets its groups but torch.distributed keeps them alive, each gloo group
+            # with its threads, whose polling costs CPU for the rest of the process
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+            return layout()
         parallel_state.destroy_model_parallel()
+    _made = None
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_s / 60,  # (a float is fine: a timedelta)
     )
+    _made = made
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return layout()
+
+
+# (default group, world size, TP, PP, EP, timeout) of the groups megatron-core holds
+_made: tuple | None = None
 
 
 def layout() -> ParallelLayout:
@@ -95,5 +110,7 @@ def expert_group():
 def destroy_model_parallel() -> None:
     from megatron.core import parallel_state
 
+    global _made
+    _made = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -21,13 +21,18 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "Platform",
+    "THREAD_VARS",
     "apply_cpu_redirection",
+    "cap_threads",
     "cpu_redirection_applied",
     "choose_device",
     "cuda_placements_on_cpu",
     "init_distributed",
     "seed_everything",
     "silence_expected_warnings",
+    "thread_budget",
+    "thread_env",
+    "threads_for",
 ]
 
 
@@ -321,3 +326,43 @@ def apply_cpu_redirection() -> bool:
 
     _APPLIED = True
     return True
+
+
+# --------------------------------------------------------------------------------------
+# Threads: how many each process runs, and what the processes it starts inherit
+# --------------------------------------------------------------------------------------
+
+# the thread pools a process may start: OpenMP (torch's intra-op pool), MKL, OpenBLAS
+# (NumPy) and Rayon (Hugging Face tokenizers); each defaults to one thread per core
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "RAYON_NUM_THREADS")
+
+
+def thread_budget(env=None) -> int:
+    """The threads this process and the ones it starts may use together:
+    ``OMP_NUM_THREADS`` in ``env`` (default ``os.environ``) when set, else its cores."""
+    env = os.environ if env is None else env
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+
+
+def threads_for(processes: int, env=None) -> int:
+    """Each of ``processes`` processes started together (torchrun's ranks): this
+    process's budget divided among them, at least one thread."""
+    return max(1, thread_budget(env) // max(1, processes))
+
+
+def thread_env(threads: int, env=None) -> dict:
+    """A copy of ``env`` (default ``os.environ``) for a process to start, in which every
+    thread pool (``THREAD_VARS``) has ``threads`` threads. torchrun passes it on to its
+    ranks as it is (it sets ``OMP_NUM_THREADS=1`` only when unset)."""
+    out = dict(os.environ if env is None else env)
+    out.update({name: str(threads) for name in THREAD_VARS})
+    return out
+
+
+def cap_threads(threads: int) -> None:
+    """This process runs ``threads`` torch threads, and the processes it starts inherit
+    ``threads`` in every thread pool (``THREAD_VARS`` in ``os.environ``)."""
+    os.environ.update(thread_env(threads, {}))
+    torch.set_num_threads(threads)

@@ -192,10 +192,12 @@ def worker(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------ sweep
 def run_args(policy: Path, out: Path, ckpt: Path, steps: int) -> list[str]:
-    """The tiny 2-rank run: tiny policy, short responses, a checkpoint every step."""
+    """The tiny 2-rank run: tiny policy, short responses, a checkpoint every step (no
+    end-of-run plots: the metrics are what a resume must reproduce)."""
     return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
             "grpo.max_new_tokens=8", "data.train_size=16", "tracking.run_name=run",
             f"tracking.output_dir={out}", "tracking.progress=false", "tracking.wandb_mode=disabled",
+            "tracking.plots=false",
             "reward.format_reward=1.0", "reward.format_pattern=k", "train.lr=1e-3",
             f"train.steps={steps}", f"checkpoint.save={ckpt}", "checkpoint.save_interval=1",
             "checkpoint.keep_last=0"]
@@ -213,8 +215,10 @@ def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        from megatron_tlt.runtime_env import thread_env, threads_for
+
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=thread_env(threads_for(nproc)))
         try:
             rc = proc.wait(timeout=timeout)
         finally:

@@ -1,6 +1,6 @@
 """Starting a script under torchrun from an entry point (the demo, bench_e2e, bench_drift):
 one process per replica on this machine, one thread each unless OMP_NUM_THREADS says
-otherwise."""
+otherwise (in every thread pool: runtime_env.thread_env)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def torchrun(tag: str, nproc: int, script: Path | str, args: Iterable, t0: float
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     print(f"[{tag}] " + " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one core per replica
+    from megatron_tlt.runtime_env import thread_env
+
+    # one core per replica, unless OMP_NUM_THREADS says otherwise
+    env = thread_env(int(os.environ.get("OMP_NUM_THREADS") or 1))
     r = subprocess.run(cmd, env=env, cwd=cwd)
     print(f"[{tag}] total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     return r.returncode

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli import REPO, run_script
+from megatron_tlt.runtime_env import thread_env, threads_for
 from rl_fixtures import save_tiny_policy, tiny_run_args
 
 SBATCH = REPO / "scripts" / "slurm" / "grpo.sbatch"
@@ -38,7 +39,8 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes(tiny_po
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", str(REPO / "pretrain_rl_tlt.py"), *args, "train.steps=5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=thread_env(threads_for(2)))
     metrics = out / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600

@@ -138,7 +138,7 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
                            tmp_path / "d.safetensors")
     common = [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=2",
               "grpo.max_new_tokens=4", "train.steps=1", "data.train_size=8",
-              "tracking.progress=false", "tracking.run_name=run",
+              "tracking.progress=false", "tracking.plots=false", "tracking.run_name=run",
               "reward.format_reward=1.0", "reward.format_pattern=k",
               "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_rounds=1"]
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'dp'}",

@@ -81,7 +81,8 @@ def test_cli_two_steps_with_speculation_checkpoint_and_exact_resume(
             "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2"]
     full = tmp_path / "full"
     r = run_script("pretrain_rl_tlt.py", *_tiny_args(tiny_policy, full, "train.steps=2",
-                                                     *spec), timeout=600)
+                                                     "tracking.plots=true", *spec),
+                   timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (full / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in records] == [1, 2]

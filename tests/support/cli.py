@@ -11,12 +11,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_script(script: str, *args: str, nproc: int = 1,
                timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python REPO/script args`` (or ``torchrun --standalone`` for nproc > 1)."""
+    """``python REPO/script args`` (or ``torchrun --standalone`` for nproc > 1), each
+    process with its share of this one's threads (``runtime_env.threads_for``)."""
+    from megatron_tlt.runtime_env import thread_env, threads_for
+
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     return subprocess.run([*launcher, str(REPO / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env=thread_env(threads_for(nproc)))
 
 
 def run_workers(script: str, out: Path, *args: str, nproc: int,
