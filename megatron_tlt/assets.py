@@ -358,10 +358,13 @@ def read_marker(folder: Path) -> dict:
     return json.loads((Path(folder) / MARKER_NAME).read_text())
 
 
+RANDOM_WEIGHTS = "random"  # a marker's "weights" value for a stand-in of SmolLM2's shape
+
+
 def weights_are_random(folder: Path) -> bool:
     """True when the folder's marker says its weights are random (the GPU check's
     stand-in of SmolLM2's shape: ``weights: random ...``)."""
     try:
-        return str(read_marker(folder).get("weights", "")).startswith("random")
+        return str(read_marker(folder).get("weights", "")).startswith(RANDOM_WEIGHTS)
     except (OSError, ValueError):
         return False

@@ -429,12 +429,13 @@ def result_record(args, session, modes: list[str], results: dict, t0: float) -> 
         r.pop("cpu", None)
     from megatron_tlt.assets import weights_are_random
     from megatron_tlt.bench.common import timing_only
+    from megatron_tlt.rollout.speculative.drafters import is_untrained
 
     cfg = make_config(args, modes[0])
     return {
         "benchmark": "bench_e2e",
         **timing_only(target_random=weights_are_random(session.source),
-                      drafter_random=args.drafter == "random"),
+                      drafter_random=is_untrained(args.drafter)),
         "date": date.today().isoformat(),
         "config": dict(
             model=session.source.name, model_path=str(session.source),

@@ -532,6 +532,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     silence_expected_warnings()
     from megatron_tlt.assets import require_smollm2, weights_are_random
+    from megatron_tlt.rollout.speculative.drafters import is_untrained
     from megatron_tlt.bench.sync_budget import plain_and_spec_syncs
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
     from megatron_tlt.drafter_training.warmup import WarmupError
@@ -568,7 +569,7 @@ def main(argv=None) -> int:
     print(f"host syncs per step: plain {syncs['host_syncs_plain_step']}, speculative "
           f"{syncs['host_syncs_spec_step']}", flush=True)
     label = timing_only(target_random=weights_are_random(require_smollm2()),
-                        drafter_random=str(args.drafter).startswith("random"))
+                        drafter_random=is_untrained(str(args.drafter)))
     if label["timing_only"]:
         print(f"timing only: {label['timing_only_reason']}", flush=True)
     result = {"benchmark": "bench_spec", **label,

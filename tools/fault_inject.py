@@ -67,17 +67,18 @@ VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds",
 # break-even gate off): the tuner's choice among two chains, from modelled costs.
 SPEC_ON = ["rollout.speculative.threshold=64", "rollout.speculative.break_even=false",
            "rollout.speculative.arms=*:2_1_2,3_1_3", "rollout.speculative.self_arms=auto"]
-# name -> (model: llama | moe, the drafter: self | eagle | both, overrides); moe runs at
+# name -> (model: llama | moe, the drafter: copy (the self-drafter) | trained (the one-layer
+# drafter) | both, overrides); moe runs at
 # EP 2, the drafter group trains the one-layer drafter (coupled sampling: exact)
 CONFIGS = {
-    "llama_self_standard": ("llama", "self", []),
-    "llama_eagle_standard": ("llama", "eagle", []),
+    "llama_self_standard": ("llama", "copy", []),
+    "llama_eagle_standard": ("llama", "trained", []),
     "llama_both_standard": ("llama", "both", []),
-    "llama_eagle_coupled_group": ("llama", "eagle", [
+    "llama_eagle_coupled_group": ("llama", "trained", [
         "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
-    "moe_ep2_self_standard": ("moe", "self", []),
-    "moe_ep2_eagle_standard": ("moe", "eagle", []),
-    "moe_ep2_eagle_coupled_group": ("moe", "eagle", [
+    "moe_ep2_self_standard": ("moe", "copy", []),
+    "moe_ep2_eagle_standard": ("moe", "trained", []),
+    "moe_ep2_eagle_coupled_group": ("moe", "trained", [
         "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
 }
 
@@ -88,9 +89,10 @@ def config_args(name: str, policy: Path, costs: Path) -> list[str]:
     ``costs`` (written by the first run, read by the others)."""
     model, drafter, extra = CONFIGS[name]
     eagle = f"rollout.speculative.drafter={policy / 'drafter.safetensors'}"
-    kinds = {"self": ["rollout.speculative.drafter=self"], "eagle": [eagle],
+    # the drafters: the policy's copy ("copy"), the one-layer drafter ("trained"), both
+    kinds = {"copy": ["rollout.speculative.drafter=self"], "trained": [eagle],
              "both": [eagle, "rollout.speculative.self_too=true"]}[drafter]
-    if drafter == "eagle" and "drafter_group.enable=true" in extra:
+    if drafter == "trained" and "drafter_group.enable=true" in extra:
         kinds = []  # the group starts from an untrained drafter
     ep = ["parallel.expert_model_parallel_size=2"] if model == "moe" else []
     return [*ep, *kinds, *SPEC_ON, f"rollout.speculative.step_costs={costs}", *extra]

@@ -62,7 +62,7 @@ def assets(args) -> dict:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_tlt.assets import MARKER_NAME, smollm2_path
+    from megatron_tlt.assets import MARKER_NAME, RANDOM_WEIGHTS, smollm2_path
 
     shape = Path(args.shape)
     out = smollm2_path(args.cache)
@@ -78,8 +78,8 @@ def assets(args) -> dict:
         if (shape / name).is_file() and name != "config.json":
             shutil.copy(shape / name, out / name)
     params = sum(p.numel() for p in model.parameters())
-    marker = {"weights": "random (seed 0): SmolLM2-135M-Instruct's shape and tokenizer, "
-                         "made by the GPU check (megatron_tlt.gpu_check.parts assets)",
+    marker = {"weights": f"{RANDOM_WEIGHTS} (seed 0): SmolLM2-135M-Instruct's shape and "
+                         "tokenizer, made by the GPU check (megatron_tlt.gpu_check.parts assets)",
               "mini": args.mini,
               "parameters": params}
     (out / MARKER_NAME).write_text(json.dumps(marker, indent=1))

@@ -360,22 +360,6 @@ def _lent_terms(terms: list, s: Settings) -> list[Term]:
                  f"train.offload_during_rollout: grads + optimizer state in {where}")]
 
 
-def update_only_bytes(est: Estimate) -> float:
-    """The resident bytes ``train.offload_during_rollout`` lends to the rollout."""
-    return sum(x.nbytes for x in est.terms if x.phase == "resident" and x.name in UPDATE_ONLY)
-
-
-def offload_lines(est: Estimate) -> list[str]:
-    """The rollout phase with and without ``train.offload_during_rollout``."""
-    lent = update_only_bytes(est)
-    on = est.total("rollout") if est.settings.offload else est.total("rollout") - lent
-    off = on + lent
-    now = "on" if est.settings.offload else "off"
-    return [f"  rollout total with train.offload_during_rollout=true "
-            f"{(est.resident + on) / GIB:8.2f} GiB, =false {(est.resident + off) / GIB:8.2f} "
-            f"GiB ({lent / GIB:.2f} GiB lent by the update; {now} in this config)"]
-
-
 def _resident_terms(arch, s: Settings, shard: float) -> list[Term]:
     db, tp, pp = s.dtype_bytes, s.tp, s.pp
     out = [Term("weights", shard * db, "resident", "exact", f"{db}-byte parameters"),

@@ -48,7 +48,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
         f"replica), {m} mini-batch(es) x {g.ppo_epochs} epoch(s) = {m * g.ppo_epochs} "
         f"optimizer step(s); micro-batches of {s.micro_batch} x {s.seq} positions",
     ]
-    lines += memory_model.report_lines(est) + memory_model.offload_lines(est)
+    lines += memory_model.report_lines(est) + offload_lines(est)
     lines += kv_lines(cfg, arch, world_size, est)
     lines += rollout_memory_lines(arch, tp, pp, s.dtype_bytes, s.rollout_rows, s.capacity,
                                   drafter=s.drafter_reads_vocabulary,
@@ -100,3 +100,19 @@ def rollout_memory_lines(arch, tp: int, pp: int, dtype_bytes: int, seqs: int,
                        f"{copies / GIB:5.2f} GiB" if copies else "")
                    + f" = {extra / GIB:7.2f} GiB for the rollout")
     return out
+
+
+def update_only_bytes(est: memory_model.Estimate) -> float:
+    """The resident bytes ``train.offload_during_rollout`` lends to the rollout."""
+    return sum(x.nbytes for x in est.terms if x.phase == "resident" and x.name in memory_model.UPDATE_ONLY)
+
+
+def offload_lines(est: memory_model.Estimate) -> list[str]:
+    """The rollout phase with and without ``train.offload_during_rollout``."""
+    lent = update_only_bytes(est)
+    on = est.total("rollout") if est.settings.offload else est.total("rollout") - lent
+    off = on + lent
+    now = "on" if est.settings.offload else "off"
+    return [f"  rollout total with train.offload_during_rollout=true "
+            f"{(est.resident + on) / memory_model.GIB:8.2f} GiB, =false {(est.resident + off) / memory_model.GIB:8.2f} "
+            f"GiB ({lent / memory_model.GIB:.2f} GiB lent by the update; {now} in this config)"]

@@ -27,13 +27,15 @@ from typing import Optional
 
 from ..config import ConfigError, load_config
 from ..models.known import architecture
+from ..rollout.speculative import drafters
 from ..validation import validate
 from . import kv_budget, memory_model
 from .memory_model import GIB
 
 THRESHOLDS = (16, 32, 64)
-KINDS = {"drafter": {"rollout.speculative.drafter": "", "drafter_group.enable": "true"},
-         "self": {"rollout.speculative.drafter": "self", "drafter_group.enable": "false"}}
+# the one-layer drafter trained by the drafter group, or the policy's 8-bit copy
+KINDS = (("trained", {"rollout.speculative.drafter": "", "drafter_group.enable": "true"}),
+         ("copy", {"rollout.speculative.drafter": "self", "drafter_group.enable": "false"}))
 
 
 @dataclass
@@ -137,7 +139,8 @@ def _evaluate(files, overrides, extra: dict, arch, world_size: int, *, steps: in
     lay = (f"TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size}"
            + (f" x EP {par.expert_model_parallel_size}"
               if par.expert_model_parallel_size > 1 else "") + f" x DP {dp}")
-    kind = "self" if cfg.rollout.speculative.drafter == "self" else "drafter"
+    kind = "copy" if drafters.kind_of_value(cfg.rollout.speculative.drafter).copies_policy \
+        else "trained"
     return Candidate(extra, lay, pred.off.step, pred.tlt.step, pred.tlt.rollout_fraction,
                      pred.tlt.spec_share, s.rollout_rows, cfg.rollout.kv_cache_gib,
                      est.peak / GIB, kind, cfg.rollout.speculative.threshold)
@@ -164,7 +167,7 @@ def recommend(files, overrides=(), world_size: int = 8, *, top: int = 3, steps: 
     for best in first[:refine]:
         lay = {k: v for k, v in best.overrides.items()
                if k.startswith("parallel.") or k == "rollout.max_batch_size"}
-        for kind, kv in KINDS.items():
+        for kind, kv in KINDS:
             for th in THRESHOLDS:
                 for scale in (1.0, 0.5):
                     extra = dict(lay, **kv, **{"rollout.speculative.threshold": th})

@@ -15,6 +15,7 @@ import pytest
 from megatron_tlt.config import load_config
 from megatron_tlt.models.gpt import ModelArch
 from megatron_tlt.rl import memory_model as mm
+from megatron_tlt.rl import plan
 from megatron_tlt.rl import memory_terms as mt
 from megatron_tlt.rollout.kv_cache import kv_bytes
 from megatron_tlt.rollout.speculative import self_drafter as sd
@@ -150,7 +151,7 @@ def test_offload_lends_the_update_only_terms_to_the_rollout(device):
                      arch, 8)
     d = off.as_dict()
     lent = d["grads"] + d["optimizer"]
-    assert mm.update_only_bytes(off) == mm.update_only_bytes(on) == lent > 0
+    assert plan.update_only_bytes(off) == plan.update_only_bytes(on) == lent > 0
     assert on.as_dict()["lent by the update"] == -lent
     assert on.rollout_total == pytest.approx(off.rollout_total - lent)
     assert (on.resident, on.logprobs_total, on.update_total) == \
@@ -159,7 +160,7 @@ def test_offload_lends_the_update_only_terms_to_the_rollout(device):
                                         on.update_total))
     if device == "cuda":  # the recipe's rollout-bound peak comes down to its update's
         assert off.peak_phase == "rollout" and on.peak < off.peak
-    lines = [mm.offload_lines(e)[0] for e in (off, on)]
+    lines = [plan.offload_lines(e)[0] for e in (off, on)]
     assert lines[0].replace("off in", "on in") == lines[1]
     assert f"{on.rollout_total / mm.GIB:8.2f} GiB, =false {off.rollout_total / mm.GIB:8.2f}" \
         in lines[1]

@@ -59,6 +59,9 @@ class Drafter:
     # or "tokens" (a copy of the model, a model-free proposer)
     fed: ClassVar[str] = "tokens"
     graphed_drafting: ClassVar[bool] = False  # its drafting forwards are CUDA-graphed
+    # it drafts with a copy of the policy itself (nothing to train; acceptance near 1:
+    # the planner assumes it instead of a learned curve)
+    copies_policy: ClassVar[bool] = False
     # config words it takes besides its name (EAGLE's "random": an untrained drafter);
     # only the kind's own file parses them (tests/rollout/test_drafter_registry.py)
     words: ClassVar[tuple] = ()

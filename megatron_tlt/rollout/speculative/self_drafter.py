@@ -73,6 +73,7 @@ class SelfDrafter(Drafter):
     label = "the self-drafter"
     color = "tab:orange"
     fed = "tokens"
+    copies_policy = True
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
                  source=None, act_block: int = 32, format: str = "auto"):
