@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from ..rollout.speculative import drafters
 from .inputs import (Acceptance, DrafterGroup, LengthModel, ModelShape, StepCost,
                      TrainCost, alpha_curve, roofline)
 from .paged import (DEFAULT_MEDIAN_FRACTION, DEFAULT_PROMPT_TOKENS,  # noqa: F401
