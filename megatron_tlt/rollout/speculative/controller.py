@@ -112,6 +112,11 @@ class SpeculationController:
         """Cache row ``src`` (``length`` positions) moved to ``dst``."""
         self.decoder.move_row(src, dst, length)
 
+    def finished(self, row: int, prompt, tokens) -> None:
+        """The sequence in cache row ``row`` finished with response ``tokens`` (a
+        proposer that drafts from other rows' responses keeps them)."""
+        self.decoder.finished(row, prompt, tokens)
+
     # ------------------------------------------------------------ a decode step
     def kind(self) -> str:
         """The drafter kind of the step just decided (``KindTuner``'s choice with

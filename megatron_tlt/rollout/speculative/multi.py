@@ -30,7 +30,9 @@ import torch
 
 from ...spec_strategy import OFF, Strategy
 from .decision import Decision, Outcome
+from ..sampling import CoupledNoise
 from .decoder import SpeculativeDecoder
+from .proposer import Proposal
 from .tuner import StrategyTuner
 
 
@@ -125,15 +127,21 @@ class KindTuner:
             json.dump(self.state_dict(), f)
 
 
-class KindDecoder:
-    """One decoder per kind; the step runs on ``tuner.active``'s."""
+class KindDecoder(SpeculativeDecoder):
+    """One proposer per kind; the step's proposals come from ``tuner.active``'s, and
+    the one verifier (``SpeculativeDecoder.step``) verifies and commits them."""
 
     def __init__(self, decoders: dict[str, SpeculativeDecoder], tuner: KindTuner):
         for k, d in decoders.items():
             if d.feature_layers:
                 raise ValueError(f"drafter kind {k!r} reads EAGLE-3 feature layers, which "
                                  "several drafter kinds do not support")
+        first = next(iter(decoders.values()))
+        self.target = first.target
+        self.noise = CoupledNoise(self.target.arch.vocab_size, self.target.device)
         self.decoders = dict(decoders)
+        for d in self.decoders.values():
+            d.use_noise(self.noise)  # drafting and verification share the step's rows
         self.tuner = tuner
         self.feature_layers = ()
         # the returned hidden states come from a kind's feature store where one keeps them
@@ -159,6 +167,7 @@ class KindDecoder:
         return sum(n for n, _ in parts), sum(t for _, t in parts)
 
     def wire_graphs(self, graphs) -> None:
+        self.graphs = graphs
         for d in self.decoders.values():
             d.wire_graphs(graphs)
 
@@ -187,12 +196,6 @@ class KindDecoder:
         for d in self.decoders.values():
             d.release()
 
-    def capture_hook(self):
-        return None, None
-
-    def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
-        return hidden
-
     def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
         for d in self.decoders.values():
             d.store(row, first_pos, feats)
@@ -213,30 +216,34 @@ class KindDecoder:
         for d in self.decoders.values():
             d.copy_prompt(src, dst, length)
 
+    def finished(self, row, prompt, tokens) -> None:
+        for d in self.decoders.values():
+            d.finished(row, prompt, tokens)
+
     def pending(self, rows: Sequence) -> int:
         return max(d.pending(rows) for d in self.decoders.values())
 
     # ---------------------------------------------------------------- the active kind
-    def catch_up(self, rows: Sequence, stats, target_cache=None) -> int:
-        return self._active().catch_up(rows, stats, target_cache)
-
-    def step(self, target_cache, rows: Sequence, strategy: Strategy, stats):
-        """The active kind's step; the other kinds store the target's hidden states of
-        the accepted nodes at positions L.. (their features there)."""
+    def feed(self, rows: Sequence, stats, target_cache=None) -> int:
         active = self._active()
-        lengths = [r.length for r in rows]
-        emissions, verified = active.step(target_cache, rows, strategy, stats)
-        offsets, hidden = verified.offsets, verified.hidden
+        return active.feed(rows, stats, target_cache) if active.pending(rows) else 0
+
+    def propose(self, rows: Sequence, strategy: Strategy, stats,
+                target_cache=None) -> Proposal:
+        return self._active().propose(rows, strategy, stats, target_cache)
+
+    def committed(self, rows: Sequence, strategy: Strategy, emissions, feats: list,
+                  mine=None) -> None:
+        """The active kind is told; the other feature-fed kinds store the target's
+        features of the accepted nodes at positions L.. (their features there)."""
+        active = self._active()
+        active.committed(rows, strategy, emissions, feats, mine)
         for d in self.decoders.values():
             if d is active or not d.keeps_hidden:
                 continue
-            for i, (length, e) in enumerate(zip(lengths, emissions)):
-                idx = torch.tensor([offsets[i] + n for n in e.nodes], device=hidden.device)
-                d.store(i, length, hidden.index_select(0, idx))
-        return emissions, verified
-
-    def compact(self, target_cache, row: int, length: int, slots) -> None:
-        self._active().compact(target_cache, row, length, slots)
+            for i, (r, e) in enumerate(zip(rows, emissions)):
+                idx = torch.tensor(e.nodes, device=feats[i].device)
+                d.store(i, r.length, feats[i].index_select(0, idx))
 
 
 def several_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
