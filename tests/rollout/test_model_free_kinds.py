@@ -207,3 +207,56 @@ def test_every_kind_only_proposes():
         assert not set(vars(c)) & set(decoder.VERIFICATION), name
         assert "propose" in {k for b in c.__mro__ for k in vars(b)
                              if b is not decoder.Proposer}, name
+
+
+# ------------------------------------------------------------------------- per row
+def _mixed_engine(model, arch, drafter, strategy, threshold=1 << 20, **cfg):
+    sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold)
+    eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
+                        eos_token_ids=[])
+    eng.attach_drafters({"eagle": drafter, "group": GroupHistory()})
+    return eng
+
+
+@pytest.mark.parametrize("strategy", ["3_1_3", "3_3_6"])
+def test_rows_choose_their_kind_in_one_verification(one_layer, strategy):  # noqa: F811
+    """EAGLE and the group's history in one engine: per row the group's match where it
+    is expected to emit as much, else EAGLE's drafts, verified together; exact (chi-
+    square at T=1 with top-p) and the rows' tokens counted by the kind that proposed
+    them."""
+    model, arch, _, bad = one_layer
+    sp = SPS[0]
+    eng = _mixed_engine(model, arch, bad, strategy, max_batch_size=2500)
+    # every match of the group's history counts as worth more than EAGLE's drafts (the
+    # learned rule's choice aside: both kinds propose in the same steps)
+    eng.tuner.expected = lambda kind, n: 1.0 + n if kind == "group" else 1.0
+    eng.generate([BASE] * 200, SamplingParams(**{**sp.__dict__, "seed": 5,
+                                                 "max_new_tokens": 6}))
+    counts = _sample_continuations(eng, BASE, sp, DIST_DRAWS)
+    summ = eng.last_stats.spec.summary()
+    kinds = summ["kinds"]
+    assert kinds["group"]["proposed_rows"] > 0 and kinds["eagle"]["proposed_rows"] > 0
+    assert kinds["group"]["chosen"] == 0  # a free kind rides along, per row
+    assert kinds["group"]["proposed_rows"] + kinds["eagle"]["proposed_rows"] == summ["rows"]
+    assert (kinds["group"]["proposed_emitted"] + kinds["eagle"]["proposed_emitted"]
+            == summ["emitted"])
+    pval = _chi2_pvalue(counts, _exact_joint(model, arch, BASE, sp, 3), DIST_DRAWS)
+    assert pval > P_MIN, (strategy, pval)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("strategy", ["4_1_4", "4_3_8"])
+def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  # noqa: F811
+    model, arch, good, _ = one_layer
+    coupled = mode == "coupled"
+    prompts = [p for p in ([5, 9, 9, 9, 5, 9], [1, 2, 3, 1, 2], [42] * 6) for _ in range(4)]
+    seeds = list(range(100, 100 + len(prompts)))
+    cfg = dict(max_batch_size=3, sampling_mode="coupled" if coupled else "standard")
+    eng = _mixed_engine(model, arch, good, strategy, threshold=3, **cfg)
+    plain = RolloutEngine(model, None, RolloutConfig(**cfg), arch=arch, eos_token_ids=[])
+    for seed in (9, 10):
+        sps = [SamplingParams(temperature=1.0 if coupled else 0.0, top_p=0.95,
+                              max_new_tokens=n, seed=seed) for n in [16, 7, 11, 20] * 3]
+        want = plain.generate(prompts, sps, request_seeds=seeds)
+        got = eng.generate(prompts, sps, request_seeds=seeds)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]

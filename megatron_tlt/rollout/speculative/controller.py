@@ -186,5 +186,6 @@ class SpeculationController:
             self.decoder.compact(cache, i, length, e.nodes[1:m])
         accepted = [len(e.tokens) - 1 for e in emissions]
         self.stats.record(strategy, label, accepted, emitted)
+        self.stats.record_rows(self.decoder.kinds_of_rows(len(rows)), emitted)
         position_accept.record(self.stats.by_position, positions, emitted)
         return sum(emitted), accepted

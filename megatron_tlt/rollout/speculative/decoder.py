@@ -75,6 +75,10 @@ class SpeculativeDecoder(Proposer):
     def active_kind(self) -> Optional[str]:
         return self.kind
 
+    def kinds_of_rows(self, n: int) -> list[str]:
+        """The kind that proposed each of the last step's ``n`` rows."""
+        return [self.kind] * n
+
     @torch.no_grad()
     def catch_up(self, rows: Sequence, stats: SpecStats,
                  target_cache: Optional[KVCache] = None) -> int:

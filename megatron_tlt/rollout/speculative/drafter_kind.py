@@ -59,6 +59,9 @@ class Drafter:
     # or "tokens" (a copy of the model, a model-free proposer)
     fed: ClassVar[str] = "tokens"
     graphed_drafting: ClassVar[bool] = False  # its drafting forwards are CUDA-graphed
+    # its proposals cost nothing on the accelerator (a host lookup): beside other kinds
+    # it is offered per row over the bucket's kind (``multi.KindDecoder``)
+    free: ClassVar[bool] = False
 
     @property
     def model(self):

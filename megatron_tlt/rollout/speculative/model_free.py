@@ -40,6 +40,7 @@ class ModelFreeDrafter(Drafter):
     """A kind whose drafts are a function of the rows' tokens."""
 
     fed = "tokens"
+    free = True
 
     def propose(self, tokens: Sequence[int], depth: int) -> list[int]:
         """Up to ``depth`` draft tokens to follow ``tokens`` (prompt and response so
@@ -84,40 +85,49 @@ class ModelFreeDecoder(SpeculativeDecoder):
         """Cache row ``i``'s candidate continuations (``drafter.lookup``)."""
         return self.drafter.lookup(row, depth)
 
+    def row_proposals(self, rows: Sequence, strategy: Strategy) -> list:
+        """Per row, its chain (a list, maybe empty) for a chain strategy, or its tree
+        ((tokens, parents), None when nothing matched) for a tree strategy."""
+        self.observe(rows)
+        conts = [self.lookup(i, r, strategy.depth) for i, r in enumerate(rows)]
+        if strategy.is_chain:
+            return [suffix_index.chain(c, strategy.depth) if c else [] for c in conts]
+        return [suffix_index.tree_from(c, strategy.depth, strategy.top_k,
+                                       strategy.verify_tokens + 1) for c in conts]
+
     def propose(self, rows: Sequence, strategy: Strategy, stats: SpecStats,
                 target_cache=None) -> Proposal:
         """Each row's proposal: for chains with q one-hot on it [B, depth', V] when a
         row samples under standard sampling; trees as a ``DraftTree``."""
-        self.observe(rows)
-        conts = [self.lookup(i, r, strategy.depth) for i, r in enumerate(rows)]
+        props = self.row_proposals(rows, strategy)
         if strategy.is_chain:
-            drafts = [suffix_index.chain(c, strategy.depth) if c else [] for c in conts]
-            return Proposal(drafts, one_hot_q(self.target, rows, drafts))
-        trees = [suffix_index.tree_from(c, strategy.depth, strategy.top_k,
-                                        strategy.verify_tokens + 1) for c in conts]
-        if not any(trees):  # nothing to propose: the root alone, verified as a chain
+            return Proposal(props, one_hot_q(self.target, rows, props))
+        if not any(props):  # nothing to propose: the root alone, verified as a chain
             drafts: list[list[int]] = [[] for _ in rows]
             return Proposal(drafts, one_hot_q(self.target, rows, drafts))
-        return Proposal(tree=host_trees(self.target.device, rows, trees))
+        return Proposal(tree=host_trees(self.target.device, rows, props))
 
 
 def host_trees(device, rows: Sequence, trees: Sequence) -> DraftTree:
-    """Rows' candidate trees ((tokens, parents) per row, node 0 the root; None: the
-    root alone) as one ``DraftTree`` of a common node count: a row's unused slots are
+    """Rows' candidate trees ((tokens, parents[, children]) per row, node 0 the root;
+    None: the root alone) as one ``DraftTree`` of a common node count: a row's unused slots are
     padding nodes that attend to the root and themselves and are no node's children,
     so they are verified but never tried."""
     n = max(len(t[0]) if t else 1 for t in trees)
     toks, kids, depths, masks = [], [], [], []
     for r, t in zip(rows, trees):
-        tok, par = t if t else ([-1], [-1])
+        tok, par = t[:2] if t else ([-1], [-1])
         tok = [r.tokens[-1]] + list(tok[1:])
         par = list(par)
         pad = n - len(tok)
         tok += [r.tokens[-1]] * pad  # (any token: never tried)
         par += [0] * pad
-        children: list[list[int]] = [[] for _ in range(n)]
-        for j in range(1, n - pad):
-            children[par[j]].append(j)
+        if t is not None and len(t) > 2:  # its own children's order
+            children = [list(c) for c in t[2]] + [[] for _ in range(pad)]
+        else:
+            children = [[] for _ in range(n)]
+            for j in range(1, n - pad):
+                children[par[j]].append(j)
         depth = [0] * n
         for j in range(1, n):
             depth[j] = depth[par[j]] + 1

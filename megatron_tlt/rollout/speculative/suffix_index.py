@@ -4,7 +4,8 @@ chain or a tree of the distinct continuations.
 
 ``SuffixIndex.extend(seq, tokens)`` appends tokens to a sequence and indexes the
 n-grams ending at each new position: O(new tokens x (max_n - min_n + 1)) per call.
-Each n-gram keeps its ``per_key`` latest occurrences, and the index holds at most
+An n-gram is indexed once a token follows it; each keeps its ``per_key`` latest
+occurrences, and the index holds at most
 ``max_tokens`` tokens: past it the oldest finished sequences are dropped (their
 entries removed), so memory is bounded whatever the history. ``candidates(context)``
 takes the longest n-gram ending ``context`` that occurred before and returns what
@@ -41,7 +42,9 @@ class SuffixIndex:
         s = self.seqs.setdefault(seq, [])
         start = len(s)
         s.extend(int(t) for t in tokens)
-        for end in range(start + 1, len(s) + 1):
+        # an n-gram is indexed once a token follows it: every entry has a continuation
+        # (siblings decoding at the same position do not crowd out those that have one)
+        for end in range(max(start, 1), len(s)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 key = tuple(s[end - n: end])
                 q = self.table.get(key)
@@ -68,7 +71,7 @@ class SuffixIndex:
 
     def _drop(self, seq: int) -> None:
         s = self.seqs.pop(seq)
-        for end in range(1, len(s) + 1):
+        for end in range(1, len(s)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 key = tuple(s[end - n: end])
                 q = self.table.get(key)

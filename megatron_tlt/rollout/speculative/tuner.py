@@ -189,6 +189,12 @@ class StrategyTuner:
     def acceptance_profile(self) -> list[float]:
         return self.gate.acceptance_profile()
 
+    def record_acceptance(self, strategy: Strategy, accepted) -> None:
+        """Per row, the drafts accepted of a step's chain proposals this kind made
+        (several kinds in one step: ``multi.KindTuner``): its acceptance profile."""
+        if strategy.is_chain and not strategy.is_off:
+            self.gate.record_acceptance(strategy, accepted)
+
     # ---------------------------------------------------------------- recording
     def record(self, decision: Decision, outcome: Outcome) -> None:
         """Record what the step ``decision`` decided measured: ``outcome.tokens /
