@@ -85,9 +85,11 @@ class Trainer:
         if cfg.drafter_group.enable:
             from .online_drafter import OnlineDrafter
 
-            if not self.engine.drafters:  # a cold start: an untrained drafter to train,
-                self.engine.attach_drafter(drafters.untrained(  # the same on every rank
-                    self.arch, dtype=self.engine.runner.dtype, device=self.engine.device))
+            if all(d.free for d in self.engine.drafters.values()):  # a cold start: an
+                d = drafters.untrained(  # untrained drafter to train, the same on every
+                    self.arch, dtype=self.engine.runner.dtype,  # rank (beside free kinds:
+                    device=self.engine.device)  # they propose per row over it)
+                self.engine.attach_drafters({**self.engine.drafters, d.name: d})
             self.online = OnlineDrafter(cfg, self.engine, self.layout, self.dp_group)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id or 0)
