@@ -79,7 +79,7 @@ def test_model_free_kinds_draft_exactly(one_layer, kind, strategy, sp):  # noqa:
     seen = _record_trees(eng)
     counts = _sample_continuations(eng, prompt, sp, DIST_DRAWS)
     summ = eng.last_stats.spec.summary()
-    assert summ["kinds"][kind]["steps"] > 0 and summ["drafted_per_row"] > 0.3, summ
+    assert summ["kinds"][kind]["steps"] > 0 and summ["drafted_per_row"] > 0.05, summ
     if strategy != "3_1_3":
         assert max(seen) >= 2, seen  # candidates where the continuations diverge
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, prompt, sp, 3), DIST_DRAWS)
