@@ -1,5 +1,5 @@
-"""The model-free drafter kinds ``prompt`` (n-gram lookup in the row's prompt) and
-``group`` (a suffix index over the GRPO group's responses, in flight, finished and from
+"""The model-free drafter kinds ``prompt_lookup`` (n-gram lookup in the row's prompt) and
+``group_history`` (a suffix index over the GRPO group's responses, in flight, finished and from
 earlier calls): exact (chi-square of 3-token continuations against the target's joint
 distribution, chains and multi-candidate trees, at T=1 with top-p and at T=0.7 with
 top-k; greedy and coupled outputs equal to plain decoding), and the index's bounds
@@ -63,12 +63,12 @@ def _prompt_with_continuations(model, arch, sp) -> list[int]:
 
 @pytest.mark.parametrize("sp", SPS, ids=["t1-topp", "t0.7-topk"])
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_3_6"])
-@pytest.mark.parametrize("kind", ["prompt", "group"])
+@pytest.mark.parametrize("kind", ["prompt_lookup", "group_history"])
 def test_model_free_kinds_draft_exactly(one_layer, kind, strategy, sp):  # noqa: F811
     model, arch, _, _ = one_layer
     d = drafters.make_drafter(kind, arch=arch, dtype=torch.float32, device="cpu")
     eng = _engine(model, arch, d, strategy)
-    if kind == "prompt":
+    if kind == "prompt_lookup":
         d.min_n = 1  # the first response token's context: the prompt's last token
         prompt = _prompt_with_continuations(model, arch, sp)
     else:  # an earlier call's responses to the same prompt are in the history
@@ -88,7 +88,7 @@ def test_model_free_kinds_draft_exactly(one_layer, kind, strategy, sp):  # noqa:
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 @pytest.mark.parametrize("strategy", ["4_1_4", "4_3_8"])
-@pytest.mark.parametrize("kind", ["prompt", "group"])
+@pytest.mark.parametrize("kind", ["prompt_lookup", "group_history"])
 def test_greedy_and_coupled_outputs_equal_plain_decoding(one_layer, kind, strategy,  # noqa: F811
                                                          mode):
     """Groups of 4 responses per prompt, uneven lengths through 3 running rows (rows
@@ -214,7 +214,7 @@ def _mixed_engine(model, arch, drafter, strategy, threshold=1 << 20, **cfg):
     sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold)
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
                         eos_token_ids=[])
-    eng.attach_drafters({"eagle": drafter, "group": GroupHistory()})
+    eng.attach_drafters({"eagle": drafter, "group_history": GroupHistory()})
     return eng
 
 
@@ -229,16 +229,16 @@ def test_rows_choose_their_kind_in_one_verification(one_layer, strategy):  # noq
     eng = _mixed_engine(model, arch, bad, strategy, max_batch_size=2500)
     # every match of the group's history counts as worth more than EAGLE's drafts (the
     # learned rule's choice aside: both kinds propose in the same steps)
-    eng.tuner.expected = lambda kind, n: 1.0 + n if kind == "group" else 1.0
+    eng.tuner.expected = lambda kind, n: 1.0 + n if kind == "group_history" else 1.0
     eng.generate([BASE] * 200, SamplingParams(**{**sp.__dict__, "seed": 5,
                                                  "max_new_tokens": 6}))
     counts = _sample_continuations(eng, BASE, sp, DIST_DRAWS)
     summ = eng.last_stats.spec.summary()
     kinds = summ["kinds"]
-    assert kinds["group"]["proposed_rows"] > 0 and kinds["eagle"]["proposed_rows"] > 0
-    assert kinds["group"]["chosen"] == 0  # a free kind rides along, per row
-    assert kinds["group"]["proposed_rows"] + kinds["eagle"]["proposed_rows"] == summ["rows"]
-    assert (kinds["group"]["proposed_emitted"] + kinds["eagle"]["proposed_emitted"]
+    assert kinds["group_history"]["proposed_rows"] > 0 and kinds["eagle"]["proposed_rows"] > 0
+    assert kinds["group_history"]["chosen"] == 0  # a free kind rides along, per row
+    assert kinds["group_history"]["proposed_rows"] + kinds["eagle"]["proposed_rows"] == summ["rows"]
+    assert (kinds["group_history"]["proposed_emitted"] + kinds["eagle"]["proposed_emitted"]
             == summ["emitted"])
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, BASE, sp, 3), DIST_DRAWS)
     assert pval > P_MIN, (strategy, pval)

@@ -11,8 +11,8 @@ module and the ``Drafter`` interface, never by a kind's name or by probing attri
     engine.attach_drafters(drafters)     # one kind, or several chosen per bucket
 
 Config values (``rollout.speculative.drafter``, a tool's ``--drafter``): ``self`` (the
-policy's quantized copy, ``self_drafter.py``), ``prompt`` (n-gram lookup in the prompt,
-``kind_prompt.py``), ``group`` (the GRPO group's responses, ``kind_group.py``),
+policy's quantized copy, ``self_drafter.py``), ``prompt_lookup`` (n-gram lookup in the prompt,
+``kind_prompt.py``), ``group_history`` (the GRPO group's responses, ``kind_group.py``),
 ``random`` / ``random:N`` or a drafter
 checkpoint (the one-layer drafter, ``kind_eagle.py``); empty: none.
 ``rollout.speculative.self_too`` adds the self-drafter beside a checkpoint.

@@ -1,4 +1,4 @@
-"""The ``group`` drafter kind: a suffix index over the GRPO group's responses, the
+"""The ``group_history`` drafter kind: a suffix index over the GRPO group's responses, the
 siblings in flight and finished, and earlier steps' responses to the same prompt.
 
 In a GRPO rollout the G responses to one prompt decode in the same engine (one
@@ -28,7 +28,7 @@ from .suffix_index import SuffixIndex
 
 
 class GroupHistory(ModelFreeDrafter):
-    name = "group"
+    name = "group_history"
     label = "the GRPO group's responses"
     color = "tab:pink"
     arms = TREE_ARMS
@@ -80,7 +80,7 @@ class GroupHistory(ModelFreeDrafter):
         return idx, seq
 
     def propose(self, tokens, depth: int) -> list[int]:
-        raise NotImplementedError("the group kind looks rows up (its decoder's lookup)")
+        raise NotImplementedError("the group_history kind looks rows up (its decoder's lookup)")
 
     def make_decoder(self, target) -> "GroupDecoder":
         return GroupDecoder(self, target)

@@ -1,4 +1,4 @@
-"""The ``prompt`` drafter kind: n-gram lookup in the row's own prompt (prompt-lookup
+"""The ``prompt_lookup`` drafter kind: n-gram lookup in the row's own prompt (prompt-lookup
 decoding). A row's context (its last ``max_n`` tokens) is looked up among the prompt's
 n-grams, the longest that occurred first; what followed its occurrences is proposed,
 a chain of the most frequent continuation or a tree of the distinct ones. One index
@@ -17,7 +17,7 @@ PROMPTS = 64  # prompts' indices kept (least recently used dropped)
 
 
 class PromptLookup(ModelFreeDrafter):
-    name = "prompt"
+    name = "prompt_lookup"
     label = "the prompt's n-gram lookup"
     color = "tab:brown"
     arms = TREE_ARMS
@@ -47,7 +47,7 @@ class PromptLookup(ModelFreeDrafter):
         return self._index(row.prompt).candidates(context, depth)
 
     def propose(self, tokens, depth: int) -> list[int]:
-        raise NotImplementedError("the prompt kind looks rows up (lookup)")
+        raise NotImplementedError("the prompt_lookup kind looks rows up (lookup)")
 
     @classmethod
     def from_value(cls, value, **kw):
