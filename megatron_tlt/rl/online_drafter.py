@@ -65,9 +65,10 @@ def online_drafter(cfg, engine, arch, layout, dp_group):
     ``NoDrafterTraining``."""
     if not cfg.drafter_group.enable:
         return NoDrafterTraining()
-    if not engine.drafters:  # a cold start: an untrained drafter to train
-        engine.attach_drafter(drafters.untrained(arch, dtype=engine.runner.dtype,
-                                                 device=engine.device))
+    if all(d.free for d in engine.drafters.values()):  # a cold start: an untrained
+        d = drafters.untrained(arch, dtype=engine.runner.dtype,  # drafter to train, the
+                               device=engine.device)  # same on every rank (beside free
+        engine.attach_drafters({**engine.drafters, d.name: d})  # kinds: per row over it)
     return OnlineDrafter(cfg, engine, layout, dp_group)
 
 

@@ -66,12 +66,17 @@ def step_kinds(history: Sequence[dict]) -> list[str]:
 
 def kind_cell(spec: dict, kinds: Sequence[str]) -> str:
     """One line per kind: its share of the step's decode steps and acceptance length
-    ("self 12% x4.31"; "-" where it never speculated)."""
+    ("self 12% x4.31"; "-" where it never speculated), and where kinds proposed per
+    row (free kinds), the tokens of the rows it proposed for and their acceptance
+    length ("group 0% - | 420 tok x2.10")."""
     lines = []
     for k in kinds:
         m = spec.get(k) or {}
         acc = f"x{m['accept_len']:.2f}" if m.get("steps") else "-"
-        lines.append(f"{k} {m.get('on_fraction', 0.0):.0%} {acc}")
+        line = f"{k} {m.get('on_fraction', 0.0):.0%} {acc}"
+        if m.get("proposed_rows", m.get("rows", 0)) != m.get("rows", 0):
+            line += f" | {m['proposed_emitted']} tok x{m['proposed_accept_len']:.2f}"
+        lines.append(line)
     return "\n".join(lines) if lines else "-"
 
 

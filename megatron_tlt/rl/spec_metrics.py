@@ -16,7 +16,8 @@ from ..rollout.speculative import position_accept
 __all__ = ["merge_spec", "merge_kinds"]
 
 # per-kind counts that sum over replicas
-_KIND_SUMS = ("chosen", "steps", "declined", "probes", "rows", "emitted", "catchup_tokens")
+_KIND_SUMS = ("chosen", "steps", "declined", "probes", "rows", "emitted", "catchup_tokens",
+              "proposed_rows", "proposed_emitted")
 
 
 def merge_spec(parts: list[dict], decode_steps: int) -> dict:
@@ -88,6 +89,9 @@ def merge_kinds(parts: list[dict], decode_steps: int) -> dict:
         tb = m.pop("_buckets")
         drafted = m.pop("drafted")
         m["accept_len"] = m["emitted"] / m["rows"] if m["rows"] else 0.0
+        # tokens by the kind that proposed each row (free kinds propose per row)
+        m["proposed_accept_len"] = (m["proposed_emitted"] / m["proposed_rows"]
+                                    if m["proposed_rows"] else 0.0)
         m["drafted_per_row"] = drafted / m["rows"] if m["rows"] else 0.0
         m["on_fraction"] = m["steps"] / decode_steps if decode_steps else 0.0
         m["accept_len_by_bucket"] = {k: e / r for k, (r, e, _) in tb.items() if r}

@@ -473,6 +473,8 @@ class RolloutEngine:
             hs = self.memory.response_hidden(hidden_buf, i, r, hidden_on_device)
             outputs[r.request] = RolloutOutput(r.request, r.prompt, r.tokens, r.logprobs,
                                                reason, hs, cache.row_routes(i, r.length))
+            if ctl is not None:
+                ctl.finished(i, r.prompt, r.tokens)
             last = len(rows) - 1
             if i != last:
                 moved = rows[last]

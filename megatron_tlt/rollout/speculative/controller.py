@@ -112,6 +112,11 @@ class SpeculationController:
         """Cache row ``src`` (``length`` positions) moved to ``dst``."""
         self.decoder.move_row(src, dst, length)
 
+    def finished(self, row: int, prompt, tokens) -> None:
+        """The sequence in cache row ``row`` finished with response ``tokens`` (a
+        proposer that drafts from other rows' responses keeps them)."""
+        self.decoder.finished(row, prompt, tokens)
+
     # ------------------------------------------------------------ a decode step
     def kind(self) -> str:
         """The drafter kind of the step just decided (``KindTuner``'s choice with
@@ -181,5 +186,6 @@ class SpeculationController:
             self.decoder.compact(cache, i, length, e.nodes[1:m])
         accepted = [len(e.tokens) - 1 for e in emissions]
         self.stats.record(strategy, label, accepted, emitted)
+        self.stats.record_rows(self.decoder.kinds_of_rows(len(rows)), emitted)
         position_accept.record(self.stats.by_position, positions, emitted)
         return sum(emitted), accepted

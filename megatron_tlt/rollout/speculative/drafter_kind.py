@@ -65,6 +65,9 @@ class Drafter:
     # config words it takes besides its name (EAGLE's "random": an untrained drafter);
     # only the kind's own file parses them (tests/rollout/test_drafter_registry.py)
     words: ClassVar[tuple] = ()
+    # its proposals cost nothing on the accelerator (a host lookup): beside other kinds
+    # it is offered per row over the bucket's kind (``multi.KindDecoder``)
+    free: ClassVar[bool] = False
 
     @property
     def model(self):

@@ -11,7 +11,9 @@ module and the ``Drafter`` interface, never by a kind's name or by probing attri
     engine.attach_drafters(drafters)     # one kind, or several chosen per bucket
 
 Config values (``rollout.speculative.drafter``, a tool's ``--drafter``): ``self`` (the
-policy's quantized copy, ``self_drafter.py``), ``random`` / ``random:N`` or a drafter
+policy's quantized copy, ``self_drafter.py``), ``prompt_lookup`` (n-gram lookup in the prompt,
+``kind_prompt.py``), ``group_history`` (the GRPO group's responses, ``kind_group.py``),
+``random`` / ``random:N`` or a drafter
 checkpoint (the one-layer drafter, ``kind_eagle.py``); empty: none.
 ``rollout.speculative.self_too`` adds the self-drafter beside a checkpoint.
 """
@@ -23,11 +25,13 @@ from typing import Optional, Sequence
 from ...spec_strategy import Strategy, parse_arms
 from .drafter_kind import Drafter, draft_slack
 from .kind_eagle import EagleKind
+from .kind_group import GroupHistory
+from .kind_prompt import PromptLookup
 from .self_drafter import SelfDrafter
 
 # Registration, one line per kind. A value is offered to each kind in this order and
 # the first that claims it wins: the one-layer drafter, which takes any path, last.
-KINDS: list[type[Drafter]] = [SelfDrafter, EagleKind]
+KINDS: list[type[Drafter]] = [SelfDrafter, PromptLookup, GroupHistory, EagleKind]
 
 
 def register(kind: type[Drafter], *, before_paths: bool = True) -> None:

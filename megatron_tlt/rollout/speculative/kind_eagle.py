@@ -46,10 +46,10 @@ class EagleKind(Drafter):
         self._model.config.check_target(arch)
 
     def make_decoder(self, target):
-        from .decoder import SpeculativeDecoder
+        from .eagle_decoder import EagleDecoder
 
         target.prepare_drafter(self._model)
-        return SpeculativeDecoder(self, target)
+        return EagleDecoder(self, target)
 
     @classmethod
     def memory_terms(cls, arch, s, sc) -> list[MemoryTerm]:

@@ -23,6 +23,7 @@ the verify forward's capture of the kind that drafted).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional, Sequence
 
@@ -30,18 +31,28 @@ import torch
 
 from ...spec_strategy import OFF, Strategy
 from .decision import Decision, Outcome
+from ..sampling import CoupledNoise
 from .decoder import SpeculativeDecoder
+from .model_free import host_trees, one_hot_q
+from .proposer import Proposal
 from .tuner import StrategyTuner
+
+# a kind's acceptance rate per draft position before it was measured
+PRIOR = 0.5
 
 
 class KindTuner:
     """One ``StrategyTuner`` per drafter kind and the choice of kind per step."""
 
     def __init__(self, tuners: dict[str, StrategyTuner], *, epsilon: float = 0.1,
-                 seed: int = 0):
+                 seed: int = 0, free: Sequence[str] = ()):
         if not tuners:
             raise ValueError("KindTuner needs at least one kind")
         self.tuners = dict(tuners)
+        # kinds whose proposals cost nothing (``Drafter.free``): offered per row over
+        # the bucket's kind, chosen per bucket only when no other kind is attached
+        self.free = [k for k in self.tuners if k in set(free)]
+        self.row_kinds: Optional[list[str]] = None  # the last step's kind per row
         first = next(iter(self.tuners.values()))
         self.buckets = first.buckets
         self.epsilon = epsilon
@@ -69,7 +80,7 @@ class KindTuner:
         return None if best is None else best[1]
 
     def choose_kind(self, batch_size: int) -> str:
-        kinds = list(self.tuners)
+        kinds = [k for k in self.tuners if k not in self.free] or list(self.tuners)
         est = {k: self.estimate(k, batch_size) for k in kinds}
         untried = [k for k in kinds if est[k] is None]
         if untried:
@@ -88,7 +99,27 @@ class KindTuner:
         per[kind] = per.get(kind, 0) + 1
         return d
 
+    def expected(self, kind: str, drafts: int) -> float:
+        """Tokens a row is expected to emit from ``drafts`` draft tokens of ``kind``:
+        1 + its acceptance profile summed over them (positions past the profile take
+        its last rate; ``PRIOR`` per position before any measurement)."""
+        prof = self.tuners[kind].acceptance_profile() or [PRIOR]
+        return 1.0 + sum(prof[min(j, len(prof) - 1)] for j in range(drafts))
+
     def record(self, decision: Decision, outcome: Outcome) -> None:
+        kinds, acc = self.row_kinds, outcome.accepted_drafts
+        self.row_kinds = None
+        if kinds is not None and acc is not None and not decision.strategy.is_off:
+            # each kind's acceptance profile learns from the rows it proposed for
+            mine = [a for a, k in zip(acc, kinds) if k == self.active]
+            outcome = dataclasses.replace(outcome, accepted_drafts=mine)
+            for k in self.free:
+                rows = [a for a, kk in zip(acc, kinds) if kk == k]
+                if rows and k != self.active:
+                    self.tuners[k].record_acceptance(decision.strategy, rows)
+            t = self.tuners[self.active]
+            if mine and (t.policy == "fixed" or not t.break_even):  # (no gate learns it)
+                t.record_acceptance(decision.strategy, mine)
         self.tuners[self.active].record(decision, outcome)
         if decision.strategy.is_off and outcome.seconds > 0:  # a plain step: every
             for k, t in self.tuners.items():  # kind's break-even reference
@@ -125,16 +156,23 @@ class KindTuner:
             json.dump(self.state_dict(), f)
 
 
-class KindDecoder:
-    """One decoder per kind; the step runs on ``tuner.active``'s."""
+class KindDecoder(SpeculativeDecoder):
+    """One proposer per kind; the step's proposals come from ``tuner.active``'s, and
+    the one verifier (``SpeculativeDecoder.step``) verifies and commits them."""
 
     def __init__(self, decoders: dict[str, SpeculativeDecoder], tuner: KindTuner):
         for k, d in decoders.items():
             if d.feature_layers:
                 raise ValueError(f"drafter kind {k!r} reads EAGLE-3 feature layers, which "
                                  "several drafter kinds do not support")
+        first = next(iter(decoders.values()))
+        self.target = first.target
+        self.noise = CoupledNoise(self.target.arch.vocab_size, self.target.device)
         self.decoders = dict(decoders)
+        for d in self.decoders.values():
+            d.use_noise(self.noise)  # drafting and verification share the step's rows
         self.tuner = tuner
+        self.row_kinds: Optional[list[str]] = None  # the last step's kind per row
         self.feature_layers = ()
         # the returned hidden states come from a kind's feature store where one keeps them
         self._store = next((d for d in self.decoders.values() if d.keeps_hidden), None)
@@ -159,6 +197,7 @@ class KindDecoder:
         return sum(n for n, _ in parts), sum(t for _, t in parts)
 
     def wire_graphs(self, graphs) -> None:
+        self.graphs = graphs
         for d in self.decoders.values():
             d.wire_graphs(graphs)
 
@@ -187,12 +226,6 @@ class KindDecoder:
         for d in self.decoders.values():
             d.release()
 
-    def capture_hook(self):
-        return None, None
-
-    def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
-        return hidden
-
     def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
         for d in self.decoders.values():
             d.store(row, first_pos, feats)
@@ -213,30 +246,63 @@ class KindDecoder:
         for d in self.decoders.values():
             d.copy_prompt(src, dst, length)
 
+    def finished(self, row, prompt, tokens) -> None:
+        for d in self.decoders.values():
+            d.finished(row, prompt, tokens)
+
     def pending(self, rows: Sequence) -> int:
         return max(d.pending(rows) for d in self.decoders.values())
 
     # ---------------------------------------------------------------- the active kind
-    def catch_up(self, rows: Sequence, stats, target_cache=None) -> int:
-        return self._active().catch_up(rows, stats, target_cache)
-
-    def step(self, target_cache, rows: Sequence, strategy: Strategy, stats):
-        """The active kind's step; the other kinds store the target's hidden states of
-        the accepted nodes at positions L.. (their features there)."""
+    def feed(self, rows: Sequence, stats, target_cache=None) -> int:
         active = self._active()
-        lengths = [r.length for r in rows]
-        emissions, verified = active.step(target_cache, rows, strategy, stats)
-        offsets, hidden = verified.offsets, verified.hidden
+        return active.feed(rows, stats, target_cache) if active.pending(rows) else 0
+
+    def propose(self, rows: Sequence, strategy: Strategy, stats,
+                target_cache=None) -> Proposal:
+        """The active kind's proposal, and for each row where a free kind's match
+        (``Drafter.free``: a lookup) is expected to emit at least as many tokens
+        (``KindTuner.expected``: its length against the active kind's depth, each
+        weighed by its kind's acceptance profile), that match instead: one batched
+        verification whatever the rows' kinds."""
+        name = self.tuner.active or next(iter(self.decoders))
+        active = self.decoders[name]
+        base = active.propose(rows, strategy, stats, target_cache)
+        kinds = [name] * len(rows)
+        free = [k for k in self.tuner.free if k != name]
+        if free:
+            bar = self.tuner.expected(name, strategy.depth)
+            best = [bar] * len(rows)
+            chosen: dict[int, object] = {}
+            for k in free:
+                for i, p in enumerate(self.decoders[k].row_proposals(rows, strategy)):
+                    n = len(p) if strategy.is_chain else (max_depth(p) if p else 0)
+                    e = self.tuner.expected(k, n) if n else 0.0
+                    if e >= best[i] and n:
+                        best[i], kinds[i], chosen[i] = e, k, p
+            if chosen:
+                base = mixed(self.target, rows, base, chosen, strategy)
+        base.mine = [k == name for k in kinds]
+        self.tuner.row_kinds = self.row_kinds = kinds
+        return base
+
+    def kinds_of_rows(self, n: int) -> list[str]:
+        """The kind that proposed each row in the last step."""
+        kinds = self.row_kinds or []
+        return kinds if len(kinds) == n else [self.active_kind()] * n
+
+    def committed(self, rows: Sequence, strategy: Strategy, emissions, feats: list,
+                  mine=None) -> None:
+        """The active kind is told; the other feature-fed kinds store the target's
+        features of the accepted nodes at positions L.. (their features there)."""
+        active = self._active()
+        active.committed(rows, strategy, emissions, feats, mine)
         for d in self.decoders.values():
             if d is active or not d.keeps_hidden:
                 continue
-            for i, (length, e) in enumerate(zip(lengths, emissions)):
-                idx = torch.tensor([offsets[i] + n for n in e.nodes], device=hidden.device)
-                d.store(i, length, hidden.index_select(0, idx))
-        return emissions, verified
-
-    def compact(self, target_cache, row: int, length: int, slots) -> None:
-        self._active().compact(target_cache, row, length, slots)
+            for i, (r, e) in enumerate(zip(rows, emissions)):
+                idx = torch.tensor(e.nodes, device=feats[i].device)
+                d.store(i, r.length, feats[i].index_select(0, idx))
 
 
 def several_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
@@ -252,8 +318,57 @@ def several_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
         decoders[kind].min_draft_prob = sc.min_draft_prob
     tuners = tuners or {k: StrategyTuner.from_config(d.tuner_config(sc))
                         for k, d in drafters.items()}
-    tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed)
+    tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed,
+                      free=[k for k, d in drafters.items() if d.free])
     return KindDecoder(decoders, tuner), tuner
+
+
+def max_depth(tree) -> int:
+    """The depth of a (tokens, parents) tree."""
+    par = tree[1]
+    depth = [0] * len(par)
+    for j in range(1, len(par)):
+        depth[j] = depth[par[j]] + 1
+    return max(depth)
+
+
+def mixed(target, rows: Sequence, base: Proposal, chosen: dict, strategy: Strategy
+          ) -> Proposal:
+    """``base`` with rows ``chosen`` (row -> a free kind's chain or (tokens, parents)
+    tree) replaced: chains' q one-hot there (the others' q kept), trees padded to a
+    common node count (``model_free.host_trees``)."""
+    b = len(rows)
+    if base.tree is None and strategy.is_chain:
+        drafts = [list(chosen[i]) if i in chosen else list(d)
+                  for i, d in enumerate(base.drafts)]
+        q = None
+        if base.q_lp is not None:
+            bw = base.q_lp.shape[1]
+            width = max([bw] + [len(d) for d in drafts])
+            q = torch.full((b, width, base.q_lp.shape[-1]), float("-inf"),
+                           device=base.q_lp.device)
+            q[:, :bw] = base.q_lp
+            own = one_hot_q(target, rows, [drafts[i] if i in chosen else []
+                                           for i in range(b)])
+            idx = torch.tensor(sorted(chosen), device=q.device)
+            q[idx] = float("-inf")
+            q[idx, : own.shape[1]] = own.index_select(0, idx)
+        return Proposal(drafts, q)
+    if base.tree is None:  # the active kind proposed no tree (nothing drafted)
+        trees = [chosen.get(i) for i in range(b)]
+    else:
+        t = base.tree
+        trees = []
+        for i in range(b):
+            if i in chosen:
+                trees.append(chosen[i])
+                continue
+            par = [-1] * len(t.tokens[i])
+            for node, kids in enumerate(t.children[i]):
+                for c in kids:
+                    par[c] = node
+            trees.append((t.tokens[i], par, t.children[i]))
+    return Proposal(tree=host_trees(target.device, rows, trees))
 
 
 __all__ = ["KindTuner", "KindDecoder", "several_kinds", "OFF"]

@@ -23,7 +23,6 @@ It is ``SpeculativeDecoder`` with a token-fed drafter instead of a feature-fed o
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -32,11 +31,12 @@ from ...spec_strategy import Strategy
 from ..forward import ModelRunner
 from ..kv_cache import KVCache, reuse_or_make
 from .decoder import SpeculativeDecoder
-from .drafting import Drafting
+from .eagle_decoder import EagleDecoder
+from .proposer import Proposal
 from .stats import SpecStats
 
 
-class SelfDraftDecoder(SpeculativeDecoder):
+class SelfDraftDecoder(EagleDecoder):
     """Self-speculation state for a running batch: the int8 copy's KV cache and, per
     cache row, how many positions of it are valid (``draft_len``)."""
 
@@ -49,9 +49,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
                 "parallel.pipeline_model_parallel_size > 1 use rollout.pipeline_mode="
                 "gathered (the default: each stage quantizes its gathered copy of the "
                 "model), not the stage-to-stage pipelined mode")
-        self.drafter = drafter
-        self.kind = drafter.name
-        self.target = target
+        SpeculativeDecoder.__init__(self, drafter, target)
         self.draft = drafter.runner_for(target)
         self.draft.kernels = target.kernels  # (none for an FP8 copy)
         # quantize now (again only when the weights change); at PP > 1 (gathered) only
@@ -59,7 +57,7 @@ class SelfDraftDecoder(SpeculativeDecoder):
         # next generate, after they are received again
         if getattr(target, "held_copy_bytes", 0) == getattr(target, "copy_bytes", 0):
             self.draft.pack_weights()
-        self.drafting = Drafting(self.draft, target)
+        self.drafting = self._drafting(self.draft)
         self.drafting.pos_offset = 1
         self.feature_layers = ()
         self.feature_width = 0
@@ -151,30 +149,32 @@ class SelfDraftDecoder(SpeculativeDecoder):
                 self.draft_len[i] = max(self.draft_len[i], hi)
         return n
 
-    def catch_up(self, rows: Sequence, stats: SpecStats,
-                 target_cache: Optional[KVCache] = None) -> int:
+    def feed(self, rows: Sequence, stats: SpecStats,
+             target_cache: Optional[KVCache] = None) -> int:
         """``adopt`` when the target's cache is given, else the copy's forward over the
-        missed tokens (``SpeculativeDecoder.catch_up``)."""
-        if target_cache is None or self.pending(rows) == 0:
-            return super().catch_up(rows, stats)
-        t0 = time.perf_counter()
-        n = self.adopt(target_cache, rows)
-        stats.catchup_seconds += time.perf_counter() - t0
-        return n
+        missed tokens (``EagleDecoder.feed``)."""
+        if target_cache is None:
+            return super().feed(rows, stats)
+        return self.adopt(target_cache, rows)
 
-    # ---------------------------------------------------------------- the step
-    def step(self, target_cache: KVCache, rows: Sequence, strategy: Strategy,
-             stats: SpecStats):
-        """``SpeculativeDecoder.step``; then each row's copy is valid up to its root
-        x_L and, for chains, the accepted drafts it was fed (d_1..d_{depth-1})."""
-        lengths = [r.length for r in rows]
-        self.adopt(target_cache, rows)
-        out = super().step(target_cache, rows, strategy, stats)
+    # ---------------------------------------------------------------- proposing
+    def propose(self, rows: Sequence, strategy: Strategy, stats: SpecStats,
+                target_cache: Optional[KVCache] = None) -> Proposal:
+        """The target's keys and values it has not adopted yet, then the copy's
+        drafts from each row's root x_L (``EagleDecoder.propose``)."""
+        if target_cache is not None:
+            self.adopt(target_cache, rows)
+        return super().propose(rows, strategy, stats)
+
+    def committed(self, rows: Sequence, strategy: Strategy, emissions, feats: list,
+                  mine=None) -> None:
+        """Each row's copy is valid up to its root x_L and, for chains it drafted, the
+        accepted drafts it was fed (d_1..d_{depth-1})."""
         fed = strategy.depth - 1 if strategy.is_chain else 0
-        for i, (length, e) in enumerate(zip(lengths, out[0])):
-            self.draft_len[i] = length + 1 + min(len(e.tokens) - 1, fed)
-            self.target_len[i] = min(self.target_len[i], length)
-        return out
+        for i, (r, e) in enumerate(zip(rows, emissions)):
+            own = fed if mine is None or mine[i] else 0
+            self.draft_len[i] = r.length + 1 + min(len(e.tokens) - 1, own)
+            self.target_len[i] = min(self.target_len[i], r.length)
 
     def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
         """Every row's tokens the copy has not been fed: positions draft_len .. L (the

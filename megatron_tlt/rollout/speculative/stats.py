@@ -78,6 +78,10 @@ class KindSteps:
     arms: dict[str, int] = field(default_factory=dict)  # strategy name -> steps (0_0_0 too)
     by_bucket: dict[str, Tally] = field(default_factory=dict)  # speculative steps' tally
     bucket_arms: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> arms
+    # the speculative steps' rows whose drafts this kind proposed (whichever kind the
+    # step chose: free kinds propose per row) and the tokens those rows emitted
+    proposed_rows: int = 0
+    proposed_emitted: int = 0
 
     @property
     def accept_len(self) -> float:
@@ -103,6 +107,9 @@ class KindSteps:
             "spec_tok_s": (self.spec_tokens_per_row / self.spec_seconds
                            if self.spec_seconds > 0 else None),
             "arms": dict(self.arms), "buckets": buckets,
+            "proposed_rows": self.proposed_rows, "proposed_emitted": self.proposed_emitted,
+            "proposed_accept_len": (self.proposed_emitted / self.proposed_rows
+                                    if self.proposed_rows else 0.0),
         }
 
 
@@ -219,6 +226,14 @@ class SpecStats:
         k.by_bucket.setdefault(bucket, Tally()).add(rows, emitted)
         for name, before in zip(COSTS, costs_before):
             setattr(k, name, getattr(k, name) + getattr(self, name) - before)
+
+    def record_rows(self, kinds: Sequence[str], emitted: Sequence[int]) -> None:
+        """A speculative step's rows by the kind that proposed each (``kinds``) and the
+        tokens each emitted: tokens by kind (``KindSteps.proposed_*``)."""
+        for kind, n in zip(kinds, emitted):
+            k = self.kinds.setdefault(kind, KindSteps())
+            k.proposed_rows += 1
+            k.proposed_emitted += n
 
     def mark(self, start: float, end: float, what: Optional[str]) -> None:
         """The timeline: a decode step from ``start`` to ``end`` (seconds since the

@@ -205,6 +205,12 @@ class StrategyTuner:
     def acceptance_profile(self) -> list[float]:
         return self.gate.acceptance_profile()
 
+    def record_acceptance(self, strategy: Strategy, accepted) -> None:
+        """Per row, the drafts accepted of a step's chain proposals this kind made
+        (several kinds in one step: ``multi.KindTuner``): its acceptance profile."""
+        if strategy.is_chain and not strategy.is_off:
+            self.gate.record_acceptance(strategy, accepted)
+
     # ---------------------------------------------------------------- recording
     @property
     def needs_costs(self) -> bool:
