@@ -302,7 +302,8 @@ class RolloutEngine:
         shared = SharedPrompts() if self.config.share_prefill else None
         outputs: list[Optional[RolloutOutput]] = [None] * n
         rows: list[Row] = []
-        sched = scheduler.Scheduler(cache, rows, max_batch, stats, slack=slack, shared=shared)
+        sched = scheduler.Scheduler(cache, rows, max_batch, stats, slack=slack, shared=shared,
+                                    remove=preempt)
         sched.queue.extend(range(n))
         make_row = lambda i: Row(i, plist[i], streams[i], len(prompts[i]),  # noqa: E731
                                  prompts[i], keys[i])
@@ -326,9 +327,7 @@ class RolloutEngine:
                     rows.extend(admitted)
                     retire()
                     continue
-            sched.prepare_step(preempt)
-            self._decode_step(cache, rows, hidden_buf, stats, ctl, retire)
-            sched.after_step()
+            self._decode_step(cache, rows, hidden_buf, stats, ctl, retire, sched)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
         if cache.paged:
             stats.note_blocks(cache.pool.peak_used, 0, cache.block_nbytes)
@@ -340,10 +339,15 @@ class RolloutEngine:
 
     def _decode_step(self, cache: KVCache, rows: list[Row], hidden_buf,
                      stats: GenerateStats, ctl: Optional[SpeculationController],
-                     retire: Callable[[], None]) -> None:
+                     retire: Callable[[], None],
+                     sched: Optional[scheduler.Scheduler] = None) -> None:
         """One decode step of the running batch, plain or speculative, then the
-        finished-rows check. Its host reads are budgeted (``bench.sync_budget``,
+        finished-rows check; with the paged cache the step's blocks first (rows
+        preempted if they run out) and a speculative step's unused ones returned after.
+        Its host reads are budgeted (``bench.sync_budget``,
         tests/rollout/test_host_syncs.py)."""
+        if sched is not None:
+            sched.prepare_step()
         t0 = time.perf_counter()
         stats.batch_sizes.append(len(rows))
         if ctl is None:
@@ -354,6 +358,8 @@ class RolloutEngine:
                 cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
                 lambda *step: self._commit(rows, hidden_buf, *step),
                 stats.record_step)
+        if sched is not None:
+            sched.after_step()
         retire()
 
     def _commit(self, rows: list[Row], hidden_buf, emissions, verified) -> list[int]:

@@ -57,9 +57,9 @@ class Scheduler:
     rows hold, whose full blocks a new row shares."""
 
     def __init__(self, cache, rows: list, max_rows: int, stats: GenerateStats, *,
-                 slack: int = 0, shared=None):
+                 slack: int = 0, shared=None, remove: Optional[Callable[[int], Row]] = None):
         self.cache, self.rows, self.max_rows, self.stats = cache, rows, max_rows, stats
-        self.slack, self.shared = slack, shared
+        self.slack, self.shared, self.remove = slack, shared, remove
         self.queue: deque = deque()
         self.waiting: dict[int, Row] = {}  # preempted requests, by request index
         self._seq = 0
@@ -104,10 +104,10 @@ class Scheduler:
         return min(need, self.cache.max_blocks_per_row)
 
     # ---------------------------------------------------------------- a step
-    def prepare_step(self, remove: Callable[[int], Row]) -> None:
+    def prepare_step(self) -> None:
         """Blocks for the positions the next step writes, for every running row;
         preempts the newest rows (``remove(i)`` takes row i out of the batch) until
-        the rest fit. Then the table is on the device (one copy)."""
+        the rest fit. Then the table is on the device (one host-to-device copy)."""
         c = self.cache
         if not c.paged:
             return
@@ -119,7 +119,7 @@ class Scheduler:
                 raise RuntimeError("one row does not fit in the KV block budget "
                                    "(rollout.kv_cache_gib)")
             newest = max(range(len(self.rows)), key=lambda i: self.rows[i].seq)
-            r = remove(newest)
+            r = self.remove(newest)
             self.waiting[r.request] = r
             self.queue.appendleft(r.request)
             self.stats.preemptions += 1

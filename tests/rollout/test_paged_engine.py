@@ -163,15 +163,15 @@ def test_blocks_in_use_follow_the_tokens_held(tiny):
     orig = eng._decode_step
 
     def spy(cache, rows, *a, **k):
-        held = sum(r.length + 1 for r in rows)
-        seen.append((cache.pool.used * 8, held, len(rows)))
-        return orig(cache, rows, *a, **k)
+        orig(cache, rows, *a, **k)  # (finished rows retired, their blocks returned)
+        seen.append((cache.pool.used * 8, sum(r.length for r in rows), len(rows)))
 
     eng._decode_step = spy
     eng.generate(prompts, params)
     assert seen
+    assert max(rows for *_, rows in seen) == 8
     for used, held, rows in seen:
-        assert held <= used < held + rows * 8
+        assert held <= used < held + max(rows, 1) * 8
 
 
 # ------------------------------------------------------------------------ speculation
