@@ -63,6 +63,9 @@ class Scheduler:
         self.queue: deque = deque()
         self.waiting: dict[int, Row] = {}  # preempted requests, by request index
         self._seq = 0
+        # after a preemption nothing is admitted until a row has finished (a preempted
+        # row re-admitted at once would be preempted again at the next step: thrashing)
+        self._hold_at: Optional[int] = None
 
     # ---------------------------------------------------------------- admission
     def admit(self, make_row: Callable[[int], Row]) -> tuple[list[Row], list[Row]]:
@@ -71,6 +74,10 @@ class Scheduler:
         always taken when nothing runs (the budget holds one full row)."""
         fresh: list[Row] = []
         resumed: list[Row] = []
+        if self._hold_at is not None:
+            if self.rows and len(self.rows) >= self._hold_at:
+                return fresh, resumed
+            self._hold_at = None
         paged = self.cache.paged
         free = self.cache.pool.free_count if paged else 0
         held = set(self.shared.held_by(self.rows)) if (paged and self.shared) else set()
@@ -123,6 +130,7 @@ class Scheduler:
             self.waiting[r.request] = r
             self.queue.appendleft(r.request)
             self.stats.preemptions += 1
+            self._hold_at = len(self.rows)
         for i, u in needs:
             c.reserve(i, u)
         c.pool.flush()
