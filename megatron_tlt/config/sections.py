@@ -258,8 +258,9 @@ class RolloutConfig:
         "written and returned when a row finishes; a GRPO group's rows share their "
         "prompt's blocks; rows are admitted while blocks are free (at most "
         "max_batch_size in flight) and, when blocks run out, the newest row is "
-        "preempted and recomputed later with the same output. slots: every row "
-        "reserves capacity positions (max_batch_size rows).", "slots")
+        "preempted and recomputed later with the same output (SDPA over the gathered "
+        "blocks; not with rollout.attention=flash). slots: every row reserves "
+        "capacity positions (max_batch_size rows).", "slots")
     kv_block_size: int = _help(
         "Positions per KV block (rollout.kv_cache=paged).", 16)
     kv_cache_gib: float = _help(
@@ -341,6 +342,10 @@ class RolloutConfig:
                               f"got {self.max_seq_len}")
         _positive("rollout", "prefill_tokens", self.prefill_tokens)
         _choice("rollout", "kv_cache", self.kv_cache, ("paged", "slots"))
+        if self.kv_cache == "paged" and self.attention == "flash":
+            raise ConfigError("rollout.kv_cache=paged runs SDPA over gathered blocks; "
+                              "rollout.attention=flash reads contiguous rows: use "
+                              "rollout.attention=auto or sdpa, or rollout.kv_cache=slots")
         _positive("rollout", "kv_block_size", self.kv_block_size)
         if self.kv_cache_gib < 0:
             raise ConfigError(f"rollout.kv_cache_gib must be >= 0 (0 = what "

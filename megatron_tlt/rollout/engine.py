@@ -23,8 +23,6 @@ per-step compute follows the running batch down into the long tail.
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -35,7 +33,9 @@ from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
 from .memory import PromptError, RolloutMemory
 from .outputs import GenerateStats, RolloutOutput
-from .prefill import SharedPrompts, prefill
+from . import scheduler
+from .prefill import SharedPrompts, prefill, recompute
+from .scheduler import Row
 from .runners import make_runner
 from .experts import routes_to_host
 from .sampling import SamplingParams, choose_tokens, own_seed, requested_logprobs
@@ -46,18 +46,6 @@ from .speculative.controller import SpeculationController
 class GenerationInterrupted(Exception):
     """``generate`` stopped early because ``RolloutEngine.interrupt`` said so; the
     partial outputs are dropped."""
-
-
-@dataclass
-class _Row:
-    request: int
-    params: SamplingParams
-    stream: Optional[int]  # standard sampling: the request's stream key (else None)
-    length: int  # positions held in the cache
-    prompt: list[int]
-    key: Optional[int] = None  # coupled sampling: the request's noise key (else None)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
 
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
@@ -86,7 +74,7 @@ class RolloutEngine:
         self.context = self.config.max_seq_len or arch.max_position_embeddings
         self.context = min(self.context, arch.max_position_embeddings)
         self.attention = _resolve_attention(self.config.attention, self.device,
-                                            self.runner.dtype)
+                                            self.runner.dtype, self.config.kv_cache)
         self.runner.attention = self.attention
         if (self.config.cpu_kernels != "false" and self.device.type == "cpu"
                 and self.runner.dtype == torch.float32 and self.attention == "sdpa"):
@@ -287,54 +275,79 @@ class RolloutEngine:
         ctl = (SpeculationController(self.spec, self.tuner, threshold=sc.threshold,
                                      tuner_state=sc.tuner_state, tp_times=self._tp_times)
                if self.spec is not None else None)
-        cache = self.memory.kv_cache(max_batch, capacity, ctl.slack if ctl is not None else 0)
+        slack = ctl.slack if ctl is not None else 0
+        cache = self.memory.kv_cache(max_batch, capacity, slack)
         if ctl is not None:
             self._wire_graphs()
             # (the drafters' caches zero what this call can reach, as the target's)
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
                                    reach=capacity if self.memory.zeroes_reach else None)
         stats.kv_cache_bytes = cache.nbytes
+        if cache.paged:
+            stats.kv_blocks = cache.pool.usable
+            cache.pool.peak_used = cache.pool.used
         # None where the drafter's feature store holds the hidden states (one copy)
         hidden_buf = self.memory.hidden_buffer(plist, max_batch)
-        retire = lambda: self._retire(cache, rows, outputs, hidden_buf, ctl,  # noqa: E731
-                                      hidden_on_device)
+        move_drafter = ctl.move_row if ctl is not None else None
+        retire = lambda: scheduler.retire(  # noqa: E731
+            cache, rows, outputs, self._finish_reason,
+            lambda i, r: self.memory.response_hidden(hidden_buf, i, r, hidden_on_device),
+            hidden_buf, move_drafter, ctl.finished if ctl is not None else None)
+
+        def preempt(i: int) -> Row:
+            scheduler.save_hidden(rows[i], hidden_buf, i)
+            return scheduler.remove_row(cache, rows, i, hidden_buf, move_drafter)
 
         # rollout.share_prefill: the prompts running rows hold (one prefill per prompt)
         shared = SharedPrompts() if self.config.share_prefill else None
         outputs: list[Optional[RolloutOutput]] = [None] * n
-        queue = deque(range(n))
-        rows: list[_Row] = []
-        while queue or rows:
+        rows: list[Row] = []
+        sched = scheduler.Scheduler(cache, rows, max_batch, stats, slack=slack, shared=shared,
+                                    remove=preempt)
+        sched.queue.extend(range(n))
+        make_row = lambda i: Row(i, plist[i], streams[i], len(prompts[i]),  # noqa: E731
+                                 prompts[i], keys[i])
+        chunk = self.config.prefill_tokens
+        while sched.queue or rows:
             if self.interrupt is not None and self.interrupt():
-                raise GenerationInterrupted(f"generation interrupted with {len(queue)} "
-                                            f"queued and {len(rows)} running requests")
-            if queue and len(rows) < max_batch:
-                admitted = []
-                while queue and len(rows) + len(admitted) < max_batch:
-                    i = queue.popleft()
-                    admitted.append(_Row(i, plist[i], streams[i], len(prompts[i]), prompts[i],
-                                         keys[i]))
-                t0 = time.perf_counter()
-                admitted = prefill(self, cache, rows, admitted, hidden_buf, stats, ctl,
-                                   shared)
-                stats.prefill_seconds += time.perf_counter() - t0
-                rows.extend(admitted)
-                retire()
-                continue
-            self._decode_step(cache, rows, hidden_buf, stats, ctl, retire)
+                raise GenerationInterrupted(f"generation interrupted with "
+                                            f"{len(sched.queue)} queued and {len(rows)} "
+                                            f"running requests")
+            if sched.queue and len(rows) < max_batch:
+                admitted, resumed = sched.admit(make_row)
+                if admitted or resumed:
+                    t0 = time.perf_counter()
+                    if resumed:  # preempted rows: their positions recomputed
+                        recompute(self.runner, cache, len(rows), resumed, stats, ctl, chunk)
+                        scheduler.restore_hidden(resumed, len(rows), hidden_buf)
+                        rows.extend(resumed)
+                    admitted = prefill(self.runner, cache, rows, admitted, hidden_buf, stats,
+                                       ctl, shared, emit=self._emit, prefill_tokens=chunk)
+                    stats.prefill_seconds += time.perf_counter() - t0
+                    rows.extend(admitted)
+                    retire()
+                    continue
+            self._decode_step(cache, rows, hidden_buf, stats, ctl, retire, sched)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs)
+        if cache.paged:
+            stats.note_blocks(cache.pool.peak_used, 0, cache.block_nbytes)
         stats.graphs = self._graph_decisions()
         routes_to_host(outputs)  # (MoE) the experts of every position, one host copy
         if ctl is not None:
             ctl.finish()
         return outputs  # type: ignore[return-value]
 
-    def _decode_step(self, cache: KVCache, rows: list[_Row], hidden_buf,
+    def _decode_step(self, cache: KVCache, rows: list[Row], hidden_buf,
                      stats: GenerateStats, ctl: Optional[SpeculationController],
-                     retire: Callable[[], None]) -> None:
+                     retire: Callable[[], None],
+                     sched: Optional[scheduler.Scheduler] = None) -> None:
         """One decode step of the running batch, plain or speculative, then the
-        finished-rows check. Its host reads are budgeted (``bench.sync_budget``,
+        finished-rows check; with the paged cache the step's blocks first (rows
+        preempted if they run out) and a speculative step's unused ones returned after.
+        Its host reads are budgeted (``bench.sync_budget``,
         tests/rollout/test_host_syncs.py)."""
+        if sched is not None:
+            sched.prepare_step()
         t0 = time.perf_counter()
         stats.batch_sizes.append(len(rows))
         if ctl is None:
@@ -345,9 +358,11 @@ class RolloutEngine:
                 cache, rows, t0, lambda hook: self._plain_step(cache, rows, hidden_buf, hook),
                 lambda *step: self._commit(rows, hidden_buf, *step),
                 stats.record_step)
+        if sched is not None:
+            sched.after_step()
         retire()
 
-    def _commit(self, rows: list[_Row], hidden_buf, emissions, verified) -> list[int]:
+    def _commit(self, rows: list[Row], hidden_buf, emissions, verified) -> list[int]:
         """Emit a speculative step's tokens (``SpeculationController``'s commit): per
         row its accepted drafts and next token, with log-probs and hidden states as
         plain decoding emits them, cut at a stop token or length limit. Returns how
@@ -380,7 +395,7 @@ class RolloutEngine:
             hidden_buf[row, pos] = verified.hidden.index_select(0, src).to(hidden_buf.dtype)
         return emitted
 
-    def _emitted_logprobs(self, rows: list[_Row], emissions, verified) -> list[list[float]]:
+    def _emitted_logprobs(self, rows: list[Row], emissions, verified) -> list[list[float]]:
         """Per row, its emitted tokens' log-probs as its request asks: the acceptance's
         where it read them (greedy verification), else computed here from the verify
         forward's logits in one gather over every such row's nodes and one host read."""
@@ -407,7 +422,7 @@ class RolloutEngine:
             k += n
         return out
 
-    def _plain_step(self, cache: KVCache, rows: list[_Row], hidden_buf, capture):
+    def _plain_step(self, cache: KVCache, rows: list[Row], hidden_buf, capture):
         """One plain decode step: the target over every row's last token, one token
         emitted per row. Returns the hidden states [B, 1, H] and their positions [B]."""
         b = len(rows)
@@ -426,7 +441,7 @@ class RolloutEngine:
         return hidden, start
 
     # ------------------------------------------------------------------ steps
-    def _emit(self, rows: Sequence[_Row], first_row: int, hidden: torch.Tensor,
+    def _emit(self, rows: Sequence[Row], first_row: int, hidden: torch.Tensor,
               hidden_buf: Optional[torch.Tensor]) -> None:
         """Sample one token for each of ``rows`` (cache rows first_row..) from ``hidden``."""
         logits = self.runner.logits(hidden)
@@ -447,7 +462,7 @@ class RolloutEngine:
             r.tokens.append(int(tok))
             r.logprobs.append(lp)
 
-    def _finish_reason(self, r: _Row) -> Optional[str]:
+    def _finish_reason(self, r: Row) -> Optional[str]:
         tok = r.tokens[-1]
         if (not r.params.ignore_eos and tok in self.eos_token_ids) or \
                 tok in r.params.stop_token_ids:
@@ -455,36 +470,6 @@ class RolloutEngine:
         if len(r.tokens) >= r.params.max_new_tokens or r.length + 1 >= self.context:
             return "length"
         return None
-
-    def _retire(self, cache: KVCache, rows: list[_Row], outputs: list,
-                hidden_buf: Optional[torch.Tensor],
-                ctl: Optional[SpeculationController] = None,
-                hidden_on_device: bool = False) -> None:
-        """Move finished sequences to ``outputs`` (their hidden states copied out of
-        the buffer or feature store, to the host unless ``hidden_on_device``); keep
-        running rows contiguous."""
-        i = 0
-        while i < len(rows):
-            r = rows[i]
-            reason = self._finish_reason(r)
-            if reason is None:
-                i += 1
-                continue
-            hs = self.memory.response_hidden(hidden_buf, i, r, hidden_on_device)
-            outputs[r.request] = RolloutOutput(r.request, r.prompt, r.tokens, r.logprobs,
-                                               reason, hs, cache.row_routes(i, r.length))
-            if ctl is not None:
-                ctl.finished(i, r.prompt, r.tokens)
-            last = len(rows) - 1
-            if i != last:
-                moved = rows[last]
-                cache.move_row(last, i, moved.length)
-                if ctl is not None:
-                    ctl.move_row(last, i, moved.length)
-                if hidden_buf is not None:
-                    hidden_buf[i, : len(moved.tokens)] = hidden_buf[last, : len(moved.tokens)]
-                rows[i] = moved
-            rows.pop()
 
     # ------------------------------------------------------------------ helpers
     def _graph_decisions(self) -> dict[str, dict]:
@@ -572,8 +557,15 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _resolve_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_attention(choice: str, device: torch.device, dtype: torch.dtype,
+                       kv_cache: str = "slots") -> str:
     if choice == "sdpa":
+        return "sdpa"
+    if kv_cache == "paged":  # SDPA over the gathered blocks
+        if choice == "flash":
+            raise ValueError("rollout.attention=flash reads contiguous KV rows; with "
+                             "rollout.kv_cache=paged use rollout.attention=auto or sdpa "
+                             "(SDPA over the gathered blocks), or rollout.kv_cache=slots")
         return "sdpa"
     has_flash = False
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):

@@ -447,7 +447,7 @@ class ModelRunner:
         b, t = tokens.shape
         if (self.fused_ok("decode", b * t) and new_token_mask is None
                 and rope_positions is None and isinstance(rows, slice)
-                and cache.layout == "bgsd"):
+                and cache.layout == "bgsd" and not cache.paged):
             return self._decode_fused(cache, rows, tokens, start, capture, embeds)
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]
@@ -562,8 +562,7 @@ class ModelRunner:
         partial sums all-reduced over TP x EP); the tokens' experts kept in ``cache`` at
         (``rows``, ``positions``), as ``experts.record`` takes them."""
         out, idx = self._expert_mlp(h.reshape(-1, h.shape[-1]), lw)
-        if cache.routes is not None:
-            experts.record(cache.routes[self.moe_index[i]], rows, positions, idx)
+        cache.record_routes(self.moe_index[i], rows, positions, idx)
         if self.expert_group is not None:
             collectives.all_reduce(out, group=self.expert_group)
         return out.view(h.shape)

@@ -286,12 +286,12 @@ def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStat
     lists concatenated, speculation counts summed; this rank's KV cache size and the
     whole call's prompts and weight sync time."""
     out = replace(base, generated_tokens=0, prefill_tokens=0, prefill_shared_rows=0,
-                  decode_steps=0,
+                  decode_steps=0, preemptions=0,
                   prefill_seconds=0.0, decode_seconds=0.0, batch_sizes=[],
                   step_seconds=[], step_speculative=[], spec=None)
     for p in parts:
         for name in ("generated_tokens", "prefill_tokens", "prefill_shared_rows",
-                     "decode_steps", "prefill_seconds", "decode_seconds"):
+                     "decode_steps", "prefill_seconds", "decode_seconds", "preemptions"):
             setattr(out, name, getattr(out, name) + getattr(p, name))
         out.batch_sizes += p.batch_sizes
         out.step_seconds += p.step_seconds

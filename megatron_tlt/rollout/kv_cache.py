@@ -49,6 +49,8 @@ def kv_bytes(*, num_layers: int, rows: int, kv_heads: int, capacity: int, head_d
 
 
 class KVCache:
+    paged = False  # (``kv_paged.PagedKVCache``: blocks and tables)
+
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  layout: str = "bgsd", upto: Optional[int] = None,
@@ -144,6 +146,48 @@ class KVCache:
         if span is not None:
             kc, vc = kc[:, :span], vc[:, :span]
         return kc.transpose(1, 2), vc.transpose(1, 2)
+
+    # the paged cache's block lifecycle: nothing to do for fixed slots
+    def reserve(self, row: int, upto: int) -> None:
+        pass
+
+    def can_reserve(self, needs) -> bool:
+        return True
+
+    def trim(self, row: int, upto: int) -> None:
+        pass
+
+    def free_row(self, row: int) -> None:
+        pass
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.nbytes
+
+    def record_routes(self, moe_layer: int, rows, positions: torch.Tensor,
+                      idx: torch.Tensor) -> None:
+        """The experts ``idx`` chosen at (``rows``, ``positions``) (``experts.record``)."""
+        if self.routes is None:
+            return
+        store = self.routes[moe_layer]
+        if isinstance(rows, slice):
+            b, t = positions.shape
+            bi = torch.arange(b, device=positions.device)[:, None]
+            store[rows][bi, positions] = idx.view(b, t, -1).to(store.dtype)
+        else:
+            store[rows, positions] = idx.to(store.dtype)
+
+    def move_positions(self, row: int, src, dst) -> None:
+        """Keys, values and routes of row ``row`` at positions ``src`` to ``dst``."""
+        s = torch.tensor(list(src), device=self.k.device)
+        d = torch.tensor(list(dst), device=self.k.device)
+        for c in (self.k, self.v):
+            if self.layout == "bgsd":
+                c[:, row, :, d] = c[:, row, :, s]
+            else:
+                c[:, row, d] = c[:, row, s]
+        if self.routes is not None:
+            self.routes[:, row, d] = self.routes[:, row, s]
 
     def rows_view(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw (layout-ordered) K and V views of ``rows`` for attention kernels."""

@@ -47,7 +47,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..config import ConfigError
+from .kv_blocks import blocks_for
 from .kv_cache import KVCache
+from .kv_paged import PagedKVCache, block_bytes
 
 
 class PromptError(ValueError):
@@ -74,6 +77,7 @@ class RolloutMemory:
         self.capacity = (min(max_prompt_tokens + max_new_tokens, engine.context)
                          if self.fixed else 0)
         self.cache: Optional[KVCache] = None
+        self._paged_key: Optional[tuple] = None  # (rows, positions, blocks) of a paged cache
         self.allocations = 0  # times the target's KV cache was made (tests, logs)
 
     # ---------------------------------------------------------------- sizing
@@ -113,6 +117,8 @@ class RolloutMemory:
         # (CUDA graphs' largest bucket is the cache's rows: no rows are added for them)
         rows, need = max_batch, capacity + slack
         c = self.cache
+        if eng.config.kv_cache == "paged":
+            return self._paged(rows, need)
         if c is not None and c.fits(rows, need):
             if not c.allocated:
                 self.allocations += 1
@@ -126,6 +132,46 @@ class RolloutMemory:
             capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
             device=eng.device, layout="bsgd" if eng.attention == "flash" else "bgsd",
             upto=upto, routes=eng.runner.route_shape)
+        self.allocations += 1
+        return self.cache
+
+    def _paged(self, rows: int, need: int) -> PagedKVCache:
+        """The paged cache (``rollout.kv_cache=paged``): ``rows`` rows in flight at most,
+        of ``need`` positions each at most, in a pool of ``rollout.kv_cache_gib`` (0:
+        what ``rows`` full-length slots reserve)."""
+        eng, cfg = self.engine, self.engine.config
+        bs = cfg.kv_block_size
+        per_block = block_bytes(num_layers=len(eng.runner.layers), kv_heads=eng.runner.groups,
+                                block_size=bs, head_dim=eng.arch.kv_channels,
+                                itemsize=torch.empty((), dtype=eng.runner.dtype).element_size(),
+                                routes=eng.runner.route_shape)
+        minimum = blocks_for(need, bs)  # one row of the longest prompt + its new tokens
+        if cfg.kv_cache_gib > 0:
+            blocks = int(cfg.kv_cache_gib * 2**30 // per_block)
+            if blocks < minimum:
+                raise ConfigError(
+                    f"rollout.kv_cache_gib={cfg.kv_cache_gib} holds {blocks} KV blocks of "
+                    f"{bs} positions ({per_block} bytes each), fewer than one row of the "
+                    f"longest prompt and its new tokens needs ({need} positions, {minimum} "
+                    f"blocks): raise it to at least {minimum * per_block / 2**30:.4g} "
+                    f"(or 0: what rollout.max_batch_size full-length rows reserve)")
+        else:
+            blocks = max(rows * need // bs, minimum)
+        key = (rows, need, blocks + 1)
+        c = self.cache
+        if c is not None and c.paged and self._paged_key == key:
+            if not c.allocated:
+                self.allocations += 1
+            return c.allocate()
+        if c is not None:
+            self._release_target()
+        self.cache = None
+        self.cache = PagedKVCache(
+            num_layers=len(eng.runner.layers), max_batch=rows, kv_heads=eng.runner.groups,
+            capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
+            device=eng.device, num_blocks=blocks + 1, block_size=bs,
+            routes=eng.runner.route_shape)
+        self._paged_key = key
         self.allocations += 1
         return self.cache
 

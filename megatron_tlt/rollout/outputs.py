@@ -58,6 +58,13 @@ class GenerateStats:
     step_seconds: list[float] = field(default_factory=list)  # each decode step's time
     step_speculative: list[bool] = field(default_factory=list)  # ... whether it speculated
     kv_cache_bytes: int = 0
+    # rollout.kv_cache=paged: rows preempted (blocks ran out; recomputed later), the
+    # most rows in flight, the pool's blocks and the most in use, and their bytes
+    preemptions: int = 0
+    rows_peak: int = 0
+    kv_blocks: int = 0
+    kv_blocks_peak: int = 0
+    kv_bytes_peak: int = 0
     pack_seconds: float = 0.0  # weights made ready (kernel panels; PP > 1 gathered: sync)
     spec: Optional[SpecStats] = None  # speculative decoding (None: no drafter attached)
     # rollout.cuda_graphs=auto: per measured key ("target/b4_t1_w0"), graph or eager and
@@ -71,6 +78,12 @@ class GenerateStats:
         self.step_seconds.append(seconds)
         self.step_speculative.append(speculative)
 
+    def note_blocks(self, used: int, rows: int, block_bytes: int = 0) -> None:
+        """The paged cache before a decode step: blocks in use and rows in flight."""
+        self.kv_blocks_peak = max(self.kv_blocks_peak, used)
+        self.kv_bytes_peak = max(self.kv_bytes_peak, used * block_bytes)
+        self.rows_peak = max(self.rows_peak, rows)
+
     @property
     def spec_fraction(self) -> float:
         """Fraction of decode steps that speculated."""
@@ -83,6 +96,10 @@ class GenerateStats:
                "prefill_shared_rows": self.prefill_shared_rows,
                "decode_steps": self.decode_steps,
                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds}
+        if self.kv_blocks:
+            out.update(preemptions=self.preemptions, rows_peak=self.rows_peak,
+                       kv_blocks=self.kv_blocks, kv_blocks_peak=self.kv_blocks_peak,
+                       kv_bytes_peak=self.kv_bytes_peak)
         if self.graphs:
             out["graphs"] = self.graphs
         if self.spec is not None:

@@ -90,20 +90,23 @@ def plan(admitted: Sequence, prompt_id, held: dict) -> tuple[list, list]:
     return sources, copies
 
 
-def prefill(engine, cache: KVCache, rows: list, admitted: list,
+def prefill(runner, cache: KVCache, rows: list, admitted: list,
             hidden_buf: Optional[torch.Tensor], stats: GenerateStats,
             ctl: Optional["SpeculationController"],
-            shared: Optional[SharedPrompts]) -> list:
+            shared: Optional[SharedPrompts], *, emit, prefill_tokens: int) -> list:
     """Prefill ``admitted`` into rows len(rows).. and sample their first tokens; with
     ``shared`` (rollout.share_prefill) each distinct prompt that no running row holds
     once, the other requests by copy. Returns the admitted requests in the order they
-    now occupy the rows."""
+    now occupy the rows. ``emit(rows, first_row, hidden, hidden_buf)`` samples their
+    first tokens (the engine's sampling); ``prefill_tokens``: padded tokens per chunk."""
     lo = len(rows)
+    chunks = lambda reqs: _prefill_chunks(  # noqa: E731
+        runner, cache, lo, reqs, hidden_buf, stats, ctl, emit, prefill_tokens)
     if shared is None:
-        _prefill_chunks(engine, cache, lo, admitted, hidden_buf, stats, ctl)
+        chunks(admitted)
         return list(admitted)
     sources, copies = plan(admitted, shared.id_of, shared.held_by(rows))
-    last = _prefill_chunks(engine, cache, lo, sources, hidden_buf, stats, ctl)
+    last = chunks(sources)
     for r, h in zip(sources, last):
         shared.last_hidden[shared.id_of(r)] = h
     if not copies:
@@ -115,47 +118,75 @@ def prefill(engine, cache: KVCache, rows: list, admitted: list,
     for (kind, i), dst in targets.items():
         src_row, n = (lo + i, len(sources[i].prompt)) if kind == "new" else \
             (i, len(rows[i].prompt))
-        cache.copy_row(src_row, torch.tensor(dst, device=cache.k.device), n)
+        cache.copy_row(src_row, torch.tensor(dst, device=runner.device), n)
         if ctl is not None:
             ctl.copy_prompt(src_row, dst, n)
     copied = [r for r, _ in copies]
     hidden = torch.stack([shared.last_hidden[shared.id_of(r)] for r in copied])
-    engine._emit(copied, first_copy, hidden, hidden_buf)
+    emit(copied, first_copy, hidden, hidden_buf)
     stats.prefill_shared_rows += len(copied)
     return sources + copied
 
 
-def _prefill_chunks(engine, cache: KVCache, lo: int, requests: list,
+def _pack(seqs: list, prefill_tokens: int) -> list[list[int]]:
+    """Indices of ``seqs`` in chunks of at most ``prefill_tokens`` padded tokens (greedy,
+    in order; a longer sequence is a chunk of its own)."""
+    chunks: list[list[int]] = [[]]
+    for i, s in enumerate(seqs):
+        width = max([len(seqs[j]) for j in chunks[-1]] + [len(s)])
+        if chunks[-1] and (len(chunks[-1]) + 1) * width > prefill_tokens:
+            chunks.append([])
+        chunks[-1].append(i)
+    return [c for c in chunks if c]
+
+
+def _forward(runner, cache, lo: int, seqs: list, ctl, stats: GenerateStats) -> torch.Tensor:
+    """``seqs`` (token lists) into rows lo.. from position 0 (their blocks reserved
+    first); the drafter's inputs stored. Returns the hidden states [n, T, hidden]."""
+    dev = runner.device
+    n, t = len(seqs), max(len(s) for s in seqs)
+    for j, s in enumerate(seqs):
+        cache.reserve(lo + j, len(s))
+    ids = torch.zeros(n, t, dtype=torch.long)
+    for j, s in enumerate(seqs):
+        ids[j, : len(s)] = torch.tensor(s)
+    ids = ids.to(dev)
+    start = torch.zeros(n, dtype=torch.long, device=dev)
+    hook, got = ctl.capture() if ctl is not None else (None, None)
+    hidden = runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook)
+    if ctl is not None:  # the drafter's inputs at every position fed
+        ctl.store_prompts(lo, [len(s) for s in seqs], hidden, got)
+    stats.prefill_tokens += n * t
+    return hidden
+
+
+def _prefill_chunks(runner, cache: KVCache, lo: int, requests: list,
                     hidden_buf: Optional[torch.Tensor], stats: GenerateStats,
-                    ctl: Optional["SpeculationController"]) -> list[torch.Tensor]:
+                    ctl: Optional["SpeculationController"], emit,
+                    prefill_tokens: int) -> list[torch.Tensor]:
     """Prefill ``requests`` into rows lo.. in chunks of at most ``rollout.prefill_tokens``
     padded tokens; sample their first tokens. Returns each one's hidden state at its
     last prompt position [hidden]."""
-    chunks: list[list] = [[]]
-    for r in requests:  # greedy packing: padded tokens per chunk <= prefill_tokens
-        width = max([len(x.prompt) for x in chunks[-1]] + [len(r.prompt)])
-        if chunks[-1] and (len(chunks[-1]) + 1) * width > engine.config.prefill_tokens:
-            chunks.append([])
-        chunks[-1].append(r)
     last_hidden: list[torch.Tensor] = []
-    dev = engine.device
-    for chunk in chunks:
-        if not chunk:
-            continue
-        n, t = len(chunk), max(len(r.prompt) for r in chunk)
-        ids = torch.zeros(n, t, dtype=torch.long)
-        for j, r in enumerate(chunk):
-            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-        ids = ids.to(dev)
-        start = torch.zeros(n, dtype=torch.long, device=dev)
-        hook, got = ctl.capture() if ctl is not None else (None, None)
-        hidden = engine.runner.extend(cache, slice(lo, lo + n), ids, start, capture=hook)
-        if ctl is not None:  # the drafter's inputs at every prompt position
-            ctl.store_prompts(lo, [len(r.prompt) for r in chunk], hidden, got)
+    dev = runner.device
+    for idx in _pack([r.prompt for r in requests], prefill_tokens):
+        chunk = [requests[i] for i in idx]
+        n = len(chunk)
+        hidden = _forward(runner, cache, lo, [r.prompt for r in chunk], ctl, stats)
         last = torch.tensor([len(r.prompt) - 1 for r in chunk], device=dev)
-        stats.prefill_tokens += n * t
         h = hidden[torch.arange(n, device=dev), last]  # [n, hidden], its own storage
-        engine._emit(chunk, lo, h, hidden_buf)
+        emit(chunk, lo, h, hidden_buf)
         last_hidden.extend(h.unbind(0))
         lo += n
     return last_hidden
+
+
+def recompute(runner, cache: KVCache, lo: int, resumed: list, stats: GenerateStats,
+              ctl: Optional["SpeculationController"], prefill_tokens: int) -> None:
+    """Preempted requests back into rows lo..: each one's prompt and tokens but the last
+    (its ``length`` positions) prefilled again, nothing sampled (the next decode step
+    feeds its last token, as before it was preempted)."""
+    seqs = [(r.prompt + r.tokens)[: r.length] for r in resumed]
+    for idx in _pack(seqs, prefill_tokens):
+        _forward(runner, cache, lo, [seqs[i] for i in idx], ctl, stats)
+        lo += len(idx)

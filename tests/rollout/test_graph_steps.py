@@ -37,7 +37,7 @@ def _prompts(lengths=(3, 9, 5, 1, 12, 7, 2)):
 
 
 def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_batch=4,
-            threshold=64):
+            threshold=64, **kw):
     """An engine on the eager torch path (the one CUDA runs: no fused CPU kernels), or
     with ``static`` through the fixed-shape steps run eagerly."""
     m, arch, d = model
@@ -45,7 +45,7 @@ def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_ba
                           min_draft_prob=min_draft_prob)
           if strategy else SpeculativeConfig())
     cfg = RolloutConfig(speculative=sc, cpu_kernels="false", max_batch_size=max_batch,
-                        sampling_mode="coupled" if mode == "coupled" else "standard")
+                        sampling_mode="coupled" if mode == "coupled" else "standard", **kw)
     eng = RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[],
                         drafter=d if strategy else None)
     assert eng._graphs is None  # auto: off on CPU
@@ -106,6 +106,28 @@ def test_static_speculative_steps_decode_like_the_eager_path(model, mode, strate
     assert all(k[1] <= eng.spec.drafting.static_tokens for k in drafted)
     assert any(k[1:3] == (1, 0) for k in drafted)
     assert any(k[2] > k[1] for k in drafted) == tree
+
+
+@pytest.mark.parametrize("strategy", [None, "4_1_4", "3_2_5"])
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_paged_static_steps_decode_like_the_slot_cache(model, mode, strategy):
+    """rollout.kv_cache=paged through the fixed-shape steps: the block table is a
+    fixed-shape tensor [rows, blocks per row] updated in place before the step, so a
+    graph keyed by bucket reads every row's blocks whatever their lengths; a small
+    pool preempts. The tokens equal the eager slot cache's."""
+    prompts = _prompts()
+    want = _engine(model, mode, strategy).generate(prompts, MODES[mode])
+    bs = 4
+    per_block = 2 * model[1].num_layers * model[1].num_query_groups * bs * \
+        model[1].kv_channels * 4
+    eng = _engine(model, mode, strategy, static=True, kv_cache="paged", kv_block_size=bs,
+                  kv_cache_gib=(20 if strategy else 10) * per_block / 2**30)
+    table = eng.memory.cache
+    got = eng.generate(prompts, MODES[mode])
+    _same(got, want)
+    assert eng.memory.cache.paged and eng.last_stats.preemptions > 0
+    assert table is None or table is eng.memory.cache
+    assert all(k[0] in (1, 2, 4) for k in eng._graphs.graphs)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "standard"])

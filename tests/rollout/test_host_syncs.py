@@ -37,12 +37,12 @@ def _prompts(lengths=(3, 9, 5)):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _engine(model, mode, strategy=None, kernels="true"):
+def _engine(model, mode, strategy=None, kernels="true", **kw):
     m, arch, d = model
     sc = (SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64)
           if strategy else SpeculativeConfig())
     cfg = RolloutConfig(speculative=sc, cpu_kernels=kernels,
-                        sampling_mode="coupled" if mode == "coupled" else "standard")
+                        sampling_mode="coupled" if mode == "coupled" else "standard", **kw)
     return RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[],
                          drafter=d if strategy else None)
 
@@ -94,6 +94,29 @@ def test_a_speculative_step_keeps_its_budget(model, mode, strategy, kernels):
     assert spec, "no speculative step ran"
     worst = max(spec, key=lambda s: s.count)
     assert worst.count <= SPEC_BUDGET, dict(worst.where)
+
+
+@pytest.mark.parametrize("strategy", [None, "4_1_4", "3_2_5"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_paged_steps_keep_the_budget(model, mode, strategy):
+    """rollout.kv_cache=paged, a pool small enough to preempt: the block reservation
+    (and preemption) before a step and the rollback after it read nothing from the
+    device (host-side tables, one host-to-device copy)."""
+    eng = _engine(model, mode, strategy, kv_cache="paged", kv_block_size=4,
+                  kv_cache_gib=24 * eng_block_bytes(model) / 2**30)
+    steps = measure(eng, _prompts((3, 9, 5, 7, 2, 11)), MODES[mode])
+    budget = SPEC_BUDGET if strategy else PLAIN_BUDGET
+    assert steps and max(s.count for s in steps) <= budget, \
+        dict(max(steps, key=lambda s: s.count).where)
+    if strategy:
+        assert any(s.speculative for s in steps)
+    assert eng.last_stats.preemptions > 0
+
+
+def eng_block_bytes(model) -> int:
+    """Bytes of a 4-position block of the tiny model (K and V, every layer, fp32)."""
+    _, arch, _ = model
+    return 2 * arch.num_layers * arch.num_query_groups * 4 * arch.kv_channels * 4
 
 
 @pytest.mark.parametrize("strategy", ["4_1_4", "3_2_5"])

@@ -231,7 +231,9 @@ def test_hidden_states_reach_the_host_once_per_finished_response(tiny, spec, mon
                 mode.phase = prev
         return wrapped
 
-    monkeypatch.setattr(eng, "_retire", phase("retire", eng._retire))
+    from megatron_tlt.rollout import scheduler
+
+    monkeypatch.setattr(scheduler, "retire", phase("retire", scheduler.retire))
     monkeypatch.setattr(eng, "_plain_step", phase("step", eng._plain_step))
     monkeypatch.setattr(eng, "_commit", phase("step", eng._commit))
     if spec:

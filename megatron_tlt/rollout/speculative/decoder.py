@@ -188,7 +188,8 @@ class SpeculativeDecoder(Proposer):
         toks = [t for r, d in zip(rows, drafts) for t in [r.tokens[-1]] + list(d)]
         t = self.target
         static = self.graphs is not None and hook is None  # a fixed-shape chain step
-        if not static and t.kernels is not None and cache.layout == "bgsd":  # ragged
+        if (not static and t.kernels is not None and cache.layout == "bgsd"
+                and not cache.paged):  # ragged, fused
             row_of, pos = ragged(counts, [r.length for r in rows], dev)
             x = t.embed(torch.tensor(toks, dtype=torch.long, device=dev))
             return t.extend_chains(cache, row_of, pos, x, hook), counts
@@ -223,15 +224,8 @@ class SpeculativeDecoder(Proposer):
         want = list(range(1, len(slots) + 1))
         if list(slots) == want:
             return
-        src = torch.tensor([length + s for s in slots], device=target_cache.k.device)
-        dst = torch.tensor([length + s for s in want], device=target_cache.k.device)
-        for c in (target_cache.k, target_cache.v):
-            if target_cache.layout == "bgsd":
-                c[:, row, :, dst] = c[:, row, :, src]
-            else:
-                c[:, row, dst] = c[:, row, src]
-        if target_cache.routes is not None:
-            target_cache.routes[:, row, dst] = target_cache.routes[:, row, src]
+        target_cache.move_positions(row, [length + s for s in slots],
+                                    [length + s for s in want])
 
     # ---------------------------------------------------------------- pieces
     def _agree(self, emissions: list[Emission], n: int) -> list[Emission]:

@@ -1,0 +1,218 @@
+"""The engine with the paged KV cache (rollout.kv_cache=paged) against fixed slots: the
+same outputs (tokens, finish reasons, log-probs, hidden states) for plain decoding
+(greedy, standard and coupled sampling, refill, shared prefill), with a budget so small
+that rows are preempted and recomputed, for speculation (EAGLE, the self-drafter, both
+kinds; chains and trees), and the memory: a group's prompt stored once, blocks in use
+following the tokens held, a budget too small for one row refused. Tiny random models,
+single process (TP = 2, PP = 2 and the MoE at EP = 2 are in test_rollout_tp.py and
+tests/models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
+from megatron_tlt.models import load_model
+from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+from megatron_tlt.rollout import RolloutEngine, SamplingParams
+from megatron_tlt.rollout.kv_blocks import blocks_for
+from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+from tiny_models import TINY_CONFIGS, VOCAB
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dirs, single_process_parallel):
+    from megatron_tlt.runtime_env import apply_cpu_redirection
+
+    apply_cpu_redirection()
+    return {name: load_model(tiny_hf_dirs[name], device=torch.device("cpu"), dtype="float32")
+            for name in TINY_CONFIGS}
+
+
+def _prompts(lengths, seed=0, group=1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    unique = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return [p for p in unique for _ in range(group)]
+
+
+def _engine(model, arch, kv, drafter=None, strategy=None, **cfg) -> RolloutEngine:
+    if strategy is not None:
+        cfg["speculative"] = SpeculativeConfig(policy="fixed", strategy=strategy,
+                                               threshold=1 << 20)
+    eng = RolloutEngine(model, None, RolloutConfig(kv_cache=kv, **cfg), arch=arch,
+                        eos_token_ids=[])
+    if drafter is not None:
+        eng.attach_drafters(drafter) if isinstance(drafter, dict) else \
+            eng.attach_drafter(drafter)
+    return eng
+
+
+def _both(make, prompts, params, **kw):
+    """(outputs, stats) with fixed slots, then paged, on engines made by ``make(kv)``."""
+    out = []
+    for kv in ("slots", "paged"):
+        eng = make(kv)
+        out.append((eng.generate(prompts, params, **kw), eng.last_stats))
+    return out
+
+
+def _assert_same(a, b, tol=1e-5):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    for x, y in zip(a, b):
+        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) <= tol
+        if x.hidden_states is not None or y.hidden_states is not None:
+            assert (x.hidden_states - y.hidden_states).abs().max().item() <= tol
+
+
+def _lengths_params(n, temperature=0.0, seed=3, hidden=False, base=3):
+    """Ragged response lengths (rows finish at different steps and refill)."""
+    return [SamplingParams(temperature=temperature, top_p=0.95, max_new_tokens=base + (7 * i) % 11,
+                           seed=seed, return_hidden_states=hidden) for i in range(n)]
+
+
+# ------------------------------------------------------------------------ plain decoding
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_greedy_outputs_equal_the_slot_cache(tiny, name):
+    model, arch = tiny[name]
+    prompts = _prompts((5, 17, 9, 33, 2, 12), seed=1)
+    params = _lengths_params(len(prompts), hidden=True)
+    (old, s_old), (new, s_new) = _both(
+        lambda kv: _engine(model, arch, kv, max_batch_size=4), prompts, params)
+    _assert_same(old, new)
+    assert s_new.kv_blocks > 0 and s_new.preemptions == 0
+    assert s_old.kv_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["standard", "coupled"])
+def test_sampled_groups_equal_the_slot_cache(tiny, mode):
+    """GRPO groups (4 responses per prompt, shared prefill: the paged rows share the
+    prompt's blocks), refill with a batch smaller than the call."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((21, 6, 40), seed=2, group=4)
+    params = _lengths_params(len(prompts), temperature=1.0)
+    (old, _), (new, s_new) = _both(
+        lambda kv: _engine(model, arch, kv, max_batch_size=6, sampling_mode=mode),
+        prompts, params)
+    _assert_same(old, new)
+    assert s_new.prefill_shared_rows > 0
+
+
+@pytest.mark.parametrize("mode", ["coupled", "greedy"])
+def test_a_small_budget_preempts_and_outputs_do_not_change(tiny, mode):
+    """A pool of a few rows' worth of blocks for 12 rows in flight: rows are preempted
+    when blocks run out and recomputed later; coupled sampling draws per (request,
+    position), so every response equals the slot cache's."""
+    model, arch = tiny["qwen2"]
+    prompts = _prompts((9, 30, 14, 3, 22, 17), seed=5, group=2)
+    params = _lengths_params(len(prompts), temperature=0.0 if mode == "greedy" else 1.0,
+                             hidden=True, base=20)
+    gib = 3 * 64 * 2 * arch.num_layers * arch.num_query_groups * arch.kv_channels * 4 / 2**30
+    cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
+    old_eng = _engine(model, arch, "slots", max_batch_size=12, **cfg)
+    new_eng = _engine(model, arch, "paged", max_batch_size=12, kv_cache_gib=gib,
+                      kv_block_size=8, **cfg)
+    old = old_eng.generate(prompts, params)
+    new = new_eng.generate(prompts, params)
+    s = new_eng.last_stats
+    _assert_same(old, new, tol=1e-4)
+    assert s.preemptions > 0
+    assert s.kv_blocks_peak <= s.kv_blocks
+    assert s.summary()["preemptions"] == s.preemptions
+
+
+def test_a_budget_below_one_row_names_the_field_and_the_minimum(tiny):
+    model, arch = tiny["llama_tied"]
+    eng = _engine(model, arch, "paged", kv_cache_gib=1e-7)
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_gib.*at least"):
+        eng.generate(_prompts((30,)), SamplingParams(temperature=0.0, max_new_tokens=50))
+
+
+def test_paged_with_flash_attention_is_refused():
+    with pytest.raises(ConfigError, match="rollout.kv_cache=paged"):
+        RolloutConfig(kv_cache="paged", attention="flash")
+
+
+# ------------------------------------------------------------------------ memory
+def test_a_group_of_8_stores_its_prompt_once(tiny):
+    """8 responses of one 224-token prompt (the tiny models' context is 256; the cache
+    test takes 256): the blocks in use at the first decode step are the prompt's once
+    plus one block per response (its first step's position)."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((224,), seed=6, group=8)
+    eng = _engine(model, arch, "paged", max_batch_size=8, kv_block_size=16)
+    eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    s = eng.last_stats
+    # each row's step writes position 224, the first of a new block
+    assert s.kv_blocks_peak == 224 // 16 + 8
+    assert s.prefill_shared_rows == 7
+    # the slot cache would hold the prompt 8 times
+    assert s.kv_blocks_peak * 16 < 8 * 224 / 4
+
+
+def test_blocks_in_use_follow_the_tokens_held(tiny):
+    """At every step the blocks in use are within one block per row of the positions
+    the rows hold (a long-tailed batch, no sharing)."""
+    model, arch = tiny["llama_untied"]
+    prompts = _prompts((3, 40, 7, 19, 60, 11, 5, 28), seed=7)
+    params = _lengths_params(len(prompts), base=5)
+    eng = _engine(model, arch, "paged", max_batch_size=8, kv_block_size=8, share_prefill=False)
+    seen = []
+    orig = eng._decode_step
+
+    def spy(cache, rows, *a, **k):
+        orig(cache, rows, *a, **k)  # (finished rows retired, their blocks returned)
+        seen.append((cache.pool.used * 8, sum(r.length for r in rows), len(rows)))
+
+    eng._decode_step = spy
+    eng.generate(prompts, params)
+    assert seen
+    assert max(rows for *_, rows in seen) == 8
+    for used, held, rows in seen:
+        assert held <= used < held + max(rows, 1) * 8
+
+
+# ------------------------------------------------------------------------ speculation
+def _eagle(arch, seed=1):
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    d.reset_parameters(seed=seed)
+    return d
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "self"])
+@pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"], ids=["chain", "tree"])
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_speculation_equals_the_slot_cache(tiny, drafter, strategy, mode):
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((5, 11, 8), seed=4, group=3)
+    params = _lengths_params(len(prompts), temperature=0.0 if mode == "greedy" else 1.0,
+                             hidden=True, base=6)
+    cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
+
+    def make(kv):
+        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        return _engine(model, arch, kv, d, strategy, max_batch_size=5, **cfg)
+
+    (old, _), (new, s_new) = _both(make, prompts, params)
+    _assert_same(old, new, tol=1e-4)
+    assert s_new.spec.steps > 0
+
+
+def test_both_kinds_with_preemption_keep_coupled_outputs(tiny):
+    """Both drafter kinds, coupled sampling, a budget that preempts: the same responses
+    as fixed slots without speculation."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((7, 4, 13), seed=8, group=3)
+    params = _lengths_params(len(prompts), temperature=1.0, base=15)
+    plain = _engine(model, arch, "slots", sampling_mode="coupled").generate(prompts, params)
+    sc = SpeculativeConfig(threshold=64, buckets="1,4", arms="*:3_1_3,3_2_5")
+    gib = 3 * 48 * 2 * arch.num_layers * arch.num_query_groups * arch.kv_channels * 4 / 2**30
+    eng = RolloutEngine(model, None, RolloutConfig(
+        speculative=sc, sampling_mode="coupled", kv_cache="paged", kv_cache_gib=gib,
+        kv_block_size=8, max_batch_size=9), arch=arch, eos_token_ids=[])
+    eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+    new = eng.generate(prompts, params)
+    assert [o.token_ids for o in new] == [o.token_ids for o in plain]
+    assert eng.last_stats.spec.steps > 0 and eng.last_stats.preemptions > 0
+    assert blocks_for(1, 8) == 1
