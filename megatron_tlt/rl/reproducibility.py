@@ -9,10 +9,14 @@
 - ``distribution``: exact in distribution only (every token is still drawn from the
   policy's distribution): standard sampling with the drafter group, whose training
   amount follows each step's idle time, so later drafts, hence the sampled tokens,
-  differ from run to run; or with ``costs=measured`` (the tuner follows step times).
+  differ from run to run; or with ``costs=measured`` (the tuner follows step times); or
+  with a kind whose drafting source a checkpoint does not hold (``group_history``: the
+  GRPO groups' earlier responses; reruns are bit-exact, a resume starts it empty).
 """
 
 from __future__ import annotations
+
+from ..rollout.speculative import drafters
 
 EXACT, DISTRIBUTION = "exact", "distribution"
 
@@ -36,5 +40,11 @@ def contract(cfg) -> tuple[str, str]:
                               "measured step times (rollout.speculative.costs=measured); "
                               "costs=modelled or rollout.sampling_mode=coupled makes "
                               "reruns and resumes bit-exact")
+    lost = [k.name for k in drafters.configured_kinds(cfg) if not k.resumes_exactly]
+    if lost:
+        return DISTRIBUTION, (f"reproducible in distribution only after a resume: "
+                              f"{', '.join(lost)} starts its history empty (reruns are "
+                              "bit-exact); rollout.sampling_mode=coupled makes resumes "
+                              "bit-exact too")
     return EXACT, ("reproducible: bit-exact reruns and resumes (speculation decided from "
                    "modelled step costs)")

@@ -68,6 +68,9 @@ class Drafter:
     # its proposals cost nothing on the accelerator (a host lookup): beside other kinds
     # it is offered per row over the bucket's kind (``multi.KindDecoder``)
     free: ClassVar[bool] = False
+    # what it drafts from is rebuilt the same after a resume (False: a history that a
+    # checkpoint does not hold; standard sampling then resumes exact in distribution only)
+    resumes_exactly: ClassVar[bool] = True
 
     @property
     def model(self):

@@ -29,6 +29,7 @@ from .suffix_index import SuffixIndex
 
 class GroupHistory(ModelFreeDrafter):
     name = "group_history"
+    resumes_exactly = False  # the history is not checkpointed: a resume starts it empty
     label = "the GRPO group's responses"
     color = "tab:pink"
     arms = TREE_ARMS
