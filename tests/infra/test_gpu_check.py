@@ -497,7 +497,7 @@ def test_the_planner_takes_step_times_not_acceptance_from_a_timing_only_run(tmp_
     plan_tlt = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(plan_tlt)
     rc = plan_tlt.main(["--config", str(REPO / "examples/rl/smollm2_cpu.yaml"),
-                        "--accept-by-bucket", str(path)])
+                        "--world-size", "2", "--accept-by-bucket", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and "timing only" in err and str(path) in err and "--spec-table" in err
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -41,6 +42,7 @@ def _stub_trainer(steps: int, interval: int):
     trainer.safe = SafePoints(trainer.state, checkpointing.Saver(asynchronous=False),
                               trainer.cfg.checkpoint, None, last_step=steps)
     trainer.evaluated_at = []
+    trainer.engine = types.SimpleNamespace(tuner=None)  # no speculation: no step costs
 
     def train_step(step):
         trainer.state.step = step + 1

@@ -11,7 +11,7 @@ import torch
 
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
-from megatron_tlt.rollout.engine import _Row
+from megatron_tlt.rollout.scheduler import Row as _Row
 from megatron_tlt.rollout.sampling import requested_logprobs
 from megatron_tlt.rollout.speculative.acceptance import processed_rows
 from megatron_tlt.rollout.speculative.emissions import Emission, Verified
