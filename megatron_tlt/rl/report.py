@@ -146,7 +146,7 @@ def reading(history: Sequence[dict]) -> list[str]:
         elif last["eval/accuracy_hi"] < first["eval/accuracy_lo"]:
             verdict = f"fell below the step-{first['step']} 95% interval"
         else:
-            verdict = (f"no measurable change: the intervals overlap; {n_steps} steps "
+            verdict = (f"shows no measurable change: the intervals overlap; {n_steps} steps "
                        f"on {last.get('eval/prompts', 0)} prompts are too few to move "
                        f"held-out accuracy (a learning run needs tens of steps: "
                        f"train.steps, data.eval_size)")
