@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from .kv_blocks import SCRATCH, BlockPool, blocks_for
+from .kv_cache import KVCache
 
 
 def block_bytes(*, num_layers: int, kv_heads: int, block_size: int, head_dim: int,
@@ -70,9 +71,11 @@ class PagedKVCache:
         self.allocate()
 
     # ---------------------------------------------------------------- lifecycle
-    @property
-    def allocated(self) -> bool:
-        return self.k is not None
+    # the lifecycle's bookkeeping is the slot cache's: tensors present, their bytes
+    allocated = KVCache.allocated
+    release = KVCache.release
+    nbytes = KVCache.nbytes
+    fits = KVCache.fits
 
     def allocate(self, upto: Optional[int] = None) -> "PagedKVCache":
         """Make the pools if released (every block free); ``upto`` is ignored (a block
@@ -91,18 +94,6 @@ class PagedKVCache:
             self.zeroed = self.capacity
         return self
 
-    def release(self) -> None:
-        self.k = self.v = self.routes = None
-        self.zeroed = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the pools (the budget; 0 when released)."""
-        if self.k is None:
-            return 0
-        routes = 0 if self.routes is None else self.routes.numel() * 2
-        return 2 * self.k.numel() * self.k.element_size() + routes
-
     @property
     def block_nbytes(self) -> int:
         return self.nbytes // self.num_blocks if self.k is not None else 0
@@ -111,9 +102,6 @@ class PagedKVCache:
     def bytes_in_use(self) -> int:
         """Bytes of the blocks rows hold now."""
         return self.pool.used * self.block_nbytes
-
-    def fits(self, max_batch: int, capacity: int) -> bool:
-        return self.max_batch >= max_batch and self.capacity >= capacity
 
     def _zero(self, blocks: Sequence[int]) -> None:
         new = [b for b in blocks if b not in self._written]

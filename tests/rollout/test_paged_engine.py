@@ -18,6 +18,7 @@ from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.kv_blocks import blocks_for
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+from test_shared_prefill import _assert_same
 from tiny_models import TINY_CONFIGS, VOCAB
 
 
@@ -55,15 +56,6 @@ def _both(make, prompts, params, **kw):
         eng = make(kv)
         out.append((eng.generate(prompts, params, **kw), eng.last_stats))
     return out
-
-
-def _assert_same(a, b, tol=1e-5):
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
-    for x, y in zip(a, b):
-        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) <= tol
-        if x.hidden_states is not None or y.hidden_states is not None:
-            assert (x.hidden_states - y.hidden_states).abs().max().item() <= tol
 
 
 def _lengths_params(n, temperature=0.0, seed=3, hidden=False, base=3):
