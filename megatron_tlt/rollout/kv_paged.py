@@ -123,7 +123,13 @@ class PagedKVCache:
     def reserve(self, row: int, upto: int) -> None:
         """Blocks for positions 0..upto-1 of ``row`` (``kv_blocks.OutOfBlocks`` if the
         pool lacks them)."""
-        self.pool.reserve(row, upto)
+        self.reserve_rows([(row, upto)])
+
+    def reserve_rows(self, needs: Sequence[tuple[int, int]]) -> None:
+        """``reserve`` for every (row, upto) of ``needs``; the blocks taken fresh are
+        zeroed together, one device call per pool whatever the rows."""
+        for row, upto in needs:
+            self.pool.reserve(row, upto)
         self._fresh()
 
     def can_reserve(self, needs: Sequence[tuple[int, int]]) -> bool:

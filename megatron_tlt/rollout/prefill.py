@@ -145,8 +145,7 @@ def _forward(runner, cache, lo: int, seqs: list, ctl, stats: GenerateStats) -> t
     first); the drafter's inputs stored. Returns the hidden states [n, T, hidden]."""
     dev = runner.device
     n, t = len(seqs), max(len(s) for s in seqs)
-    for j, s in enumerate(seqs):
-        cache.reserve(lo + j, len(s))
+    cache.reserve_rows([(lo + j, len(s)) for j, s in enumerate(seqs)])
     ids = torch.zeros(n, t, dtype=torch.long)
     for j, s in enumerate(seqs):
         ids[j, : len(s)] = torch.tensor(s)

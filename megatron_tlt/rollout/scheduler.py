@@ -131,8 +131,7 @@ class Scheduler:
             self.queue.appendleft(r.request)
             self.stats.preemptions += 1
             self._hold_at = len(self.rows)
-        for i, u in needs:
-            c.reserve(i, u)
+        c.reserve_rows(needs)
         c.pool.flush()
         self.stats.note_blocks(c.pool.used, len(self.rows), c.block_nbytes)
 
