@@ -16,7 +16,7 @@ ROOT = Path(megatron_tlt.__file__).parent
 LAYERS = [
     # the base: no megatron_tlt import below them
     ("fileio", "collectives", "runtime_env", "parallel", "heartbeat", "spec_strategy",
-     "tasks", "optim_state", "run_files"),
+     "tasks", "optim_state", "run_files", "import_costs"),
     ("assets", "tracking", "arrival"),
     ("config",),            # typed configuration, recipes, overrides, checks
     ("models",),            # megatron-core GPT from HF configs, conversion, drafter model
