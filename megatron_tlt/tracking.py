@@ -101,6 +101,13 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.log(_flatten(metrics), step=step)
 
+    def append(self, name: str, record: dict) -> None:
+        """One JSON line appended to ``name`` in the run folder (rank 0): records too
+        wide for the metrics, e.g. every held-out prompt's result."""
+        if self.enabled:
+            with open(self.run_dir / name, "a") as f:
+                f.write(json.dumps(jsonable(record)) + "\n")
+
     def info(self, message: str) -> None:
         if self.enabled:
             if self._progress is not None:

@@ -78,6 +78,7 @@ class Trainer:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.mini_batches = mini_batch_count(cfg)
         self.train_prompts, self.eval_prompts = build_prompt_sets(cfg.data, self.tokenizer)
+        self.last_eval: dict = {}  # the last evaluate()'s result per held-out prompt
         preflight.check_prompts(self.train_prompts, self.eval_prompts, cfg, self.arch)
         self.verifier = verifier if verifier is not None else Verifier(cfg.reward, cfg.data)
         total_opt_steps = cfg.train.steps * cfg.grpo.ppo_epochs * self.mini_batches
@@ -471,9 +472,13 @@ class Trainer:
             outs = self.engine.generate([prompts[i].token_ids for i in mine], params)
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         res = self.verifier.score_many([prompts[i] for i in mine], texts)
-        per = [(float(x.reward), float(x.correct)) for x in res]
+        per = [(i, float(x.reward), float(x.correct)) for i, x in zip(mine, res)]
         self.points.meet(self.state.step, "eval")  # the replicas' generation: a tail
-        return eval_metrics([x for part in self._dp_all_gather(per) for x in part])
+        rows = sorted(x for part in self._dp_all_gather(per) for x in part)
+        # per held-out prompt, in the prompts' order: what a paired comparison of two
+        # runs reads (eval_prompts.jsonl; tools/learn.py)
+        self.last_eval = {"reward": [r for _, r, _ in rows], "correct": [c for _, _, c in rows]}
+        return eval_metrics([(r, c) for _, r, c in rows])
 
     # ------------------------------------------------------------------ the loop
     def train(self, tracker: Optional[Tracker] = None) -> list[dict]:
@@ -491,6 +496,7 @@ class Trainer:
             ev = self.evaluate()
             if tracker is not None and ev:
                 tracker.log(0, {**ev, "phase": "eval"})
+                tracker.append("eval_prompts.jsonl", {"step": 0, **self.last_eval})
             history.append({"step": 0, **ev})
         try:
             while self.state.step < cfg.train.steps:
@@ -499,6 +505,8 @@ class Trainer:
                 done = self.state.step
                 if interval and (done % interval == 0 or done == cfg.train.steps):
                     metrics.update(self.evaluate())
+                    if tracker is not None and self.eval_prompts:
+                        tracker.append("eval_prompts.jsonl", {"step": done, **self.last_eval})
                 nonfinite.after_step(done, metrics, self.state.extra, cfg.train.max_nonfinite_steps)
                 metrics.update(self.safe.step_boundary())  # checkpoint/* timings
                 if tracker is not None:

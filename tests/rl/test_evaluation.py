@@ -130,3 +130,29 @@ def test_the_reading_says_whether_held_out_accuracy_moved_and_what_tlt_did():
     assert "rollout 1.0 s per step (0.5 s in the tail)" in tlt
     assert "speculation on 50% of decode steps" in tlt and "self x3.00" in tlt
     assert "eagle" not in tlt  # a kind that never speculated is not reported
+
+
+def test_every_evaluation_records_each_held_out_prompt(tmp_path):
+    """eval_prompts.jsonl: a line per evaluation, every prompt's reward and correctness
+    in the prompts' order (what tools/learn.py pairs across runs)."""
+    from megatron_tlt.tracking import Tracker
+
+    trainer = _stub_trainer(4, 2)
+    trainer.eval_prompts = ["p0", "p1", "p2"]
+
+    def evaluate():
+        trainer.last_eval = {"reward": [1.0, 0.0, float(trainer.state.step)],
+                             "correct": [1.0, 0.0, 0.0]}
+        return {"eval/accuracy": 1 / 3}
+
+    trainer.evaluate = evaluate
+    trainer.train_step = lambda step: (setattr(trainer.state, "step", step + 1) or
+                                       {"reward/mean": 0.0, "accuracy": 0.0,
+                                        "timing": {"step": 1.0}})
+    trainer.cfg.tracking.progress = False
+    tracker = Tracker(trainer.cfg.tracking, tmp_path, rank=0, config_dict={})
+    trainer.train(tracker)
+    lines = [json.loads(x) for x in (tmp_path / "eval_prompts.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 2, 4]
+    assert [x["reward"][2] for x in lines] == [0.0, 2.0, 4.0]
+    assert all(x["correct"] == [1.0, 0.0, 0.0] for x in lines)

@@ -1,0 +1,170 @@
+"""Two runs' learning compared: held-out accuracy and reward curves, the rollout's time
+per step, and the final held-out difference with a paired test (``tools/learn.py``).
+
+A run folder holds ``metrics.jsonl`` (a line per step, the evaluations' ``eval/*``
+figures) and ``eval_prompts.jsonl`` (every held-out prompt's reward and correctness at
+each evaluation, in the prompts' order). Both arms answer the same held-out prompts
+greedily, so the final difference is paired: per prompt, correct in one arm and not
+the other. The interval is the normal one over the per-prompt differences, and the
+p-value is McNemar's exact test (a binomial test on the discordant prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from statistics import mean
+from typing import Sequence
+
+from .evaluation import Z95, wilson_interval
+
+__all__ = ["read_run", "paired_difference", "compare", "write_figure"]
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill: the rest stands
+                continue
+    return out
+
+
+def read_run(run_dir: str | Path) -> dict:
+    """One run's curves: ``steps`` (step, train reward, rollout / tail / step seconds)
+    and ``evals`` (step, accuracy with its Wilson interval, reward, per-prompt
+    correctness). A step recorded twice (a resumed run redoes it) keeps the last."""
+    run_dir = Path(run_dir)
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for rec in _lines(run_dir / "metrics.jsonl"):
+        s = int(rec.get("step", -1))
+        if "eval/accuracy" in rec:
+            evals.setdefault(s, {}).update(
+                step=s, accuracy=rec["eval/accuracy"], lo=rec.get("eval/accuracy_lo"),
+                hi=rec.get("eval/accuracy_hi"), reward=rec.get("eval/reward"))
+        timing = rec.get("timing")
+        if isinstance(timing, dict) and "rollout" in timing:
+            steps[s] = {"step": s, "reward": rec.get("reward/mean"),
+                        "rollout_s": timing.get("rollout"), "tail_s": timing.get("tail"),
+                        "step_s": timing.get("step")}
+    for rec in _lines(run_dir / "eval_prompts.jsonl"):
+        s = int(rec["step"])
+        evals.setdefault(s, {"step": s}).update(correct=rec["correct"],
+                                                 rewards=rec["reward"])
+    for e in evals.values():  # an interval missing from the metrics: from the prompts
+        if e.get("lo") is None and e.get("correct"):
+            c = e["correct"]
+            e["accuracy"] = sum(c) / len(c)
+            e["lo"], e["hi"] = wilson_interval(sum(c), len(c))
+    return {"run_dir": str(run_dir), "steps": [steps[k] for k in sorted(steps)],
+            "evals": [evals[k] for k in sorted(evals)]}
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Accuracy of ``a`` minus ``b`` over the same prompts (0/1 each): the difference,
+    its normal 95 % interval from the per-prompt differences, and McNemar's exact
+    two-sided p-value."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired prompts differ in number: {len(a)} and {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    m = sum(d) / n
+    var = sum((x - m) ** 2 for x in d) / max(n - 1, 1)
+    half = Z95 * math.sqrt(var / n)
+    only_a = sum(1 for x in d if x > 0)
+    only_b = sum(1 for x in d if x < 0)
+    from scipy.stats import binomtest
+
+    p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+    return {"difference": m, "lo": m - half, "hi": m + half, "prompts": n,
+            "only_first_correct": only_a, "only_second_correct": only_b,
+            "mcnemar_p": float(p), "significant": bool(p < 0.05)}
+
+
+def _rises(run: dict) -> dict:
+    """Did held-out accuracy rise beyond the step-0 95 % interval (the best and the
+    final evaluation)?"""
+    ev = run["evals"]
+    if not ev or ev[0]["step"] != 0:
+        return {}
+    hi0 = ev[0]["hi"]
+    best = max(ev, key=lambda e: e["accuracy"])
+    return {"step0": ev[0]["accuracy"], "step0_hi": hi0, "final": ev[-1]["accuracy"],
+            "final_step": ev[-1]["step"], "best": best["accuracy"], "best_step": best["step"],
+            "final_beyond_step0_interval": ev[-1]["accuracy"] > hi0,
+            "best_beyond_step0_interval": best["accuracy"] > hi0}
+
+
+def compare(runs: dict[str, dict], *, baseline: str = "off") -> dict:
+    """The arms side by side: each arm's curves and rise, each other arm's rollout time
+    per step against ``baseline``'s and its final held-out difference (paired)."""
+    out = {"arms": {}, "against_" + baseline: {}}
+    for arm, run in runs.items():
+        roll = [s["rollout_s"] for s in run["steps"] if s.get("rollout_s") is not None]
+        out["arms"][arm] = {**run, "rise": _rises(run),
+                            "rollout_s_mean": mean(roll) if roll else None,
+                            "steps_done": len(run["steps"])}
+    base = runs.get(baseline)
+    for arm, run in runs.items():
+        if arm == baseline or base is None:
+            continue
+        entry = {}
+        rb, ra = out["arms"][baseline]["rollout_s_mean"], out["arms"][arm]["rollout_s_mean"]
+        if rb and ra:
+            entry["rollout_time_ratio"] = ra / rb  # < 1: this arm's rollouts are shorter
+        common = sorted({e["step"] for e in run["evals"] if e.get("correct")}
+                        & {e["step"] for e in base["evals"] if e.get("correct")})
+        if common:
+            last = common[-1]
+            a = next(e for e in run["evals"] if e["step"] == last)["correct"]
+            b = next(e for e in base["evals"] if e["step"] == last)["correct"]
+            entry["final_step"] = last
+            entry["held_out"] = paired_difference(a, b)
+        out["against_" + baseline][arm] = entry
+    return out
+
+
+def write_figure(result: dict, path: str | Path) -> Path:
+    """Held-out accuracy (with intervals), training reward and rollout seconds per
+    step, every arm on the same axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for arm, run in result["arms"].items():
+        ev = run["evals"]
+        xs = [e["step"] for e in ev]
+        line, = axes[0].plot(xs, [e["accuracy"] for e in ev], marker="o", label=arm)
+        axes[0].fill_between(xs, [e["lo"] for e in ev], [e["hi"] for e in ev],
+                             color=line.get_color(), alpha=0.15)
+        st = run["steps"]
+        axes[1].plot([s["step"] for s in st], _smooth([s["reward"] or 0.0 for s in st]),
+                     label=arm, color=line.get_color())
+        axes[2].plot([s["step"] for s in st], [s["rollout_s"] for s in st], label=arm,
+                     color=line.get_color())
+    axes[0].set_title("held-out accuracy (greedy, 95 % Wilson)")
+    axes[1].set_title("training reward (mean of 5 steps)")
+    axes[2].set_title("rollout seconds per step")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _smooth(xs: Sequence[float], k: int = 5) -> list[float]:
+    return [mean(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]

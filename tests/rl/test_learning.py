@@ -1,0 +1,71 @@
+"""rl/learning.py: two runs' curves and the paired held-out comparison (tools/learn.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_tlt.rl.evaluation import wilson_interval
+from megatron_tlt.rl.learning import compare, paired_difference, read_run, write_figure
+
+
+def _write_run(folder, evals: dict, rollout_s: float, steps: int = 4):
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "reward/mean": 0.1 * s,
+                                "timing": {"rollout": rollout_s, "tail": 1.0, "step": 9.0}}) + "\n")
+        f.write(json.dumps({"step": 2, "reward/mean": 0.5,  # step 2 again: a resumed run
+                            "timing": {"rollout": rollout_s, "tail": 1.0, "step": 9.0}}) + "\n")
+        f.write('{"step": 5, "reward')  # a line cut by a kill
+    with open(folder / "eval_prompts.jsonl", "w") as f:
+        for s, correct in evals.items():
+            f.write(json.dumps({"step": s, "correct": correct,
+                                "reward": [float(c) for c in correct]}) + "\n")
+
+
+def test_read_run_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_path):
+    _write_run(tmp_path / "a", {0: [1, 0, 0, 0], 4: [1, 1, 0, 0]}, 10.0)
+    run = read_run(tmp_path / "a")
+    assert [s["step"] for s in run["steps"]] == [1, 2, 3, 4]
+    assert run["steps"][1]["reward"] == 0.5
+    assert [e["step"] for e in run["evals"]] == [0, 4]
+    assert run["evals"][1]["accuracy"] == 0.5
+    assert (run["evals"][1]["lo"], run["evals"][1]["hi"]) == wilson_interval(2, 4)
+
+
+def test_paired_difference_counts_the_discordant_prompts():
+    from scipy.stats import binomtest
+
+    a = [1] * 30 + [0] * 10 + [1] * 5 + [0] * 55
+    b = [1] * 30 + [0] * 10 + [0] * 5 + [1] * 15 + [0] * 40
+    d = paired_difference(a, b)
+    assert d["prompts"] == 100
+    assert d["only_first_correct"] == 5 and d["only_second_correct"] == 15
+    assert d["difference"] == pytest.approx(-0.10)
+    assert d["lo"] < -0.10 < d["hi"] < 0
+    assert d["mcnemar_p"] == pytest.approx(binomtest(5, 20, 0.5).pvalue)
+    same = paired_difference([1, 0, 1], [1, 0, 1])
+    assert same["difference"] == 0 and same["mcnemar_p"] == 1.0 and not same["significant"]
+    with pytest.raises(ValueError, match="differ in number"):
+        paired_difference([1, 0], [1])
+
+
+def test_compare_reports_rise_rollout_ratio_and_the_final_paired_difference(tmp_path):
+    n = 200
+    base = [1] * 50 + [0] * 150
+    later = [1] * 90 + [0] * 110
+    _write_run(tmp_path / "off", {0: base, 4: later}, 20.0)
+    _write_run(tmp_path / "tlt", {0: base, 4: later[:-1] + [1]}, 15.0)
+    res = compare({"off": read_run(tmp_path / "off"), "tlt": read_run(tmp_path / "tlt")})
+    off = res["arms"]["off"]
+    assert off["rise"]["step0"] == 0.25 and off["rise"]["final"] == 90 / n
+    assert off["rise"]["final_beyond_step0_interval"]
+    entry = res["against_off"]["tlt"]
+    assert entry["rollout_time_ratio"] == pytest.approx(0.75)
+    assert entry["final_step"] == 4
+    assert entry["held_out"]["difference"] == pytest.approx(1 / n)
+    assert not entry["held_out"]["significant"]
+    png = write_figure(res, tmp_path / "fig.png")
+    assert png.stat().st_size > 10_000
