@@ -149,7 +149,7 @@ def reading(history: Sequence[dict]) -> list[str]:
             verdict = (f"shows no measurable change: the intervals overlap; {n_steps} steps "
                        f"on {last.get('eval/prompts', 0)} prompts are too few to move "
                        f"held-out accuracy (a learning run needs tens of steps: "
-                       f"train.steps, data.eval_size)")
+                       f"docs/learning.md, python tools/learn.py)")
         lines.append(f"reading    : held-out accuracy {verdict}")
     spec = [h.get("spec") or {} for h in steps]
     if steps and any(spec):

@@ -119,7 +119,8 @@ def test_the_reading_says_whether_held_out_accuracy_moved_and_what_tlt_did():
 
     history = _history()  # 5/32 -> 12/32: the intervals overlap
     lines = reading(history)
-    assert any("no measurable change" in ln and "2 steps on 32 prompts" in ln for ln in lines)
+    assert any("no measurable change" in ln and "2 steps on 32 prompts" in ln
+               and "docs/learning.md" in ln for ln in lines)
     assert not any(ln.startswith("TLT") for ln in lines)  # no speculation recorded
     history[-1].update(eval_metrics([(1.0, 1.0)] * 28 + [(0.0, 0.0)] * 4))
     assert any("rose beyond the step-0 95% interval" in ln for ln in reading(history))
