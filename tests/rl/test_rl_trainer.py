@@ -81,7 +81,8 @@ def test_cli_two_steps_with_speculation_checkpoint_and_exact_resume(
             "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2"]
     full = tmp_path / "full"
     r = run_script("pretrain_rl_tlt.py", *_tiny_args(tiny_policy, full, "train.steps=2",
-                                                     "tracking.plots=true", *spec),
+                                                     "tracking.plots=true",
+                                                     "tracking.wandb_mode=offline", *spec),
                    timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (full / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -164,7 +164,7 @@ def tiny_policy(smollm2_dir, tmp_path_factory) -> Path:
 
 
 def _args(policy: Path, out: Path, *extra: str) -> list[str]:
-    return tiny_run_args(policy, out, *extra)
+    return tiny_run_args(policy, out, "tracking.wandb_mode=offline", *extra)  # W&B resumes
 
 
 @pytest.fixture(scope="module")

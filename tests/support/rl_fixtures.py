@@ -44,13 +44,14 @@ def save_tiny_moe_policy(folder: Path, smollm2_dir: Path, seed: int = 0) -> Path
 
 def tiny_run_args(policy: Path, out: Path, *extra: str) -> list[str]:
     """Overrides for a short CLI run of the tiny policy named ``run`` under ``out``
-    (W&B offline, no progress bars, no end-of-run plots: rendering them costs a rank a
-    few CPU seconds, and tests/rl/test_rl_trainer.py's CLI run, which checks them, turns
+    (no W&B, no progress bars, no end-of-run plots: an offline W&B run starts its own
+    service process and rendering the plots costs a rank a few CPU seconds; the tests
+    that check them, tests/rl/test_rl_trainer.py's CLI run and test_run_dir.py, turn
     them on), then ``extra``."""
     return [f"model.hf_path={policy}", "grpo.prompts_per_step=2", "grpo.group_size=4",
             "grpo.max_new_tokens=8", "data.train_size=16", "tracking.run_name=run",
             f"tracking.output_dir={out}", "tracking.progress=false",
-            "tracking.wandb_project=test", "tracking.wandb_mode=offline",
+            "tracking.wandb_project=test", "tracking.wandb_mode=disabled",
             "tracking.plots=false",
             # a random policy never answers right: reward the letter k so groups vary
             "reward.format_reward=1.0", "reward.format_pattern=k", *extra]
