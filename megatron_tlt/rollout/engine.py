@@ -170,12 +170,6 @@ class RolloutEngine:
         self._graphs = GraphedDecoder(self.runner, capture=capture,
                                       measure=self.config.cuda_graphs == "auto")
 
-    def _wire_graphs(self) -> None:
-        """The speculative decoders verify through the engine's graphs (or eagerly
-        without them); a kind whose drafting is graphed gets graphs of its own
-        forwards over its cache (``SpeculativeDecoder.wire_graphs``)."""
-        self.spec.wire_graphs(self._graphs)
-
     def detach_drafter(self) -> None:
         self.spec = None
         self.tuner = None
@@ -294,7 +288,9 @@ class RolloutEngine:
         slack = ctl.slack if ctl is not None else 0
         cache = self.memory.kv_cache(max_batch, capacity, slack)
         if ctl is not None:
-            self._wire_graphs()
+            # verification through the engine's graphs (or eager); a kind whose drafting
+            # is graphed gets graphs of its own forwards (``SpeculativeDecoder.wire_graphs``)
+            self.spec.wire_graphs(self._graphs)
             # (the drafters' caches zero what this call can reach, as the target's)
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
                                    reach=capacity if self.memory.zeroes_reach else None)
