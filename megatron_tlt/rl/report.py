@@ -134,7 +134,8 @@ def print_summary(history: Sequence[dict], *, run_dir: Path, metrics: Path,
 
 def reading(history: Sequence[dict]) -> list[str]:
     """What the run can and cannot show, in plain words: whether held-out accuracy
-    moved beyond its first interval, and what TLT did in the steps' rollouts."""
+    moved beyond its first interval, what TLT did in the steps' rollouts, and (the
+    paged KV cache) the rows in flight and the preemptions."""
     lines = []
     evals = [h for h in history if "eval/accuracy_lo" in h]
     steps = [h for h in history if "reward/mean" in h]
@@ -165,7 +166,27 @@ def reading(history: Sequence[dict]) -> list[str]:
         lines.append(f"TLT        : rollout {rollout:.1f} s per step ({tail:.1f} s in the tail); "
                      f"speculation on {on:.0%} of decode steps"
                      + (f"; accepted length by kind: {', '.join(per_kind)}" if per_kind else ""))
+    kv = kv_line(steps)
+    if kv:
+        lines.append(kv)
     return lines
+
+
+def kv_line(steps: Sequence[dict]) -> Optional[str]:
+    """The paged KV cache over the run (``rollout.kv_cache=paged``'s step metrics): the
+    most rows a replica held in flight, a GPU's most KV bytes, and the rows preempted
+    (blocks ran out; recomputed with the same output). None with fixed slots."""
+    paged = [h for h in steps if "rollout/rows_peak" in h]
+    if not paged:
+        return None
+    rows = max(h["rollout/rows_peak"] for h in paged)
+    gib = max(h.get("rollout/kv_bytes_peak", 0) for h in paged) / 2**30
+    pre = sum(h.get("rollout/preemptions", 0) for h in paged)
+    hit = sum(1 for h in paged if h.get("rollout/preemptions", 0))
+    return (f"KV cache   : paged; up to {rows:.0f} rows in flight per replica, "
+            f"{gib:.3g} GiB of KV per GPU at the peak; {pre:.0f} rows preempted and "
+            f"recomputed ({hit} of {len(paged)} steps)"
+            + ("; raise rollout.kv_cache_gib to keep them" if pre else ""))
 
 
 def _eval_cell(h: dict) -> str:

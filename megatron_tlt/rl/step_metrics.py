@@ -2,8 +2,9 @@
 
 Only scalars and short lists cross replicas (``collectives``' value and object helpers,
 on the group's device): reward and length sums, every response's length (for the
-percentiles), the speculative-decoding summaries and the update's loss sums. The loss
-metrics live on the last pipeline stage and are broadcast to the others.
+percentiles), the speculative-decoding summaries, the paged KV cache's counts and the
+update's loss sums. The loss metrics live on the last pipeline stage and are broadcast
+to the others.
 """
 
 from __future__ import annotations
@@ -30,6 +31,30 @@ def reduce_update(sums: dict, maxes: dict, dp_group) -> tuple[dict, dict]:
     return totals, maxes
 
 
+# the engine's summary keys (``GenerateStats.summary``) a step adds over its rollout
+# rounds (dynamic sampling): counts summed, the paged cache's peaks the largest
+_ROUND_SUMS = ("prefill_tokens", "prefill_seconds", "prefill_shared_rows", "preemptions")
+_ROUND_MAXES = ("rows_peak", "kv_blocks", "kv_blocks_peak", "kv_bytes_peak")
+
+
+def add_round(stats: dict, extra: dict) -> None:
+    """Fold a further rollout round's engine summary ``extra`` into the step's ``stats``
+    (in place): prefill counts and preemptions summed, the paged cache's peaks maxed."""
+    for k in _ROUND_SUMS:
+        stats[k] = stats.get(k, 0) + extra.get(k, 0)
+    for k in _ROUND_MAXES:
+        if k in extra:
+            stats[k] = max(stats.get(k, 0), extra[k])
+
+
+def _paged(st: dict):
+    """This replica's paged-cache figures (preemptions, rows in flight at the peak, KV
+    bytes per GPU at the peak), or None with fixed slots (``rollout.kv_cache=slots``)."""
+    if not st.get("kv_blocks"):
+        return None
+    return st.get("preemptions", 0), st.get("rows_peak", 0), st.get("kv_bytes_peak", 0)
+
+
 def step_metrics(samples, roll, finish_times, timing, update, zero_std, rounds, replaced,
                  *, dp_group, lr: float, tis: bool, pp_group=None, pp_size: int = 1) -> dict:
     """The step's metrics (every rank computes the same): ``roll`` is this replica's
@@ -54,11 +79,12 @@ def step_metrics(samples, roll, finish_times, timing, update, zero_std, rounds, 
     gathered = collectives.all_gather_object(
         (roll.stats.get("spec") if roll.stats else None, roll.started_at), group=dp)
     spec = [s for s, _ in gathered]
-    # each replica's decode steps and update work (padded tokens, micro-batches)
+    # each replica's decode steps, update work (padded tokens, micro-batches) and paged
+    # KV cache figures
     per_replica = collectives.all_gather_object(
-        (roll.stats.get("decode_steps", 0) if roll.stats else 0, update.get("work")),
-        group=dp)
-    decode = [d for d, _ in per_replica]
+        (st.get("decode_steps", 0), update.get("work"), _paged(st)), group=dp)
+    decode = [d for d, _, _ in per_replica]
+    paged = [p for _, _, p in per_replica if p is not None]
     # loss metrics live on the last pipeline stage: bring them to rank 0's stage
     upd = update
     if pp_size > 1:
@@ -104,8 +130,13 @@ def step_metrics(samples, roll, finish_times, timing, update, zero_std, rounds, 
         "rollout/prefill_shared_rows": pre_shared,
         "timeline": {"replica_finish": finish_times, "update_end": timing["step"]},
     }
-    if all(w is not None for _, w in per_replica):  # wall-clock: under the timeline
-        out["timeline"]["update_work"] = {k: [w[k] for _, w in per_replica]
+    if paged:  # rollout.kv_cache=paged: preemptions over the replicas; a replica's
+        # most rows in flight and a GPU's most KV bytes, the largest replica's
+        out["rollout/preemptions"] = sum(p[0] for p in paged)
+        out["rollout/rows_peak"] = max(p[1] for p in paged)
+        out["rollout/kv_bytes_peak"] = max(p[2] for p in paged)
+    if all(w is not None for _, w, _ in per_replica):  # wall-clock: under the timeline
+        out["timeline"]["update_work"] = {k: [w[k] for _, w, _ in per_replica]
                                           for k in per_replica[0][1]}
     if st.get("graphs"):  # rollout.cuda_graphs=auto's choice per key (this replica's)
         out["graphs"] = st["graphs"]

@@ -45,7 +45,7 @@ from .rollout import ReplicaRollout, rollout_replica, sampling_params
 from .safe_point import SafePoints
 from .spec_costs import ensure_run_costs
 from .samples import Sample, collate, plan_micro_batches
-from .step_metrics import reduce_update, step_metrics
+from .step_metrics import add_round, reduce_update, step_metrics
 
 
 class Trainer:
@@ -315,8 +315,7 @@ class Trainer:
                     roll.samples[start:start + g.group_size] = new
                     replaced += 1
             roll.generated_tokens += extra.generated_tokens
-            for k in ("prefill_tokens", "prefill_seconds", "prefill_shared_rows"):
-                roll.stats[k] = roll.stats.get(k, 0) + extra.stats.get(k, 0)
+            add_round(roll.stats, extra.stats)
         return g.dynamic_sampling_rounds, replaced
 
     def _micro_batches(self, samples, indices, loss_mask, *, for_loss: bool):

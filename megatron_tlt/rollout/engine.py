@@ -87,14 +87,13 @@ class RolloutEngine:
         hd = self.config.hidden_states_dtype
         self.hidden_dtype = self.runner.dtype if hd == "auto" else DTYPES[hd]
         self.last_stats = GenerateStats()
-        self._union_call = False  # inside an expert-parallel group's joint call
         self._graphs = None
         from .cuda_graphs import resolve
 
         # rollout.cuda_graphs: auto = with CUDA wherever the runner can be captured (not
         # the pipelined PP mode, which true refuses with a clear error)
         if resolve(self.config.cuda_graphs, self.device, self.runner.supports_graphs):
-            self._enable_graphs()
+            self.enable_graphs()
         self.memory = RolloutMemory(self, max_prompt_tokens=max_prompt_tokens,
                                     max_new_tokens=max_new_tokens, max_rows=max_rows)
         self.spec = None  # SpeculativeDecoder when a drafter is attached
@@ -153,7 +152,13 @@ class RolloutEngine:
         self.spec, self.tuner = several_kinds(self, kinds, tuners, epsilon=epsilon)
         self.drafters = dict(kinds)
 
-    def _enable_graphs(self, capture: bool = True) -> None:
+    @property
+    def graphs(self):
+        """The target's fixed-shape decoder (``cuda_graphs.GraphedDecoder``: its
+        captured keys, ``captured``, ``release``), or None when it decodes eagerly."""
+        return self._graphs
+
+    def enable_graphs(self, capture: bool = True) -> None:
         """Run the target's decode and verification forwards through fixed-shape
         static buffers (``cuda_graphs.GraphedDecoder``), captured in CUDA graphs, or
         with ``capture=False`` the same code eagerly (any device: the CPU tests)."""
@@ -164,12 +169,6 @@ class RolloutEngine:
         # auto: each key keeps its graph only where it measured faster than eager
         self._graphs = GraphedDecoder(self.runner, capture=capture,
                                       measure=self.config.cuda_graphs == "auto")
-
-    def _wire_graphs(self) -> None:
-        """The speculative decoders verify through the engine's graphs (or eagerly
-        without them); a kind whose drafting is graphed gets graphs of its own
-        forwards over its cache (``SpeculativeDecoder.wire_graphs``)."""
-        self.spec.wire_graphs(self._graphs)
 
     def detach_drafter(self) -> None:
         self.spec = None
@@ -225,10 +224,21 @@ class RolloutEngine:
         (with its own requests, or none): the group decodes them together
         (``expert_call``).
         """
-        if self.runner.ep_group is not None and not self._union_call:
+        if self.runner.ep_group is not None:
             from .expert_call import generate_together
 
-            return generate_together(self, prompt_token_ids, params, request_seeds)
+            return generate_together(self.generate_union, self.runner.ep_group,
+                                     prompt_token_ids, params, request_seeds)
+        return self.generate_union(prompt_token_ids, params, request_seeds=request_seeds)
+
+    @torch.no_grad()
+    def generate_union(self, prompt_token_ids: Sequence[Sequence[int]],
+                       params: ParamsArg = SamplingParams(), *,
+                       request_seeds: Optional[Sequence[int]] = None) -> list[RolloutOutput]:
+        """``generate`` of these requests as given, by this rank's model-parallel group
+        alone: at expert parallelism > 1 every rank of the expert-parallel group passes
+        the same union of the group's requests (``expert_call.generate_together``
+        gathers it); elsewhere ``generate`` itself."""
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         n = len(prompts)
         if n == 0:
@@ -273,12 +283,14 @@ class RolloutEngine:
         max_batch = self.memory.batch_rows(min(max_batch, n))
         sc = self.config.speculative
         ctl = (SpeculationController(self.spec, self.tuner, threshold=sc.threshold,
-                                     tuner_state=sc.tuner_state, tp_times=self._tp_times)
+                                     tuner_state=sc.tuner_state, tp_times=self.tp_times)
                if self.spec is not None else None)
         slack = ctl.slack if ctl is not None else 0
         cache = self.memory.kv_cache(max_batch, capacity, slack)
         if ctl is not None:
-            self._wire_graphs()
+            # verification through the engine's graphs (or eager); a kind whose drafting
+            # is graphed gets graphs of its own forwards (``SpeculativeDecoder.wire_graphs``)
+            self.spec.wire_graphs(self._graphs)
             # (the drafters' caches zero what this call can reach, as the target's)
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
                                    reach=capacity if self.memory.zeroes_reach else None)
@@ -486,7 +498,7 @@ class RolloutEngine:
         """``tensor`` as TP rank 0 (of the last stage) holds it, on every rank (in place)."""
         return self.runner.agree(tensor)
 
-    def _tp_times(self, *values: float) -> list[float]:
+    def tp_times(self, *values: float) -> list[float]:
         """``values`` as TP rank 0 measured them, on every TP rank: the tuner's
         decisions follow measured times, and TP ranks must take the same ones."""
         if self.runner.decides_alone:

@@ -24,21 +24,24 @@ union. Every rank of the group must call ``generate`` (with no prompts if it has
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .. import collectives
 from .outputs import RolloutOutput
 from .sampling import SamplingParams, own_seed
 
 
-def generate_together(engine, prompts: Sequence[Sequence[int]], params,
+def generate_together(decode: Callable[..., list[RolloutOutput]], group,
+                      prompts: Sequence[Sequence[int]], params,
                       request_seeds: Optional[Sequence[int]]) -> list[RolloutOutput]:
-    """``engine.generate`` of this rank's requests, decoded with the EP group's others."""
+    """This rank's requests decoded with the EP group ``group``'s others: the union
+    gathered, ``decode(prompts, params, request_seeds=...)`` run on it (the engine's
+    ``generate_union``, the same call on every rank of the group), this rank's outputs
+    kept."""
     prompts = [list(map(int, p)) for p in prompts]
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     seeds = [None if sp.greedy or (request_seeds is None and sp.seed is None)
              else own_seed(sp.seed, i, request_seeds) for i, sp in enumerate(plist)]
-    group = engine.runner.ep_group
     parts = collectives.all_gather_object((prompts, plist, seeds), group)
     all_prompts = [p for part in parts for p in part[0]]
     all_params = [sp for part in parts for sp in part[1]]
@@ -46,11 +49,7 @@ def generate_together(engine, prompts: Sequence[Sequence[int]], params,
     union_seeds = None
     if all(s is not None or sp.greedy for s, sp in zip(all_seeds, all_params)):
         union_seeds = [0 if s is None else s for s in all_seeds]
-    engine._union_call = True
-    try:
-        outs = engine.generate(all_prompts, all_params, request_seeds=union_seeds)
-    finally:
-        engine._union_call = False
+    outs = decode(all_prompts, all_params, request_seeds=union_seeds)
     first = sum(len(part[0]) for part in parts[: collectives.rank(group)])
     return [dataclasses.replace(o, index=i)
             for i, o in enumerate(outs[first: first + len(prompts)])]

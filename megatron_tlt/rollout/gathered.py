@@ -284,15 +284,21 @@ def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStat
     """The call's statistics over the pipeline ranks: counts and seconds summed (the
     ranks decode at the same time, so seconds are busy time, not wall time), per-step
     lists concatenated, speculation counts summed; this rank's KV cache size and the
-    whole call's prompts and weight sync time."""
+    whole call's prompts and weight sync time. The paged cache's peaks: rows in flight
+    summed (the replica's, the stages decoding at once), blocks and bytes the largest
+    stage's (memory per GPU), so every stage holds the same stats."""
     out = replace(base, generated_tokens=0, prefill_tokens=0, prefill_shared_rows=0,
-                  decode_steps=0, preemptions=0,
+                  decode_steps=0, preemptions=0, rows_peak=0, kv_blocks_peak=0,
+                  kv_bytes_peak=0,
                   prefill_seconds=0.0, decode_seconds=0.0, batch_sizes=[],
                   step_seconds=[], step_speculative=[], spec=None)
     for p in parts:
         for name in ("generated_tokens", "prefill_tokens", "prefill_shared_rows",
-                     "decode_steps", "prefill_seconds", "decode_seconds", "preemptions"):
+                     "decode_steps", "prefill_seconds", "decode_seconds", "preemptions",
+                     "rows_peak"):
             setattr(out, name, getattr(out, name) + getattr(p, name))
+        out.kv_blocks_peak = max(out.kv_blocks_peak, p.kv_blocks_peak)
+        out.kv_bytes_peak = max(out.kv_bytes_peak, p.kv_bytes_peak)
         out.batch_sizes += p.batch_sizes
         out.step_seconds += p.step_seconds
         out.step_speculative += p.step_speculative

@@ -182,7 +182,7 @@ class RolloutMemory:
         capacity (CUDA graphs and their static path), nor off the CPU, where zeroing is
         a memset of memory the allocator already holds."""
         eng = self.engine
-        return eng._graphs is None and eng.device.type == "cpu"
+        return eng.graphs is None and eng.device.type == "cpu"
 
     def reach(self, capacity: int, slack: int) -> Optional[int]:
         """The positions a call of ``capacity`` positions (+ ``slack``) can reach, which
@@ -227,8 +227,8 @@ class RolloutMemory:
     def _release_target(self) -> None:
         if self.cache is not None:
             self.cache.release()
-        if self.engine._graphs is not None:
-            self.engine._graphs.release()
+        if self.engine.graphs is not None:
+            self.engine.graphs.release()
 
     def release(self) -> None:
         """Free the caches, the feature store and the CUDA graphs (re-made at the next
@@ -243,7 +243,7 @@ class RolloutMemory:
         spec = self.engine.spec
         out = {"kv_cache": self.cache.nbytes if self.cache is not None else 0,
                "draft_kv_cache": 0, "features": 0,
-               "cuda_graphs": self.engine._graphs.captured if self.engine._graphs else 0}
+               "cuda_graphs": self.engine.graphs.captured if self.engine.graphs else 0}
         if spec is not None:
             if spec.cache is not None:
                 out["draft_kv_cache"] = spec.cache.nbytes

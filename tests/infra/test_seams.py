@@ -1,8 +1,12 @@
 """Tools reach the trainer and the engine through public seams only: no tool (nor a
 helper in tests/support/) reads or sets a private attribute of either
-(``trainer._update``, ``engine._cache``, ``setattr(trainer, "_x", ...)``); the Trainer
-is built from parts (``Trainer(..., verifier=, online=)``, ``trainer.generate``,
-``idle_window_hooks``, ``phase_hooks``) and never branches on its optional ones."""
+(``trainer._update``, ``engine._cache``, ``setattr(trainer, "_x", ...)``); nor does any
+rollout or RL module other than the engine's own reach into the engine's private
+state (its helpers take what they need: ``RolloutMemory`` reads ``engine.graphs``,
+``expert_call`` runs ``engine.generate_union``, calibration agrees times with
+``engine.tp_times``); the Trainer is built from parts (``Trainer(..., verifier=,
+online=)``, ``trainer.generate``, ``idle_window_hooks``, ``phase_hooks``) and never
+branches on its optional ones."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import megatron_tlt
 
 REPO = Path(megatron_tlt.__file__).resolve().parents[1]
 OWNERS = ("trainer", "engine")  # a receiver naming one of these is the trainer / engine
+SHORT = ("eng",)  # ... or one named exactly so
 # tests/support workers drive a step's parts one by one (the log-probs and the update of
 # a step, compared across layouts): reading those is their job; none patches a private
 # attribute
@@ -45,7 +50,7 @@ def private_uses(source: str) -> list[tuple[int, str, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             owner = _receiver(node.value).lower()
-            if any(o in part for part in owner.split(".") for o in OWNERS):
+            if any(o in part or part in SHORT for part in owner.split(".") for o in OWNERS):
                 out.append((node.lineno, "set" if id(node) in stores else "read",
                             f"{_receiver(node.value)}.{node.attr}"))
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
@@ -75,12 +80,26 @@ def test_no_test_helper_patches_the_trainer_or_the_engine():
     assert not found, "use a public seam:\n" + "\n".join(found)
 
 
+def test_no_rollout_helper_reaches_into_the_engine():
+    """The engine's helpers (memory, prefill, scheduler, expert_call, the speculative
+    decoders, the runners) and the RL modules that drive it use its public seams."""
+    own = REPO / "megatron_tlt" / "rollout" / "engine.py"
+    files = [p for d in ("rollout", "rl") for p in sorted((REPO / "megatron_tlt" / d)
+                                                           .rglob("*.py")) if p != own]
+    assert len(files) > 20
+    found = [f"{p.relative_to(REPO)}:{line}: {how} {expr}"
+             for p in files for line, how, expr in private_uses(p.read_text())]
+    assert not found, "give the engine a public seam:\n" + "\n".join(found)
+
+
 def test_the_scan_bites():
     src = ("trainer._update = f\nx = trainer.engine._cache\nself.trainer._fill(1)\n"
-           "setattr(engine, '_x', 1)\ny = trainer.verifier\nz = runner._w\n")
+           "setattr(engine, '_x', 1)\ny = trainer.verifier\nz = runner._w\n"
+           "eng._union_call = True\nself.engine._graphs.release()\n")
     assert private_uses(src) == [
         (1, "set", "trainer._update"), (2, "read", "trainer.engine._cache"),
-        (3, "read", "self.trainer._fill"), (4, "set", "setattr(engine, '_x')")]
+        (3, "read", "self.trainer._fill"), (4, "set", "setattr(engine, '_x')"),
+        (7, "set", "eng._union_call"), (8, "read", "self.engine._graphs")]
 
 
 def test_the_trainer_does_not_branch_on_its_optional_parts():

@@ -1,5 +1,6 @@
 """TP=2, PP=2 and (mixture-of-experts models) EP=2 under `torchrun --nproc_per_node 2`
-(gloo): parity with transformers, Qwen3 and Qwen3-MoE included."""
+(gloo): parity with transformers, Qwen3 and Qwen3-MoE included; at EP=2 also the
+rollout's paged KV cache against fixed slots (paged_cases.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cli import run_main, run_script
+from paged_cases import PAGED_MOE_MODEL, check_paged
 from tiny_models import QWEN3_CONFIGS, TINY_CONFIGS
 
 TOL = 1e-4
@@ -61,6 +63,12 @@ def test_parallel_parity(all_hf_dirs, tp2_checkpoints, tmp_path):
     assert {res["pp_rank"] for res in pp2} == {1}
     assert {res["ep_rank"] for res in ep2} == {0, 1}
     assert all(res["uneven_max_diff"] <= TOL for res in ep2)
+    # rollout.kv_cache=paged at EP=2 (rows preempted; routes compared too), each rank
+    # its own requests decoded in the EP group's union
+    paged = [res for res in ep2 if res["model"] == PAGED_MOE_MODEL]
+    assert len(paged) == 2 and paged[0]["paged"] != paged[1]["paged"]
+    for res in paged:
+        check_paged(res["paged"], f"ep2/rank{res['ep_rank']}")
     for res in results:
         assert res["logits_max_diff"] <= TOL, res
         assert res["logprobs_max_diff"] <= TOL, res

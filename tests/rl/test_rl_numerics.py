@@ -259,6 +259,47 @@ def test_rollout_prefill_metrics_come_from_the_engine_stats():
     assert out["rollout/prefill_tokens"] == 120
     assert out["rollout/prefill_seconds"] == 0.25
     assert out["rollout/prefill_shared_rows"] == 14
+    assert "rollout/preemptions" not in out  # fixed slots: no paged figures
+
+
+def test_paged_kv_metrics_are_summed_and_maxed_over_replicas_and_rounds(monkeypatch):
+    """rollout.kv_cache=paged: rollout/preemptions summed over the replicas and the
+    step's rounds (dynamic sampling), rollout/rows_peak and rollout/kv_bytes_peak the
+    largest; the run's reading reports them. Two replicas, the other one's figures
+    made up in the gathered objects."""
+    from megatron_tlt import collectives
+    from megatron_tlt.rl import step_metrics as sm
+    from megatron_tlt.rl.report import reading
+    from megatron_tlt.rl.rollout import ReplicaRollout
+    from megatron_tlt.rollout.outputs import GenerateStats
+
+    def summary(pre, rows, nbytes):
+        st = GenerateStats(kv_blocks=64, preemptions=pre)
+        st.note_blocks(nbytes // 1024, rows, 1024)
+        return st.summary()
+
+    stats = summary(2, 12, 40 * 1024)
+    sm.add_round(stats, summary(1, 14, 8 * 1024))  # a dynamic-sampling round
+    assert (stats["preemptions"], stats["rows_peak"], stats["kv_bytes_peak"]) == \
+        (3, 14, 40 * 1024)
+
+    def two_replicas(obj, group=None):  # the other replica: 5 preemptions, 20 rows
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[2], tuple):
+            return [obj, (obj[0], obj[1], (5, 20, 16 * 1024))]
+        return [obj, obj]
+
+    monkeypatch.setattr(collectives, "all_gather_object", two_replicas)
+    upd = {"sums": {"tokens": 1.0}, "maxes": {}, "grad_norm": [1.0], "lr": [1e-3],
+           "skipped": 0, "updates": 1, "loss_scale": 1.0}
+    out = sm.step_metrics([], ReplicaRollout([], 0.0, 1.0, 0, stats=stats), [1.0, 1.0],
+                          {"step": 1.0}, upd, 0, 0, 0, dp_group=None, lr=1e-3, tis=False)
+    assert out["rollout/preemptions"] == 3 + 5
+    assert out["rollout/rows_peak"] == 20
+    assert out["rollout/kv_bytes_peak"] == 40 * 1024
+    line = next(ln for ln in reading([{"step": 1, "reward/mean": 0.0, **out}])
+                if ln.startswith("KV cache"))
+    assert "up to 20 rows in flight" in line and "8 rows preempted" in line
+    assert "rollout.kv_cache_gib" in line
 
 
 # ------------------------------------------------------------------ edge cases

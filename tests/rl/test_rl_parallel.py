@@ -3,7 +3,8 @@
 One update (2 ppo epochs x 2 mini-batches, KL and entropy terms on, clipping active) on
 a fixed global batch: the loss sums, gradient norms and the updated model's log-probs of
 a probe batch must match the single-process run. Then whole CLI steps at DP=2 (with
-speculative decoding) and PP=2 (pipeline decoding) run end to end.
+speculative decoding and the paged KV cache) and PP=2 (pipeline decoding) run end to
+end.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'dp'}",
                    f"rollout.speculative.drafter={drafter}",
                    "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2",
-                   nproc=2, timeout=600)
+                   "rollout.kv_cache=paged", nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "dp" / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert len(rec["timeline"]["replica_finish"]) == 2
@@ -158,6 +159,10 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     assert rec["rollout/prefill_tokens"] > 0 and rec["rollout/prefill_seconds"] > 0
     assert rec["rollout/prefill_shared_rows"] >= 2
     assert rec["dynamic_sampling/rounds"] <= 1
+    # the paged KV cache's figures, over the replicas: 2 rows each at most, within the
+    # default budget (what max_batch_size full-length rows reserve): nothing preempted
+    assert rec["rollout/rows_peak"] == 2 and rec["rollout/preemptions"] == 0
+    assert rec["rollout/kv_bytes_peak"] > 0
     assert 0 <= rec["dynamic_sampling/replaced"] <= 2  # at most every group of the step
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'pp'}",
                    "parallel.pipeline_model_parallel_size=2", nproc=2, timeout=600)

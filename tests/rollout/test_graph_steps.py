@@ -50,7 +50,7 @@ def _engine(model, mode, strategy=None, static=False, min_draft_prob=0.0, max_ba
                         drafter=d if strategy else None)
     assert eng._graphs is None  # auto: off on CPU
     if static:
-        eng._enable_graphs(capture=False)
+        eng.enable_graphs(capture=False)
     return eng
 
 
@@ -294,7 +294,7 @@ def test_auto_keeps_a_graph_only_where_it_measured_faster(model, monkeypatch, mo
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     _StubCapture.recorded = []
     eng = _engine(model, mode, "3_2_5")
-    eng._enable_graphs()
+    eng.enable_graphs()
     assert isinstance(eng._graphs, _StubCapture) and eng._graphs.measure  # auto
     eng._graphs.timer = timer
     got = eng.generate(prompts, MODES[mode])

@@ -4,8 +4,8 @@ same outputs (tokens, finish reasons, log-probs, hidden states) for plain decodi
 that rows are preempted and recomputed, for speculation (EAGLE, the self-drafter, both
 kinds; chains and trees), and the memory: a group's prompt stored once, blocks in use
 following the tokens held, a budget too small for one row refused. Tiny random models,
-single process (TP = 2, PP = 2 and the MoE at EP = 2 are in test_rollout_tp.py and
-tests/models)."""
+single process (TP = 2, PP = 2 and the MoE at EP = 2: tests/support/paged_cases.py, run
+in test_rollout_tp.py's and tests/models/test_multiproc.py's launches)."""
 
 from __future__ import annotations
 

@@ -64,13 +64,14 @@ def _layer_params(arch):
 def test_gathered_mode_merges_the_pipeline_ranks_statistics():
     """rollout.pipeline_mode=gathered: each pipeline rank decodes a share of the call;
     its statistics are the shares' counts summed (speculation's included), per-step lists
-    concatenated, this rank's tuner gate and KV cache."""
+    concatenated, this rank's tuner gate and KV cache; the paged cache's preemptions and
+    rows in flight summed, its peak blocks and bytes the largest share's."""
     from megatron_tlt.rollout.engine import GenerateStats
     from megatron_tlt.rollout.gathered import merge_stats
     from megatron_tlt.rollout.speculative.stats import SpecStats
     from megatron_tlt.spec_strategy import Strategy
 
-    def share(steps, accepted, arm, gate):
+    def share(steps, accepted, arm, gate, paged=(0, 0, 0, 0)):
         spec = SpecStats(gate=gate)
         for _ in range(steps):
             spec.record(Strategy.parse(arm), "1-4", accepted, [a + 1 for a in accepted])
@@ -80,15 +81,20 @@ def test_gathered_mode_merges_the_pipeline_ranks_statistics():
         spec.record_kind("self", "1-4", Strategy.parse(arm), probe=True, rows=len(accepted),
                          emitted=sum(accepted) + len(accepted), seconds=0.5)
         spec.mark(0.0, 0.5, arm)
+        pre, rows, blocks, nbytes = paged
         return GenerateStats(prompts=5, generated_tokens=10 * steps, decode_steps=steps,
                              decode_seconds=0.1 * steps, batch_sizes=[2] * steps,
-                             kv_cache_bytes=100, spec=spec)
+                             kv_cache_bytes=100, spec=spec, preemptions=pre, rows_peak=rows,
+                             kv_blocks=9, kv_blocks_peak=blocks, kv_bytes_peak=nbytes)
 
-    mine, other = share(2, [1, 3], "3_1_3", {"best": "mine"}), share(3, [0], "4_1_4", {})
+    mine = share(2, [1, 3], "3_1_3", {"best": "mine"}, (1, 4, 7, 70))
+    other = share(3, [0], "4_1_4", {}, (2, 3, 8, 80))
     out = merge_stats(mine, [mine, other])
     assert (out.prompts, out.generated_tokens, out.decode_steps) == (5, 50, 5)
     assert abs(out.decode_seconds - 0.5) < 1e-9 and out.batch_sizes == [2] * 5
     assert out.kv_cache_bytes == 100
+    assert (out.preemptions, out.rows_peak, out.kv_blocks) == (3, 7, 9)
+    assert (out.kv_blocks_peak, out.kv_bytes_peak) == (8, 80)
     s = out.spec
     assert (s.steps, s.rows, s.emitted) == (5, 7, 15)
     assert s.arms == {"3_1_3": 2, "4_1_4": 3}

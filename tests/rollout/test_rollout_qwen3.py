@@ -102,7 +102,7 @@ def test_static_steps_decode_like_the_eager_path_and_read_nothing(models, name,
     eager = _engine(model, arch, cpu_kernels="false", max_batch_size=4)
     want = eager.generate(prompts, params)
     static = _engine(model, arch, cpu_kernels="false", max_batch_size=4)
-    static._enable_graphs(capture=False)
+    static.enable_graphs(capture=False)
     inside = HostSyncCounter()
     replay = _Step.replay
 

@@ -1,7 +1,9 @@
 """Rollout at TP=2 and at PP=2 under `torchrun --nproc_per_node 2` (gloo) equals the
 single-process engine's: tokens, log-probs, hidden states, speculation and coupled
-sampling; and with one prefill per prompt (rollout.share_prefill) the same outputs as
-without it."""
+sampling; with one prefill per prompt (rollout.share_prefill) the same outputs as
+without it; and with the paged KV cache (rollout.kv_cache=paged, a budget small enough
+that rows are preempted) the same outputs as with fixed slots (paged_cases.py; EP = 2
+is tests/models/test_multiproc.py's launch)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from cli import run_script
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine
+from paged_cases import check_paged
 from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, GROUP_CASES, GROUP_SIZE,
                            SPEC_CASES, SPEC_MODEL, case_prompts, group_prompts, spec_config)
 from tiny_models import TINY_CONFIGS
@@ -54,6 +57,9 @@ def test_parallel_rollout_equals_single_process(layout, tiny_hf_dirs, single_pro
             names, tiny_hf_dirs, drafter_path)
         _check_shared_prefill({k.split("/", 2)[2]: v for k, v in results.items()
                                if k.startswith(f"{mode}/{SPEC_MODEL}/group_")}, pp)
+        paged = results[f"{mode}/{SPEC_MODEL}/paged"]
+        assert ("self_chain_coupled_preempt" in paged) == (pp == 1)
+        check_paged(paged, f"{layout}/{mode}")
     _check_static_steps(results, [r["static_keys"] for r in ranks])
     if pp == 2:  # the gathered copies follow the trained weights
         for r in ranks:

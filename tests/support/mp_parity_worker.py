@@ -8,7 +8,9 @@ same process group, so one launch checks several layouts) and every tiny model u
 --models (at EP > 1: every mixture-of-experts model) it
 loads the model (from the HF folder, and from the megatron checkpoint under --ckpt-root)
 at that TP/PP, runs a forward pass and compares logits, log-probs and greedy generation
-with transformers. Rank 0 writes all ranks' results, each tagged with its layout.
+with transformers. At EP > 1 also the paged KV cache against fixed slots on
+paged_cases.PAGED_MOE_MODEL (each EP rank its own requests, the group decoding their
+union). Rank 0 writes all ranks' results, each tagged with its layout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_tlt.models.inference import forward_local_logits, gather_logits, t
 from megatron_tlt.parallel import initialize_model_parallel, layout
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.runtime_env import init_distributed
+from paged_cases import PAGED_MOE_MODEL, paged_case_names, run_paged_cases
 
 
 def main() -> None:
@@ -76,11 +79,15 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
                 if local is not None:
                     outputs[source.parent.name] = (gather_logits(local, arch),
                                                    token_logprobs(local, targets, arch))
-            uneven = None
+            uneven = paged = None
             if lay.ep_size > 1:  # EP ranks with different token counts (all-to-all)
                 mine = ids[: 1 + lay.ep_rank, : 6 + 3 * lay.ep_rank]
                 uneven = (gather_logits(forward_local_logits(model, mine), arch)
                           - hf(mine).logits).abs().max().item()
+                if folder.name == PAGED_MOE_MODEL:  # rollout.kv_cache=paged vs slots
+                    paged = run_paged_cases(
+                        model, arch, paged_case_names(drafter=False, self_drafter=True),
+                        share=(lay.ep_rank, lay.ep_size))
         if outputs:
             (logits, lp), (ck_logits, ck_lp) = outputs.values()
             results.append(dict(
@@ -90,7 +97,7 @@ def _parity(args, plat, AutoModelForCausalLM) -> list[dict]:
                 argmax_equal=bool(torch.equal(logits.argmax(-1), ref.argmax(-1))),
                 checkpoint_equal=bool(torch.equal(logits, ck_logits) and torch.equal(lp, ck_lp)),
                 greedy_equal=all(g == ref_gen for g in generations),
-                ep_rank=lay.ep_rank, uneven_max_diff=uneven,
+                ep_rank=lay.ep_rank, uneven_max_diff=uneven, paged=paged,
             ))
     return results
 

@@ -8,8 +8,9 @@ For every tiny model under --models it runs the engine greedily and with samplin
 the prompts of tests/rollout/test_rollout_tp.py and writes every rank's tokens, log-probs and
 hidden states (rank 0 writes the file); at PP>1 in both rollout.pipeline_mode values,
 and a check that the gathered mode's weight copies follow an optimizer step. With
---drafter also speculation, coupled sampling, the shared-prefill group cases and (the
-gathered mode) speculation through the fixed-shape steps that CUDA graphs capture.
+--drafter also speculation, coupled sampling, the shared-prefill group cases, the paged
+KV cache against fixed slots (paged_cases.py) and (the gathered mode) speculation
+through the fixed-shape steps that CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron_tlt.models import load_model
 from megatron_tlt.parallel import initialize_model_parallel, layout
 from megatron_tlt.rollout import RolloutEngine
 from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
+from paged_cases import paged_case_names, run_paged_cases
 from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, GROUP_CASES, SPEC_CASES,
                            SPEC_MODEL, case_prompts, group_prompts, group_request_seeds,
                            spec_config)
@@ -80,6 +82,10 @@ def main() -> None:
                 results[f"{key}/{case}"] = [
                     dict(tokens=o.token_ids, logprobs=o.logprobs) for o in outs]
             _group_cases(results, key, model, arch, drafter, mode, args.pp)
+            # rollout.kv_cache=paged against slots, "mode/model/paged" (self-drafter: PP 1)
+            results[f"{key}/paged"] = run_paged_cases(
+                model, arch, paged_case_names(drafter=True, self_drafter=args.pp == 1),
+                mode=mode, drafter=drafter)
             if mode == "gathered":
                 _static_cases(results, static_keys, key, model, arch, drafter)
         if args.pp > 1 and folder.name == SPEC_MODEL:
@@ -101,7 +107,7 @@ STATIC_CASES = ("spec_greedy_tree", "spec_sampled_chain")
 def _static_cases(results: dict, static_keys: dict, key: str, model, arch, drafter
                   ) -> None:
     """STATIC_CASES and coupled tree speculation eagerly and through the static steps
-    (``RolloutEngine._enable_graphs(capture=False)``), keyed "gathered/model/case/eager"
+    (``RolloutEngine.enable_graphs(capture=False)``), keyed "gathered/model/case/eager"
     and ".../static": at TP = 2 the steps' all-reduces run inside them, at PP = 2 each
     stage decodes its share through its own steps. ``static_keys``: this rank's step
     keys per case (a stage's share has its own batch sizes)."""
@@ -114,12 +120,12 @@ def _static_cases(results: dict, static_keys: dict, key: str, model, arch, draft
             eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[],
                                 drafter=drafter)
             if how == "static":
-                eng._enable_graphs(capture=False)
+                eng.enable_graphs(capture=False)
             outs = eng.generate(case_prompts(), params)
             results[f"{key}/{case}/{how}"] = [dict(tokens=o.token_ids, logprobs=o.logprobs)
                                               for o in outs]
             if how == "static":
-                static_keys[f"{key}/{case}"] = sorted(map(list, eng._graphs.graphs))
+                static_keys[f"{key}/{case}"] = sorted(map(list, eng.graphs.graphs))
 
 
 def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: int) -> None:

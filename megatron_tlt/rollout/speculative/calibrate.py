@@ -8,7 +8,7 @@ engine's rows) and for each of the bucket's speculative arms of each drafter kin
 plain and speculative steps alternate (every speculative step then catches the
 drafter up on the plain step's positions, timed apart). The medians give
 ``step_costs.KindCosts`` per kind; the ranks that decode together agree on their rank
-0's (``engine._tp_times``, the same schedule on every rank gives the same shape).
+0's (``engine.tp_times``, the same schedule on every rank gives the same shape).
 
 ``ensure_costs(engine)`` gives every kind's tuner its costs before the first call:
 from the table file (``rollout.speculative.step_costs``), else calibrated and written
@@ -154,7 +154,7 @@ def calibrate(engine) -> StepCosts:
                                 temperature=0.0, max_new_tokens=new, ignore_eos=True))
                 costs = _fit(samples)
                 kinds[kind or engine.spec.active_kind()] = costs.from_flat(
-                    engine._tp_times(*costs.flat()))
+                    engine.tp_times(*costs.flat()))
     finally:
         engine.tuner = real
         if hasattr(real, "active"):
@@ -221,7 +221,7 @@ def ensure_costs(engine) -> Optional[StepCosts]:
     if not needs_costs(engine.tuner):
         return None
     path = table_path(engine, cache=False)
-    exists = path is not None and engine._tp_times(float(path.is_file()))[0] > 0
+    exists = path is not None and engine.tp_times(float(path.is_file()))[0] > 0
     if exists:  # (the decode group's rank 0 decides)
         table = StepCosts.load(path)
     else:
