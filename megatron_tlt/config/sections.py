@@ -101,6 +101,10 @@ class GenerateConfig:
 
 # the tuner's arms per batch-size bucket: the one-layer drafter's (`arms`) and the
 # self-drafter's deeper ones (`self_arms`=auto)
+# flash-attn 2.x (2.7.3, the gpu extra's floor, through 2.8.3): a paged KV cache's
+# page_block_size must be a multiple of this (its mha_fwd_kvcache checks it)
+FLASH_PAGE_MULTIPLE = 256
+
 DEFAULT_ARMS = ("1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
                 "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
 SELF_ARMS = ("1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
@@ -258,11 +262,15 @@ class RolloutConfig:
         "written and returned when a row finishes; a GRPO group's rows share their "
         "prompt's blocks; rows are admitted while blocks are free (at most "
         "max_batch_size in flight) and, when blocks run out, the newest row is "
-        "preempted and recomputed later with the same output (SDPA over the gathered "
-        "blocks; not with rollout.attention=flash). slots: every row reserves "
-        "capacity positions (max_batch_size rows).", "slots")
+        "preempted and recomputed later with the same output (attention: flash-attn's "
+        "paged kernel through the block tables when kv_block_size is a multiple of "
+        "256, else SDPA over the gathered blocks). slots: every row reserves capacity "
+        "positions (max_batch_size rows).", "slots")
     kv_block_size: int = _help(
-        "Positions per KV block (rollout.kv_cache=paged).", 16)
+        "Positions per KV block (rollout.kv_cache=paged). flash-attn's paged kernel "
+        "needs a multiple of 256: rollout.attention=auto uses it on CUDA when "
+        "installed and the size is one (else SDPA over gathered blocks); "
+        "rollout.attention=flash with another size is an error.", 16)
     kv_cache_gib: float = _help(
         "KV budget of the paged cache in GiB per GPU (the target's K and V, and its "
         "expert routes); 0 means what max_batch_size full-length slots reserve "
@@ -282,8 +290,10 @@ class RolloutConfig:
         "grouped by prompt (instead of every stages-th request), so a group is "
         "prefilled on one stage. false prefills every request.", True)
     attention: str = _help(
-        "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA when installed, "
-        "else torch scaled_dot_product_attention), sdpa, flash.", "auto")
+        "Attention kernel: auto (flash-attn's KV-cache kernel on CUDA with a "
+        "bfloat16/float16 model when installed, with rollout.kv_cache=paged only when "
+        "rollout.kv_block_size is a multiple of 256; else torch "
+        "scaled_dot_product_attention), sdpa, flash.", "auto")
     cpu_kernels: str = _help(
         "Fused CPU kernels for decode steps of up to 64 rows in float32 (panel-packed "
         "GEMM, RMSNorm, RoPE + KV write + attention, SwiGLU; the whole layer stack in "
@@ -342,11 +352,15 @@ class RolloutConfig:
                               f"got {self.max_seq_len}")
         _positive("rollout", "prefill_tokens", self.prefill_tokens)
         _choice("rollout", "kv_cache", self.kv_cache, ("paged", "slots"))
-        if self.kv_cache == "paged" and self.attention == "flash":
-            raise ConfigError("rollout.kv_cache=paged runs SDPA over gathered blocks; "
-                              "rollout.attention=flash reads contiguous rows: use "
-                              "rollout.attention=auto or sdpa, or rollout.kv_cache=slots")
         _positive("rollout", "kv_block_size", self.kv_block_size)
+        if (self.kv_cache == "paged" and self.attention == "flash"
+                and self.kv_block_size % FLASH_PAGE_MULTIPLE):
+            raise ConfigError(
+                f"rollout.attention=flash with rollout.kv_cache=paged needs "
+                f"rollout.kv_block_size to be a multiple of {FLASH_PAGE_MULTIPLE} "
+                f"(flash-attn's paged KV cache), got {self.kv_block_size}: set "
+                f"rollout.kv_block_size={FLASH_PAGE_MULTIPLE}, or rollout.attention=auto "
+                f"or sdpa (SDPA over the gathered blocks)")
         if self.kv_cache_gib < 0:
             raise ConfigError(f"rollout.kv_cache_gib must be >= 0 (0 = what "
                               f"max_batch_size full-length slots reserve), got "

@@ -33,7 +33,7 @@ from ..models.gpt import DTYPES, ModelArch
 from .kv_cache import KVCache
 from .memory import PromptError, RolloutMemory
 from .outputs import GenerateStats, RolloutOutput
-from . import scheduler
+from . import flash, scheduler
 from .prefill import SharedPrompts, prefill, recompute
 from .scheduler import Row
 from .runners import make_runner
@@ -73,8 +73,7 @@ class RolloutEngine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.context = self.config.max_seq_len or arch.max_position_embeddings
         self.context = min(self.context, arch.max_position_embeddings)
-        self.attention = _resolve_attention(self.config.attention, self.device,
-                                            self.runner.dtype, self.config.kv_cache)
+        self.attention = flash.resolve_attention(self.config, self.device, self.runner.dtype)
         self.runner.attention = self.attention
         if (self.config.cpu_kernels != "false" and self.device.type == "cpu"
                 and self.runner.dtype == torch.float32 and self.attention == "sdpa"):
@@ -567,30 +566,3 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
-
-
-def _resolve_attention(choice: str, device: torch.device, dtype: torch.dtype,
-                       kv_cache: str = "slots") -> str:
-    if choice == "sdpa":
-        return "sdpa"
-    if kv_cache == "paged":  # SDPA over the gathered blocks
-        if choice == "flash":
-            raise ValueError("rollout.attention=flash reads contiguous KV rows; with "
-                             "rollout.kv_cache=paged use rollout.attention=auto or sdpa "
-                             "(SDPA over the gathered blocks), or rollout.kv_cache=slots")
-        return "sdpa"
-    has_flash = False
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        try:
-            import flash_attn  # noqa: F401
-
-            has_flash = True
-        except ImportError:
-            has_flash = False
-    if choice == "flash":
-        if not has_flash:
-            raise ValueError("rollout.attention=flash needs CUDA, a bfloat16/float16 model "
-                             "and the flash-attn package (pip install -e .[gpu]); use auto "
-                             "or sdpa")
-        return "flash"
-    return "flash" if has_flash else "sdpa"

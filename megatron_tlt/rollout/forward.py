@@ -34,6 +34,7 @@ from .. import collectives
 from ..models.gpt import ModelArch
 from . import experts
 from .cpu_kernels import MAX_FUSED_ROWS
+from .flash import attend as flash_attend
 from .kv_cache import KVCache
 from .ops import _linear, attention_bias
 
@@ -476,7 +477,7 @@ class ModelRunner:
             qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, dims=-1), sin)
             q, k, v = qk[:, :, :, :hpg], qk[:, :, :, hpg], qkv[:, :, :, hpg + 1]
             if flash:
-                o = self._flash(cache, i, rows, q, k, v, start)
+                o = flash_attend(cache, i, rows, q, k, v, start, self.scale)
             else:
                 k_all, v_all = cache.write(i, rows, write_pos, k, v, span, row_index)
                 q = q.permute(0, 2, 3, 1, 4).reshape(b, g, hpg * t, d)
@@ -577,18 +578,6 @@ class ModelRunner:
         if self.tp_group is None:
             return self.kernels.linear(inp, wp, n, None, x)
         return x + self._all_reduce(self.kernels.linear(inp, wp, n))
-
-    def _flash(self, cache: KVCache, layer: int, rows: slice, q, k, v, start):
-        """flash-attn's KV-cache kernel: appends k, v at ``start`` per row (in place in
-        the "bsgd" cache) and attends causally over prefix + new tokens."""
-        from flash_attn import flash_attn_with_kvcache
-
-        b, t = q.shape[:2]
-        kc, vc = cache.rows_view(layer, rows)
-        o = flash_attn_with_kvcache(
-            q.reshape(b, t, -1, self.head_dim), kc, vc, k=k.contiguous(), v=v.contiguous(),
-            cache_seqlens=start.to(torch.int32), softmax_scale=self.scale, causal=True)
-        return o.reshape(b, t, -1)
 
 
 _NO_TENSOR = torch.empty(0)

@@ -6,7 +6,8 @@ it, so a fixed-shape read or a padding row's write lands there, as megatron-core
 dynamic context points its dummy requests at a dummy block). The others sit on a free
 stack. Each row (a running sequence, 0..max_rows-1) has a block table: the list of its
 blocks in position order, mirrored in a fixed-shape int64 tensor
-[max_rows, max_blocks_per_row] (``table``) that attention and CUDA graphs read; host
+[max_rows, max_blocks_per_row] (``table``; int32 where flash-attn reads it) that
+attention and CUDA graphs read; host
 changes mark it dirty and ``flush`` copies it to the device once.
 
 Sharing: a block has a reference count. ``share(src, dst, length)`` gives ``dst`` the
@@ -38,13 +39,14 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 class BlockPool:
     def __init__(self, *, num_blocks: int, block_size: int, max_rows: int,
-                 max_blocks_per_row: int, device: torch.device):
+                 max_blocks_per_row: int, device: torch.device,
+                 index_dtype: torch.dtype = torch.long):
         if num_blocks < 2:
             raise ValueError("a block pool needs the scratch block and at least one more")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_rows, self.max_blocks_per_row = max_rows, max_blocks_per_row
         self.device = device
-        self.host = torch.full((max_rows, max_blocks_per_row), SCRATCH, dtype=torch.long)
+        self.host = torch.full((max_rows, max_blocks_per_row), SCRATCH, dtype=index_dtype)
         self.table = self.host if device.type == "cpu" else self.host.to(device)
         self.reset()
 
@@ -100,7 +102,7 @@ class BlockPool:
         if len(t) > self.max_blocks_per_row:
             raise OutOfBlocks(f"row {row} would hold {len(t)} blocks; a row holds at most "
                               f"{self.max_blocks_per_row}")
-        self.host[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+        self.host[row, : len(t)] = torch.tensor(t, dtype=self.host.dtype)
         self.host[row, len(t):] = SCRATCH
         self.dirty = self.table is not self.host
 

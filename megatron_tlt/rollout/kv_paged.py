@@ -1,12 +1,17 @@
 """A paged KV cache (``rollout.kv_cache=paged``): ``KVCache``'s interface over blocks.
 
-K and V live in pools [layers, blocks, kv_heads, block_size, head_dim]; each row
-(a running sequence) reads its positions through its block table (``kv_blocks.BlockPool``).
+K and V live in pools [layers, blocks, kv_heads, block_size, head_dim] (layout "bgsd",
+for SDPA over gathered blocks) or [layers, blocks, block_size, kv_heads, head_dim]
+("bsgd": a layer's pool is the (num_blocks, page_block_size, nheads_k, headdim) cache
+flash-attn's ``flash_attn_with_kvcache`` reads through a block table, ``rollout.flash``;
+its table is then int32, as that kernel takes it); each row (a running sequence) reads
+its positions through its block table (``kv_blocks.BlockPool``).
 The engine's consumers use the same calls as on the contiguous ``KVCache``:
 
 - ``write`` stores the new keys and values at (block, offset) of their positions and
   returns every row's K and V over positions 0..span-1 gathered from its blocks
-  ("bgsd" order), so SDPA, chain and tree verification run unchanged; the gather reads
+  ("bgsd" order, whatever the pools' layout), so SDPA, chain and tree verification run
+  unchanged; the gather reads
   only the table (no host read), so the same code is what a CUDA graph replays;
 - ``move_row`` is a table swap, ``copy_row`` shares the prompt's full blocks by
   reference (``BlockPool.share``) and copies the partly filled last one;
@@ -30,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .kv_blocks import SCRATCH, BlockPool, blocks_for
-from .kv_cache import KVCache
+from .kv_cache import LAYOUTS, KVCache
 
 
 def block_bytes(*, num_layers: int, kv_heads: int, block_size: int, head_dim: int,
@@ -42,24 +47,29 @@ def block_bytes(*, num_layers: int, kv_heads: int, block_size: int, head_dim: in
 
 class PagedKVCache:
     paged = True
-    layout = "bgsd"
 
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, routes: Optional[tuple[int, int]] = None,
-                 lazy_zero: Optional[bool] = None):
+                 lazy_zero: Optional[bool] = None, layout: str = "bgsd"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
         self.block_size = block_size
         self.max_blocks_per_row = blocks_for(capacity, block_size)
         self.max_batch = max_batch
         self.capacity = self.max_blocks_per_row * block_size
         self.dtype, self.device = dtype, device
         self.num_blocks = num_blocks
-        self.shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
+        self.shape = ((num_layers, num_blocks, kv_heads, block_size, head_dim)
+                      if layout == "bgsd" else
+                      (num_layers, num_blocks, block_size, kv_heads, head_dim))
         self.route_shape = None if routes is None else (routes[0], num_blocks, block_size,
                                                         routes[1])
         self.pool = BlockPool(num_blocks=num_blocks, block_size=block_size,
                               max_rows=max_batch, max_blocks_per_row=self.max_blocks_per_row,
-                              device=device)
+                              device=device,
+                              index_dtype=torch.long if layout == "bgsd" else torch.int32)
         # CPU: untouched blocks cost no memory until first handed out
         self.lazy_zero = device.type == "cpu" if lazy_zero is None else lazy_zero
         self.k: Optional[torch.Tensor] = None
@@ -153,9 +163,25 @@ class PagedKVCache:
     def _gather(self, pool: torch.Tensor, tb: torch.Tensor, span: int) -> torch.Tensor:
         """[B, kv_heads, span, head_dim] of the rows whose tables are ``tb`` [B, blocks]."""
         nb = blocks_for(span, self.block_size)
-        x = pool[tb[:, :nb]]  # [B, nb, g, bs, d]
-        b, _, g, bs, d = x.shape
-        return x.transpose(1, 2).reshape(b, g, nb * bs, d)[:, :, :span]
+        x = pool[tb[:, :nb]]  # [B, nb, g, bs, d] ("bsgd": [B, nb, bs, g, d])
+        if self.layout == "bgsd":
+            b, _, g, bs, d = x.shape
+            return x.transpose(1, 2).reshape(b, g, nb * bs, d)[:, :, :span]
+        b, _, bs, g, d = x.shape
+        return x.reshape(b, nb * bs, g, d)[:, :span].transpose(1, 2)
+
+    def _at(self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """[L, P, kv_heads, head_dim]: pool ``t``'s entries at blocks ``blk`` [P],
+        offsets ``off`` [P] (a copy)."""
+        return t[:, blk, :, off].transpose(0, 1) if self.layout == "bgsd" else t[:, blk, off]
+
+    def _put(self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+             x: torch.Tensor) -> None:
+        """``_at``'s entries of pool ``t`` set to x [L, P, kv_heads, head_dim]."""
+        if self.layout == "bgsd":
+            t[:, blk, :, off] = x.transpose(0, 1).to(t.dtype)
+        else:
+            t[:, blk, off] = x.to(t.dtype)
 
     def write(self, layer: int, rows, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, span: Optional[int] = None,
@@ -165,15 +191,24 @@ class PagedKVCache:
         positions 0..span-1, [B, kv_heads, span, head_dim]."""
         tb, blk, off = self._where(rows, positions, row_index)
         kp, vp = self.k[layer], self.v[layer]
-        kp[blk, :, off] = k.to(kp.dtype)
-        vp[blk, :, off] = v.to(vp.dtype)
+        if self.layout == "bgsd":
+            kp[blk, :, off] = k.to(kp.dtype)
+            vp[blk, :, off] = v.to(vp.dtype)
+        else:
+            kp[blk, off] = k.to(kp.dtype)
+            vp[blk, off] = v.to(vp.dtype)
         span = self.capacity if span is None else span
         return self._gather(kp, tb, span), self._gather(vp, tb, span)
 
     def rows_view(self, layer: int, rows: slice):
         raise NotImplementedError("the paged KV cache has no contiguous rows "
                                   "(rollout.kv_cache=paged runs attention over gathered "
-                                  "blocks)")
+                                  "blocks, or flash-attn through the block tables)")
+
+    def tables(self, rows: slice) -> torch.Tensor:
+        """The block tables of ``rows`` on the device [rows, max_blocks_per_row] (the
+        fixed-shape table's rows: no host read; int32 in the "bsgd" layout)."""
+        return self.pool.flush()[rows]
 
     def record_routes(self, moe_layer: int, rows, positions: torch.Tensor,
                       idx: torch.Tensor) -> None:
@@ -209,7 +244,7 @@ class PagedKVCache:
         [layers, kv_heads, hi - lo, head_dim] (a copy)."""
         t = self.k if which == "k" else self.v
         blk, off = self._row_positions(row, torch.arange(lo, hi, device=self.device))
-        return t[:, blk, :, off].permute(1, 2, 0, 3)  # [P, L, g, d] -> [L, g, P, d]
+        return self._at(t, blk, off).transpose(1, 2)  # [L, P, g, d] -> [L, g, P, d]
 
     def copy_positions(self, other, row: int, lo: int, hi: int) -> None:
         """Positions lo..hi-1 of ``other``'s row ``row`` into this cache's row ``row``
@@ -218,7 +253,7 @@ class PagedKVCache:
             return
         blk, off = self._row_positions(row, torch.arange(lo, hi, device=self.device))
         for which, t in (("k", self.k), ("v", self.v)):
-            t[:, blk, :, off] = other.span(which, row, lo, hi).permute(2, 0, 1, 3).to(t.dtype)
+            self._put(t, blk, off, other.span(which, row, lo, hi).transpose(1, 2))
 
     def move_positions(self, row: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Keys, values and routes of row ``row`` at positions ``src`` to ``dst``
@@ -226,7 +261,7 @@ class PagedKVCache:
         s_blk, s_off = self._row_positions(row, torch.tensor(list(src), device=self.device))
         d_blk, d_off = self._row_positions(row, torch.tensor(list(dst), device=self.device))
         for t in (self.k, self.v):
-            t[:, d_blk, :, d_off] = t[:, s_blk, :, s_off]
+            self._put(t, d_blk, d_off, self._at(t, s_blk, s_off))
         if self.routes is not None:
             self.routes[:, d_blk, d_off] = self.routes[:, s_blk, s_off]
 

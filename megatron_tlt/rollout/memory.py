@@ -170,7 +170,8 @@ class RolloutMemory:
             num_layers=len(eng.runner.layers), max_batch=rows, kv_heads=eng.runner.groups,
             capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
             device=eng.device, num_blocks=blocks + 1, block_size=bs,
-            routes=eng.runner.route_shape)
+            routes=eng.runner.route_shape,
+            layout="bsgd" if eng.attention == "flash" else "bgsd")
         self._paged_key = key
         self.allocations += 1
         return self.cache

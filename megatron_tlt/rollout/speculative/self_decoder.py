@@ -88,7 +88,8 @@ class SelfDraftDecoder(EagleDecoder):
         self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers),
                                    max_batch=rows, kv_heads=self.draft.groups, capacity=need,
                                    head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                   device=self.draft.device, upto=upto)
+                                   device=self.draft.device, upto=upto,
+                                   layout="bsgd" if self.draft.attention == "flash" else "bgsd")
         self.drafting.cache = self.cache
         self.draft_len = [0] * max_batch
         self.target_len = [0] * max_batch
