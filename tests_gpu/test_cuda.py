@@ -10,7 +10,7 @@ Covered: the rollout engine on CUDA against the CPU engine (fp32), CUDA graphs a
 eager decoding, bf16 decoding, greedy speculation equal to plain decoding (chain and
 tree, with and without graphs), the sampled-speculation chi-square test on CUDA, the
 Transformer Engine target, the FP8 drafter (decoding, training, exactness, acceptance
-against bf16) and flash-attn's KV-cache kernel.
+against bf16) and flash-attn's KV-cache kernel, over fixed slots and the paged cache.
 """
 
 from __future__ import annotations
@@ -167,6 +167,64 @@ def test_flash_attention_matches_sdpa(parallel, hf_dirs):
     flash = _engine(model, arch, attention="flash").generate(prompts, SP)
     for s, f in zip(sdpa, flash):
         assert s.token_ids[:4] == f.token_ids[:4]
+
+
+def _paged_flash_case():
+    """Rows that cross a 256-position block while decoding, and one whose prompt fills
+    most of two: every call's capacity is 512 positions, so fixed slots and the paged
+    tables (2 blocks of 256) give the kernel the same key length (its split of the
+    keys, hence its sums, are the same)."""
+    prompts = _prompts(lengths=(500, 250, 245, 248), seed=3)
+    return prompts, SamplingParams(temperature=0.0, max_new_tokens=12,
+                                   return_hidden_states=False)
+
+
+@pytest.mark.skipif(not _has_flash(), reason="flash-attn not installed")
+def test_flash_paged_decode_matches_slots_and_sdpa(parallel, hf_dirs):
+    """flash-attn's paged kernel (rollout.kv_cache=paged, 256-position blocks read through
+    the block tables, no gather) on a bf16 tiny model: greedy outputs equal flash over
+    fixed slots (the same kernel over contiguous rows), and SDPA over the gathered blocks
+    for the first tokens (bf16 near-ties beyond, as test_flash_attention_matches_sdpa).
+    Eager steps: a graph's padded bucket would change the kernel's batch."""
+    model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype="bfloat16",
+                             impl="local")
+    prompts, sp = _paged_flash_case()
+    common = dict(max_batch_size=4, cuda_graphs=False)
+    slots = _engine(model, arch, attention="flash", **common).generate(prompts, sp)
+    eng = _engine(model, arch, attention="flash", kv_cache="paged", kv_block_size=256,
+                  **common)
+    assert eng.attention == "flash"
+    paged = eng.generate(prompts, sp)
+    assert eng.memory.cache.layout == "bsgd" and eng.last_stats.kv_blocks > 0
+    sdpa = _engine(model, arch, attention="sdpa", kv_cache="paged", kv_block_size=256,
+                   **common).generate(prompts, sp)
+    for s, p, q in zip(slots, paged, sdpa):
+        assert p.token_ids == s.token_ids
+        assert max(abs(x - y) for x, y in zip(p.logprobs, s.logprobs)) < 1e-3
+        assert p.token_ids[:4] == q.token_ids[:4]
+
+
+@pytest.mark.skipif(not _has_flash(), reason="flash-attn not installed")
+def test_flash_paged_decode_with_graphs_and_preemption(parallel, hf_dirs):
+    """The paged flash steps captured in CUDA graphs, with a budget of 5 blocks for 4
+    rows (the rows crossing a block are preempted and recomputed): replays are stable
+    and the first tokens are the eager slot engine's (bf16: exactness under preemption
+    is the CPU suite's, tests/rollout/test_paged_flash.py)."""
+    model, arch = load_model(hf_dirs["llama_untied"], device=CUDA, dtype="bfloat16",
+                             impl="local")
+    prompts, sp = _paged_flash_case()
+    eager = _engine(model, arch, attention="flash", max_batch_size=4,
+                    cuda_graphs=False).generate(prompts, sp)
+    block = 2 * arch.num_layers * arch.num_query_groups * 256 * arch.kv_channels * 2
+    eng = _engine(model, arch, attention="flash", kv_cache="paged", kv_block_size=256,
+                  kv_cache_gib=5.5 * block / 2**30, max_batch_size=4, cuda_graphs=True)
+    graphed = eng.generate(prompts, sp)
+    assert eng.last_stats.preemptions > 0
+    again = eng.generate(prompts, sp)
+    for e, g, a in zip(eager, graphed, again):
+        assert a.token_ids == g.token_ids and a.logprobs == g.logprobs
+        assert len(g.token_ids) == sp.max_new_tokens
+        assert g.token_ids[:4] == e.token_ids[:4]
 
 
 # ----------------------------------------------------------------------------- speculation
