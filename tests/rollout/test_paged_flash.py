@@ -218,6 +218,8 @@ def test_speculation_equals_the_slot_cache(tiny, fake, drafter, strategy, mode):
     _assert_same(slots, flash, tol=1e-4)
     _assert_same(sdpa, flash, tol=1e-4)
     assert eng.last_stats.spec.steps > 0
+    # flash over fixed slots too (the self-drafter's copy: a "bsgd" slot cache)
+    _assert_same(slots, make("slots", "flash").generate(prompts, params), tol=1e-4)
     if strategy == "3_1_3":  # chain verification through the kernel
         assert any(sq > 1 for sq in _paged_calls(fake)[1:])
 
