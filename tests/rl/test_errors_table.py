@@ -117,6 +117,8 @@ def _trigger(case: str, tmp_path, tokenizer):
                                                 "model_source": "/m/b"})
     if case == "bad-config-value":
         _cfg("train.max_nonfinite_steps=-1")
+    if case == "paged-flash-block-size":
+        _cfg("rollout.kv_cache=paged", "rollout.attention=flash")
     raise AssertionError(f"{case}: nothing was refused")
 
 
