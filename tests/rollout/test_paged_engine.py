@@ -121,9 +121,12 @@ def test_a_budget_below_one_row_names_the_field_and_the_minimum(tiny):
         eng.generate(_prompts((30,)), SamplingParams(temperature=0.0, max_new_tokens=50))
 
 
-def test_paged_with_flash_attention_is_refused():
-    with pytest.raises(ConfigError, match="rollout.kv_cache=paged"):
+def test_paged_flash_attention_with_blocks_flash_cannot_read_is_refused():
+    """The default 16-position blocks: flash-attn's paged kernel needs multiples of 256
+    (test_paged_flash.py covers the supported case)."""
+    with pytest.raises(ConfigError, match="rollout.kv_block_size"):
         RolloutConfig(kv_cache="paged", attention="flash")
+    RolloutConfig(kv_cache="paged", attention="flash", kv_block_size=256)
 
 
 # ------------------------------------------------------------------------ memory
