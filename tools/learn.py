@@ -8,8 +8,10 @@ and TLT on, with the same seeds and data order, then their curves compared.
 Each arm is ``torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config
 examples/rl/smollm2_learn.yaml`` (48 steps, 200 held-out prompts answered greedily
 every 8 steps) in ``{out}/{arm}``, checkpointing to ``{out}/{arm}-ckpt`` every 8
-steps. Run again after a kill and an arm resumes from its last checkpoint; a finished
-arm is not run again. The arms:
+steps. ``kill -TERM`` this script (not torchrun: it would signal its ranks twice) and
+the arm in progress checkpoints its last finished step and exits (the stop file
+``{out}/{arm}-ckpt/STOP``); run it again and the arm resumes from its last checkpoint;
+a finished arm is not run again. The arms:
 
 - ``off``: no speculation;
 - ``tlt``: standard sampling (so the arms are independent samples of the same
@@ -28,7 +30,7 @@ import argparse
 import datetime
 import json
 import platform
-import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -88,6 +90,15 @@ def run_arm(arm: str, out: Path, overrides: list[str], t0: float) -> int:
             f"checkpoint.save={ckpt}", *arm_args(arm), *overrides]
     if resume:
         args.append(f"checkpoint.load={ckpt}")
+
+    def stop(signum, frame):  # the run's stop file: every rank checkpoints and exits 75
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "STOP").touch()
+        print(f"[learn] {arm}: stop requested; it checkpoints its last finished step and "
+              "exits (run again to resume)", flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, stop)
     return torchrun(f"learn {arm}", 2, REPO / "pretrain_rl_tlt.py", args, t0, cwd=REPO)
 
 
