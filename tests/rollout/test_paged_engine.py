@@ -17,6 +17,7 @@ from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.kv_blocks import blocks_for
+from megatron_tlt.rollout.speculative.drafter_kind import draft_slack
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_shared_prefill import _assert_same
 from tiny_models import TINY_CONFIGS, VOCAB
@@ -47,6 +48,19 @@ def _engine(model, arch, kv, drafter=None, strategy=None, **cfg) -> RolloutEngin
         eng.attach_drafters(drafter) if isinstance(drafter, dict) else \
             eng.attach_drafter(drafter)
     return eng
+
+
+def drafter_pool_gib(eng, prompts, params) -> float:
+    """GiB of the drafters' paged caches (their pools: ``rollout.speculative.threshold``
+    rows of the call's positions) for ``eng.generate(prompts, params)``, which
+    ``rollout.kv_cache_gib`` holds beside the target's blocks."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, plist))
+    rows = min(eng.config.max_batch_size, len(prompts))
+    slack = draft_slack(eng.tuner.all_arms())
+    return eng.spec.paged_kv_bytes(rows, capacity, slack,
+                                   min(rows, eng.config.speculative.threshold),
+                                   eng.config.kv_block_size) / 2**30
 
 
 def _both(make, prompts, params, **kw):
@@ -204,6 +218,7 @@ def test_both_kinds_with_preemption_keep_coupled_outputs(tiny):
         speculative=sc, sampling_mode="coupled", kv_cache="paged", kv_cache_gib=gib,
         kv_block_size=8, max_batch_size=9), arch=arch, eos_token_ids=[])
     eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+    eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, params)
     new = eng.generate(prompts, params)
     assert [o.token_ids for o in new] == [o.token_ids for o in plain]
     assert eng.last_stats.spec.steps > 0 and eng.last_stats.preemptions > 0

@@ -77,8 +77,28 @@ class Proposer:
         return {}
 
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
-        """Before a call: state for ``max_batch`` rows of ``capacity`` positions."""
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              block_size: Optional[int] = None) -> None:
+        """Before a call: state for ``max_batch`` rows of ``capacity`` positions
+        (``block_size``: the target's cache is paged, and a proposer's own cache pages
+        too)."""
+
+    def paged_kv_bytes(self, max_batch: int, capacity: int, slack: int, draft_rows: int,
+                       block_size: int) -> int:
+        """Bytes of the proposer's own paged KV cache for such a call (0: none), which
+        the engine counts in ``rollout.kv_cache_gib``."""
+        return 0
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of its own KV cache that rows hold now (paged: their blocks)."""
+        return 0
+
+    def reserve(self, rows: Sequence) -> None:
+        """Before a speculative step: room in its own cache for what ``rows`` may write."""
+
+    def drop_row(self, row: int) -> None:
+        """Cache row ``row`` left the batch (finished or preempted; the last running row
+        then moves into it, ``move_row``)."""
 
     def release(self) -> None:
         """Free the rollout's caches (``rollout.memory``)."""
