@@ -40,6 +40,16 @@ def pool_blocks(pool_rows: int, positions: int, block_size: int) -> int:
     return max(1, pool_rows) * blocks_for(positions, block_size) + 1
 
 
+def pool_positions(*, rows: int, capacity: int, slack: int, block_size: int,
+                   threshold: int = 0) -> int:
+    """Positions of the pool of a paged drafter cache (``begin``'s): the rows of batches
+    that speculate (``rows`` up to ``threshold``; 0: all) of the call's ``capacity``
+    and draft slack, in blocks, and the scratch block. The dry run's formula too
+    (``drafter_kind.own_kv_bytes``)."""
+    pool_rows = max(1, min(rows, threshold or rows))
+    return pool_blocks(pool_rows, capacity + slack + 1, block_size) * block_size
+
+
 def pool_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                pool_rows: int, positions: int, block_size: int) -> int:
     """Bytes of that pool (K and V of every layer of each block)."""
