@@ -88,9 +88,11 @@ def make(cache: Optional[DraftCache], *, block_size: Optional[int], num_layers: 
 
 def reserve(cache: Optional[DraftCache], rows, slack: int) -> None:
     """Blocks for the positions a speculative step may write in each of ``rows`` (its
-    length + 1 + ``slack``); nothing for fixed slots."""
+    length + 1 + ``slack``), the table then on the device (every change to it since the
+    last step: moves, returns); nothing for fixed slots."""
     if cache is not None and cache.paged:
         cache.reserve_rows([(i, r.length + 1 + slack) for i, r in enumerate(rows)])
+        cache.pool.flush()  # (graphed drafting reads the device table as it stands)
 
 
 def trim(cache: Optional[DraftCache], kept) -> None:

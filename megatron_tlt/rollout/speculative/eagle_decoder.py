@@ -164,10 +164,10 @@ class EagleDecoder(SpeculativeDecoder):
         draft_cache.reserve(self.cache, rows, self.slack)
 
     def drop_row(self, row: int) -> None:
-        """Row ``row`` left the batch (finished or preempted): its blocks returned."""
-        draft_cache.free_row(self.cache, row)
-        if row < len(self.draft_len):
-            self.draft_len[row] = 0
+        """Row ``row`` left the batch (finished or preempted): a paged cache's blocks
+        returned (fixed slots keep the row as it is until a row moves in)."""
+        if self.cache is not None and self.cache.paged:
+            self.new_row(row)
 
     def kv_bytes_in_use(self) -> int:
         return draft_cache.bytes_in_use(self.cache)
@@ -210,7 +210,8 @@ class EagleDecoder(SpeculativeDecoder):
             feats[:, 0].to(self.features.dtype)
 
     def new_row(self, row: int) -> None:
-        self.drop_row(row)
+        draft_cache.free_row(self.cache, row)
+        self.draft_len[row] = 0
 
     def copy_prompt(self, src: int, dst: list[int], length: int) -> None:
         """Rows ``dst`` start with the ``length``-token prompt that row ``src`` holds

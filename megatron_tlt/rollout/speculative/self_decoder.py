@@ -132,12 +132,8 @@ class SelfDraftDecoder(EagleDecoder):
                                f"speculation threshold), but {len(rows)} rows speculate")
 
     def new_row(self, row: int) -> None:
-        self.drop_row(row)
-
-    def drop_row(self, row: int) -> None:
         draft_cache.free_row(self.cache, row)
-        if row < len(self.draft_len):
-            self.draft_len[row] = self.target_len[row] = 0
+        self.draft_len[row] = self.target_len[row] = 0
 
     def adopt(self, target_cache: KVCache, rows: Sequence) -> int:
         """The target's keys and values at positions target_len .. L-1 of every row
