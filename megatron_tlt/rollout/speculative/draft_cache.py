@@ -79,7 +79,9 @@ def make(cache: Optional[DraftCache], *, block_size: Optional[int], num_layers: 
             and cache.capacity == blocks_for(width, block_size) * block_size
             and cache.num_blocks == blocks and cache.block_size == block_size
             and cache.shape[0] == num_layers):
-        return cache.allocate()
+        cache.allocate()
+        cache.pool.reset()  # a call starts with no drafter state (an interrupted one's)
+        return cache
     if cache is not None:
         cache.release()
     return PagedKVCache(max_batch=rows, capacity=width, num_blocks=blocks,
