@@ -283,7 +283,7 @@ class RolloutEngine:
             # and page when it does)
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
                                    reach=capacity if self.memory.zeroes_reach else None,
-                                   block_size=cache.block_size if cache.paged else None)
+                                   paged=cache if cache.paged else None)
         stats.kv_cache_bytes = cache.nbytes
         if cache.paged:
             stats.kv_blocks = cache.pool.usable

@@ -252,6 +252,8 @@ def test_paged_drafters_with_preemption_equal_the_slot_cache(tiny, drafter, stra
     assert s.preemptions > 0 and s.spec.steps > 0
     (d,) = eng.spec.each()
     assert d.cache.paged and d.cache.pool.used == 0  # every row's blocks returned
+    # the one-layer drafter's features live in the target's blocks
+    assert (eng.memory.cache.feat is not None) == (drafter == "eagle")
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "self"])

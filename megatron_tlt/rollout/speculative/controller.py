@@ -66,11 +66,11 @@ class SpeculationController:
         return draft_slack(self.tuner.all_arms())
 
     def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None,
-              block_size: Optional[int] = None) -> SpecStats:
+              paged=None) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
         ``max_batch`` rows of ``capacity`` positions, of which the call reaches
-        ``reach`` (zeroed; None: all); paged in blocks of ``block_size`` when the
-        target's cache is. A drafter that only drafts keeps cache rows for the batches
+        ``reach`` (zeroed; None: all); ``paged``: the target's cache when it is paged
+        (the drafters' caches then page too, their features in its blocks). A drafter that only drafts keeps cache rows for the batches
         that speculate: ``threshold`` rows at most. Returns the call's ``SpecStats``."""
         self.t_begin = time.perf_counter()
         refreshed, seconds = self.decoder.pack_weights()  # a quantized copy re-made here
@@ -78,7 +78,7 @@ class SpeculationController:
             self.stats.drafter_refreshes += 1
             self.stats.drafter_refresh_seconds += seconds
         self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
-                           draft_rows=self.draft_rows(max_batch), block_size=block_size)
+                           draft_rows=self.draft_rows(max_batch), paged=paged)
         return self.stats
 
     def draft_rows(self, max_batch: int) -> int:
@@ -90,6 +90,11 @@ class SpeculationController:
         ``capacity`` positions (``begin`` with ``block_size``)."""
         return self.decoder.paged_kv_bytes(max_batch, capacity, self.slack,
                                            self.draft_rows(max_batch), block_size)
+
+    def paged_features(self):
+        """(width, dtype) of the features a drafter keeps per position, which the
+        target's paged cache holds in its blocks (None: none)."""
+        return self.decoder.paged_features()
 
     def finish(self) -> None:
         """After the call's last step: the gate's state into the stats, and the tuner's

@@ -115,3 +115,25 @@ def bytes_in_use(cache: Optional[DraftCache]) -> int:
     if cache is None or not cache.allocated:
         return 0
     return cache.bytes_in_use
+
+
+class PagedFeatures:
+    """The one-layer drafter's feature store (the target's features per row and
+    position) in the target's paged cache (``PagedKVCache.feat``): its positions are
+    the target's, so the target's tables, sharing, moves and returns serve it, and its
+    bytes are the target's blocks' (inside ``rollout.kv_cache_gib``). Reads as the
+    store's tensor does: ``features[row, lo:hi]`` -> [hi - lo, F]."""
+
+    nbytes = 0  # (counted in the target cache's bytes)
+
+    def __init__(self, cache, width: int):
+        if cache.feat is None or cache.feature_shape[-1] != width:
+            raise RuntimeError(f"the paged KV cache holds no drafter features of width "
+                               f"{width} (rollout.memory sizes it with the drafter's)")
+        self.cache = cache
+        self.dtype, self.device = cache.feat.dtype, cache.feat.device
+
+    def __getitem__(self, key) -> torch.Tensor:
+        row, span = key
+        hi = span.stop
+        return self.cache.read_features(int(row), span.start or 0, hi)

@@ -106,20 +106,25 @@ class EagleDecoder(SpeculativeDecoder):
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int, *,
               reach: Optional[int] = None, draft_rows: Optional[int] = None,
-              block_size: Optional[int] = None) -> None:
+              paged=None) -> None:
         """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack),
         zeroing what a call of ``reach`` positions can reach (None: all). Every row
-        keeps its features from its prefill on; with ``block_size``
-        (``rollout.kv_cache=paged``) the drafter's cache is paged, its pool
-        ``draft_rows`` rows of positions (``draft_cache``)."""
+        keeps its features from its prefill on; with ``paged`` (the target's cache,
+        ``rollout.kv_cache=paged``) the drafter's cache is paged, its pool
+        ``draft_rows`` rows of positions, and the features live in the target's blocks
+        (``draft_cache``)."""
         self.slack = slack
+        block_size = None if paged is None else paged.block_size
         self.cache = draft_cache.make(
             self.cache, block_size=block_size, rows=max_batch,
             **self._cache_shape(max_batch, capacity, slack, reach, draft_rows, block_size))
         self.drafting.cache = self.cache
         self.drafting.static_tokens = slack  # (graphed drafting: the widest key)
         f = self.features
-        if f is None or f.shape[0] < max_batch or f.shape[1] < capacity + slack:
+        if paged is not None:
+            self.features = draft_cache.PagedFeatures(paged, self.feature_width)
+        elif (f is None or isinstance(f, draft_cache.PagedFeatures)
+              or f.shape[0] < max_batch or f.shape[1] < capacity + slack):
             self.features = None
             self.features = torch.zeros(max_batch, capacity + slack, self.feature_width,
                                         dtype=self.target.dtype, device=self.target.device)
@@ -172,6 +177,13 @@ class EagleDecoder(SpeculativeDecoder):
     def kv_bytes_in_use(self) -> int:
         return draft_cache.bytes_in_use(self.cache)
 
+    def paged_features(self):
+        return self.feature_width, self.target.dtype
+
+    @property
+    def _paged_features(self) -> bool:
+        return isinstance(self.features, draft_cache.PagedFeatures)
+
     def release(self) -> None:
         """Free the drafter's cache and the feature store (``rollout.memory``); the
         next ``begin`` makes them again."""
@@ -200,12 +212,22 @@ class EagleDecoder(SpeculativeDecoder):
 
     def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
         """Target features [T, F] of positions first_pos.. of cache row ``row``."""
+        if self._paged_features:
+            n = feats.shape[0]
+            self.features.cache.write_features(
+                torch.full((n,), row, device=feats.device),
+                torch.arange(first_pos, first_pos + n, device=feats.device), feats)
+            return
         self.features[row, first_pos: first_pos + feats.shape[0]] = feats.to(self.features.dtype)
 
     def store_step(self, start: torch.Tensor, feats: torch.Tensor) -> None:
         """Target features [B, 1, F] of one plain decode step at positions ``start`` [B]
         of rows 0..B-1."""
         b = feats.shape[0]
+        if self._paged_features:
+            self.features.cache.write_features(torch.arange(b, device=feats.device), start,
+                                               feats[:, 0])
+            return
         self.features[torch.arange(b, device=self.features.device), start] = \
             feats[:, 0].to(self.features.dtype)
 
@@ -217,14 +239,16 @@ class EagleDecoder(SpeculativeDecoder):
         """Rows ``dst`` start with the ``length``-token prompt that row ``src`` holds
         (shared prefill): its features at those positions are copied; the drafter's
         cache of each new row starts empty (its catch-up feeds the prompt)."""
-        if self.features is not None:
+        if self.features is not None and not self._paged_features:  # (paged: the
+            # target's shared blocks hold them, its partly filled last one copied)
             idx = torch.tensor(dst, device=self.features.device)
             self.features[idx, :length] = self.features[src: src + 1, :length]
         for row in dst:
             self.new_row(row)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        self.features[dst, :length] = self.features[src, :length]
+        if not self._paged_features:  # (paged: the target's table moved them)
+            self.features[dst, :length] = self.features[src, :length]
         n = self.draft_len[src]
         self.cache.move_row(src, dst, n)
         self.draft_len[dst] = n

@@ -97,7 +97,7 @@ class GroupDecoder(ModelFreeDecoder):
 
     def begin(self, max_batch: int, capacity: int, slack: int, *,
               reach: Optional[int] = None, draft_rows: Optional[int] = None,
-              block_size: Optional[int] = None) -> None:
+              paged=None) -> None:
         self.rows: list[Optional[list]] = [None] * max_batch  # [index, seq, indexed]
 
     def new_row(self, row: int) -> None:

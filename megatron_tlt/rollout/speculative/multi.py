@@ -219,10 +219,13 @@ class KindDecoder(SpeculativeDecoder):
     # ---------------------------------------------------------------- all kinds
     def begin(self, max_batch: int, capacity: int, slack: int, *,
               reach: Optional[int] = None, draft_rows: Optional[int] = None,
-              block_size: Optional[int] = None) -> None:
+              paged=None) -> None:
         for d in self.decoders.values():
             d.begin(max_batch, capacity, slack, reach=reach, draft_rows=draft_rows,
-                    block_size=block_size)
+                    paged=paged)
+
+    def paged_features(self):
+        return None if self._store is None else self._store.paged_features()
 
     def paged_kv_bytes(self, *sizes) -> int:
         return sum(d.paged_kv_bytes(*sizes) for d in self.decoders.values())

@@ -78,10 +78,15 @@ class Proposer:
 
     def begin(self, max_batch: int, capacity: int, slack: int, *,
               reach: Optional[int] = None, draft_rows: Optional[int] = None,
-              block_size: Optional[int] = None) -> None:
+              paged=None) -> None:
         """Before a call: state for ``max_batch`` rows of ``capacity`` positions
-        (``block_size``: the target's cache is paged, and a proposer's own cache pages
-        too)."""
+        (``paged``: the target's cache when it is paged; a proposer's own cache pages
+        too, in its blocks' size)."""
+
+    def paged_features(self):
+        """(width, dtype) of the per-position features it keeps, which a paged target
+        cache holds in its blocks (None: none)."""
+        return None
 
     def paged_kv_bytes(self, max_batch: int, capacity: int, slack: int, draft_rows: int,
                        block_size: int) -> int:

@@ -72,11 +72,11 @@ class SelfDraftDecoder(EagleDecoder):
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int, *,
               reach: Optional[int] = None, draft_rows: Optional[int] = None,
-              block_size: Optional[int] = None) -> None:
+              paged=None) -> None:
         """The copy's cache for ``draft_rows`` rows (default ``max_batch``) of
         ``capacity`` positions (+ draft slack and the root; without the kernels the
         padded catch-up needs a capacity more), zeroed where a call of ``reach``
-        positions can reach (None: all); paged with ``block_size``
+        positions can reach (None: all); paged with the target's cache ``paged``
         (``draft_cache``). The copy is fed only while the batch speculates, and
         speculating rows are the first ones (running rows are contiguous), so it needs
         no rows beyond the speculation threshold: a row past them has no copy state, and
@@ -85,6 +85,7 @@ class SelfDraftDecoder(EagleDecoder):
         replica and a threshold of 8; every row of the target's cache would be a second
         target-sized cache."""
         rows = max(1, min(max_batch, draft_rows or max_batch))
+        block_size = None if paged is None else paged.block_size
         self.slack = slack
         self.cache = draft_cache.make(
             self.cache, block_size=block_size, rows=rows,
@@ -102,6 +103,9 @@ class SelfDraftDecoder(EagleDecoder):
 
     def capture_hook(self):
         return None, None
+
+    def paged_features(self):
+        return None  # (fed tokens, it keeps no features)
 
     def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
         return hidden  # not kept: the copy is fed tokens
