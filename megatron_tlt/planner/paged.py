@@ -160,12 +160,14 @@ def for_config(cfg, arch, world_size: int, *, lengths: Optional[LengthModel] = N
     layers = arch.num_layers if gathered else arch.num_layers // pp
     moe = len(arch.moe_layers) if gathered else max(
         sum(1 for i in stage_layers(arch, pp, k) if arch.is_moe_layer(i)) for k in range(pp))
-    tb = token_bytes(arch, tp=tp, layers=layers, dtype_bytes=dtype_bytes, moe_layers=moe)
-    slack = drafters.configured_slack(drafters.configured_kinds(cfg), r.speculative)
+    kinds = drafters.configured_kinds(cfg)
+    # each position's K and V (and routes), and a feature-fed drafter's features
+    tb = token_bytes(arch, tp=tp, layers=layers, dtype_bytes=dtype_bytes, moe_layers=moe) \
+        + drafters.paged_feature_bytes(kinds, arch, dtype_bytes=dtype_bytes)
+    slack = drafters.configured_slack(kinds, r.speculative)
     capacity = cfg.data.max_prompt_tokens + g.max_new_tokens
     max_rows = -(-r.max_batch_size // engines)
     gib = r.kv_cache_gib if kv_gib is None else kv_gib
-    kinds = drafters.configured_kinds(cfg)
     draft = drafters.paged_kv_bytes(kinds, arch, tp=tp, dtype_bytes=dtype_bytes,
                                     rows=max_rows, threshold=r.speculative.threshold,
                                     capacity=capacity, slack=slack,

@@ -217,6 +217,14 @@ def paged_kv_bytes(kinds: Sequence[type[Drafter]], arch, *, tp: int, dtype_bytes
                     capacity=positions, head_dim=arch.kv_channels, itemsize=dtype_bytes)
 
 
+def paged_feature_bytes(kinds: Sequence[type[Drafter]], arch, *, dtype_bytes: int) -> int:
+    """Bytes per cached position of the feature store a feature-fed kind keeps (the
+    target's hidden state; one store whatever the kinds), which the paged cache's
+    blocks hold beside K and V (``draft_cache.PagedFeatures``)."""
+    fed = any(k.fed == "features" for k in kinds)
+    return arch.hidden_size * dtype_bytes if fed else 0
+
+
 def configured_slack(kinds: Sequence[type[Drafter]], sc) -> int:
     """The draft slack of the caches for ``kinds`` (``drafter_kind.draft_slack``)."""
     arms = tuner_arms(kinds, sc)

@@ -9,7 +9,6 @@ group's cold start)."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from ...models.sizes import layer_params
@@ -58,8 +57,9 @@ class EagleKind(Drafter):
         h, db, tp = arch.hidden_size, s.dtype_bytes, s.tp
         rows = s.rollout_rows
         kv = own_kv_bytes(arch, s, layers=1, rows=rows, positions=s.capacity)
-        # (paged: the feature store modelled at the positions a row holds on average)
-        features = rows * (math.ceil(s.kv_held) if s.kv_paged else s.capacity) * h * db
+        # (paged: the feature store is in the budget's blocks, a position's hidden state
+        # beside its K and V: ``draft_cache.PagedFeatures``)
+        features = s.kv_tokens * h * db if s.kv_paged else rows * s.capacity * h * db
         return [MemoryTerm("drafter", (layer_params(arch, tp) + 2 * h * h / tp) * db,
                            "resident", "one layer + fc"),
                 MemoryTerm("drafter KV + features", kv + features,
