@@ -50,7 +50,6 @@ class EagleDecoder(SpeculativeDecoder):
         self.features: Optional[torch.Tensor] = None
         self.draft_len: list[int] = []
         self.slack = 0  # positions past a row's length a step may write (``begin``)
-        self.draft_layers = 1  # the drafter cache's layers
 
     def _drafting(self, draft) -> Drafting:
         """Drafting with ``draft``, sharing the step's coupled noise rows with the
@@ -157,6 +156,11 @@ class EagleDecoder(SpeculativeDecoder):
         return draft_cache.pool_bytes(
             **{k: shape[k] for k in ("num_layers", "kv_heads", "head_dim", "dtype",
                                      "pool_rows", "positions")}, block_size=block_size)
+
+    @property
+    def draft_layers(self) -> int:
+        """The drafter cache's layers."""
+        return 1
 
     @property
     def _ragged_kernels(self) -> bool:

@@ -67,7 +67,6 @@ class SelfDraftDecoder(EagleDecoder):
         self.draft_len: list[int] = []
         self.target_len: list[int] = []  # per row, positions holding the target's K/V
         self.slack = 0
-        self.draft_layers = len(self.draft.layers)
 
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int, *,
@@ -100,6 +99,12 @@ class SelfDraftDecoder(EagleDecoder):
         only if the policy changed."""
         if self.cache is not None:
             self.cache.release()
+
+    @property
+    def draft_layers(self) -> int:
+        """The copy's layers: the target's (at PP > 1 in the gathered mode the copy is
+        made at the first generate, after the engine sizes its caches)."""
+        return len(self.draft.layers) or len(self.target.layers)
 
     def capture_hook(self):
         return None, None
