@@ -273,9 +273,10 @@ class RolloutConfig:
         "rollout.attention=flash with another size is an error.", 16)
     kv_cache_gib: float = _help(
         "KV budget of the paged cache in GiB per GPU (the target's K and V, and its "
-        "expert routes); 0 means what max_batch_size full-length slots reserve "
-        "(max_batch_size x capacity positions). The dry run proposes a value from the "
-        "memory left after the rest of the step.", 0.0)
+        "expert routes, the one-layer drafter's features per position, and the "
+        "drafters' own paged KV caches: the rows up to speculative.threshold); 0 means what max_batch_size full-length slots reserve "
+        "(max_batch_size x capacity positions), the drafters' caches beside it. The dry "
+        "run proposes a value from the memory left after the rest of the step.", 0.0)
     prefill_tokens: int = _help(
         "Prompt tokens (padded) processed per prefill forward; bounds prefill "
         "activation memory.", 4096)

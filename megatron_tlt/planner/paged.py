@@ -120,7 +120,8 @@ def token_bytes(arch, *, tp: int, layers: int, dtype_bytes: int,
 class PagedEngines:
     """A replica's paged engines (``for_config``): ``engines`` per replica (PP with the
     gathered rollout, else 1), each with ``plan``'s budget and rows; ``token_bytes``
-    per cached position on one GPU; ``budget_bytes`` per GPU; ``replica_rows`` the
+    per cached position on one GPU; ``budget_bytes`` per GPU (``rollout.kv_cache_gib``:
+    the drafters' paged caches, ``draft_bytes``, inside it); ``replica_rows`` the
     replica's (the EP group's at EP > 1) rows in flight over its engines."""
 
     plan: PagedPlan
@@ -130,15 +131,19 @@ class PagedEngines:
     replica_rows: int
     min_tokens: int
     from_config: bool  # the budget is rollout.kv_cache_gib (else max_batch_size slots')
+    # the drafters' own paged caches per GPU (``drafters.paged_kv_bytes``): inside a
+    # configured budget (the target's positions are what is left), beside the slots'
+    draft_bytes: int = 0
 
 
 def for_config(cfg, arch, world_size: int, *, lengths: Optional[LengthModel] = None,
                kv_gib: Optional[float] = None, dtype_bytes: Optional[int] = None
                ) -> PagedEngines:
-    """The paged engines of ``cfg`` on ``world_size`` ranks: the budget is ``kv_gib``
-    (GiB per GPU), else ``rollout.kv_cache_gib``, else (0) what ``max_batch_size``
-    full-length slots reserve; the rows it keeps in flight on ``lengths`` (default:
-    the planner's). The same numbers for the dry run and the simulator."""
+    """The paged engines of ``cfg`` on ``world_size`` ranks: the target's budget is
+    ``kv_gib`` (GiB per GPU), else ``rollout.kv_cache_gib``, less the drafters' own
+    paged caches, else (0) what ``max_batch_size`` full-length slots reserve; the rows
+    it keeps in flight on ``lengths`` (default: the planner's). The same numbers for
+    the dry run and the simulator."""
     from ..models.sizes import stage_layers
     from ..rollout.speculative import drafters
 
@@ -155,18 +160,26 @@ def for_config(cfg, arch, world_size: int, *, lengths: Optional[LengthModel] = N
     layers = arch.num_layers if gathered else arch.num_layers // pp
     moe = len(arch.moe_layers) if gathered else max(
         sum(1 for i in stage_layers(arch, pp, k) if arch.is_moe_layer(i)) for k in range(pp))
-    tb = token_bytes(arch, tp=tp, layers=layers, dtype_bytes=dtype_bytes, moe_layers=moe)
-    slack = drafters.configured_slack(drafters.configured_kinds(cfg), r.speculative)
+    kinds = drafters.configured_kinds(cfg)
+    # each position's K and V (and routes), and a feature-fed drafter's features
+    tb = token_bytes(arch, tp=tp, layers=layers, dtype_bytes=dtype_bytes, moe_layers=moe) \
+        + drafters.paged_feature_bytes(kinds, arch, dtype_bytes=dtype_bytes)
+    slack = drafters.configured_slack(kinds, r.speculative)
     capacity = cfg.data.max_prompt_tokens + g.max_new_tokens
     max_rows = -(-r.max_batch_size // engines)
     gib = r.kv_cache_gib if kv_gib is None else kv_gib
+    draft = drafters.paged_kv_bytes(kinds, arch, tp=tp, dtype_bytes=dtype_bytes,
+                                    rows=max_rows, threshold=r.speculative.threshold,
+                                    capacity=capacity, slack=slack,
+                                    block_size=r.kv_block_size)
     budget = gib * 2 ** 30 if gib > 0 else max_rows * (capacity + slack) * tb
+    target = max(0.0, budget - draft) if gib > 0 else budget
     responses = g.prompts_per_step * g.group_size // dp * ep
-    p = plan(budget_tokens=budget / tb, lengths=lengths or default_lengths(g.max_new_tokens),
+    p = plan(budget_tokens=target / tb, lengths=lengths or default_lengths(g.max_new_tokens),
              prompt_tokens=typical_prompt(cfg.data.max_prompt_tokens),
              group_size=g.group_size, block=r.kv_block_size, max_rows=max_rows,
              responses=-(-responses // engines), slack=slack)
     return PagedEngines(p, engines, tb, budget,
                         min(r.max_batch_size, responses, p.rows * engines),
                         min_budget_tokens(cfg.data.max_prompt_tokens, r.kv_block_size, slack),
-                        gib > 0)
+                        gib > 0, draft)

@@ -5,8 +5,9 @@ of ``STEP_GIB``) whose estimate keeps the rollout phase (and, when the cache is 
 released, the update) ``MARGIN_GIB`` under the device's usable memory: every other
 rollout term comes from ``memory_model.estimate`` as it stands, so whatever lowers the
 rollout phase (``train.offload_during_rollout`` lending it the update's state) raises
-the budget without a change here. The drafters' caches page with the target's (they
-grow with the rows in flight), so the search re-estimates at each budget.
+the budget without a change here. The budget holds the drafters' own paged caches (a
+pool of the rows that speculate, ``planner/paged.for_config``) beside the target's
+blocks; the search re-estimates at each budget.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def propose(cfg, arch, world_size: int, *,
     pe = for_config(cfg, arch, world_size, kv_gib=STEP_GIB)
     rows = min(-(-cfg.rollout.max_batch_size // pe.engines),
                -(-_responses(cfg, world_size) // pe.engines))
-    hi = min(hi, int(pe.plan.held * (rows + 1) * pe.token_bytes / GIB / STEP_GIB) + 1)
+    hi = min(hi, int((pe.plan.held * (rows + 1) * pe.token_bytes + pe.draft_bytes)
+                     / GIB / STEP_GIB) + 1)
     best = None
     while lo < hi:  # the largest k in [1, hi] with est(k * STEP) within the target
         mid = (lo + hi + 1) // 2

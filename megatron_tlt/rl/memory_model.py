@@ -148,6 +148,7 @@ class Settings:
     kv_held: float = 0.0
     kv_budget_bytes: float = 0.0
     kv_note: str = ""
+    kv_block: int = 16  # rollout.kv_block_size (the drafters' paged pools' blocks)
 
     @property
     def graphed_drafting(self) -> bool:
@@ -245,19 +246,23 @@ def _paged_fields(cfg, arch, world_size: int, kv_gib: Optional[float],
     pe = for_config(cfg, arch, world_size, kv_gib=kv_gib, dtype_bytes=dtype_bytes)
     p = pe.plan
     if p.tokens < pe.min_tokens:
-        need = pe.min_tokens * pe.token_bytes / GIB
+        need = (pe.min_tokens * pe.token_bytes + pe.draft_bytes) / GIB
+        drafters = (f" beside the drafters' paged caches ({pe.draft_bytes / GIB:.3g} GiB)"
+                    if pe.draft_bytes else "")
         raise ConfigError(
             f"rollout.kv_cache_gib={pe.budget_bytes / GIB:.3g} holds {p.tokens:,.0f} "
-            f"positions per GPU, fewer than one row of the longest prompt "
+            f"positions per GPU{drafters}, fewer than one row of the longest prompt "
             f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens} + 1, in blocks of "
             f"rollout.kv_block_size={p.block}: {pe.min_tokens} positions); set "
             f"rollout.kv_cache_gib to at least {math.ceil(need * 1000) / 1000:g} (or 0 for "
             "what max_batch_size slots reserve)")
     note = (f"paged: {p.tokens:,.0f} positions ("
             + ("rollout.kv_cache_gib" if pe.from_config else "max_batch_size slots' worth")
+            + (f" less the drafters' {pe.draft_bytes / GIB:.2f} GiB" if pe.from_config
+               and pe.draft_bytes else "")
             + f"), {pe.replica_rows} rows in flight x {p.held:,.0f} held on average "
             f"(limited by {p.limited_by}), blocks of {p.block}")
-    return dict(kv_paged=True, kv_tokens=p.tokens, kv_held=p.held,
+    return dict(kv_paged=True, kv_tokens=p.tokens, kv_held=p.held, kv_block=p.block,
                 kv_budget_bytes=pe.budget_bytes, kv_note=note, rows=pe.replica_rows)
 
 
@@ -417,10 +422,9 @@ def _rollout_terms(arch, s: Settings) -> list[Term]:
                         "other stages' weights" if s.gathered
                         else "the drafter's embedding / output layer"))
     # each drafter kind's own terms (``Drafter.memory_terms``); with the paged cache
-    # its caches page too: the rows in flight at the positions they hold on average
-    ks = replace(s, capacity=math.ceil(s.kv_held)) if s.kv_paged else s
+    # its KV cache pages too, a pool of the rows that speculate inside the budget
     for kind in s.kinds:
-        for t in kind.memory_terms(arch, ks, s.spec):
+        for t in kind.memory_terms(arch, s, s.spec):
             phase = "rollout" if t.lifetime == "rollout" and s.kv_released else "resident"
             out.append(Term(t.name, t.nbytes, phase, "exact", t.note))
     if s.cuda_graphs:

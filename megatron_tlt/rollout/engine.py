@@ -285,21 +285,23 @@ class RolloutEngine:
                                      tuner_state=sc.tuner_state, tp_times=self.tp_times)
                if self.spec is not None else None)
         slack = ctl.slack if ctl is not None else 0
-        cache = self.memory.kv_cache(max_batch, capacity, slack)
+        cache = self.memory.kv_cache(max_batch, capacity, slack, ctl)
         if ctl is not None:
             # verification through the engine's graphs (or eager); a kind whose drafting
             # is graphed gets graphs of its own forwards (``SpeculativeDecoder.wire_graphs``)
             self.spec.wire_graphs(self._graphs)
-            # (the drafters' caches zero what this call can reach, as the target's)
+            # (the drafters' caches zero what this call can reach, as the target's,
+            # and page when it does)
             stats.spec = ctl.begin(*self.memory.spec_shape(max_batch, capacity),
-                                   reach=capacity if self.memory.zeroes_reach else None)
+                                   reach=capacity if self.memory.zeroes_reach else None,
+                                   paged=cache if cache.paged else None)
         stats.kv_cache_bytes = cache.nbytes
         if cache.paged:
             stats.kv_blocks = cache.pool.usable
             cache.pool.peak_used = cache.pool.used
         # None where the drafter's feature store holds the hidden states (one copy)
         hidden_buf = self.memory.hidden_buffer(plist, max_batch)
-        move_drafter = ctl.move_row if ctl is not None else None
+        move_drafter = ctl.remove_row if ctl is not None else None
         retire = lambda: scheduler.retire(  # noqa: E731
             cache, rows, outputs, self._finish_reason,
             lambda i, r: self.memory.response_hidden(hidden_buf, i, r, hidden_on_device),

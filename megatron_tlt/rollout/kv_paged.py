@@ -39,9 +39,13 @@ from .kv_cache import LAYOUTS, KVCache
 
 
 def block_bytes(*, num_layers: int, kv_heads: int, block_size: int, head_dim: int,
-                itemsize: int, routes: Optional[tuple[int, int]] = None) -> int:
-    """Bytes of one block: K and V of every layer (+ the experts recorded per position)."""
+                itemsize: int, routes: Optional[tuple[int, int]] = None,
+                features: Optional[tuple[int, torch.dtype]] = None) -> int:
+    """Bytes of one block: K and V of every layer (+ the experts recorded per position,
+    + the drafter's features per position)."""
     kv = 2 * num_layers * kv_heads * block_size * head_dim * itemsize
+    if features is not None:
+        kv += block_size * features[0] * torch.empty((), dtype=features[1]).element_size()
     return kv + (0 if routes is None else routes[0] * block_size * routes[1] * 2)
 
 
@@ -51,6 +55,7 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, max_batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, routes: Optional[tuple[int, int]] = None,
+                 features: Optional[tuple[int, torch.dtype]] = None,
                  lazy_zero: Optional[bool] = None, layout: str = "bgsd"):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -66,6 +71,12 @@ class PagedKVCache:
                       (num_layers, num_blocks, block_size, kv_heads, head_dim))
         self.route_shape = None if routes is None else (routes[0], num_blocks, block_size,
                                                         routes[1])
+        # the one-layer drafter's feature store per position (its positions are the
+        # target's: ``speculative.draft_cache.PagedFeatures``), [blocks, block_size, F]
+        self.feature_shape = None if features is None else (num_blocks, block_size,
+                                                            features[0])
+        self.feature_dtype = None if features is None else features[1]
+        self.feat: Optional[torch.Tensor] = None
         self.pool = BlockPool(num_blocks=num_blocks, block_size=block_size,
                               max_rows=max_batch, max_blocks_per_row=self.max_blocks_per_row,
                               device=device,
@@ -83,9 +94,16 @@ class PagedKVCache:
     # ---------------------------------------------------------------- lifecycle
     # the lifecycle's bookkeeping is the slot cache's: tensors present, their bytes
     allocated = KVCache.allocated
-    release = KVCache.release
-    nbytes = KVCache.nbytes
     fits = KVCache.fits
+
+    def release(self) -> None:
+        KVCache.release(self)
+        self.feat = None
+
+    @property
+    def nbytes(self) -> int:
+        feat = 0 if self.feat is None else self.feat.numel() * self.feat.element_size()
+        return KVCache.nbytes.fget(self) + feat
 
     def allocate(self, upto: Optional[int] = None) -> "PagedKVCache":
         """Make the pools if released (every block free); ``upto`` is ignored (a block
@@ -96,6 +114,9 @@ class PagedKVCache:
             self.v = make(self.shape, dtype=self.dtype, device=self.device)
             if self.route_shape is not None:
                 self.routes = make(self.route_shape, dtype=torch.int16, device=self.device)
+            if self.feature_shape is not None:
+                self.feat = make(self.feature_shape, dtype=self.feature_dtype,
+                                 device=self.device)
             self.generation += 1
             self.pool.reset()
             self._written = set() if self.lazy_zero else set(range(self.num_blocks))
@@ -122,6 +143,8 @@ class PagedKVCache:
             t.index_fill_(1, idx, 0)
         if self.routes is not None:
             self.routes.index_fill_(1, idx, 0)
+        if self.feat is not None:
+            self.feat.index_fill_(0, idx, 0)
         self._written.update(new)
 
     def _fresh(self) -> None:
@@ -239,6 +262,18 @@ class PagedKVCache:
         blk, off = self._row_positions(row, torch.arange(length, device=self.device))
         return self.routes[:, blk, off].transpose(0, 1).contiguous()
 
+    def read_features(self, row: int, lo: int, hi: int) -> torch.Tensor:
+        """Row ``row``'s features at positions lo..hi-1, [hi - lo, F] (a copy)."""
+        blk, off = self._row_positions(row, torch.arange(lo, hi, device=self.device))
+        return self.feat[blk, off]
+
+    def write_features(self, rows: torch.Tensor, positions: torch.Tensor,
+                       values: torch.Tensor) -> None:
+        """Features ``values`` [N, F] at (``rows``, ``positions``) [N] (blocks reserved)."""
+        table = self.pool.flush()
+        blk = table[rows, torch.div(positions, self.block_size, rounding_mode="floor")]
+        self.feat[blk, positions % self.block_size] = values.to(self.feat.dtype)
+
     def span(self, which: str, row: int, lo: int, hi: int) -> torch.Tensor:
         """Row ``row``'s keys ("k") or values ("v") at positions lo..hi-1 as
         [layers, kv_heads, hi - lo, head_dim] (a copy)."""
@@ -283,3 +318,5 @@ class PagedKVCache:
                 t[:, d] = t[:, s]
             if self.routes is not None:
                 self.routes[:, d] = self.routes[:, s]
+            if self.feat is not None:
+                self.feat[d] = self.feat[s]

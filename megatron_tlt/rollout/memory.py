@@ -107,9 +107,12 @@ class RolloutMemory:
         return (self.rows, self.capacity) if self.fixed else (max_batch, capacity)
 
     # ---------------------------------------------------------------- the caches
-    def kv_cache(self, max_batch: int, capacity: int, slack: int) -> KVCache:
+    def kv_cache(self, max_batch: int, capacity: int, slack: int, drafters=None) -> KVCache:
         """The target's cache for a call of ``max_batch`` rows and ``capacity``
-        positions (+ ``slack`` for drafts): the configured one, (re-)made if released."""
+        positions (+ ``slack`` for drafts): the configured one, (re-)made if released.
+        ``drafters`` (the call's ``SpeculationController``): with the paged cache, the
+        drafters' own paged caches take their pools out of the same budget, and its
+        blocks hold the drafter's features beside K and V."""
         eng = self.engine
         upto = self.reach(capacity, slack)
         if self.fixed:
@@ -118,7 +121,10 @@ class RolloutMemory:
         rows, need = max_batch, capacity + slack
         c = self.cache
         if eng.config.kv_cache == "paged":
-            return self._paged(rows, need)
+            draft = 0 if drafters is None else drafters.paged_kv_bytes(
+                max_batch, capacity, eng.config.kv_block_size)
+            feats = None if drafters is None else drafters.paged_features()
+            return self._paged(rows, need, draft, feats)
         if c is not None and c.fits(rows, need):
             if not c.allocated:
                 self.allocations += 1
@@ -135,29 +141,35 @@ class RolloutMemory:
         self.allocations += 1
         return self.cache
 
-    def _paged(self, rows: int, need: int) -> PagedKVCache:
+    def _paged(self, rows: int, need: int, draft_bytes: int = 0,
+               features=None) -> PagedKVCache:
         """The paged cache (``rollout.kv_cache=paged``): ``rows`` rows in flight at most,
-        of ``need`` positions each at most, in a pool of ``rollout.kv_cache_gib`` (0:
-        what ``rows`` full-length slots reserve)."""
+        of ``need`` positions each at most, in a pool of ``rollout.kv_cache_gib`` less
+        the drafters' pools (``draft_bytes``; 0: what ``rows`` full-length slots
+        reserve, the drafters' pools beside it); ``features``: (width, dtype) of the
+        drafter's features each position holds too."""
         eng, cfg = self.engine, self.engine.config
         bs = cfg.kv_block_size
         per_block = block_bytes(num_layers=len(eng.runner.layers), kv_heads=eng.runner.groups,
                                 block_size=bs, head_dim=eng.arch.kv_channels,
                                 itemsize=torch.empty((), dtype=eng.runner.dtype).element_size(),
-                                routes=eng.runner.route_shape)
+                                routes=eng.runner.route_shape, features=features)
         minimum = blocks_for(need, bs)  # one row of the longest prompt + its new tokens
         if cfg.kv_cache_gib > 0:
-            blocks = int(cfg.kv_cache_gib * 2**30 // per_block)
+            blocks = int(max(0, cfg.kv_cache_gib * 2**30 - draft_bytes) // per_block)
             if blocks < minimum:
+                drafters = (f" beside the drafters' caches ({draft_bytes} bytes)"
+                            if draft_bytes else "")
                 raise ConfigError(
                     f"rollout.kv_cache_gib={cfg.kv_cache_gib} holds {blocks} KV blocks of "
-                    f"{bs} positions ({per_block} bytes each), fewer than one row of the "
-                    f"longest prompt and its new tokens needs ({need} positions, {minimum} "
-                    f"blocks): raise it to at least {minimum * per_block / 2**30:.4g} "
+                    f"{bs} positions ({per_block} bytes each){drafters}, fewer than one "
+                    f"row of the longest prompt and its new tokens needs ({need} "
+                    f"positions, {minimum} blocks): raise it to at least "
+                    f"{(minimum * per_block + draft_bytes) / 2**30:.4g} "
                     f"(or 0: what rollout.max_batch_size full-length rows reserve)")
         else:
             blocks = max(rows * need // bs, minimum)
-        key = (rows, need, blocks + 1)
+        key = (rows, need, blocks + 1, features)
         c = self.cache
         if c is not None and c.paged and self._paged_key == key:
             if not c.allocated:
@@ -170,7 +182,7 @@ class RolloutMemory:
             num_layers=len(eng.runner.layers), max_batch=rows, kv_heads=eng.runner.groups,
             capacity=need, head_dim=eng.arch.kv_channels, dtype=eng.runner.dtype,
             device=eng.device, num_blocks=blocks + 1, block_size=bs,
-            routes=eng.runner.route_shape,
+            routes=eng.runner.route_shape, features=features,
             layout="bsgd" if eng.attention == "flash" else "bgsd")
         self._paged_key = key
         self.allocations += 1
@@ -249,5 +261,5 @@ class RolloutMemory:
             if spec.cache is not None:
                 out["draft_kv_cache"] = spec.cache.nbytes
             if spec.features is not None:
-                out["features"] = spec.features.numel() * spec.features.element_size()
+                out["features"] = spec.features.nbytes  # (paged: inside kv_cache)
         return out

@@ -143,17 +143,18 @@ class Scheduler:
 
 
 def remove_row(cache, rows: list, i: int, hidden_buf: Optional[torch.Tensor],
-               move_drafter: Optional[Callable[[int, int, int], None]]) -> Row:
+               drafter: Optional[Callable[[int, int, int], None]]) -> Row:
     """Take running row ``i`` out of the batch: its blocks returned (paged), the last
-    running row moved into its place (cache, drafter rows, hidden buffer). Returns it."""
+    running row moved into its place (cache, hidden buffer; ``drafter(i, last,
+    length)``: the drafters' rows, ``SpeculationController.remove_row``). Returns it."""
     r = rows[i]
     cache.free_row(i)
     last = len(rows) - 1
+    if drafter is not None:
+        drafter(i, last, rows[last].length)
     if i != last:
         moved = rows[last]
         cache.move_row(last, i, moved.length)
-        if move_drafter is not None:
-            move_drafter(last, i, moved.length)
         if hidden_buf is not None:
             hidden_buf[i, : len(moved.tokens)] = hidden_buf[last, : len(moved.tokens)]
         rows[i] = moved
@@ -163,7 +164,7 @@ def remove_row(cache, rows: list, i: int, hidden_buf: Optional[torch.Tensor],
 
 def retire(cache, rows: list, outputs: list, finish_reason: Callable[[Row], Optional[str]],
            response_hidden: Callable, hidden_buf: Optional[torch.Tensor],
-           move_drafter: Optional[Callable[[int, int, int], None]],
+           drafter: Optional[Callable[[int, int, int], None]],
            finished: Optional[Callable[[int, list, list], None]] = None) -> None:
     """Move finished rows to ``outputs`` (``response_hidden(i, row)``: their hidden
     states copied out; ``finished(i, prompt, tokens)``: speculation told, e.g. the group
@@ -180,7 +181,7 @@ def retire(cache, rows: list, outputs: list, finish_reason: Callable[[Row], Opti
                                            cache.row_routes(i, r.length))
         if finished is not None:
             finished(i, r.prompt, r.tokens)
-        remove_row(cache, rows, i, hidden_buf, move_drafter)
+        remove_row(cache, rows, i, hidden_buf, drafter)
 
 
 def save_hidden(r: Row, hidden_buf: Optional[torch.Tensor], i: int) -> None:

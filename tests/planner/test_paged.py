@@ -58,24 +58,32 @@ def test_rows_in_flight_take_the_tightest_bound():
 
 @pytest.mark.parametrize("name,world", [("qwen3_8b_grpo", 8), ("qwen3_30b_a3b_grpo", 16)])
 def test_the_recipes_hold_4x_the_rows_in_the_same_memory(name, world):
-    """The issue's goal: at the KV bytes full-length slots reserve (max_batch_size 40 /
-    56 as shipped before), the paged cache keeps 4x the rows in flight or more."""
+    """The issue's goal: at the bytes full-length slots reserve (max_batch_size 40 /
+    56 as shipped before: the target's KV and routes, the drafter's KV cache and its
+    feature store), the paged cache keeps 4x the rows in flight or more, the drafter's
+    paged cache and its features inside the same bytes."""
     old = {"qwen3_8b_grpo": 40, "qwen3_30b_a3b_grpo": 56}[name]
     slots = _cfg(name, "rollout.kv_cache=slots", f"rollout.max_batch_size={old}")
     arch = architecture(slots)[0]
     e = memory_model.estimate(slots, arch, world)
-    same = e.as_dict()["KV cache"] + e.as_dict().get("expert routes (KV)", 0.0)
+    same = sum(e.as_dict().get(t, 0.0) for t in
+               ("KV cache", "expert routes (KV)", "drafter KV + features"))
     cfg = _cfg(name, "rollout.kv_cache=paged", f"rollout.kv_cache_gib={same / GIB}")
     p = memory_model.estimate(cfg, arch, world)
     assert e.settings.rollout_rows == old
     assert p.settings.rollout_rows >= 4 * old
     kv = p.as_dict()["KV cache"] + p.as_dict().get("expert routes (KV)", 0.0)
-    assert kv == pytest.approx(same, rel=1e-6)
+    draft = paged.for_config(cfg, arch, world).draft_bytes
+    assert draft > 0  # (the recipes' trained one-layer drafter)
+    feats = p.settings.kv_tokens * arch.hidden_size * p.settings.dtype_bytes
+    assert kv + feats + draft == pytest.approx(same, rel=1e-6)
 
 
 def test_a_budget_below_one_row_names_the_field_and_the_minimum():
     cfg = _cfg("qwen3_8b_grpo", "rollout.kv_cache_gib=0.01")
-    with pytest.raises(ConfigError, match=r"rollout.kv_cache_gib to at least 0\.0"):
+    # (the minimum holds the drafter's paged cache: 32 rows that speculate, 0.56 GiB)
+    with pytest.raises(ConfigError, match=r"drafters' paged caches \(0\.56.*"
+                                          r"rollout.kv_cache_gib to at least 0\.6"):
         memory_model.estimate(cfg, architecture(cfg)[0], 8)
 
 

@@ -475,7 +475,7 @@ def _self_drafter_engine(folder, *overrides):
         "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.max_new_tokens=6",
         "data.max_prompt_tokens=12", "rollout.max_batch_size=8",
         "rollout.speculative.drafter=self", "rollout.speculative.threshold=4", *overrides])
-    s = mm.settings(cfg, 1)
+    s = mm.settings(cfg, 1, arch=arch)
     eng = RolloutEngine(model, None, cfg.rollout, arch=arch, eos_token_ids=[],
                         max_prompt_tokens=12, max_new_tokens=6, max_rows=s.rollout_rows)
     prompts = [[3, 5, 7, 11, 2], [2, 4], [9] * 12, [1, 2, 3], [8, 8], [5]]
@@ -500,6 +500,25 @@ def test_self_drafter_terms_are_what_the_engine_holds(tiny_hf_dirs, single_proce
     assert est["self-drafter KV"] == eng.spec.cache.nbytes
     assert eng.spec.cache.max_batch == 4  # min(6 rows, threshold 4)
     assert eng.spec.cache.capacity == sd.copy_kv_positions(s, "int8")
+
+
+def test_paged_self_drafter_cache_is_in_the_budget(tiny_hf_dirs, single_process_parallel):
+    """rollout.kv_cache=paged: the copy's KV cache is a pool of the threshold's rows in
+    blocks, the model's term equals its bytes, and the target's blocks take what the
+    budget leaves (the engine's and the model's)."""
+    gib = 0.004
+    arch, s, eng = _self_drafter_engine(tiny_hf_dirs["qwen2"], "rollout.kv_cache=paged",
+                                        "rollout.kv_block_size=4",
+                                        f"rollout.kv_cache_gib={gib}")
+    est = mm.estimate_settings(arch, s).as_dict()
+    draft, target = eng.spec.cache, eng.memory.cache
+    assert draft.paged and target.paged and draft.pool.used == 0
+    assert est["self-drafter KV"] == draft.nbytes
+    # 4 rows (the threshold) of 12 + 6 positions, the slack and the root, in blocks of 4
+    assert draft.num_blocks == 4 * -(-(18 + s.draft_slack + 1) // 4) + 1
+    held = draft.nbytes + target.nbytes - target.block_nbytes  # (its scratch block)
+    assert gib * 2**30 - target.block_nbytes < held <= gib * 2**30
+    assert est["KV cache"] + est["self-drafter KV"] == pytest.approx(gib * 2**30, rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- Qwen3 / MoE

@@ -16,6 +16,7 @@ from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.cuda_graphs import GraphedDecoder, _Step, resolve
 from megatron_tlt.rollout.kv_cache import KVCache
 from megatron_tlt.bench.sync_budget import HostSyncCounter, measure
+from test_paged_engine import drafter_pool_gib
 from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
 MODES = sampling_modes(12)
@@ -122,6 +123,8 @@ def test_paged_static_steps_decode_like_the_slot_cache(model, mode, strategy):
         model[1].kv_channels * 4
     eng = _engine(model, mode, strategy, static=True, kv_cache="paged", kv_block_size=bs,
                   kv_cache_gib=(20 if strategy else 10) * per_block / 2**30)
+    if strategy:  # the drafter's paged cache beside the target's blocks
+        eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, MODES[mode])
     table = eng.memory.cache
     got = eng.generate(prompts, MODES[mode])
     _same(got, want)

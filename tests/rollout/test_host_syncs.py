@@ -15,6 +15,7 @@ import torch
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.bench.sync_budget import HostSyncCounter, measure
+from test_paged_engine import drafter_pool_gib
 from tiny_models import VOCAB, sampling_modes, tiny_model_and_own_layer_drafter
 
 PLAIN_BUDGET = 1  # the step's tokens and log-probs, read together
@@ -104,7 +105,10 @@ def test_paged_steps_keep_the_budget(model, mode, strategy):
     device (host-side tables, one host-to-device copy)."""
     eng = _engine(model, mode, strategy, kv_cache="paged", kv_block_size=4,
                   kv_cache_gib=24 * eng_block_bytes(model) / 2**30)
-    steps = measure(eng, _prompts((3, 9, 5, 7, 2, 11)), MODES[mode])
+    prompts = _prompts((3, 9, 5, 7, 2, 11))
+    if strategy:  # the drafter's paged cache beside the target's blocks
+        eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, MODES[mode])
+    steps = measure(eng, prompts, MODES[mode])
     budget = SPEC_BUDGET if strategy else PLAIN_BUDGET
     assert steps and max(s.count for s in steps) <= budget, \
         dict(max(steps, key=lambda s: s.count).where)

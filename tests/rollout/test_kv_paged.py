@@ -197,3 +197,31 @@ def test_release_and_allocate_reset_the_pool():
     assert c.nbytes == 0 and not c.allocated
     c.allocate()
     assert c.allocated and c.pool.used == 0 and c.generation == 2
+
+
+def test_drafter_features_follow_the_rows_blocks():
+    """The one-layer drafter's features per position in the target's blocks: written
+    and read by position, shared with a group's copies (the partly filled last block
+    copied), moved with the table, freed with the row; their bytes are the blocks'."""
+    F = 6
+    c = PagedKVCache(num_layers=L, max_batch=4, kv_heads=G, capacity=96, head_dim=D,
+                     dtype=torch.float32, device=CPU, num_blocks=20, block_size=BS,
+                     features=(F, torch.float32))
+    plain = _paged(rows=4, capacity=96, blocks=20)
+    assert c.nbytes - plain.nbytes == 20 * BS * F * 4
+    c.reserve(0, 21)
+    want = torch.randn(21, F)
+    c.write_features(torch.zeros(21, dtype=torch.long), torch.arange(21), want)
+    assert torch.equal(c.read_features(0, 0, 21), want)
+    c.copy_row(0, [1, 2], 21)  # one shared full block, the partial one copied
+    assert c.pool.used == 2 + 2
+    for row in (1, 2):
+        assert torch.equal(c.read_features(row, 0, 21), want)
+    c.reserve(2, 23)
+    c.write_features(torch.tensor([2, 2]), torch.tensor([21, 22]), torch.ones(2, F))
+    assert torch.equal(c.read_features(0, 0, 21), want)  # the source's copy unchanged
+    assert torch.equal(c.read_features(1, 16, 21), want[16:])
+    c.free_row(0)
+    c.move_row(2, 0, 23)
+    assert torch.equal(c.read_features(0, 0, 21), want)
+    assert torch.equal(c.read_features(0, 21, 23), torch.ones(2, F))

@@ -17,6 +17,7 @@ from megatron_tlt.models import load_model
 from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.kv_blocks import blocks_for
+from megatron_tlt.rollout.speculative.drafter_kind import draft_slack
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_shared_prefill import _assert_same
 from tiny_models import TINY_CONFIGS, VOCAB
@@ -47,6 +48,19 @@ def _engine(model, arch, kv, drafter=None, strategy=None, **cfg) -> RolloutEngin
         eng.attach_drafters(drafter) if isinstance(drafter, dict) else \
             eng.attach_drafter(drafter)
     return eng
+
+
+def drafter_pool_gib(eng, prompts, params) -> float:
+    """GiB of the drafters' paged caches (their pools: ``rollout.speculative.threshold``
+    rows of the call's positions) for ``eng.generate(prompts, params)``, which
+    ``rollout.kv_cache_gib`` holds beside the target's blocks."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, plist))
+    rows = min(eng.config.max_batch_size, len(prompts))
+    slack = draft_slack(eng.tuner.all_arms())
+    return eng.spec.paged_kv_bytes(rows, capacity, slack,
+                                   min(rows, eng.config.speculative.threshold),
+                                   eng.config.kv_block_size) / 2**30
 
 
 def _both(make, prompts, params, **kw):
@@ -207,7 +221,73 @@ def test_both_kinds_with_preemption_keep_coupled_outputs(tiny):
         speculative=sc, sampling_mode="coupled", kv_cache="paged", kv_cache_gib=gib,
         kv_block_size=8, max_batch_size=9), arch=arch, eos_token_ids=[])
     eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+    eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, params)
     new = eng.generate(prompts, params)
     assert [o.token_ids for o in new] == [o.token_ids for o in plain]
     assert eng.last_stats.spec.steps > 0 and eng.last_stats.preemptions > 0
     assert blocks_for(1, 8) == 1
+
+
+@pytest.mark.parametrize("drafter,strategy,mode", [
+    ("eagle", "3_1_3", "greedy"), ("eagle", "3_2_5", "coupled"),
+    ("self", "3_1_3", "coupled"), ("self", "3_2_5", "greedy")])
+def test_paged_drafters_with_preemption_equal_the_slot_cache(tiny, drafter, strategy, mode):
+    """Each drafter kind's own cache paged (its blocks returned when a row is
+    preempted, its state caught up again after the recompute), a budget that preempts:
+    the same outputs as fixed slots with the same drafter."""
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((9, 21, 4, 15), seed=9, group=2)
+    params = _lengths_params(len(prompts), temperature=0.0 if mode == "greedy" else 1.0,
+                             hidden=True, base=14)
+    cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
+
+    def make(kv, **kw):
+        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        return _engine(model, arch, kv, d, strategy, max_batch_size=8, **cfg, **kw)
+
+    old = make("slots").generate(prompts, params)
+    eng = make("paged", kv_block_size=8, kv_cache_gib=3 * 48 * 2 * arch.num_layers
+               * arch.num_query_groups * arch.kv_channels * 4 / 2**30)
+    eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, params)
+    new = eng.generate(prompts, params)
+    _assert_same(old, new, tol=1e-4)
+    s = eng.last_stats
+    assert s.preemptions > 0 and s.spec.steps > 0
+    (d,) = eng.spec.each()
+    assert d.cache.paged and d.cache.pool.used == 0  # every row's blocks returned
+    # the one-layer drafter's features live in the target's blocks
+    assert (eng.memory.cache.feat is not None) == (drafter == "eagle")
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "self"])
+def test_drafter_blocks_follow_the_tokens_they_hold(tiny, drafter):
+    """After every decode step the drafter's KV bytes in use are its rows' positions
+    (what it was fed) within one block per row, those never more than the target's
+    rows hold plus a block each; a finished row's blocks come back."""
+    model, arch = tiny["llama_untied"]
+    prompts = _prompts((3, 40, 7, 19, 60, 11), seed=10)
+    params = _lengths_params(len(prompts), base=12)
+    d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+    bs = 8
+    eng = _engine(model, arch, "paged", d, "3_1_3", max_batch_size=6, kv_block_size=bs,
+                  share_prefill=False)
+    seen = []
+    orig = eng._decode_step
+
+    def spy(cache, rows, *a, **k):
+        orig(cache, rows, *a, **k)
+        (dec,) = eng.spec.each()
+        held = sum(dec.draft_len[: len(rows)])
+        per_pos = dec.cache.block_nbytes // bs
+        seen.append((dec.kv_bytes_in_use(), held * per_pos, per_pos, len(rows),
+                     sum(r.length for r in rows), dec.cache.pool.used))
+
+    eng._decode_step = spy
+    eng.generate(prompts, params)
+    (dec,) = eng.spec.each()
+    assert dec.cache.paged and dec.cache.pool.used == 0
+    assert seen and any(held for _, held, *_ in seen)
+    for used, held, per_pos, rows, target_held, blocks in seen:
+        assert used == blocks * bs * per_pos
+        assert held <= used < held + max(rows, 1) * bs * per_pos
+        assert blocks * bs < target_held + max(rows, 1) * bs

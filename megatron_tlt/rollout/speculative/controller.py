@@ -65,20 +65,36 @@ class SpeculationController:
         """Cache slots beyond a sequence's length that drafting/verification may use."""
         return draft_slack(self.tuner.all_arms())
 
-    def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None) -> SpecStats:
+    def begin(self, max_batch: int, capacity: int, reach: Optional[int] = None,
+              paged=None) -> SpecStats:
         """Before the call's first step: the drafter's weights and caches for
         ``max_batch`` rows of ``capacity`` positions, of which the call reaches
-        ``reach`` (zeroed; None: all). A drafter that only drafts keeps cache rows for
-        the batches that speculate: ``threshold`` rows at most. Returns the call's
-        ``SpecStats``."""
+        ``reach`` (zeroed; None: all); ``paged``: the target's cache when it is paged
+        (the drafters' caches then page too, their features in its blocks). A drafter that only drafts keeps cache rows for the batches
+        that speculate: ``threshold`` rows at most. Returns the call's ``SpecStats``."""
         self.t_begin = time.perf_counter()
         refreshed, seconds = self.decoder.pack_weights()  # a quantized copy re-made here
         if refreshed:
             self.stats.drafter_refreshes += 1
             self.stats.drafter_refresh_seconds += seconds
         self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
-                           draft_rows=min(max_batch, self.threshold))
+                           draft_rows=self.draft_rows(max_batch), paged=paged)
         return self.stats
+
+    def draft_rows(self, max_batch: int) -> int:
+        """The rows a drafter's own cache holds: those of batches that speculate."""
+        return min(max_batch, self.threshold)
+
+    def paged_kv_bytes(self, max_batch: int, capacity: int, block_size: int) -> int:
+        """Bytes of the drafters' paged caches for a call of ``max_batch`` rows of
+        ``capacity`` positions (``begin`` with ``block_size``)."""
+        return self.decoder.paged_kv_bytes(max_batch, capacity, self.slack,
+                                           self.draft_rows(max_batch), block_size)
+
+    def paged_features(self):
+        """(width, dtype) of the features a drafter keeps per position, which the
+        target's paged cache holds in its blocks (None: none)."""
+        return self.decoder.paged_features()
 
     def finish(self) -> None:
         """After the call's last step: the gate's state into the stats, and the tuner's
@@ -111,6 +127,14 @@ class SpeculationController:
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Cache row ``src`` (``length`` positions) moved to ``dst``."""
         self.decoder.move_row(src, dst, length)
+
+    def remove_row(self, row: int, last: int, length: int) -> None:
+        """Cache row ``row`` left the batch (finished or preempted; its drafter state
+        dropped, a paged cache's blocks returned) and the last running row ``last``
+        (``length`` positions) moved into its place (``scheduler.remove_row``)."""
+        self.decoder.drop_row(row)
+        if last != row:
+            self.decoder.move_row(last, row, length)
 
     def finished(self, row: int, prompt, tokens) -> None:
         """The sequence in cache row ``row`` finished with response ``tokens`` (a

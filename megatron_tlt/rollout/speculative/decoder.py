@@ -87,6 +87,7 @@ class SpeculativeDecoder(Proposer):
         the engine times this switching cost apart (the tuner's break-even gate
         compares steady steps). Returns the positions fed. (``target_cache``: the
         target's cache, which a token-fed proposer may copy from.)"""
+        self.reserve(rows)  # (a paged drafter cache: the step's blocks)
         if self.pending(rows) == 0:
             return 0
         t0 = time.perf_counter()
@@ -109,6 +110,7 @@ class SpeculativeDecoder(Proposer):
         b = len(rows)
         self.noise.clear()  # this step's coupled noise rows, as the target computes them
         self.noise.kernels = self.target.kernels
+        self.reserve(rows)  # (after a catch-up: nothing more)
         proposal = self.propose(rows, strategy, stats, target_cache)
         drafts, q_lp, tree = proposal.drafts, proposal.q_lp, proposal.tree
         t1 = time.perf_counter()

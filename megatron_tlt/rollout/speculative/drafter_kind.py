@@ -31,6 +31,25 @@ def draft_slack(arms: Sequence[Strategy]) -> int:
     return max(max(a.verify_tokens, (a.depth - 1) * a.top_k) for a in arms) + 2
 
 
+def own_kv_bytes(arch, s, *, layers: int, rows: int, positions: int) -> float:
+    """Bytes of a drafter's own KV cache of ``layers`` layers on one rank for the dry
+    run (``s``: the memory model's ``Settings``): ``rows`` slots of ``positions``
+    positions, or with ``rollout.kv_cache=paged`` its pool (``draft_cache``: the rows
+    that speculate, each of the capacity and the draft slack, in blocks), which the KV
+    budget holds."""
+    from ..kv_cache import kv_bytes
+
+    if s.kv_paged:
+        from .draft_cache import pool_positions
+
+        rows, positions = 1, pool_positions(rows=rows, capacity=s.capacity,
+                                            slack=s.draft_slack, block_size=s.kv_block,
+                                            threshold=s.spec_threshold)
+    return kv_bytes(num_layers=layers, rows=rows,
+                    kv_heads=max(arch.num_query_groups // s.tp, 1), capacity=positions,
+                    head_dim=arch.kv_channels, itemsize=s.dtype_bytes)
+
+
 @dataclass
 class MemoryTerm:
     """One tensor family a drafter kind holds on each rank, for the dry run's memory
@@ -115,6 +134,12 @@ class Drafter:
         capacity of the rollout, its draft slack ``s.draft_slack``), ``sc`` the
         ``rollout.speculative`` config."""
         return []
+
+    @classmethod
+    def kv_layers(cls, arch) -> int:
+        """Layers of its own KV cache (0: none), which page with the target's cache
+        (``draft_cache``; the KV budget holds them: ``drafters.paged_kv_bytes``)."""
+        return 0
 
     @classmethod
     def reads_vocabulary(cls) -> bool:

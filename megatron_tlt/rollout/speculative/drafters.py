@@ -199,6 +199,32 @@ def tuner_arms(kinds: Sequence[type[Drafter]], sc) -> list[Strategy]:
     return out
 
 
+def paged_kv_bytes(kinds: Sequence[type[Drafter]], arch, *, tp: int, dtype_bytes: int,
+                   rows: int, threshold: int, capacity: int, slack: int,
+                   block_size: int) -> int:
+    """Bytes on one rank of the paged caches of ``kinds``' own KV (``Drafter.kv_layers``;
+    ``draft_cache.pool_positions``): what ``rollout.kv_cache_gib`` holds beside the
+    target's blocks."""
+    from ..kv_cache import kv_bytes
+    from .draft_cache import pool_positions
+
+    layers = sum(k.kv_layers(arch) for k in kinds)
+    if not layers:
+        return 0
+    positions = pool_positions(rows=rows, capacity=capacity, slack=slack,
+                               block_size=block_size, threshold=threshold)
+    return kv_bytes(num_layers=layers, rows=1, kv_heads=max(arch.num_query_groups // tp, 1),
+                    capacity=positions, head_dim=arch.kv_channels, itemsize=dtype_bytes)
+
+
+def paged_feature_bytes(kinds: Sequence[type[Drafter]], arch, *, dtype_bytes: int) -> int:
+    """Bytes per cached position of the feature store a feature-fed kind keeps (the
+    target's hidden state; one store whatever the kinds), which the paged cache's
+    blocks hold beside K and V (``draft_cache.PagedFeatures``)."""
+    fed = any(k.fed == "features" for k in kinds)
+    return arch.hidden_size * dtype_bytes if fed else 0
+
+
 def configured_slack(kinds: Sequence[type[Drafter]], sc) -> int:
     """The draft slack of the caches for ``kinds`` (``drafter_kind.draft_slack``)."""
     arms = tuner_arms(kinds, sc)

@@ -317,6 +317,7 @@ class Drafting:
         return (d.fused_drafting and d.kernels is not None and d.tp_group is None
                 and not d.fp8
                 and self.min_draft_prob <= 0 and self.cache.layout == "bgsd"
+                and not self.cache.paged  # (the kernels read contiguous rows)
                 and len(rows) <= d.fused_max_rows and all(r.params.greedy for r in rows))
 
     def fused_chain(self, rows, depth: int, pending) -> list[list[int]]:

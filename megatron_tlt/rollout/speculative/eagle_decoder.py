@@ -21,7 +21,8 @@ import torch
 
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
-from ..kv_cache import KVCache, reuse_or_make
+from ..kv_cache import KVCache
+from . import draft_cache
 from .decoder import SpeculativeDecoder
 from .draft_runner import DraftRunner
 from .drafting import Drafting, ragged
@@ -48,6 +49,7 @@ class EagleDecoder(SpeculativeDecoder):
         self.cache: Optional[KVCache] = None
         self.features: Optional[torch.Tensor] = None
         self.draft_len: list[int] = []
+        self.slack = 0  # positions past a row's length a step may write (``begin``)
 
     def _drafting(self, draft) -> Drafting:
         """Drafting with ``draft``, sharing the step's coupled noise rows with the
@@ -102,26 +104,89 @@ class EagleDecoder(SpeculativeDecoder):
 
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              paged=None) -> None:
         """Make room for ``max_batch`` rows of ``capacity`` positions (+ draft slack),
         zeroing what a call of ``reach`` positions can reach (None: all). Every row
-        keeps its features from its prefill on, so ``draft_rows`` is not used here."""
-        def span(positions: int) -> int:  # + slack (+ a capacity for the padded catch-up)
-            return positions + slack + (0 if self.draft.kernels is not None else positions)
-
-        need, upto = span(capacity), None if reach is None else span(reach)
-        self.cache = reuse_or_make(self.cache, num_layers=1, max_batch=max_batch, upto=upto,
-                                   kv_heads=self.draft.groups, capacity=need,
-                                   head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                   device=self.draft.device)
+        keeps its features from its prefill on; with ``paged`` (the target's cache,
+        ``rollout.kv_cache=paged``) the drafter's cache is paged, its pool
+        ``draft_rows`` rows of positions, and the features live in the target's blocks
+        (``draft_cache``)."""
+        self.slack = slack
+        block_size = None if paged is None else paged.block_size
+        self.cache = draft_cache.make(
+            self.cache, block_size=block_size, rows=max_batch,
+            **self._cache_shape(max_batch, capacity, slack, reach, draft_rows, block_size))
         self.drafting.cache = self.cache
         self.drafting.static_tokens = slack  # (graphed drafting: the widest key)
         f = self.features
-        if f is None or f.shape[0] < max_batch or f.shape[1] < capacity + slack:
+        if paged is not None:
+            self.features = draft_cache.PagedFeatures(paged, self.feature_width)
+        elif (f is None or isinstance(f, draft_cache.PagedFeatures)
+              or f.shape[0] < max_batch or f.shape[1] < capacity + slack):
             self.features = None
             self.features = torch.zeros(max_batch, capacity + slack, self.feature_width,
                                         dtype=self.target.dtype, device=self.target.device)
         self.draft_len = [0] * max_batch
+
+    def _cache_shape(self, max_batch: int, capacity: int, slack: int,
+                     reach: Optional[int], draft_rows: Optional[int],
+                     block_size: Optional[int]) -> dict:
+        """The drafter cache's width (the positions it reaches: the rows' + the slack +
+        a capacity for the padded catch-up's pad slots, which the fused kernels' ragged
+        catch-up has none of; they read contiguous rows, so not with a paged cache),
+        zeroed reach, pool rows and positions, and tensor shape."""
+        fused = self.draft.kernels is not None and block_size is None
+        extra = 1 if self.drafting.pos_offset else 0  # (the self-drafter's root at L)
+
+        def span(positions: int) -> int:
+            return positions + slack + extra + (0 if fused else positions)
+
+        return dict(width=span(capacity), upto=None if reach is None else span(reach),
+                    pool_rows=max(1, min(max_batch, draft_rows or max_batch)),
+                    positions=capacity + slack + 1, num_layers=self.draft_layers,
+                    kv_heads=self.draft.groups, head_dim=self.draft.head_dim,
+                    dtype=self.draft.dtype, device=self.draft.device)
+
+    def paged_kv_bytes(self, max_batch: int, capacity: int, slack: int, draft_rows: int,
+                       block_size: int) -> int:
+        """Bytes the paged drafter cache of a call of these sizes holds (its pool:
+        ``rollout.memory`` counts it in the KV budget)."""
+        shape = self._cache_shape(max_batch, capacity, slack, None, draft_rows, block_size)
+        return draft_cache.pool_bytes(
+            **{k: shape[k] for k in ("num_layers", "kv_heads", "head_dim", "dtype",
+                                     "pool_rows", "positions")}, block_size=block_size)
+
+    @property
+    def draft_layers(self) -> int:
+        """The drafter cache's layers."""
+        return 1
+
+    @property
+    def _ragged_kernels(self) -> bool:
+        """Whether the catch-up runs ragged in the fused kernels (they read the cache's
+        contiguous rows: not a paged one)."""
+        return self.draft.kernels is not None and not self.cache.paged
+
+    def reserve(self, rows: Sequence) -> None:
+        """Blocks for what a speculative step of ``rows`` may write (paged cache)."""
+        draft_cache.reserve(self.cache, rows, self.slack)
+
+    def drop_row(self, row: int) -> None:
+        """Row ``row`` left the batch (finished or preempted): a paged cache's blocks
+        returned (fixed slots keep the row as it is until a row moves in)."""
+        if self.cache is not None and self.cache.paged:
+            self.new_row(row)
+
+    def kv_bytes_in_use(self) -> int:
+        return draft_cache.bytes_in_use(self.cache)
+
+    def paged_features(self):
+        return self.feature_width, self.target.dtype
+
+    @property
+    def _paged_features(self) -> bool:
+        return isinstance(self.features, draft_cache.PagedFeatures)
 
     def release(self) -> None:
         """Free the drafter's cache and the feature store (``rollout.memory``); the
@@ -151,30 +216,43 @@ class EagleDecoder(SpeculativeDecoder):
 
     def store(self, row: int, first_pos: int, feats: torch.Tensor) -> None:
         """Target features [T, F] of positions first_pos.. of cache row ``row``."""
+        if self._paged_features:
+            n = feats.shape[0]
+            self.features.cache.write_features(
+                torch.full((n,), row, device=feats.device),
+                torch.arange(first_pos, first_pos + n, device=feats.device), feats)
+            return
         self.features[row, first_pos: first_pos + feats.shape[0]] = feats.to(self.features.dtype)
 
     def store_step(self, start: torch.Tensor, feats: torch.Tensor) -> None:
         """Target features [B, 1, F] of one plain decode step at positions ``start`` [B]
         of rows 0..B-1."""
         b = feats.shape[0]
+        if self._paged_features:
+            self.features.cache.write_features(torch.arange(b, device=feats.device), start,
+                                               feats[:, 0])
+            return
         self.features[torch.arange(b, device=self.features.device), start] = \
             feats[:, 0].to(self.features.dtype)
 
     def new_row(self, row: int) -> None:
+        draft_cache.free_row(self.cache, row)
         self.draft_len[row] = 0
 
     def copy_prompt(self, src: int, dst: list[int], length: int) -> None:
         """Rows ``dst`` start with the ``length``-token prompt that row ``src`` holds
         (shared prefill): its features at those positions are copied; the drafter's
         cache of each new row starts empty (its catch-up feeds the prompt)."""
-        if self.features is not None:
+        if self.features is not None and not self._paged_features:  # (paged: the
+            # target's shared blocks hold them, its partly filled last one copied)
             idx = torch.tensor(dst, device=self.features.device)
             self.features[idx, :length] = self.features[src: src + 1, :length]
         for row in dst:
             self.new_row(row)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        self.features[dst, :length] = self.features[src, :length]
+        if not self._paged_features:  # (paged: the target's table moved them)
+            self.features[dst, :length] = self.features[src, :length]
         n = self.draft_len[src]
         self.cache.move_row(src, dst, n)
         self.draft_len[dst] = n
@@ -204,6 +282,7 @@ class EagleDecoder(SpeculativeDecoder):
             idx = torch.tensor(e.nodes, device=dev)
             self.store(i, r.length, feats[i].index_select(0, idx))
             self.draft_len[i] = r.length
+        draft_cache.trim(self.cache, self.draft_len[: len(rows)])
 
     def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
         """Every row's pending drafter inputs: the pairs (tok_{p+1}, h_p) for positions
@@ -237,7 +316,7 @@ class EagleDecoder(SpeculativeDecoder):
         dev = self.target.device
         tok, feats, counts, starts = self._pending(rows, stats, root=False)
         x = self.draft.inputs(tok, feats, target_features=True)
-        if self.draft.kernels is not None:  # ragged: rows with nothing pending add none
+        if self._ragged_kernels:  # ragged: rows with nothing pending add none
             row_of, pos = ragged(counts, starts, self.target.device)
             self.draft.extend_chains(self.cache, row_of, pos, x)
         else:  # padded [B, T]: pad slots lie at or past each row's draft_len (invalid)
@@ -258,10 +337,10 @@ class EagleDecoder(SpeculativeDecoder):
         tok, feats, counts, starts = self._pending(rows, stats)
         x = self.draft.inputs(tok, feats, target_features=True)
         t_max = max(counts)
-        if self.draft.kernels is not None or t_max == 1:
+        if self._ragged_kernels or t_max == 1:
             # ragged: one query row per pending position, chains per cache row
             row_of, pos = ragged(counts, starts, self.target.device)
-            if self.draft.kernels is not None:
+            if self._ragged_kernels:
                 out = self.draft.extend_chains(self.cache, row_of, pos, x)
             else:  # one pending position per row: a plain one-token step
                 out = self.drafting.extend(b, torch.zeros(b, 1, dtype=torch.long, device=dev),

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...models.sizes import layer_params
-from ..kv_cache import kv_bytes
-from .drafter_kind import Drafter, MemoryTerm
+from .drafter_kind import Drafter, MemoryTerm, own_kv_bytes
 
 RANDOM = "random"
 
@@ -57,13 +56,19 @@ class EagleKind(Drafter):
         (the target's hidden state at every row and position) for the rollout."""
         h, db, tp = arch.hidden_size, s.dtype_bytes, s.tp
         rows = s.rollout_rows
-        kv = kv_bytes(num_layers=1, rows=rows, kv_heads=max(arch.num_query_groups // tp, 1),
-                      capacity=s.capacity, head_dim=arch.kv_channels, itemsize=db)
+        kv = own_kv_bytes(arch, s, layers=1, rows=rows, positions=s.capacity)
+        # (paged: the feature store is in the budget's blocks, a position's hidden state
+        # beside its K and V: ``draft_cache.PagedFeatures``)
+        features = s.kv_tokens * h * db if s.kv_paged else rows * s.capacity * h * db
         return [MemoryTerm("drafter", (layer_params(arch, tp) + 2 * h * h / tp) * db,
                            "resident", "one layer + fc"),
-                MemoryTerm("drafter KV + features", kv + rows * s.capacity * h * db,
+                MemoryTerm("drafter KV + features", kv + features,
                            "rollout", "its KV cache, the feature store (the responses' "
                            "hidden states)")]
+
+    @classmethod
+    def kv_layers(cls, arch) -> int:
+        return 1
 
     @classmethod
     def reads_vocabulary(cls) -> bool:

@@ -96,7 +96,8 @@ class GroupDecoder(ModelFreeDecoder):
     tokens are indexed."""
 
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              paged=None) -> None:
         self.rows: list[Optional[list]] = [None] * max_batch  # [index, seq, indexed]
 
     def new_row(self, row: int) -> None:

@@ -218,9 +218,24 @@ class KindDecoder(SpeculativeDecoder):
 
     # ---------------------------------------------------------------- all kinds
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              paged=None) -> None:
         for d in self.decoders.values():
-            d.begin(max_batch, capacity, slack, reach=reach, draft_rows=draft_rows)
+            d.begin(max_batch, capacity, slack, reach=reach, draft_rows=draft_rows,
+                    paged=paged)
+
+    def paged_features(self):
+        return None if self._store is None else self._store.paged_features()
+
+    def paged_kv_bytes(self, *sizes) -> int:
+        return sum(d.paged_kv_bytes(*sizes) for d in self.decoders.values())
+
+    def kv_bytes_in_use(self) -> int:
+        return sum(d.kv_bytes_in_use() for d in self.decoders.values())
+
+    def drop_row(self, row: int) -> None:
+        for d in self.decoders.values():
+            d.drop_row(row)
 
     def release(self) -> None:
         for d in self.decoders.values():
@@ -254,6 +269,9 @@ class KindDecoder(SpeculativeDecoder):
         return max(d.pending(rows) for d in self.decoders.values())
 
     # ---------------------------------------------------------------- the active kind
+    def reserve(self, rows: Sequence) -> None:
+        self._active().reserve(rows)
+
     def feed(self, rows: Sequence, stats, target_cache=None) -> int:
         active = self._active()
         return active.feed(rows, stats, target_cache) if active.pending(rows) else 0

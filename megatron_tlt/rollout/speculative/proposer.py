@@ -77,8 +77,33 @@ class Proposer:
         return {}
 
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
-        """Before a call: state for ``max_batch`` rows of ``capacity`` positions."""
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              paged=None) -> None:
+        """Before a call: state for ``max_batch`` rows of ``capacity`` positions
+        (``paged``: the target's cache when it is paged; a proposer's own cache pages
+        too, in its blocks' size)."""
+
+    def paged_features(self):
+        """(width, dtype) of the per-position features it keeps, which a paged target
+        cache holds in its blocks (None: none)."""
+        return None
+
+    def paged_kv_bytes(self, max_batch: int, capacity: int, slack: int, draft_rows: int,
+                       block_size: int) -> int:
+        """Bytes of the proposer's own paged KV cache for such a call (0: none), which
+        the engine counts in ``rollout.kv_cache_gib``."""
+        return 0
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of its own KV cache that rows hold now (paged: their blocks)."""
+        return 0
+
+    def reserve(self, rows: Sequence) -> None:
+        """Before a speculative step: room in its own cache for what ``rows`` may write."""
+
+    def drop_row(self, row: int) -> None:
+        """Cache row ``row`` left the batch (finished or preempted; the last running row
+        then moves into it, ``move_row``)."""
 
     def release(self) -> None:
         """Free the rollout's caches (``rollout.memory``)."""

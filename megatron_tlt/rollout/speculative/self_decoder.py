@@ -29,7 +29,8 @@ import torch
 
 from ...spec_strategy import Strategy
 from ..forward import ModelRunner
-from ..kv_cache import KVCache, reuse_or_make
+from ..kv_cache import KVCache
+from . import draft_cache
 from .decoder import SpeculativeDecoder
 from .eagle_decoder import EagleDecoder
 from .proposer import Proposal
@@ -65,31 +66,30 @@ class SelfDraftDecoder(EagleDecoder):
         self.features = None
         self.draft_len: list[int] = []
         self.target_len: list[int] = []  # per row, positions holding the target's K/V
+        self.slack = 0
 
     # ---------------------------------------------------------------- state
     def begin(self, max_batch: int, capacity: int, slack: int, *,
-              reach: Optional[int] = None, draft_rows: Optional[int] = None) -> None:
+              reach: Optional[int] = None, draft_rows: Optional[int] = None,
+              paged=None) -> None:
         """The copy's cache for ``draft_rows`` rows (default ``max_batch``) of
-        ``capacity`` positions (+ draft slack; without the kernels the padded catch-up
-        needs a capacity more), zeroed where a call of ``reach`` positions can reach
-        (None: all). The copy is fed only while the batch speculates, and speculating
-        rows are the first ones (running rows are contiguous), so it needs no rows
-        beyond the speculation threshold: a row past them has no copy state, and its
-        catch-up takes the target's keys and values from its first position when it
+        ``capacity`` positions (+ draft slack and the root; without the kernels the
+        padded catch-up needs a capacity more), zeroed where a call of ``reach``
+        positions can reach (None: all); paged with the target's cache ``paged``
+        (``draft_cache``). The copy is fed only while the batch speculates, and
+        speculating rows are the first ones (running rows are contiguous), so it needs
+        no rows beyond the speculation threshold: a row past them has no copy state, and
+        its catch-up takes the target's keys and values from its first position when it
         moves into them (``move_row``). Half the rows of a recipe with 16 responses per
         replica and a threshold of 8; every row of the target's cache would be a second
         target-sized cache."""
         rows = max(1, min(max_batch, draft_rows or max_batch))
-
-        def span(positions: int) -> int:  # + slack (+ a capacity for the padded catch-up)
-            return positions + slack + 1 + (0 if self.draft.kernels is not None else positions)
-
-        need, upto = span(capacity), None if reach is None else span(reach)
-        self.cache = reuse_or_make(self.cache, num_layers=len(self.draft.layers),
-                                   max_batch=rows, kv_heads=self.draft.groups, capacity=need,
-                                   head_dim=self.draft.head_dim, dtype=self.draft.dtype,
-                                   device=self.draft.device, upto=upto,
-                                   layout="bsgd" if self.draft.attention == "flash" else "bgsd")
+        block_size = None if paged is None else paged.block_size
+        self.slack = slack
+        self.cache = draft_cache.make(
+            self.cache, block_size=block_size, rows=rows,
+            layout="bsgd" if self.draft.attention == "flash" else "bgsd",
+            **self._cache_shape(max_batch, capacity, slack, reach, draft_rows, block_size))
         self.drafting.cache = self.cache
         self.draft_len = [0] * max_batch
         self.target_len = [0] * max_batch
@@ -101,8 +101,17 @@ class SelfDraftDecoder(EagleDecoder):
         if self.cache is not None:
             self.cache.release()
 
+    @property
+    def draft_layers(self) -> int:
+        """The copy's layers: the target's (at PP > 1 in the gathered mode the copy is
+        made at the first generate, after the engine sizes its caches)."""
+        return len(self.draft.layers) or len(self.target.layers)
+
     def capture_hook(self):
         return None, None
+
+    def paged_features(self):
+        return None  # (fed tokens, it keeps no features)
 
     def features_of(self, hidden: torch.Tensor, got) -> torch.Tensor:
         return hidden  # not kept: the copy is fed tokens
@@ -133,6 +142,7 @@ class SelfDraftDecoder(EagleDecoder):
                                f"speculation threshold), but {len(rows)} rows speculate")
 
     def new_row(self, row: int) -> None:
+        draft_cache.free_row(self.cache, row)
         self.draft_len[row] = self.target_len[row] = 0
 
     def adopt(self, target_cache: KVCache, rows: Sequence) -> int:
@@ -176,6 +186,7 @@ class SelfDraftDecoder(EagleDecoder):
             own = fed if mine is None or mine[i] else 0
             self.draft_len[i] = r.length + 1 + min(len(e.tokens) - 1, own)
             self.target_len[i] = min(self.target_len[i], r.length)
+        draft_cache.trim(self.cache, self.draft_len[: len(rows)])
 
     def _pending(self, rows: Sequence, stats: SpecStats, root: bool = True):
         """Every row's tokens the copy has not been fed: positions draft_len .. L (the

@@ -34,8 +34,7 @@ from typing import Optional
 import torch
 
 from ...config.sections import DEFAULT_ARMS, SELF_ARMS
-from ..kv_cache import kv_bytes
-from .drafter_kind import Drafter, MemoryTerm
+from .drafter_kind import Drafter, MemoryTerm, own_kv_bytes
 from .quantize import check_blocks
 from .quantize_fp8 import resolve_format
 
@@ -147,6 +146,10 @@ class SelfDrafter(Drafter):
 
     # ---------------------------------------------------------------- the dry run
     @classmethod
+    def kv_layers(cls, arch) -> int:
+        return arch.num_layers  # the copy holds all layers (gathered at PP > 1)
+
+    @classmethod
     def memory_terms(cls, arch, s, sc) -> list[MemoryTerm]:
         """Its quantized copy (resident: kept through the update and re-quantized after
         it) and the copy's KV cache for the rollout (all layers, up to the speculation
@@ -154,17 +157,17 @@ class SelfDrafter(Drafter):
         ``SelfDraftDecoder.begin`` allocate (tests/rl/test_memory_model.py)."""
         fmt = copy_format(sc, s.on_gpu)
         rows, positions = copy_kv_rows(s), copy_kv_positions(s, fmt)
-        kv = kv_bytes(num_layers=arch.num_layers, rows=rows,
-                      kv_heads=max(arch.num_query_groups // s.tp, 1), capacity=positions,
-                      head_dim=arch.kv_channels, itemsize=s.dtype_bytes)
+        kv = own_kv_bytes(arch, s, layers=arch.num_layers, rows=rows, positions=positions)
         packed = " (CPU kernels' panels)" if s.cpu_kernels and fmt == "int8" else ""
         experts = " and int8 experts" if arch.is_moe else ""
         return [MemoryTerm("self-drafter copy", copy_bytes(arch, s, sc, fmt), "resident",
                            f"the policy's {fmt} copy, all layers{experts} and the LM "
                            f"head{packed}; kept through the update"),
                 MemoryTerm("self-drafter KV", kv, "rollout",
-                           f"all layers, {rows} rows (up to the threshold) x {positions} "
-                           "positions")]
+                           f"all layers, {rows} rows (up to the threshold) x "
+                           + (f"{s.capacity + s.draft_slack + 1} positions in blocks "
+                              "(paged, in the KV budget)" if s.kv_paged
+                              else f"{positions} positions"))]
 
 
 def copy_format(sc, on_gpu: bool) -> str:
