@@ -12,12 +12,18 @@ takes the longest n-gram ending ``context`` that occurred before and returns wha
 followed each occurrence (latest first); ``chain`` / ``tree`` turn them into a
 proposal: the most frequent continuation, or the trie of the distinct continuations
 where they diverge (children by frequency, then recency).
+
+``state_dict`` / ``load_state_dict``: the index as tensors (its sequences in insertion
+order, which sequences still grow, and every n-gram's occurrences in order), restored
+entry for entry, so a restored index proposes exactly what the saved one would.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Optional, Sequence
+
+import torch
 
 
 class SuffixIndex:
@@ -84,6 +90,49 @@ class SuffixIndex:
                 if not q:
                     del self.table[key]
         self.tokens -= len(s)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The index as int64 tensors: ``ids`` / ``lens`` / ``tokens`` its sequences in
+        insertion order (the order ``_bound`` drops them in), ``live`` the growing ones,
+        ``entries`` every n-gram's occurrences as rows (n, sequence, end), key after key,
+        latest last, and ``sizes`` each key's count (a key is its first entry's last n
+        tokens)."""
+        long = dict(dtype=torch.int64)
+        rows, sizes = [], []
+        for key, q in self.table.items():
+            sizes.append(len(q))
+            rows += [(len(key), seq, end) for seq, end in q]
+        return {"ids": torch.tensor(list(self.seqs), **long),
+                "lens": torch.tensor([len(s) for s in self.seqs.values()], **long),
+                "tokens": torch.tensor([t for s in self.seqs.values() for t in s], **long),
+                "live": torch.tensor(sorted(self.live), **long),
+                "entries": torch.tensor(rows, **long).reshape(-1, 3),
+                "sizes": torch.tensor(sizes, **long)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s index (saved with the same n-gram lengths and
+        ``per_key``)."""
+        self.seqs = dict(self.sequences(state))
+        self.live = set(state["live"].tolist())
+        self.table, at = {}, 0
+        entries = state["entries"].tolist()
+        for size in state["sizes"].tolist():
+            n, seq, end = entries[at]
+            key = tuple(self.seqs[seq][end - n: end])
+            self.table[key] = deque(((s, e) for _, s, e in entries[at: at + size]),
+                                    maxlen=self.per_key)
+            at += size
+        self.tokens = sum(len(s) for s in self.seqs.values())
+
+    @staticmethod
+    def sequences(state: dict) -> list[tuple[int, list[int]]]:
+        """(id, tokens) of the sequences of a ``state_dict()``, in insertion order."""
+        tokens, out, at = state["tokens"].tolist(), [], 0
+        for seq, n in zip(state["ids"].tolist(), state["lens"].tolist()):
+            out.append((seq, tokens[at: at + n]))
+            at += n
+        return out
 
     # ------------------------------------------------------------ reading
     def candidates(self, context: Sequence[int], depth: int, limit: int = 8
