@@ -301,6 +301,10 @@ def test_rows_choose_their_kind_in_one_verification(one_layer, strategy):  # noq
     assert kinds["group_history"]["proposed_rows"] + kinds["eagle"]["proposed_rows"] == summ["rows"]
     assert (kinds["group_history"]["proposed_emitted"] + kinds["eagle"]["proposed_emitted"]
             == summ["emitted"])
+    # the call's timeline of tokens by proposing kind holds the same totals
+    for k in ("group_history", "eagle"):
+        assert sum(t.get(k, 0) for _, _, t in summ["kind_tokens"]) \
+            == kinds[k]["proposed_emitted"]
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, BASE, sp, 3), DIST_DRAWS)
     assert pval > P_MIN, (strategy, pval)
 
