@@ -325,3 +325,25 @@ def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  #
         want = plain.generate(prompts, sps, request_seeds=seeds)
         got = eng.generate(prompts, sps, request_seeds=seeds)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_the_free_kinds_bench_measures_each_call(one_layer):  # noqa: F811
+    """``bench.free_kinds.measure`` (tools/bench_free_kinds.py): per call the tail's
+    speculative steps with their acceptance and the proposer's host time; the engine
+    is left as it was (no drafter, its speculative settings)."""
+    from megatron_tlt.bench.free_kinds import measure
+
+    model, arch, _, _ = one_layer
+    eng = RolloutEngine(model, None, RolloutConfig(max_batch_size=8), arch=arch,
+                        eos_token_ids=[])
+    before = eng.config.speculative
+    r = measure(eng, "group_history", [[3, 8, 3, 8], [1, 2, 1, 2]], 4,
+                SamplingParams(temperature=1.0, max_new_tokens=10, seed=3),
+                strategy="3_1_3", threshold=8, calls=2)
+    assert eng.spec is None and eng.config.speculative is before
+    for c in r["calls"]:
+        assert c["spec_steps"] > 0 and c["spec_rows"] >= c["spec_steps"]
+        assert c["emitted"] == pytest.approx(c["accept_len"] * c["spec_rows"])
+        assert 1.0 <= c["accept_len"] <= 4.0 and 0.0 <= c["rows_with_draft"] <= 1.0
+        assert c["host_us_per_row"] > 0.0
+    assert r["calls"][1]["rows_with_draft"] > 0.0  # the first call's responses
