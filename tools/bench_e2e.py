@@ -8,6 +8,7 @@
     python tools/bench_e2e.py --quick --drafter random    # an untrained drafter (loses)
     python tools/bench_e2e.py --quick --drafter self --off-arm measured  # tuner costs
     python tools/bench_e2e.py --quick --drafter group_history --self-too --off-drafter self
+    python tools/bench_e2e.py --quick --drafter D --free-too group_history --off-drafter D
 
 The same recipe (examples/rl/smollm2_cpu.yaml plus the flags below and any
 ``section.field=value`` overrides), seed and prompts for N GRPO steps, two arms
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the tlt arm adds the self-drafter beside --drafter "
                          "(rollout.speculative.self_too; a model-free --drafter then "
                          "proposes per row over it)")
+    ap.add_argument("--free-too", default="",
+                    help="the tlt arm also attaches this model-free kind (e.g. "
+                         "group_history) beside --drafter, proposing per row over it")
     ap.add_argument("--config", default=str(RECIPE), help="base recipe (YAML)")
     ap.add_argument("--nproc", type=int, default=2, help="DP replicas (processes)")
     ap.add_argument("--warmup-tokens", type=int, default=16,
@@ -298,6 +302,9 @@ def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
         spec_on_fraction=spec["on_fraction"] if spec else None,
         spec_steps=spec["steps"] if spec else None,
         spec_arms=spec["arms"] if spec else None,
+        # tokens by the kind that proposed each row (a model-free kind per row)
+        spec_tokens_by_kind={k: spec[k]["proposed_emitted"] for k in spec.get("kinds", [])}
+        if spec else None,
         update_work=metrics["timeline"].get("update_work"))
 
 
@@ -359,6 +366,13 @@ def build_arms(args, mode: str, session, first_model) -> dict:
         arms[name] = Arm(name, cfgs[name], session, model)
     if untrained:
         attach_random_drafter(arms["tlt"].trainer.engine, args.seed)
+    if args.free_too:  # beside the arm's drafter, per row (as beside the drafter group's)
+        from megatron_tlt.rollout.speculative.drafters import make_drafter
+
+        eng = arms["tlt"].trainer.engine
+        free = make_drafter(args.free_too, arch=eng.arch, dtype=eng.runner.dtype,
+                            device=eng.device, sc=eng.config.speculative)
+        eng.attach_drafters({**eng.drafters, free.name: free})
     start = max_param_delta(arms["tlt"].model, arms["off"].model)
     if start != 0.0:
         raise RuntimeError(f"the arms start from different weights (max |diff| {start})")
@@ -458,9 +472,9 @@ def result_record(args, session, modes: list[str], results: dict, t0: float) -> 
             seed=args.seed, sampling_modes=modes,
             drafter=None if args.drafter == "off" else str(args.drafter),
             aa_control=args.drafter == "off" or args.off_arm == "modelled" or (
-                args.off_drafter == args.drafter and not args.self_too),
+                args.off_drafter == args.drafter and not (args.self_too or args.free_too)),
             off_arm=args.off_arm, off_drafter=args.off_drafter or None,
-            self_too=args.self_too,
+            self_too=args.self_too, free_too=args.free_too or None,
             costs=dict(tlt=cfg.rollout.speculative.costs,
                        off=None if args.off_arm == "off" else args.off_arm),
             speculative=dict(threshold=cfg.rollout.speculative.threshold,
