@@ -350,10 +350,11 @@ def build_arms(args, mode: str, session, first_model) -> dict:
     cfg = make_config(args, mode)
     untrained = is_untrained(str(args.drafter))  # attached after the arms are built
     drafter = "" if args.drafter == "off" or untrained else str(args.drafter)
+    second = "" if args.off_drafter == "off" else args.off_drafter
     cfgs = {"tlt": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
         cfg.rollout.speculative, drafter=drafter, self_too=args.self_too))),
         "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
-            cfg.rollout.speculative, drafter="" if args.off_drafter == "off" else args.off_drafter)))}
+            cfg.rollout.speculative, drafter=second)))}
     if args.off_arm != "off":  # the same drafter, the tuner charging the other costs
         cfgs["off"] = replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
             cfgs["tlt"].rollout.speculative, costs=args.off_arm)))

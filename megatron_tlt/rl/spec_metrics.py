@@ -5,8 +5,9 @@ Per drafter kind (``spec/<kind>/...``, kinds "eagle" for the one-layer drafter a
 speculated and declined, its acceptance overall and per batch-size bucket, its arms,
 and the tokens of the rows it proposed for (``proposed_emitted``, their acceptance
 ``proposed_accept_len`` and share of the speculative steps' tokens ``proposed_share``:
-free kinds propose per row whichever kind the step chose); per bucket (``spec/chosen/<bucket>/<kind|plain>``) the steps each kind
-speculated and the plain steps the chosen kind declined, and the most frequent choice
+free kinds propose per row whichever kind the step chose); per bucket
+(``spec/chosen/<bucket>/<kind|plain>``) the steps each kind speculated and the plain
+steps the chosen kind declined, and the most frequent choice
 (``spec/bucket_choice/<bucket>``: "kind arm" or "plain", a string: JSONL and the
 summary table only).
 """
