@@ -6,9 +6,8 @@ runs), the resumed one continues from the checkpoint (step 2 compares a resume).
 step-cost table is calibrated by the first run, written to the table file, and read by
 the others; speculation runs in every decode step (``fault_inject.SPEC_ON``).
 
-The three runs cover the self-drafter (beside group_history, whose index of the first
-step's responses the resume restores, on the MoE) and the one-layer drafter (both kinds
-side by side on the Llama), standard sampling without the drafter group, and coupled sampling
+The three runs cover the self-drafter and the one-layer drafter (both kinds side by
+side on the Llama), standard sampling without the drafter group, and coupled sampling
 with the group training the drafter, on a tiny Llama and a tiny Qwen3-MoE at EP 2;
 ``tools/fault_inject.py sweep --config`` runs every combination."""
 
@@ -27,7 +26,7 @@ fault_inject = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fault_inject)
 
 STEPS = 2
-CASES = ["moe_ep2_self_group_standard", "llama_both_standard", "moe_ep2_eagle_coupled_group"]
+CASES = ["moe_ep2_self_standard", "llama_both_standard", "moe_ep2_eagle_coupled_group"]
 # coupled sampling with the drafter group: the drafter's own numbers follow idle time
 DRAFTER_OWN = ("drafter", "accept", "alpha", "on_fraction", "emitted", "drafted", "arms",
                "chosen", "steps", "rows", "catchup", "bucket_choice", "declined", "probes")
