@@ -7,6 +7,8 @@
     python tools/bench_e2e.py --quick --drafter off       # A/A: both arms plain
     python tools/bench_e2e.py --quick --drafter random    # an untrained drafter (loses)
     python tools/bench_e2e.py --quick --drafter self --off-arm measured  # tuner costs
+    python tools/bench_e2e.py --quick --drafter group_history --self-too --off-drafter self
+    python tools/bench_e2e.py --quick --drafter D --free-too group_history --off-drafter D
 
 The same recipe (examples/rl/smollm2_cpu.yaml plus the flags below and any
 ``section.field=value`` overrides), seed and prompts for N GRPO steps, two arms
@@ -14,7 +16,10 @@ interleaved step by step from the same starting weights: ``tlt`` (the drafter at
 ``rollout.speculative.drafter=PATH``) and ``off`` (``rollout.speculative.drafter=""``;
 ``--off-arm measured``: the same drafter, its tuner charging measured step times,
 ``rollout.speculative.costs=measured``, where ``tlt`` charges modelled ones;
-``--off-arm modelled``: the same drafter and costs, the A/A control of that ratio).
+``--off-arm modelled``: the same drafter and costs, the A/A control of that ratio;
+``--off-drafter X``: drafter X, so the ratio compares two drafter choices, e.g. kinds
+chosen per row, ``--drafter group_history --self-too``, against the self-drafter alone,
+with ``--drafter self --off-drafter self`` its A/A control).
 Before its first step each arm's tuner gets its step-cost table (calibrated once on
 this machine, ``rl/spec_costs.py``).
 Each step runs both arms' ``Trainer.train_step`` one after the other, the first arm
@@ -108,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--off-arm", choices=("off", "measured", "modelled"), default="off",
                     help="the second arm: no drafter (off), or the tlt arm's drafter with "
                          "rollout.speculative.costs=measured / modelled")
+    ap.add_argument("--off-drafter", default="",
+                    help="the second arm speculates with this drafter (a config value, "
+                         "e.g. self) instead of none")
+    ap.add_argument("--self-too", action="store_true",
+                    help="the tlt arm adds the self-drafter beside --drafter "
+                         "(rollout.speculative.self_too; a model-free --drafter then "
+                         "proposes per row over it)")
+    ap.add_argument("--free-too", default="",
+                    help="the tlt arm also attaches this model-free kind (e.g. "
+                         "group_history) beside --drafter, proposing per row over it")
     ap.add_argument("--config", default=str(RECIPE), help="base recipe (YAML)")
     ap.add_argument("--nproc", type=int, default=2, help="DP replicas (processes)")
     ap.add_argument("--warmup-tokens", type=int, default=16,
@@ -287,6 +302,9 @@ def arm_numbers(metrics: dict, step_time: float, seen_parts: list) -> dict:
         spec_on_fraction=spec["on_fraction"] if spec else None,
         spec_steps=spec["steps"] if spec else None,
         spec_arms=spec["arms"] if spec else None,
+        # tokens by the kind that proposed each row (a model-free kind per row)
+        spec_tokens_by_kind={k: spec[k]["proposed_emitted"] for k in spec.get("kinds", [])}
+        if spec else None,
         update_work=metrics["timeline"].get("update_work"))
 
 
@@ -332,10 +350,11 @@ def build_arms(args, mode: str, session, first_model) -> dict:
     cfg = make_config(args, mode)
     untrained = is_untrained(str(args.drafter))  # attached after the arms are built
     drafter = "" if args.drafter == "off" or untrained else str(args.drafter)
+    second = "" if args.off_drafter == "off" else args.off_drafter
     cfgs = {"tlt": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
-        cfg.rollout.speculative, drafter=drafter))),
+        cfg.rollout.speculative, drafter=drafter, self_too=args.self_too))),
         "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
-            cfg.rollout.speculative, drafter="")))}
+            cfg.rollout.speculative, drafter=second)))}
     if args.off_arm != "off":  # the same drafter, the tuner charging the other costs
         cfgs["off"] = replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
             cfgs["tlt"].rollout.speculative, costs=args.off_arm)))
@@ -348,6 +367,13 @@ def build_arms(args, mode: str, session, first_model) -> dict:
         arms[name] = Arm(name, cfgs[name], session, model)
     if untrained:
         attach_random_drafter(arms["tlt"].trainer.engine, args.seed)
+    if args.free_too:  # beside the arm's drafter, per row (as beside the drafter group's)
+        from megatron_tlt.rollout.speculative.drafters import make_drafter
+
+        eng = arms["tlt"].trainer.engine
+        free = make_drafter(args.free_too, arch=eng.arch, dtype=eng.runner.dtype,
+                            device=eng.device, sc=eng.config.speculative)
+        eng.attach_drafters({**eng.drafters, free.name: free})
     start = max_param_delta(arms["tlt"].model, arms["off"].model)
     if start != 0.0:
         raise RuntimeError(f"the arms start from different weights (max |diff| {start})")
@@ -446,8 +472,10 @@ def result_record(args, session, modes: list[str], results: dict, t0: float) -> 
             max_new_tokens=args.max_new_tokens, temperature=cfg.grpo.temperature,
             seed=args.seed, sampling_modes=modes,
             drafter=None if args.drafter == "off" else str(args.drafter),
-            aa_control=args.drafter == "off" or args.off_arm == "modelled",
-            off_arm=args.off_arm,
+            aa_control=args.drafter == "off" or args.off_arm == "modelled" or (
+                args.off_drafter == args.drafter and not (args.self_too or args.free_too)),
+            off_arm=args.off_arm, off_drafter=args.off_drafter or None,
+            self_too=args.self_too, free_too=args.free_too or None,
             costs=dict(tlt=cfg.rollout.speculative.costs,
                        off=None if args.off_arm == "off" else args.off_arm),
             speculative=dict(threshold=cfg.rollout.speculative.threshold,
@@ -597,12 +625,12 @@ def launch(args, argv: list[str]) -> int:
         return 2
     from megatron_tlt.rollout.speculative.drafters import is_untrained, names
 
-    if args.drafter not in (None, "off") and not (
-            args.drafter in names() or is_untrained(args.drafter)
-            or Path(args.drafter).is_file()):
-        print(f"error: no drafter checkpoint at {args.drafter} (or give one of "
-              f"{names()}, random, off)", file=sys.stderr)
-        return 2
+    for flag, value in (("--drafter", args.drafter), ("--off-drafter", args.off_drafter)):
+        if value not in (None, "off", "") and not (
+                value in names() or is_untrained(value) or Path(value).is_file()):
+            print(f"error: {flag}: no drafter checkpoint at {value} (or give one of "
+                  f"{names()}, random, off)", file=sys.stderr)
+            return 2
     from megatron_tlt.bench.launcher import torchrun
     from megatron_tlt.drafter_training.prepared import demo_drafter
 

@@ -68,7 +68,9 @@ VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds",
 SPEC_ON = ["rollout.speculative.threshold=64", "rollout.speculative.break_even=false",
            "rollout.speculative.arms=*:2_1_2,3_1_3", "rollout.speculative.self_arms=auto"]
 # name -> (model: llama | moe, the drafter: copy (the self-drafter) | trained (the one-layer
-# drafter) | both, overrides); moe runs at
+# drafter) | both | group (group_history alone; 2 prompts, so the second step drafts
+# from the first's responses: a resume restores them from the checkpoint), overrides);
+# moe runs at
 # EP 2, the drafter group trains the one-layer drafter (coupled sampling: exact)
 CONFIGS = {
     "llama_self_standard": ("llama", "copy", []),
@@ -77,6 +79,9 @@ CONFIGS = {
     "llama_eagle_coupled_group": ("llama", "trained", [
         "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
     "moe_ep2_self_standard": ("moe", "copy", []),
+    "moe_ep2_group_standard": ("moe", "group", [  # every step speculates (its own arms
+        "data.train_size=2", "rollout.speculative.policy=fixed",  # hold 0_0_0)
+        "rollout.speculative.strategy=3_1_3"]),
     "moe_ep2_eagle_standard": ("moe", "trained", []),
     "moe_ep2_eagle_coupled_group": ("moe", "trained", [
         "rollout.sampling_mode=coupled", "drafter_group.enable=true"]),
@@ -91,7 +96,8 @@ def config_args(name: str, policy: Path, costs: Path) -> list[str]:
     eagle = f"rollout.speculative.drafter={policy / 'drafter.safetensors'}"
     # the drafters: the policy's copy ("copy"), the one-layer drafter ("trained"), both
     kinds = {"copy": ["rollout.speculative.drafter=self"], "trained": [eagle],
-             "both": [eagle, "rollout.speculative.self_too=true"]}[drafter]
+             "both": [eagle, "rollout.speculative.self_too=true"],
+             "group": ["rollout.speculative.drafter=group_history"]}[drafter]
     if drafter == "trained" and "drafter_group.enable=true" in extra:
         kinds = []  # the group starts from an untrained drafter
     ep = ["parallel.expert_model_parallel_size=2"] if model == "moe" else []

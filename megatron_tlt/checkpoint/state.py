@@ -2,12 +2,14 @@
 
 The step counter, the policy (weights, optimizer, LR schedule), the prompt sampler's
 position, every RNG stream, the speculative-strategy tuner, the drafter (weights, and
-its optimizer when the drafter group trains it) and the drafter group's data buffer.
+its optimizer when the drafter group trains it), the drafter group's data buffer and
+what the drafter kinds draft from (``Drafter.drafting_state``: group_history's index).
 ``store.save`` writes it; this module splits it into its parts:
 
 * ``global_state``: the same on every rank (step, model metadata, drafter config);
 * ``rank_state``: what differs per rank (RNG streams, the replica's tuner, the drafter
-  optimizer, the replica's buffered responses, the sampler and small counters);
+  optimizer, the replica's buffered responses, the kinds' drafting state, the sampler
+  and small counters);
 * the policy and the drafter weights, written by ``sharded`` / the store.
 """
 
@@ -78,6 +80,7 @@ class RunState:
     tuner: Any = None                  # rollout.tuner.StrategyTuner or None
     drafter: Any = None                # models.drafter.EagleDrafter or None
     drafter_group: Any = None          # drafter_training.group.DrafterGroup or None
+    drafters: dict = field(default_factory=dict)  # kind name -> the engine's Drafter
     extra: dict = field(default_factory=dict)  # small JSON-able counters
     # for readers outside the run (checkpoint.export): the model's HF config and source
     meta: dict = field(default_factory=dict)
@@ -98,6 +101,10 @@ class RunState:
         if self.drafter_group is not None:
             out["drafter_group"] = self.drafter_group.state_dict()
             out["drafter_buffer"] = buffer_state(self.drafter_group.buffer)
+        drafting = {name: s for name, d in self.drafters.items()
+                    if (s := d.drafting_state()) is not None}
+        if drafting:
+            out["drafting"] = drafting
         return out
 
     def load_global_state(self, state: dict) -> None:
@@ -122,5 +129,10 @@ class RunState:
                 notes.append("drafter optimizer state not restored (TP size changed)")
             if "drafter_buffer" in state:
                 load_buffer_state(self.drafter_group.buffer, state["drafter_buffer"])
+        for name, s in state.get("drafting", {}).items():
+            if name in self.drafters:
+                self.drafters[name].load_drafting_state(s)
+            else:
+                notes.append(f"the {name} drafter's state not restored (not configured)")
         self.extra = dict(state.get("extra", {}))
         set_rng_state(state["rng"])

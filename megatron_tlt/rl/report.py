@@ -67,15 +67,17 @@ def step_kinds(history: Sequence[dict]) -> list[str]:
 def kind_cell(spec: dict, kinds: Sequence[str]) -> str:
     """One line per kind: its share of the step's decode steps and acceptance length
     ("self 12% x4.31"; "-" where it never speculated), and where kinds proposed per
-    row (free kinds), the tokens of the rows it proposed for and their acceptance
-    length ("group 0% - | 420 tok x2.10")."""
+    row (free kinds), the tokens of the rows it proposed for, their share of the
+    speculative steps' tokens and their acceptance length ("group 0% - | 420 tok 35%
+    x2.10")."""
     lines = []
     for k in kinds:
         m = spec.get(k) or {}
         acc = f"x{m['accept_len']:.2f}" if m.get("steps") else "-"
         line = f"{k} {m.get('on_fraction', 0.0):.0%} {acc}"
         if m.get("proposed_rows", m.get("rows", 0)) != m.get("rows", 0):
-            line += f" | {m['proposed_emitted']} tok x{m['proposed_accept_len']:.2f}"
+            line += (f" | {m['proposed_emitted']} tok {m.get('proposed_share', 0.0):.0%} "
+                     f"x{m['proposed_accept_len']:.2f}")
         lines.append(line)
     return "\n".join(lines) if lines else "-"
 
@@ -283,6 +285,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
             upd_start = t["step"] - t["update"]
             spans = r["timeline"].get("drafter_train") or [None] * len(fin)
             bands = r["timeline"].get("replica_kinds") or [[]] * len(fin)
+            tokens = r["timeline"].get("replica_kind_tokens") or [[]] * len(fin)
             for k, f in enumerate(fin):
                 ax.barh(y, f, color="tab:blue")
                 ax.barh(y, last - f, left=f, color="tab:red", alpha=0.6)
@@ -292,6 +295,12 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
                 for a, b, what in bands[k]:  # which drafter decoded when (thin bands)
                     ax.barh(y + 0.3, max(b - a, 1e-3), left=a, height=0.25,
                             color=kind_color(what))
+                for a, b, by_kind in tokens[k]:  # tokens by proposing kind: the span
+                    left, total = a, sum(by_kind.values())  # split by their shares
+                    for kind, n in sorted(by_kind.items()):
+                        w = max(b - a, 1e-3) * n / total if total else 0.0
+                        ax.barh(y + 0.1, w, left=left, height=0.12, color=kind_color(kind))
+                        left += w
                 ax.barh(y, upd_start - last, left=last, color="tab:gray", alpha=0.4)
                 ax.barh(y, t["update"], left=upd_start, color="tab:green")
                 labels.append(f"step {r['step']} replica {k}")
@@ -302,12 +311,16 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set_xlabel("seconds since step start")
         title = ("replica timeline: rollout (blue), tail idle (red), drafter training "
                  "(purple), log-probs (grey), update (green)")
-        kinds = sorted({w for r in shown for segs in r["timeline"].get("replica_kinds") or []
-                        for _, _, w in segs} - {"plain"})
+        kinds = sorted(({w for r in shown for segs in r["timeline"].get("replica_kinds") or []
+                         for _, _, w in segs}
+                        | {k for r in shown
+                           for segs in r["timeline"].get("replica_kind_tokens") or []
+                           for _, _, t in segs for k in t}) - {"plain"})
         if kinds:
             title += ("\nbands under the rollout: steps speculated by " + " or ".join(
                 f"{kind_label(k)} ({kind_color(k).removeprefix('tab:')})"
-                for k in kinds) + ", declined (black)")
+                for k in kinds) + ", declined (black); below them the tokens by the "
+                "kind that proposed each row")
         ax.set_title(title, fontsize=9)
         fig.tight_layout()
         p = out / "timeline.png"

@@ -10,8 +10,9 @@
   policy's distribution): standard sampling with the drafter group, whose training
   amount follows each step's idle time, so later drafts, hence the sampled tokens,
   differ from run to run; or with ``costs=measured`` (the tuner follows step times); or
-  with a kind whose drafting source a checkpoint does not hold (``group_history``: the
-  GRPO groups' earlier responses; reruns are bit-exact, a resume starts it empty).
+  with a kind whose drafting source a checkpoint does not hold (``Drafter.resumes_exactly``
+  False; reruns are bit-exact). ``group_history``'s responses are in every checkpoint
+  (``Drafter.drafting_state``): it resumes exactly.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 Per drafter kind (``spec/<kind>/...``, kinds "eagle" for the one-layer drafter and
 "self" for the policy's int8 copy; ``spec/kinds`` lists them) the steps it was chosen,
-speculated and declined, its acceptance overall and per batch-size bucket, and its
-arms; per bucket (``spec/chosen/<bucket>/<kind|plain>``) the steps each kind
-speculated and the plain steps the chosen kind declined, and the most frequent choice
+speculated and declined, its acceptance overall and per batch-size bucket, its arms,
+and the tokens of the rows it proposed for (``proposed_emitted``, their acceptance
+``proposed_accept_len`` and share of the speculative steps' tokens ``proposed_share``:
+free kinds propose per row whichever kind the step chose); per bucket
+(``spec/chosen/<bucket>/<kind|plain>``) the steps each kind speculated and the plain
+steps the chosen kind declined, and the most frequent choice
 (``spec/bucket_choice/<bucket>``: "kind arm" or "plain", a string: JSONL and the
 summary table only).
 """
@@ -85,6 +88,7 @@ def merge_kinds(parts: list[dict], decode_steps: int) -> dict:
     if not kinds:
         return {}
     out: dict = {"kinds": sorted(kinds)}
+    proposed = sum(m["proposed_emitted"] for m in kinds.values())
     for name, m in kinds.items():
         tb = m.pop("_buckets")
         drafted = m.pop("drafted")
@@ -92,6 +96,7 @@ def merge_kinds(parts: list[dict], decode_steps: int) -> dict:
         # tokens by the kind that proposed each row (free kinds propose per row)
         m["proposed_accept_len"] = (m["proposed_emitted"] / m["proposed_rows"]
                                     if m["proposed_rows"] else 0.0)
+        m["proposed_share"] = m["proposed_emitted"] / proposed if proposed else 0.0
         m["drafted_per_row"] = drafted / m["rows"] if m["rows"] else 0.0
         m["on_fraction"] = m["steps"] / decode_steps if decode_steps else 0.0
         m["accept_len_by_bucket"] = {k: e / r for k, (r, e, _) in tb.items() if r}

@@ -147,15 +147,20 @@ def step_metrics(samples, roll, finish_times, timing, update, zero_std, rounds, 
         kinds = replica_kinds(gathered)
         if kinds is not None:
             out["timeline"]["replica_kinds"] = kinds
+        tokens = replica_kinds(gathered, "kind_tokens")
+        if tokens is not None:
+            out["timeline"]["replica_kind_tokens"] = tokens
     return out
 
 
-def replica_kinds(gathered) -> list | None:
+def replica_kinds(gathered, key: str = "segments") -> list | None:
     """Per replica, its rollout's kind timeline (``SpecStats.segments``: [start, end,
-    kind or "plain"]) in seconds since the step started; None when no replica has one."""
+    kind or "plain"]; ``key="kind_tokens"``: [start, end, {kind: tokens}], the tokens
+    by the kind that proposed each row) in seconds since the step started; None when
+    no replica has one."""
     out = []
     for spec, started in gathered:
-        segs = (spec or {}).get("segments") or []
+        segs = (spec or {}).get(key) or []
         out.append([[round(started + a, 4), round(started + b, 4), w] for a, b, w in segs])
     return out if any(out) else None
 

@@ -103,7 +103,7 @@ class Trainer:
             policy=self.policy, sampler=PromptSampler(self.train_prompts, cfg.data.seed),
             tuner=self.engine.tuner,
             drafter=saved.model if saved is not None and saved.saveable else None,
-            drafter_group=self.online.group,
+            drafter_group=self.online.group, drafters=self.engine.drafters,
             meta=run_meta(self.arch, session.source))
         self.saver = checkpointing.Saver(checkpointing.async_enabled(
             cfg.checkpoint.async_save, session.platform.device))

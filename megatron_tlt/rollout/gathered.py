@@ -307,4 +307,5 @@ def merge_stats(base: GenerateStats, parts: list[GenerateStats]) -> GenerateStat
     if out.spec is not None and base.spec is not None:
         out.spec.gate = base.spec.gate  # this rank's tuner
         out.spec.segments = base.spec.segments  # and kind timeline
+        out.spec.token_steps = base.spec.token_steps
     return out

@@ -68,6 +68,46 @@ def test_timeline_segments_merge_runs_and_bin_long_ones():
     assert segs[0][1] == pytest.approx(20.0)
 
 
+def test_tokens_by_proposing_kind_follow_the_steps_and_keep_their_totals():
+    """``record_rows`` then the step's ``mark``: each speculative step's tokens by the
+    kind that proposed each row, placed on the call's timeline (plain steps add none);
+    binned past the limit, the kinds' totals are kept; a merge keeps the first rank's."""
+    st = SpecStats()
+    st.record_rows(["self", "group_history", "group_history"], [3, 2, 4])
+    st.mark(0.0, 1.0, "self")
+    st.mark(1.0, 2.0, "plain")
+    st.record_rows(["self"], [1])
+    st.mark(2.0, 2.5, "self")
+    assert st.token_steps == [[0.0, 1.0, {"self": 3, "group_history": 6}],
+                              [2.0, 2.5, {"self": 1}]]
+    assert st.summary()["kind_tokens"] == st.token_steps
+    assert st.merged(SpecStats()).token_steps == st.token_steps
+    st = SpecStats()
+    for i in range(300):
+        st.record_rows(["self", "group_history"][: 1 + i % 2], [2, 5][: 1 + i % 2])
+        st.mark(i * 0.1, i * 0.1 + 0.1, "self")
+    bins = st.tokens_summary(limit=8)
+    assert len(bins) <= 8 and all(a < b for a, b, _ in bins)
+    assert sum(t.get("self", 0) for *_, t in bins) == 600
+    assert sum(t.get("group_history", 0) for *_, t in bins) == 150 * 5
+
+
+def test_step_metrics_pool_tokens_by_kind():
+    from megatron_tlt.rl.spec_metrics import merge_kinds
+    from megatron_tlt.rl.step_metrics import replica_kinds
+
+    part = {"kinds": {"self": {"rows": 4, "emitted": 10, "proposed_rows": 3,
+                               "proposed_emitted": 6},
+                      "group_history": {"proposed_rows": 1, "proposed_emitted": 4}}}
+    m = merge_kinds([part, part], 10)
+    assert m["self"]["proposed_emitted"] == 12 and m["group_history"]["proposed_emitted"] == 8
+    assert m["self"]["proposed_share"] == pytest.approx(0.6)
+    assert m["group_history"]["proposed_share"] == pytest.approx(0.4)
+    spec = {"kind_tokens": [[0.5, 1.0, {"self": 3}]]}
+    assert replica_kinds([(spec, 2.0), (None, 0.0)], "kind_tokens") == \
+        [[[2.5, 3.0, {"self": 3}]], []]
+
+
 def _history(kinds=("eagle", "self")):
     spec = {"accept_len": 3.2, "on_fraction": 0.3, "steps": 30, "kinds": list(kinds),
             "chosen": {"1": {"self": 20, "plain": 2}, "5-8": {"eagle": 10, "plain": 5}},
@@ -80,7 +120,9 @@ def _history(kinds=("eagle", "self")):
            "timing": {"rollout": 5.0, "tail": 1.0, "update": 2.0, "step": 8.0},
            "timeline": {"replica_finish": [4.0, 5.0], "update_end": 8.0,
                         "replica_kinds": [[[3.0, 3.5, "self"], [3.5, 4.0, "plain"]],
-                                          [[2.0, 5.0, "eagle"]]]}}
+                                          [[2.0, 5.0, "eagle"]]],
+                        "replica_kind_tokens": [[[3.0, 3.5, {"self": 6, "group_history": 2}]],
+                                                []]}}
     return [rec, dict(rec, step=2)]
 
 
@@ -92,6 +134,11 @@ def test_summary_table_shows_the_kinds_and_each_buckets_drafter():
     h = _history()
     spec = h[0]["spec"]
     assert report.kind_cell(spec, ["eagle", "self"]) == "eagle 0% -\nself 20% x4.25"
+    # a free kind's rows: their tokens, share and acceptance (the step's kind was another)
+    mixed = dict(spec, self=dict(spec["self"], rows=40, proposed_rows=30,
+                                 proposed_emitted=120, proposed_share=0.75,
+                                 proposed_accept_len=4.0))
+    assert report.kind_cell(mixed, ["self"]) == "self 20% x4.25 | 120 tok 75% x4.00"
     # buckets smallest first, "33+" last
     assert report.bucket_cell(spec) == ("1: self 4_1_4 | self 91% plain 9%\n"
                                         "5-8: plain | eagle 67% plain 33%\n33+: eagle 3_1_3")
@@ -131,9 +178,10 @@ def test_plots_draw_the_kinds(tmp_path, monkeypatch):
     assert "drafter self" in labels and "drafter eagle" in labels
     k = report.kind_color
     assert len({k("self"), k("plain"), k("eagle")}) == 3  # each kind its own color
-    # two steps x (self, plain on replica 0; eagle on replica 1)
-    assert (colors.count(k("self")), colors.count(k("plain")), colors.count(k("eagle"))) \
-        == (2, 2, 2)
+    # two steps x (self, plain on replica 0; eagle on replica 1), and under them the
+    # tokens by proposing kind (self and group_history on replica 0)
+    assert (colors.count(k("self")), colors.count(k("plain")), colors.count(k("eagle")),
+            colors.count(k("group_history"))) == (4, 2, 2, 2)
 
 
 def test_drafter_canary_judges_the_one_layer_drafter_by_its_own_steps():

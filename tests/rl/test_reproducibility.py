@@ -20,7 +20,7 @@ from megatron_tlt.rl.reproducibility import DISTRIBUTION, EXACT, contract
     (["drafter_group.enable=true"], DISTRIBUTION),
     (["drafter_group.enable=true", "rollout.sampling_mode=coupled"], EXACT),
     (["rollout.speculative.drafter=prompt_lookup"], EXACT),
-    (["rollout.speculative.drafter=group_history"], DISTRIBUTION),  # history not saved
+    (["rollout.speculative.drafter=group_history"], EXACT),  # its history is saved
     (["rollout.speculative.drafter=group_history", "rollout.sampling_mode=coupled"], EXACT),
 ])
 def test_each_configuration_has_its_class_and_one_banner_line(overrides, expected):

@@ -180,6 +180,67 @@ def test_the_group_history_is_bounded_across_prompts():
     assert len(h.groups) < 20 and tuple([19, 20, 21]) in h.groups
 
 
+def _index_contents(idx: SuffixIndex):
+    return (list(idx.seqs.items()), sorted(idx.live), len(idx),
+            [(k, list(q), q.maxlen) for k, q in idx.table.items()])
+
+
+def test_the_suffix_index_is_restored_entry_for_entry(tmp_path):
+    """Interleaved sequences (siblings decoding side by side), some dropped past the
+    bound and one still growing: through the checkpoint's file format, the restored
+    index holds the same sequences, n-gram occurrences in the same order, and proposes
+    the same chains and trees for every context."""
+    from megatron_tlt.checkpoint.safe_files import read_tree, write_tree
+
+    idx = SuffixIndex(min_n=2, max_n=4, per_key=3, max_tokens=120)
+    g = torch.Generator().manual_seed(2)
+    for s in range(12):
+        for part in range(3):  # 3 siblings at a time, extended in turns
+            for sib in range(3):
+                toks = torch.randint(0, 6, (5,), generator=g).tolist()
+                idx.extend(3 * s + sib, toks, live=part < 2 or s == 11)
+    assert idx.live and min(idx.seqs) > 0  # some dropped, some growing
+    write_tree(tmp_path / "idx", idx.state_dict())
+    back = SuffixIndex(min_n=2, max_n=4, per_key=3, max_tokens=120)
+    back.load_state_dict(read_tree(tmp_path / "idx"))
+    assert _index_contents(back) == _index_contents(idx)
+    for ctx in {tuple(k) for k in idx.table} | {(0, 0), (5, 1, 2)}:
+        assert back.candidates(list(ctx), 4) == idx.candidates(list(ctx), 4)
+    idx.extend(99, [1, 2, 3, 4], live=False)  # and they keep evolving alike
+    back.extend(99, [1, 2, 3, 4], live=False)
+    assert _index_contents(back) == _index_contents(idx)
+
+
+def test_a_resumed_group_history_drafts_as_the_uninterrupted_one(one_layer, tmp_path):  # noqa: F811
+    """The history travels in the run state's rank file (``RunState.drafters``): an
+    engine restored from it after a first call samples (standard sampling, T=1, drafts
+    from the first call's responses) the same tokens in its second call as the engine
+    that made the first call; one started empty samples others."""
+    from megatron_tlt.checkpoint.safe_files import read_tree, write_tree
+    from megatron_tlt.checkpoint.state import RunState
+
+    model, arch, _, _ = one_layer
+    prompts = [p for p in ([3, 8, 3, 8], [1, 2, 1, 2, 1]) for _ in range(4)]
+
+    def engine():
+        return _engine(model, arch, GroupHistory(), "4_2_6")
+
+    def second_call(eng):
+        return [o.token_ids for o in eng.generate(
+            prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=8))]
+
+    first = engine()
+    first.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=7))
+    write_tree(tmp_path / "rank", RunState(drafters=first.drafters).rank_state())
+    resumed, empty = engine(), engine()
+    RunState(drafters=resumed.drafters).load_rank_state(read_tree(tmp_path / "rank"))
+    (h,) = resumed.drafters.values()
+    assert h.tokens == first.drafters["group_history"].tokens > 8 * 12
+    want = second_call(first)
+    assert second_call(resumed) == want
+    assert second_call(empty) != want
+
+
 def test_the_prompt_kind_looks_in_the_rows_prompt():
     d = PromptLookup(min_n=2, max_n=3)
     row = type("Row", (), {"prompt": [1, 2, 3, 9, 1, 2, 4, 9, 1], "tokens": [2]})()
@@ -240,6 +301,10 @@ def test_rows_choose_their_kind_in_one_verification(one_layer, strategy):  # noq
     assert kinds["group_history"]["proposed_rows"] + kinds["eagle"]["proposed_rows"] == summ["rows"]
     assert (kinds["group_history"]["proposed_emitted"] + kinds["eagle"]["proposed_emitted"]
             == summ["emitted"])
+    # the call's timeline of tokens by proposing kind holds the same totals
+    for k in ("group_history", "eagle"):
+        assert sum(t.get(k, 0) for _, _, t in summ["kind_tokens"]) \
+            == kinds[k]["proposed_emitted"]
     pval = _chi2_pvalue(counts, _exact_joint(model, arch, BASE, sp, 3), DIST_DRAWS)
     assert pval > P_MIN, (strategy, pval)
 
@@ -260,3 +325,25 @@ def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  #
         want = plain.generate(prompts, sps, request_seeds=seeds)
         got = eng.generate(prompts, sps, request_seeds=seeds)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_the_free_kinds_bench_measures_each_call(one_layer):  # noqa: F811
+    """``bench.free_kinds.measure`` (tools/bench_free_kinds.py): per call the tail's
+    speculative steps with their acceptance and the proposer's host time; the engine
+    is left as it was (no drafter, its speculative settings)."""
+    from megatron_tlt.bench.free_kinds import measure
+
+    model, arch, _, _ = one_layer
+    eng = RolloutEngine(model, None, RolloutConfig(max_batch_size=8), arch=arch,
+                        eos_token_ids=[])
+    before = eng.config.speculative
+    r = measure(eng, "group_history", [[3, 8, 3, 8], [1, 2, 1, 2]], 4,
+                SamplingParams(temperature=1.0, max_new_tokens=10, seed=3),
+                strategy="3_1_3", threshold=8, calls=2)
+    assert eng.spec is None and eng.config.speculative is before
+    for c in r["calls"]:
+        assert c["spec_steps"] > 0 and c["spec_rows"] >= c["spec_steps"]
+        assert c["emitted"] == pytest.approx(c["accept_len"] * c["spec_rows"])
+        assert 1.0 <= c["accept_len"] <= 4.0 and 0.0 <= c["rows_with_draft"] <= 1.0
+        assert c["host_us_per_row"] > 0.0
+    assert r["calls"][1]["rows_with_draft"] > 0.0  # the first call's responses

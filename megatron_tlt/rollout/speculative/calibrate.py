@@ -6,7 +6,9 @@ random stream is read, so the run's sampling is untouched) through the engine's 
 batch size (each bucket's upper bound up to the speculation threshold and the
 engine's rows) and for each of the bucket's speculative arms of each drafter kind,
 plain and speculative steps alternate (every speculative step then catches the
-drafter up on the plain step's positions, timed apart). The medians give
+drafter up on the plain step's positions, timed apart); what the kinds draft from
+(``Drafter.drafting_state``: group_history's responses) is put back as it was, so the
+synthetic responses never reach a run's drafts. The medians give
 ``step_costs.KindCosts`` per kind; the ranks that decode together agree on their rank
 0's (``engine.tp_times``, the same schedule on every rank gives the same shape).
 
@@ -134,6 +136,8 @@ def calibrate(engine) -> StepCosts:
     ep = engine.runner.ep_group
     lead = ep is None or collectives.rank(ep) == 0  # the EP group decodes one union
     kinds = {}
+    drafting = {name: s for name, d in engine.drafters.items()
+                if (s := d.drafting_state()) is not None}
     try:
         with torch.random.fork_rng(devices=[]):
             for kind, tuner in tuners.items():
@@ -159,6 +163,8 @@ def calibrate(engine) -> StepCosts:
         engine.tuner = real
         if hasattr(real, "active"):
             real.active = None
+        for name, s in drafting.items():
+            engine.drafters[name].load_drafting_state(s)
     return StepCosts(kinds, source=f"calibrated on {machine()}", key=costs_key(engine))
 
 

@@ -87,8 +87,8 @@ class Drafter:
     # its proposals cost nothing on the accelerator (a host lookup): beside other kinds
     # it is offered per row over the bucket's kind (``multi.KindDecoder``)
     free: ClassVar[bool] = False
-    # what it drafts from is rebuilt the same after a resume (False: a history that a
-    # checkpoint does not hold; standard sampling then resumes exact in distribution only)
+    # what it drafts from is the same after a resume: rebuilt, or saved in checkpoints
+    # (``drafting_state``); False: standard sampling resumes exact in distribution only
     resumes_exactly: ClassVar[bool] = True
 
     @property
@@ -105,6 +105,16 @@ class Drafter:
     def settings(self) -> dict:
         """Its kind and settings, JSON-able (benchmark records)."""
         return {"kind": self.name}
+
+    def drafting_state(self) -> Optional[dict]:
+        """What it drafts from that a run's checkpoints carry (per rank, as
+        ``checkpoint.safe_files.write_tree`` stores: tensors, numbers, strings, lists,
+        dicts), e.g. a history of earlier responses; None: nothing (weights are
+        ``model``'s)."""
+        return None
+
+    def load_drafting_state(self, state: dict) -> None:
+        """Restore ``drafting_state()``'s state."""
 
     def check_target(self, arch) -> None:
         """Raise when it cannot draft for a target of ``arch``."""

