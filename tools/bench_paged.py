@@ -11,7 +11,9 @@ the paged engine gets the same bytes (``rollout.kv_cache_gib``) and every reques
 its most rows in flight. Rounds of slots, paged, slots (A/A control), interleaved
 (``megatron_tlt/bench/paged_kv.py``); the JSON holds rows in flight, wall time, their
 ratios (median over rounds), the A/A ratio, the host syncs of a paged step, whether
-the outputs were identical, the CPU and the command.
+the outputs were identical, the CPU and the command; with the CPU kernels built, also
+one layer's fused attention on a paged cache read in place through the block table
+against gathering the blocks into a contiguous copy first (``attend_layouts``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def main() -> None:
         args.prompts, args.max_new, args.median, args.rounds = 2, 96, 20.0, 1
 
     from megatron_tlt.bench.common import cpu_description
-    from megatron_tlt.bench.paged_kv import compare, workload
+    from megatron_tlt.bench.paged_kv import attend_layouts, compare, workload
     from megatron_tlt.bench.sync_budget import measure, summary
     from megatron_tlt.config import RolloutConfig
     from megatron_tlt.rollout import RolloutEngine
@@ -77,6 +79,12 @@ def main() -> None:
                     **cpu_description(eng)),
         host_syncs_plain_step_paged=syncs["host_syncs_plain_step"],
     )
+    kern = eng.runner.kernels
+    if kern is not None:  # one layer's attention: paged in place vs gathered pages
+        result["attend_layouts"] = attend_layouts(
+            kern, groups=arch.num_query_groups,
+            heads_per_group=arch.num_attention_heads // arch.num_query_groups,
+            head_dim=arch.kv_channels, block_size=base.kv_block_size)
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("slots", "paged", "slots_aa", "config")}, indent=1))
     if args.json:

@@ -90,3 +90,63 @@ def compare(model, tokenizer, arch, base: RolloutConfig, *, slot_rows: int, prom
         "slots": digest(runs["slots"]), "paged": digest(runs["paged"]),
         "slots_aa": digest(runs["slots_aa"]),
     }
+
+
+def attend_layouts(kernels, *, groups: int, heads_per_group: int, head_dim: int,
+                   block_size: int, cases=((8, 128), (64, 96), (64, 200)), reps: int = 30,
+                   seed: int = 0) -> list[dict]:
+    """One layer's fused RoPE + KV write + attention (``cpu_kernels.rope_attend``) on a
+    paged cache, per (rows, position) case: read in place through a shuffled block table
+    ("paged"), gathered into a contiguous copy first and the new keys written back
+    ("gathered"), and the same data as contiguous rows ("contiguous"). Best of two
+    alternating passes of ``reps`` calls each; the three outputs are checked equal."""
+    import torch
+
+    g, hpg, d, bs = groups, heads_per_group, head_dim, block_size
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for rows, length in cases:
+        width = -(-(length + 1) // bs)
+        kp = torch.randn(rows * width + 1, g, bs, d, generator=gen)
+        vp = torch.randn(rows * width + 1, g, bs, d, generator=gen)
+        table = (torch.randperm(rows * width, generator=gen) + 1).view(rows, width)
+        pos = torch.full((rows,), length)
+        qkv = torch.randn(rows, g * (hpg + 2) * d, generator=gen)
+        ang = torch.randn(rows, d // 2, generator=gen)
+        cos = torch.cat([ang.cos(), ang.cos()], -1)
+        sin = torch.cat([-ang.sin(), ang.sin()], -1)
+        kc = kp[table].transpose(1, 2).reshape(rows, g, width * bs, d).contiguous()
+        vc = vp[table].transpose(1, 2).reshape(rows, g, width * bs, d).contiguous()
+        at = (table[torch.arange(rows), pos // bs], pos % bs)
+
+        def paged():
+            return kernels.rope_attend(qkv, cos, sin, kp, vp, pos, g, hpg, d, 0.125, None,
+                                       table)
+
+        def gathered():
+            k = kp[table].transpose(1, 2).reshape(rows, g, width * bs, d)
+            v = vp[table].transpose(1, 2).reshape(rows, g, width * bs, d)
+            o = kernels.rope_attend(qkv, cos, sin, k, v, pos, g, hpg, d, 0.125)
+            kp[at[0], :, at[1]] = k[torch.arange(rows), :, pos]
+            vp[at[0], :, at[1]] = v[torch.arange(rows), :, pos]
+            return o
+
+        def contiguous():
+            return kernels.rope_attend(qkv, cos, sin, kc, vc, pos, g, hpg, d, 0.125)
+
+        fns = {"paged": paged, "gathered": gathered, "contiguous": contiguous}
+        ref = contiguous()
+        assert torch.equal(paged(), ref) and torch.equal(gathered(), ref)
+        best = {k: float("inf") for k in fns}
+        for _ in range(2):
+            for name, f in fns.items():
+                f()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    f()
+                best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1e3)
+        out.append({"rows": rows, "position": length,
+                    **{f"{k}_ms": round(v, 4) for k, v in best.items()},
+                    "gathered_over_paged": round(best["gathered"] / best["paged"], 2),
+                    "paged_over_contiguous": round(best["paged"] / best["contiguous"], 3)})
+    return out

@@ -19,13 +19,19 @@ kernels run the step close to the bandwidth floor:
   the earlier dot-product kernel at 1 row, 17-29 % at 5-8 rows, 23-33 % faster than
   MKL at 24-64 rows);
 - ``rms_norm(x, w, eps)``: x * rsqrt(mean(x^2) + eps) * w, rows of x;
-- ``rope_attend(qkv, cos, sin_signed, k_cache, v_cache, pos, ...)``: rotate-half RoPE
-  on the query heads and the key of every KV group, write key and value at ``pos``,
-  and attend causally over positions 0..pos with the group's query heads (GQA), the
-  softmax's exp vectorised;
+- ``rope_attend(qkv, cos, sin_signed, k_cache, v_cache, pos, ..., row_of, table)``:
+  rotate-half RoPE on the query heads and the key of every KV group, write key and
+  value at ``pos``, and attend causally over positions 0..pos with the group's query
+  heads (GQA), the softmax's exp vectorised. With ``table`` (a paged cache's block table
+  [rows, blocks per row], ``kv_paged.PagedKVCache.block_table``) the caches are the
+  pools [blocks, G, block size, D] and position p of row r is read and written in place
+  at (table[r, p // block size], p % block size); positions are visited in the same
+  order as in a contiguous row, so the result is bitwise the same (gathering the blocks
+  into a contiguous copy first measured 7-15x slower per layer);
 - ``silu_mul(h)``: silu(h[:, :F]) * h[:, F:];
 - ``decode_layers(...)``: the whole decoder stack of one decode step (tensor parallel
-  size 1) in one call, from the embeddings to the final norm (packed matrices);
+  size 1) in one call, from the embeddings to the final norm (packed matrices); a
+  contiguous or (with ``table``) a paged cache, as ``rope_attend``;
 - ``argmax_rows(x, n)``: torch.argmax over the first n columns of each row (first of
   equal maxima, NaN as the largest), a vectorised scan (torch's CPU argmax reads ~1 GB/s);
 - ``coupled_gumbel(salt, table)``: coupled sampling's Gumbel noise rows

@@ -448,7 +448,7 @@ class ModelRunner:
         b, t = tokens.shape
         if (self.fused_ok("decode", b * t) and new_token_mask is None
                 and rope_positions is None and isinstance(rows, slice)
-                and cache.layout == "bgsd" and not cache.paged):
+                and cache.layout == "bgsd"):
             return self._decode_fused(cache, rows, tokens, start, capture, embeds)
         ar = torch.arange(t, device=tokens.device)
         write_pos = start[:, None] + ar[None, :]  # [B, T]
@@ -526,24 +526,26 @@ class ModelRunner:
         ``pos[q]`` of cache row ``row_of[q]`` (None: row q). Rows of one cache row at
         consecutive positions form a causal chain (all keys are written before any
         attention), so ragged per-sequence chains run in one call. Returns final
-        hidden states [Q, hidden]. Needs ``self.kernels`` and the "bgsd" layout."""
+        hidden states [Q, hidden]. Needs ``self.kernels`` and the "bgsd" layout; a paged
+        cache is read in place through its block table."""
         kern = self.kernels
         x = self.stage_input(lambda: x, (x.shape[0],))
         cos, sin = self.rope(pos, limit=cache.capacity)  # positions lie in the cache
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
+        table = cache.block_table() if cache.paged else None
         if self.tp_group is None and capture is None and self.whole_stack and self.plain_stack:
             return kern.decode_layers(x, *self._fused_stack(), self.final_norm, cache.k,
                                       cache.v, cos, sin, pos, g, hpg, d, self.scale, self.eps,
-                                      row_of)
+                                      row_of, table)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = kern.linear(h, self._panel(lw.qkv_w), lw.qkv_w.shape[0], lw.qkv_b)
             if lw.q_norm is not None:
                 qkv = experts.qk_norm_rows(qkv, lw.q_norm, lw.k_norm, self.eps, g, hpg, d)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
-                                 g, hpg, d, self.scale, row_of)
+                                 g, hpg, d, self.scale, row_of, table)
             x = self._fused_residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
             if lw.router_w is not None:

@@ -223,6 +223,11 @@ class PagedKVCache:
         span = self.capacity if span is None else span
         return self._gather(kp, tb, span), self._gather(vp, tb, span)
 
+    def block_table(self) -> torch.Tensor:
+        """The block table [max_batch, blocks per row] (int64, brought up to date): the
+        fused CPU kernels read the pools in place through it (``cpu_kernels``)."""
+        return self.pool.flush()
+
     def rows_view(self, layer: int, rows: slice):
         raise NotImplementedError("the paged KV cache has no contiguous rows "
                                   "(rollout.kv_cache=paged runs attention over gathered "

@@ -256,6 +256,60 @@ def test_rope_attend_matches_torch(kern, d, hpg):
         kern.rope_attend(qkv, cos, sin, kc, vc, torch.tensor([0, 1, 70, 2]), g, hpg, d, 1.0)
 
 
+def _paged_copy(kc, vc, bs, gen):
+    """The contiguous caches kc, vc [rows, G, S, D] as pools [blocks, G, bs, D] behind a
+    shuffled block table [rows, S / bs] (block 0, the scratch block, never used)."""
+    rows, g, s, d = kc.shape
+    width = s // bs
+    perm = torch.randperm(rows * width, generator=gen) + 1
+    table = perm.view(rows, width)
+    pools = []
+    for c in (kc, vc):
+        pool = torch.full((rows * width + 1, g, bs, d), float("nan"))
+        pool[table.reshape(-1)] = c.view(rows, g, width, bs, d).transpose(1, 2).reshape(
+            rows * width, g, bs, d)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _unpage(pool, table):
+    rows, width = table.shape
+    _, g, bs, d = pool.shape
+    return pool[table.reshape(-1)].view(rows, width, g, bs, d).transpose(1, 2).reshape(
+        rows, g, width * bs, d)
+
+
+@pytest.mark.parametrize("d,hpg,bs", [(64, 3, 16), (24, 4, 8), (128, 1, 5)])
+def test_paged_rope_attend_equals_the_contiguous_kernel(kern, d, hpg, bs):
+    """A paged cache (pools of ``bs``-position blocks, a shuffled block table) read in
+    place gives bitwise the contiguous kernel's output and writes, with ragged chains
+    through a row map (verification's layout) and positions at block edges."""
+    gen = torch.Generator().manual_seed(7 * d + bs)
+    rows, g, s = 3, 2, 8 * bs if bs != 5 else 40
+    kc = torch.randn(rows, g, s, d, generator=gen)
+    vc = torch.randn(rows, g, s, d, generator=gen)
+    kp, vp, table = _paged_copy(kc, vc, bs, gen)
+    # row 2: a chain of 3 across a block edge; row 0: position 0; row 1: the last one
+    row_of = torch.tensor([2, 2, 2, 0, 1])
+    pos = torch.tensor([bs - 2, bs - 1, bs, 0, s - 1])
+    b = len(pos)
+    qkv = torch.randn(b, g * (hpg + 2) * d, generator=gen)
+    ang = torch.randn(b, d // 2, generator=gen)
+    cos = torch.cat([ang.cos(), ang.cos()], -1)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1)
+    ref = kern.rope_attend(qkv, cos, sin, kc, vc, pos, g, hpg, d, d ** -0.5, row_of)
+    got = kern.rope_attend(qkv, cos, sin, kp, vp, pos, g, hpg, d, d ** -0.5, row_of, table)
+    assert torch.equal(got, ref)
+    assert torch.equal(_unpage(kp, table), kc) and torch.equal(_unpage(vp, table), vc)
+    assert torch.isnan(kp[0]).all(), "the scratch block was written"
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kern.rope_attend(qkv, cos, sin, kp, vp, pos + s, g, hpg, d, 1.0, row_of, table)
+    bad = table.clone()
+    bad[0, 0] = kp.shape[0]
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        kern.rope_attend(qkv, cos, sin, kp, vp, pos, g, hpg, d, 1.0, row_of, bad)
+
+
 def test_decode_layers_match_the_eager_path(kern):
     """The whole decoder stack in one call (``decode_layers``, through
     ``ModelRunner.extend``) against the eager layers, on random weights with a QKV bias

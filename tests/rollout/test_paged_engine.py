@@ -91,6 +91,39 @@ def test_greedy_outputs_equal_the_slot_cache(tiny, name):
     assert s_old.kv_blocks == 0
 
 
+@pytest.mark.parametrize("strategy", [None, "3_1_3"], ids=["plain", "chain"])
+def test_the_fused_kernels_read_the_blocks_in_place(tiny, monkeypatch, strategy):
+    """The fused CPU kernels run on the paged cache (its block table passed to every
+    decode step's and chain verification's kernel call) and give bitwise the slot
+    cache's outputs: the same kernels visit the same positions in the same order."""
+    from megatron_tlt.rollout.forward import ModelRunner
+    from megatron_tlt.rollout.kv_paged import PagedKVCache
+
+    model, arch = tiny["llama_tied"]
+    prompts = _prompts((5, 17, 9), seed=6, group=2)
+    params = _lengths_params(len(prompts), temperature=1.0, hidden=True, base=8)
+    seen = []
+    fused = ModelRunner.extend_chains
+
+    def spy(self, cache, row_of, pos, x, capture=None):
+        if cache.paged and self.kernels is not None:
+            seen.append(pos.numel())
+        return fused(self, cache, row_of, pos, x, capture)
+
+    monkeypatch.setattr(ModelRunner, "extend_chains", spy)
+    tables = []
+    monkeypatch.setattr(PagedKVCache, "block_table",
+                        lambda self: tables.append(1) or self.pool.flush())
+    drafter = _eagle(arch) if strategy else None
+    (old, _), (new, s_new) = _both(
+        lambda kv: _engine(model, arch, kv, drafter, strategy, max_batch_size=4,
+                           sampling_mode="coupled", kv_block_size=4), prompts, params)
+    _assert_same(old, new, tol=0.0)
+    assert len(tables) >= len(seen) > 0
+    if strategy:
+        assert s_new.spec.steps > 0
+
+
 @pytest.mark.parametrize("mode", ["standard", "coupled"])
 def test_sampled_groups_equal_the_slot_cache(tiny, mode):
     """GRPO groups (4 responses per prompt, shared prefill: the paged rows share the

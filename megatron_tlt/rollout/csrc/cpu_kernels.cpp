@@ -277,38 +277,64 @@ static inline float exp_shifted(float* sc, int64_t L, float mx) {
   return total;
 }
 
+// Where a cache row's positions live. The cache is a pool [blocks, G, S, D]: position p
+// of cache row c is at offset p % S of block block(c, p / S). A contiguous cache
+// [rows, G, S, D] is the pool whose block c is row c (tbl null, one block per row); a
+// paged cache (rollout.kv_cache=paged) gives each row a block table tbl [rows, width]
+// (entries a row does not hold point to the scratch block 0, never read below a row's
+// length).
+struct KVPages {
+  const int64_t* tbl;  // [rows, width] block ids, or null (contiguous)
+  int64_t width;       // blocks per row (1 when contiguous)
+  int64_t S;           // positions per block
+  inline int64_t block(int64_t c, int64_t i) const { return tbl ? tbl[c * width + i] : c; }
+  inline int64_t capacity() const { return width * S; }
+};
+
 // Softmax attention of HPG query heads (q: rotated, pre-scaled, [HPG, D]) over L cached
-// keys and values (rows of D floats), into o [HPG, D]. D = 16 * ND is known at compile
-// time, so a head's query and output stay in registers while the keys and values stream
-// (they are re-read per head from L1/L2). sc: scratch of L rounded up to 16 floats.
+// keys and values of one KV group, into o [HPG, D]. The keys and values are rows of D
+// floats in blocks of S: block i starts at kp + off[i] (vp + off[i]). Every position is
+// visited in order, so the result does not depend on how the positions are split in
+// blocks (a paged row equals the same row contiguous, bitwise). D = 16 * ND is known at
+// compile time, so a head's query and output stay in registers while the keys and values
+// stream (they are re-read per head from L1/L2). sc: scratch of L rounded up to 16 floats.
 template <int ND>
-static void attend_fixed(const float* q, const float* krow, const float* vrow, int64_t L,
-                         int64_t HPG, float* sc, float* o) {
+static void attend_fixed(const float* q, const float* kp, const float* vp, const int64_t* off,
+                         int64_t S, int64_t L, int64_t HPG, float* sc, float* o) {
   constexpr int64_t D = 16 * ND;
   for (int64_t h = 0; h < HPG; ++h) {
     v16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = ld(q + h * D + 16 * c);
     float mx = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-      const float* kj = krow + j * D;
-      if (h == 0)  // first pass over this group's cache rows: fetch keys and values ahead
-        for (int c = 0; c < ND; ++c) {
-          __builtin_prefetch(kj + 8 * D + 16 * c);
-          __builtin_prefetch(vrow + (j + 8) * D + 16 * c);
-        }
-      v16 acc = qv[0] * ld(kj);
-      for (int c = 1; c < ND; ++c) acc += qv[c] * ld(kj + 16 * c);
-      const float t = hsum(acc);
-      sc[j] = t;
-      mx = std::max(mx, t);
+    for (int64_t j0 = 0, bi = 0; j0 < L; j0 += S, ++bi) {
+      const float* kb = kp + off[bi];
+      const float* vb = vp + off[bi];
+      const int64_t n = std::min(S, L - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = kb + j * D;
+        if (h == 0)  // first pass over this group's cache rows: fetch keys and values ahead
+          for (int c = 0; c < ND; ++c) {
+            __builtin_prefetch(kj + 8 * D + 16 * c);
+            __builtin_prefetch(vb + (j + 8) * D + 16 * c);
+          }
+        v16 acc = qv[0] * ld(kj);
+        for (int c = 1; c < ND; ++c) acc += qv[c] * ld(kj + 16 * c);
+        const float t = hsum(acc);
+        sc[j0 + j] = t;
+        mx = std::max(mx, t);
+      }
     }
     const float total = exp_shifted(sc, L, mx);
     v16 ov[ND];
     for (int c = 0; c < ND; ++c) ov[c] = v16{};
-    for (int64_t j = 0; j < L; ++j) {
-      const v16 w = splat(sc[j]);
-      const float* vj = vrow + j * D;
-      for (int c = 0; c < ND; ++c) ov[c] += w * ld(vj + 16 * c);
+    for (int64_t j0 = 0, bi = 0; j0 < L; j0 += S, ++bi) {
+      const float* vb = vp + off[bi];
+      const int64_t n = std::min(S, L - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const v16 w = splat(sc[j0 + j]);
+        const float* vj = vb + j * D;
+        for (int c = 0; c < ND; ++c) ov[c] += w * ld(vj + 16 * c);
+      }
     }
     const v16 inv = splat(1.f / total);
     for (int c = 0; c < ND; ++c) st(o + h * D + 16 * c, ov[c] * inv);
@@ -316,31 +342,39 @@ static void attend_fixed(const float* q, const float* krow, const float* vrow, i
 }
 
 // Any head size: the same math with runtime loops.
-static void attend_any(const float* q, const float* krow, const float* vrow, int64_t L,
-                       int64_t HPG, int64_t D, float* sc, float* o) {
+static void attend_any(const float* q, const float* kp, const float* vp, const int64_t* off,
+                       int64_t S, int64_t L, int64_t HPG, int64_t D, float* sc, float* o) {
   const int64_t DV = D / 16 * 16;
   for (int64_t h = 0; h < HPG; ++h) {
     const float* qh = q + h * D;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-      const float* kj = krow + j * D;
-      v16 acc = v16{};
-      int64_t i = 0;
-      for (; i < DV; i += 16) acc += ld(qh + i) * ld(kj + i);
-      float t = hsum(acc);
-      for (; i < D; ++i) t += qh[i] * kj[i];
-      sc[j] = t;
-      mx = std::max(mx, t);
+    for (int64_t j0 = 0, bi = 0; j0 < L; j0 += S, ++bi) {
+      const float* kb = kp + off[bi];
+      const int64_t n = std::min(S, L - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = kb + j * D;
+        v16 acc = v16{};
+        int64_t i = 0;
+        for (; i < DV; i += 16) acc += ld(qh + i) * ld(kj + i);
+        float t = hsum(acc);
+        for (; i < D; ++i) t += qh[i] * kj[i];
+        sc[j0 + j] = t;
+        mx = std::max(mx, t);
+      }
     }
     const float total = exp_shifted(sc, L, mx);
     float* oh = o + h * D;
     for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
-    for (int64_t j = 0; j < L; ++j) {
-      const float w = sc[j];
-      const float* vj = vrow + j * D;
-      int64_t i = 0;
-      for (; i < DV; i += 16) st(oh + i, ld(oh + i) + splat(w) * ld(vj + i));
-      for (; i < D; ++i) oh[i] += w * vj[i];
+    for (int64_t j0 = 0, bi = 0; j0 < L; j0 += S, ++bi) {
+      const float* vb = vp + off[bi];
+      const int64_t n = std::min(S, L - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = sc[j0 + j];
+        const float* vj = vb + j * D;
+        int64_t i = 0;
+        for (; i < DV; i += 16) st(oh + i, ld(oh + i) + splat(w) * ld(vj + i));
+        for (; i < D; ++i) oh[i] += w * vj[i];
+      }
     }
     const float inv = 1.f / total;
     for (int64_t i = 0; i < D; ++i) oh[i] *= inv;
@@ -349,18 +383,18 @@ static void attend_any(const float* q, const float* krow, const float* vrow, int
 
 // RoPE + KV write + causal GQA attention for one new token per query row.
 // qkv [B, G*(HPG+2)*D] (per group: HPG query heads, key, value); cos, sin [B, D] (sin
-// carries rotate-half's signs); caches: cache row c, group g at kc + (c*G + g)*S*D;
-// query b uses cache row rp[b] (rp null: row b) and position pp[b]. Every key and
-// value is written before any attention, so several queries of one cache row at
-// consecutive positions form a causal chain (verification, drafter catch-up).
-// out [B, G*HPG*D].
+// carries rotate-half's signs); the caches kp, vp are pools [blocks, G, S, D] addressed
+// through pg (KVPages: contiguous rows, or block tables); query b uses cache row rp[b]
+// (rp null: row b) and position pp[b]. Every key and value is written before any
+// attention, so several queries of one cache row at consecutive positions form a causal
+// chain (verification, drafter catch-up). out [B, G*HPG*D].
 static void rope_attend_rows(const float* qp, const float* cp, const float* sp, float* kp,
                              float* vp, const int64_t* pp, const int64_t* rp, int64_t B,
-                             int64_t G, int64_t HPG, int64_t D, int64_t S, float scale,
+                             int64_t G, int64_t HPG, int64_t D, const KVPages& pg, float scale,
                              float* op) {
-  const int64_t half = D / 2;
+  const int64_t half = D / 2, S = pg.S;
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position outside the KV cache");
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < pg.capacity(), "position outside the KV cache");
   // rotated, pre-scaled queries, and the new keys and values written into the cache
   thread_local std::vector<float> qbuf;
   qbuf.resize(B * G * HPG * D);
@@ -369,8 +403,9 @@ static void rope_attend_rows(const float* qp, const float* cp, const float* sp, 
     const float* base = qp + b * G * (HPG + 2) * D + g * (HPG + 2) * D;
     const float* c = cp + b * D;
     const float* s = sp + b * D;
-    float* kdst = kp + ((cb * G + g) * S + p) * D;
-    float* vdst = vp + ((cb * G + g) * S + p) * D;
+    const int64_t at = ((pg.block(cb, p / S) * G + g) * S + p % S) * D;
+    float* kdst = kp + at;
+    float* vdst = vp + at;
     const float* kin = base + HPG * D;
     for (int64_t i = 0; i < D; ++i) kdst[i] = kin[i] * c[i] + kin[(i + half) % D] * s[i];
     std::memcpy(vdst, kin + D, D * sizeof(float));
@@ -387,17 +422,19 @@ static void rope_attend_rows(const float* qp, const float* cp, const float* sp, 
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t bg = it / (HPG / per), h0 = (it % (HPG / per)) * per;
-    const int64_t b = bg / G, L = pp[b] + 1, cg = (rp ? rp[b] : b) * G + bg % G;
-    const float* krow = kp + cg * S * D;
-    const float* vrow = vp + cg * S * D;
+    const int64_t b = bg / G, g = bg % G, L = pp[b] + 1, cb = rp ? rp[b] : b;
     const float* q = qall + (bg * HPG + h0) * D;
     float* o = op + (bg * HPG + h0) * D;
     thread_local std::vector<float> sc;  // scratch, reused across calls
+    thread_local std::vector<int64_t> off;  // each block's offset in the pool
     sc.resize((L + 15) / 16 * 16);
+    const int64_t nb = (L + S - 1) / S;
+    off.resize(nb);
+    for (int64_t i = 0; i < nb; ++i) off[i] = (pg.block(cb, i) * G + g) * S * D;
     switch (D) {
-      case 64: attend_fixed<4>(q, krow, vrow, L, per, sc.data(), o); break;
-      case 128: attend_fixed<8>(q, krow, vrow, L, per, sc.data(), o); break;
-      default: attend_any(q, krow, vrow, L, per, D, sc.data(), o); break;
+      case 64: attend_fixed<4>(q, kp, vp, off.data(), S, L, per, sc.data(), o); break;
+      case 128: attend_fixed<8>(q, kp, vp, off.data(), S, L, per, sc.data(), o); break;
+      default: attend_any(q, kp, vp, off.data(), S, L, per, D, sc.data(), o); break;
     }
   }
 }
@@ -566,28 +603,54 @@ static const int64_t* row_map(const c10::optional<torch::Tensor>& rows, int64_t 
   return r;
 }
 
-// kc, vc: [rows, G, S, D] (contiguous views of the running rows of one layer's cache);
-// row_of [B] (optional): the cache row of each query row (default: query b, row b).
+// The addressing of a cache pool of ``blocks`` blocks of S positions: contiguous rows
+// (no table: block c is row c) or a paged cache's block table [rows, width] (int64,
+// every entry a block of the pool). *rows: the cache rows a row map may name.
+static KVPages kv_pages(const c10::optional<torch::Tensor>& table, int64_t blocks, int64_t S,
+                        int64_t* rows) {
+  if (!table.has_value() || !table->defined() || table->numel() == 0) {
+    *rows = blocks;
+    return KVPages{nullptr, 1, S};
+  }
+  TORCH_CHECK(table->device().is_cpu() && table->is_contiguous() && table->dim() == 2 &&
+              table->scalar_type() == torch::kLong,
+              "block table must be a contiguous int64 CPU tensor [rows, blocks per row]");
+  const int64_t* t = table->data_ptr<int64_t>();
+  for (int64_t i = 0, n = table->numel(); i < n; ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < blocks, "block table entry outside the KV pool");
+  *rows = table->size(0);
+  return KVPages{t, table->size(1), S};
+}
+
+// kc, vc: [rows, G, S, D] (contiguous views of the running rows of one layer's cache),
+// or with ``table`` [rows, width] a paged layer's pools [blocks, G, S, D] (S: the block
+// size); row_of [B] (optional): the cache row of each query row (default: query b, row b).
 torch::Tensor rope_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor kc, torch::Tensor vc, torch::Tensor pos,
                           int64_t G, int64_t HPG, int64_t D, double scale,
-                          c10::optional<torch::Tensor> row_of) {
+                          c10::optional<torch::Tensor> row_of,
+                          c10::optional<torch::Tensor> table) {
   check_f32(qkv, "qkv"); check_f32(cos, "cos"); check_f32(sin, "sin");
   check_f32(kc, "k cache"); check_f32(vc, "v cache");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
+  TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == G && kc.size(3) == D,
+              "KV cache shape");
   const int64_t B = qkv.size(0);
-  const int64_t* rp = row_map(row_of, B, kc.size(0));
+  int64_t rows = 0;
+  const KVPages pg = kv_pages(table, kc.size(0), kc.size(2), &rows);
+  const int64_t* rp = row_map(row_of, B, rows);
   auto out = torch::empty({B, G * HPG * D}, qkv.options());
   rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                    kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(), rp, B,
-                   G, HPG, D, kc.size(2), (float)scale, out.data_ptr<float>());
+                   G, HPG, D, pg, (float)scale, out.data_ptr<float>());
   return out;
 }
 
 // The whole decoder stack for one new token per row (tensor parallel size 1):
 // x [B, H] embeddings (updated in place to the last layer's output); per-layer weight
 // lists (the four matrices packed by pack_weight); k_cache, v_cache
-// [layers, rows, G, S, D] with the running rows at 0..B-1.
+// [layers, rows, G, S, D] with the running rows at 0..B-1, or with ``table`` a paged
+// cache's pools [layers, blocks, G, S, D] and block table [rows, width].
 // Returns the final-norm hidden states [B, H].
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
                             std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> qkv_b,
@@ -596,15 +659,19 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
                             torch::Tensor final_norm, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor pos, int64_t G, int64_t HPG, int64_t D,
-                            double scale, double eps, c10::optional<torch::Tensor> row_of) {
+                            double scale, double eps, c10::optional<torch::Tensor> row_of,
+                            c10::optional<torch::Tensor> table) {
   check_f32(x, "x"); check_f32(k_cache, "k cache"); check_f32(v_cache, "v cache");
   check_f32(cos, "cos"); check_f32(sin, "sin"); check_f32(final_norm, "final norm");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
   const int64_t B = x.size(0), H = x.size(1), layers = (int64_t)qkv_w.size();
-  TORCH_CHECK(k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
               "KV cache shape");
-  const int64_t* rp = row_map(row_of, B, k_cache.size(1));
-  const int64_t S = k_cache.size(3), layer_stride = k_cache.stride(0);
+  int64_t rows = 0;
+  const KVPages pg = kv_pages(table, k_cache.size(1), k_cache.size(3), &rows);
+  const int64_t* rp = row_map(row_of, B, rows);
+  const int64_t layer_stride = k_cache.stride(0);
   const int64_t NQKV = G * (HPG + 2) * D, NATT = G * HPG * D;
   TORCH_CHECK(layers > 0 && fc2_w[0].dim() == 3, "packed weights expected");
   const int64_t F2 = 2 * fc2_w[0].size(1);  // fused fc1 rows (gate and up)
@@ -626,7 +693,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> ln1,
     rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                      k_cache.data_ptr<float>() + i * layer_stride,
                      v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), rp,
-                     B, G, HPG, D, S, (float)scale, att.data_ptr<float>());
+                     B, G, HPG, D, pg, (float)scale, att.data_ptr<float>());
     gemm(att.data_ptr<float>(), B, NATT, proj_w[i].data_ptr<float>(), H, xp, nullptr, true);
     rms_norm_rows(xp, B, H, ln2[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
     gemm(h.data_ptr<float>(), B, H, fc1_w[i].data_ptr<float>(), F2, fc.data_ptr<float>(),
@@ -827,6 +894,7 @@ static void rope_rows(const int64_t* pos, int64_t N, int64_t D, const torch::Ten
 // Each drafter run is fc([embed; h]) -> decode_layers (its layer(s) and final norm) ->
 // head (a packed weight of head_n rows). The same kernels in the same order as the
 // step-by-step path, so the same drafts. cos_table, sin_table [P, D]: the model's RoPE.
+// ``table``: a paged drafter cache's block table (decode_layers).
 // Returns the draft tokens [B, depth].
 torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor row_of,
                           torch::Tensor pos, torch::Tensor last, torch::Tensor start,
@@ -839,7 +907,8 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
                           torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor cos_table, torch::Tensor sin_table,
                           int64_t G, int64_t HPG, int64_t D, double scale, double eps,
-                          torch::Tensor head_w, int64_t head_n) {
+                          torch::Tensor head_w, int64_t head_n,
+                          c10::optional<torch::Tensor> table) {
   check_f32(feat, "features"); check_f32(embed_w, "embedding");
   check_f32(cos_table, "cos table"); check_f32(sin_table, "sin table");
   for (auto* t : {&tok, &row_of, &pos, &last, &start})
@@ -865,7 +934,8 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
   rope_rows(pos.data_ptr<int64_t>(), N, D, cos_table, sin_table, cos, sin);
   auto x = draft_inputs(tok.data_ptr<int64_t>(), feat.data_ptr<float>(), N, H, embed_w, fc_w);
   auto h_all = decode_layers(x, ln1, qkv_w, qkv_b, proj_w, ln2, fc1_w, fc2_w, final_norm,
-                             k_cache, v_cache, cos, sin, pos, G, HPG, D, scale, eps, row_of);
+                             k_cache, v_cache, cos, sin, pos, G, HPG, D, scale, eps, row_of,
+                             table);
   auto h = torch::empty({B, H}, opts);
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(h.data_ptr<float>() + b * H, h_all.data_ptr<float>() + lp_idx[b] * H,
@@ -893,7 +963,7 @@ torch::Tensor draft_chain(torch::Tensor tok, torch::Tensor feat, torch::Tensor r
     auto xin = draft_inputs(tk, h.data_ptr<float>(), B, H, embed_w, fc_w);
     h = decode_layers(xin, ln1, qkv_w, qkv_b, proj_w, ln2, fc1_w, fc2_w, final_norm,
                       k_cache, v_cache, bcos, bsin, step_pos, G, HPG, D, scale, eps,
-                      c10::nullopt);
+                      c10::nullopt, table);
     gemm(h.data_ptr<float>(), B, H, head_w.data_ptr<float>(), head_n,
          logits.data_ptr<float>(), nullptr, false);
   }
@@ -1308,15 +1378,18 @@ torch::Tensor decode_layers_int8(
     std::vector<torch::Tensor> fc2_s, int64_t group, int64_t ab, torch::Tensor final_norm,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor pos, int64_t G, int64_t HPG, int64_t D, double scale, double eps,
-    c10::optional<torch::Tensor> row_of) {
+    c10::optional<torch::Tensor> row_of, c10::optional<torch::Tensor> table) {
   check_f32(x, "x"); check_f32(k_cache, "k cache"); check_f32(v_cache, "v cache");
   check_f32(cos, "cos"); check_f32(sin, "sin"); check_f32(final_norm, "final norm");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kLong);
   const int64_t B = x.size(0), H = x.size(1), layers = (int64_t)qkv_w.size();
-  TORCH_CHECK(k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(0) == layers && k_cache.size(2) == G && k_cache.size(4) == D,
               "KV cache shape");
-  const int64_t* rp = row_map(row_of, B, k_cache.size(1));
-  const int64_t S = k_cache.size(3), layer_stride = k_cache.stride(0);
+  int64_t rows = 0;
+  const KVPages pg = kv_pages(table, k_cache.size(1), k_cache.size(3), &rows);
+  const int64_t* rp = row_map(row_of, B, rows);
+  const int64_t layer_stride = k_cache.stride(0);
   const int64_t NQKV = G * (HPG + 2) * D, NATT = G * HPG * D;
   TORCH_CHECK(layers > 0 && fc2_w[0].dim() == (ab > 0 ? 4 : 3), "packed weights expected");
   const int64_t F2 = 2 * fc2_w[0].size(1) * (ab > 0 ? 4 : 1);
@@ -1339,7 +1412,7 @@ torch::Tensor decode_layers_int8(
     rope_attend_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                      k_cache.data_ptr<float>() + i * layer_stride,
                      v_cache.data_ptr<float>() + i * layer_stride, pos.data_ptr<int64_t>(), rp,
-                     B, G, HPG, D, S, (float)scale, att.data_ptr<float>());
+                     B, G, HPG, D, pg, (float)scale, att.data_ptr<float>());
     gemm_q(att.data_ptr<float>(), B, NATT, ab, proj_w[i], proj_s[i], gs(NATT), H, xp, nullptr,
            true);
     rms_norm_rows(xp, B, H, ln2[i].data_ptr<float>(), (float)eps, h.data_ptr<float>());
@@ -1367,7 +1440,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("rope_attend", &rope_attend, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
         py::arg("kc"), py::arg("vc"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
-        py::arg("D"), py::arg("scale"), py::arg("row_of") = py::none());
+        py::arg("D"), py::arg("scale"), py::arg("row_of") = py::none(),
+        py::arg("table") = py::none());
   m.def("argmax_rows", &argmax_rows, py::arg("x"), py::arg("n"));
   m.def("coupled_gumbel", &coupled_gumbel, py::arg("salt"), py::arg("table"));
   m.def("draft_chain", &draft_chain, py::arg("tok"), py::arg("feat"), py::arg("row_of"),
@@ -1376,12 +1450,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv_b"), py::arg("proj_w"), py::arg("ln2"), py::arg("fc1_w"),
         py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cos_table"), py::arg("sin_table"), py::arg("G"), py::arg("HPG"), py::arg("D"),
-        py::arg("scale"), py::arg("eps"), py::arg("head_w"), py::arg("head_n"));
+        py::arg("scale"), py::arg("eps"), py::arg("head_w"), py::arg("head_n"),
+        py::arg("table") = py::none());
   m.def("decode_layers", &decode_layers, py::arg("x"), py::arg("ln1"), py::arg("qkv_w"),
         py::arg("qkv_b"), py::arg("proj_w"), py::arg("ln2"), py::arg("fc1_w"),
         py::arg("fc2_w"), py::arg("final_norm"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("G"), py::arg("HPG"),
-        py::arg("D"), py::arg("scale"), py::arg("eps"), py::arg("row_of") = py::none());
+        py::arg("D"), py::arg("scale"), py::arg("eps"), py::arg("row_of") = py::none(),
+        py::arg("table") = py::none());
   m.attr("INT8_ACT") = MTLT_I8A;  // the int8-activation dot product's instructions
   m.def("pack_int8", &pack_int8, py::arg("q"), py::arg("scale"), py::arg("act_block") = 0);
   m.def("linear_int8", &linear_int8, py::arg("x"), py::arg("wp"), py::arg("sp"), py::arg("n"),
@@ -1394,5 +1470,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("final_norm"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"),
         py::arg("pos"), py::arg("G"), py::arg("HPG"), py::arg("D"), py::arg("scale"),
-        py::arg("eps"), py::arg("row_of") = py::none());
+        py::arg("eps"), py::arg("row_of") = py::none(), py::arg("table") = py::none());
 }

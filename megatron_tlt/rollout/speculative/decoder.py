@@ -190,8 +190,7 @@ class SpeculativeDecoder(Proposer):
         toks = [t for r, d in zip(rows, drafts) for t in [r.tokens[-1]] + list(d)]
         t = self.target
         static = self.graphs is not None and hook is None  # a fixed-shape chain step
-        if (not static and t.kernels is not None and cache.layout == "bgsd"
-                and not cache.paged):  # ragged, fused
+        if not static and t.kernels is not None and cache.layout == "bgsd":  # ragged, fused
             row_of, pos = ragged(counts, [r.length for r in rows], dev)
             x = t.embed(torch.tensor(toks, dtype=torch.long, device=dev))
             return t.extend_chains(cache, row_of, pos, x, hook), counts

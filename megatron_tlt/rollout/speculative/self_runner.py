@@ -302,18 +302,19 @@ class SelfDraftRunner(ModelRunner):
         cos, sin = cos.contiguous(), (sin * self._sin_sign).contiguous()
         g, hpg, d = self.groups, self.heads_per_group, self.head_dim
         pos = pos.contiguous()
+        table = cache.block_table() if cache.paged else None
         if (self.tp_group is None and capture is None and self._int8_kernels()
                 and self.plain_stack):
             return kern.decode_layers_int8(x.contiguous(), *self._fused_stack(),
                                            self.final_norm, cache.k, cache.v, cos, sin, pos,
-                                           g, hpg, d, self.scale, self.eps, row_of)
+                                           g, hpg, d, self.scale, self.eps, row_of, table)
         for i, lw in enumerate(self.layers):
             h = kern.rms_norm(x, lw.ln1, self.eps)
             qkv = self._lin(h, lw.qkv_w, lw.qkv_b)
             if lw.q_norm is not None:
                 qkv = experts.qk_norm_rows(qkv, lw.q_norm, lw.k_norm, self.eps, g, hpg, d)
             o = kern.rope_attend(qkv, cos, sin, cache.k[i], cache.v[i], pos,
-                                 g, hpg, d, self.scale, row_of)
+                                 g, hpg, d, self.scale, row_of, table)
             x = self._residual(x, o, lw.proj_w)
             h = kern.rms_norm(x, lw.ln2, self.eps)
             if lw.router_w is not None:
