@@ -174,8 +174,10 @@ def main(argv=None) -> int:
     if not args.report_only:
         for arm in arms:
             rc = run_arm(arm, out, overrides, t0)
-            if rc != 0:
-                print(f"[learn] {arm} exited {rc}; run again to resume it", flush=True)
+            if rc != 0:  # (torchrun reports a rank's requeue exit, 75, as 1)
+                last = latest(out / f"{arm}-ckpt")
+                print(f"[learn] {arm} exited {rc}; its last checkpoint: {last or 'none yet'}; "
+                      "run again to resume it", flush=True)
                 return rc
     command = "python tools/learn.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report(out, arms, REPO / args.json, REPO / args.figure, command.strip())
