@@ -130,10 +130,12 @@ def summary_lines(result: dict) -> list[str]:
         rise = r["rise"]
         if rise:
             lines.append(
-                f"{arm}: held-out accuracy {rise['step0']:.3f} at step 0 (95 % up to "
-                f"{rise['step0_hi']:.3f}) -> {rise['final']:.3f} at step {rise['final_step']}"
-                f" (best {rise['best']:.3f} at step {rise['best_step']}); "
-                + ("above" if rise["final_beyond_step0_interval"] else "within")
+                f"{arm}: held-out accuracy {rise['step0']:.3f} at step 0 (95 % "
+                f"[{rise['step0_lo']:.3f}, {rise['step0_hi']:.3f}]) -> {rise['final']:.3f} at "
+                f"step {rise['final_step']} (best {rise['best']:.3f} at step "
+                f"{rise['best_step']}); "
+                + ("above" if rise["final_beyond_step0_interval"] else
+                   "below" if rise["final_below_step0_interval"] else "within")
                 + " the step-0 interval")
         if r["rollout_s_mean"]:
             lines.append(f"{arm}: {r['steps_done']} steps, rollout {r['rollout_s_mean']:.1f} s "

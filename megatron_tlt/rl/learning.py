@@ -94,11 +94,13 @@ def _rises(run: dict) -> dict:
     ev = run["evals"]
     if not ev or ev[0]["step"] != 0:
         return {}
-    hi0 = ev[0]["hi"]
+    lo0, hi0 = ev[0]["lo"], ev[0]["hi"]
     best = max(ev, key=lambda e: e["accuracy"])
-    return {"step0": ev[0]["accuracy"], "step0_hi": hi0, "final": ev[-1]["accuracy"],
-            "final_step": ev[-1]["step"], "best": best["accuracy"], "best_step": best["step"],
+    return {"step0": ev[0]["accuracy"], "step0_lo": lo0, "step0_hi": hi0,
+            "final": ev[-1]["accuracy"], "final_step": ev[-1]["step"],
+            "best": best["accuracy"], "best_step": best["step"],
             "final_beyond_step0_interval": ev[-1]["accuracy"] > hi0,
+            "final_below_step0_interval": ev[-1]["accuracy"] < lo0,
             "best_beyond_step0_interval": best["accuracy"] > hi0}
 
 

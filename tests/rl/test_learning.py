@@ -62,10 +62,14 @@ def test_compare_reports_rise_rollout_ratio_and_the_final_paired_difference(tmp_
     off = res["arms"]["off"]
     assert off["rise"]["step0"] == 0.25 and off["rise"]["final"] == 90 / n
     assert off["rise"]["final_beyond_step0_interval"]
+    assert not off["rise"]["final_below_step0_interval"]
     entry = res["against_off"]["tlt"]
     assert entry["rollout_time_ratio"] == pytest.approx(0.75)
     assert entry["final_step"] == 4
     assert entry["held_out"]["difference"] == pytest.approx(1 / n)
     assert not entry["held_out"]["significant"]
+    _write_run(tmp_path / "worse", {0: base, 4: [1] * 20 + [0] * 180}, 20.0)
+    worse = compare({"off": read_run(tmp_path / "worse")})["arms"]["off"]["rise"]
+    assert worse["final_below_step0_interval"] and not worse["final_beyond_step0_interval"]
     png = write_figure(res, tmp_path / "fig.png")
     assert png.stat().st_size > 10_000
