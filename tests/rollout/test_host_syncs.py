@@ -139,3 +139,29 @@ def test_the_self_drafters_step_keeps_the_budget(model, mode, strategy):
     assert spec, "no speculative step ran"
     worst = max(spec, key=lambda s: s.count)
     assert worst.count <= SPEC_BUDGET, dict(worst.where)
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "group_history"])
+@pytest.mark.parametrize("mode", ["greedy", "standard"])
+def test_the_model_free_kinds_keep_the_budget(model, mode, kind):
+    """The prompt's and the group's n-gram drafts: lookups and index updates on the
+    host from tokens the engine already holds, so a speculative step reads the device
+    no more than the one-layer drafter's. Repetitive prompts in groups of 4 (a row's
+    siblings and its own prompt propose), two calls (the second from the first's
+    responses too)."""
+    from megatron_tlt.rollout.speculative import drafters
+
+    m, arch, _ = model
+    cfg = RolloutConfig(speculative=SpeculativeConfig(policy="fixed", strategy="4_1_4",
+                                                      threshold=64), cpu_kernels="true")
+    eng = RolloutEngine(m, None, cfg, arch=arch, eos_token_ids=[])
+    eng.attach_drafter(drafters.make_drafter(kind, arch=arch, dtype=torch.float32,
+                                             device="cpu"))
+    prompts = [p for p in ([5, 9, 9, 9, 5, 9], [1, 2, 3, 1, 2, 3, 1], [42] * 6)
+               for _ in range(4)]
+    measure(eng, prompts, MODES[mode])
+    steps = measure(eng, prompts, MODES[mode])
+    spec = [s for s in steps if s.speculative]
+    assert spec, "no speculative step ran"
+    worst = max(spec, key=lambda s: s.count)
+    assert worst.count <= SPEC_BUDGET, dict(worst.where)
