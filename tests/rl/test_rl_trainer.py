@@ -130,7 +130,7 @@ def test_resume_refuses_a_missing_checkpoint(tiny_policy, tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_dry_runs(recipe):
-    world = {"smollm2_cpu": 2, "qwen2.5_7b_grpo": 8, "qwen2.5_32b_grpo": 64,
+    world = {"smollm2_cpu": 2, "smollm2_learn": 2, "qwen2.5_7b_grpo": 8, "qwen2.5_32b_grpo": 64,
              "qwen3_30b_a3b_grpo": 16}.get(recipe.stem, 8)
     # the entry point's main in this process (test_dry_run_rejects_a_bad_layout and the
     # CLI runs above launch the script itself)

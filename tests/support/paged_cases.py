@@ -46,18 +46,29 @@ def paged_case_names(*, drafter: bool, self_drafter: bool) -> list[str]:
             (kind == "self" and self_drafter)]
 
 
-def _small_budget_gib(engine) -> float:
-    """GiB of PAGED_BLOCKS blocks of this rank's cache (its layers, its KV heads)."""
+def _small_budget_gib(engine, prompts, params) -> float:
+    """GiB of PAGED_BLOCKS blocks of this rank's cache (its layers, its KV heads), plus
+    the drafters' paged pools, which rollout.kv_cache_gib holds beside them, for a call
+    of ``prompts`` (the whole call: with expert parallelism the EP group's union)."""
     import torch
 
     from megatron_tlt.rollout.kv_paged import block_bytes
+    from megatron_tlt.rollout.speculative.drafter_kind import draft_slack
 
     r = engine.runner
     per = block_bytes(num_layers=len(r.layers), kv_heads=r.groups, block_size=PAGED_BLOCK,
                       head_dim=engine.arch.kv_channels,
                       itemsize=torch.empty((), dtype=r.dtype).element_size(),
                       routes=r.route_shape)
-    return (PAGED_BLOCKS + 0.5) * per / 2**30
+    pools = 0
+    if engine.spec is not None:
+        plist = [params] * len(prompts) if not isinstance(params, list) else params
+        capacity = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, plist))
+        rows = min(engine.config.max_batch_size, len(prompts))
+        pools = engine.spec.paged_kv_bytes(
+            rows, capacity, draft_slack(engine.tuner.all_arms()),
+            min(rows, engine.config.speculative.threshold), PAGED_BLOCK)
+    return ((PAGED_BLOCKS + 0.5) * per + pools) / 2**30
 
 
 def run_paged_cases(model, arch, names: list[str], *, mode: str = "gathered",
@@ -87,7 +98,7 @@ def run_paged_cases(model, arch, names: list[str], *, mode: str = "gathered",
             d = None if kind is None else drafter if kind == "eagle" else SelfDrafter()
             eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[], drafter=d)
             if kv == "paged" and small:
-                eng.config.kv_cache_gib = _small_budget_gib(eng)
+                eng.config.kv_cache_gib = _small_budget_gib(eng, group_prompts(), params)
             outs = eng.generate(prompts, params, request_seeds=seeds)
             st = eng.last_stats
             got[kv] = [dict(tokens=o.token_ids, logprobs=o.logprobs, reason=o.finish_reason,
@@ -123,7 +134,9 @@ def check_paged(results: dict, where: str = "") -> None:
                 assert diff.item() <= 1e-4, tag
             assert a["routes"] == b["routes"], tag
         assert got["kv_blocks"] > 0, tag
-        if small:
-            assert got["kv_blocks"] == PAGED_BLOCKS and got["preemptions"] > 0, (tag, got)
+        if small:  # (a budget of PAGED_BLOCKS blocks beside the drafters' pools, which
+            # come out of the same bytes; its sizing: test_paged_engine's budget tests)
+            assert got["preemptions"] > 0, (
+                tag, {k: v for k, v in got.items() if k not in ("slots", "paged")})
         if kind is not None:
             assert got["spec_steps"] > 0, tag
