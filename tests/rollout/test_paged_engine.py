@@ -14,13 +14,12 @@ import torch
 
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.kv_blocks import blocks_for
 from megatron_tlt.rollout.speculative.drafter_kind import draft_slack
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_shared_prefill import _assert_same
-from tiny_models import TINY_CONFIGS, VOCAB
+from tiny_models import TINY_CONFIGS, VOCAB, random_eagle
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +113,7 @@ def test_the_fused_kernels_read_the_blocks_in_place(tiny, monkeypatch, strategy)
     tables = []
     monkeypatch.setattr(PagedKVCache, "block_table",
                         lambda self: tables.append(1) or self.pool.flush())
-    drafter = _eagle(arch) if strategy else None
+    drafter = random_eagle(arch) if strategy else None
     (old, _), (new, s_new) = _both(
         lambda kv: _engine(model, arch, kv, drafter, strategy, max_batch_size=4,
                            sampling_mode="coupled", kv_block_size=4), prompts, params)
@@ -216,12 +215,6 @@ def test_blocks_in_use_follow_the_tokens_held(tiny):
 
 
 # ------------------------------------------------------------------------ speculation
-def _eagle(arch, seed=1):
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch)
-    d.reset_parameters(seed=seed)
-    return d
-
-
 @pytest.mark.parametrize("drafter", ["eagle", "self"])
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"], ids=["chain", "tree"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
@@ -233,7 +226,7 @@ def test_speculation_equals_the_slot_cache(tiny, drafter, strategy, mode):
     cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
 
     def make(kv):
-        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        d = random_eagle(arch) if drafter == "eagle" else SelfDrafter()
         return _engine(model, arch, kv, d, strategy, max_batch_size=5, **cfg)
 
     (old, _), (new, s_new) = _both(make, prompts, params)
@@ -253,7 +246,7 @@ def test_both_kinds_with_preemption_keep_coupled_outputs(tiny):
     eng = RolloutEngine(model, None, RolloutConfig(
         speculative=sc, sampling_mode="coupled", kv_cache="paged", kv_cache_gib=gib,
         kv_block_size=8, max_batch_size=9), arch=arch, eos_token_ids=[])
-    eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+    eng.attach_drafters({"eagle": random_eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
     eng.config.kv_cache_gib += drafter_pool_gib(eng, prompts, params)
     new = eng.generate(prompts, params)
     assert [o.token_ids for o in new] == [o.token_ids for o in plain]
@@ -275,7 +268,7 @@ def test_paged_drafters_with_preemption_equal_the_slot_cache(tiny, drafter, stra
     cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
 
     def make(kv, **kw):
-        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        d = random_eagle(arch) if drafter == "eagle" else SelfDrafter()
         return _engine(model, arch, kv, d, strategy, max_batch_size=8, **cfg, **kw)
 
     old = make("slots").generate(prompts, params)
@@ -300,7 +293,7 @@ def test_drafter_blocks_follow_the_tokens_they_hold(tiny, drafter):
     model, arch = tiny["llama_untied"]
     prompts = _prompts((3, 40, 7, 19, 60, 11), seed=10)
     params = _lengths_params(len(prompts), base=12)
-    d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+    d = random_eagle(arch) if drafter == "eagle" else SelfDrafter()
     bs = 8
     eng = _engine(model, arch, "paged", d, "3_1_3", max_batch_size=6, kv_block_size=bs,
                   share_prefill=False)

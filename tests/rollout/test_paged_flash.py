@@ -18,12 +18,11 @@ import torch
 from fake_flash import make_fake, use_fake_flash
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.kv_paged import PagedKVCache
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 from test_shared_prefill import _assert_same
-from tiny_models import VOCAB
+from tiny_models import VOCAB, random_eagle
 
 PAGE = 8  # the stand-in's page multiple (rows of the tiny models span several blocks)
 
@@ -192,12 +191,6 @@ def test_greedy_preemption_with_256_position_blocks(tiny, monkeypatch):
     assert eng.last_stats.preemptions > 0 and _paged_calls(fake)
 
 
-def _eagle(arch, seed=1):
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch)
-    d.reset_parameters(seed=seed)
-    return d
-
-
 @pytest.mark.parametrize("drafter", ["eagle", "self"])
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"], ids=["chain", "tree"])
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
@@ -211,7 +204,7 @@ def test_speculation_equals_the_slot_cache(tiny, fake, drafter, strategy, mode):
     cfg = {"sampling_mode": "coupled"} if mode == "coupled" else {}
 
     def make(kv, att):
-        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        d = random_eagle(arch) if drafter == "eagle" else SelfDrafter()
         return _engine(model, arch, kv, att, d, strategy, max_batch_size=5, **cfg)
 
     (slots, sdpa, flash), eng = _three(make, prompts, params)

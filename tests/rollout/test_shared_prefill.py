@@ -13,10 +13,9 @@ import torch
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.models import load_model
-from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
-from tiny_models import TINY_CONFIGS, VOCAB
+from tiny_models import TINY_CONFIGS, VOCAB, random_eagle
 
 G = 4  # responses per prompt
 
@@ -160,12 +159,6 @@ def test_sampled_groups_keep_each_request_its_own_stream(tiny, mode):
 
 
 # ------------------------------------------------------------------------ speculation
-def _eagle(arch, seed=1):
-    d = EagleDrafter(DrafterConfig.for_target(arch), arch)
-    d.reset_parameters(seed=seed)
-    return d
-
-
 @pytest.mark.parametrize("drafter", ["eagle", "self"])
 @pytest.mark.parametrize("strategy", ["3_1_3", "3_2_5"], ids=["chain", "tree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -180,7 +173,7 @@ def test_speculation_with_shared_prefill_is_unchanged(tiny, drafter, strategy, t
                         return_hidden_states=True)
 
     def make(share):
-        d = _eagle(arch) if drafter == "eagle" else SelfDrafter()
+        d = random_eagle(arch) if drafter == "eagle" else SelfDrafter()
         return _engine(model, arch, share, d, strategy, max_batch_size=5)
 
     (old, s_old), (new, s_new) = _both(make, prompts, sp)
@@ -229,7 +222,7 @@ def test_two_drafter_kinds_get_the_copied_prompt(tiny):
         eng = RolloutEngine(model, None, RolloutConfig(speculative=sc, share_prefill=share,
                                                        sampling_mode="coupled"),
                             arch=arch, eos_token_ids=[])
-        eng.attach_drafters({"eagle": _eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
+        eng.attach_drafters({"eagle": random_eagle(arch), "self": SelfDrafter()}, epsilon=0.5)
         assert eng.memory.features_serve()
         outs.append(eng.generate(prompts, sp))
         stats.append(eng.last_stats)

@@ -28,8 +28,8 @@ from megatron_tlt.rollout import RolloutEngine
 from megatron_tlt.runtime_env import apply_cpu_redirection, init_distributed
 from paged_cases import paged_case_names, run_paged_cases
 from rollout_cases import (CASES, COUPLED_CASES, COUPLED_PARAMS, GROUP_CASES, SPEC_CASES,
-                           SPEC_MODEL, case_prompts, group_prompts, group_request_seeds,
-                           spec_config)
+                           SPEC_MODEL, case_engine, case_prompts, group_prompts,
+                           group_request_seeds, spec_config)
 
 
 def main() -> None:
@@ -131,8 +131,6 @@ def _static_cases(results: dict, static_keys: dict, key: str, model, arch, draft
 def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: int) -> None:
     """GROUP_CASES with rollout.share_prefill off and on: outputs and prefill counts,
     keyed "mode/model/case/share" (the self-drafter at PP = 1 only)."""
-    from megatron_tlt.config import SpeculativeConfig
-    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 
     for case, (strategy, kind, sampling, params) in GROUP_CASES.items():
         if kind == "self" and pp > 1:
@@ -140,11 +138,7 @@ def _group_cases(results: dict, key: str, model, arch, drafter, mode: str, pp: i
         for share in (False, True):
             cfg = RolloutConfig(share_prefill=share, pipeline_mode=mode,
                                 sampling_mode=sampling)
-            if strategy is not None:
-                cfg.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
-                                                    threshold=64)
-            d = None if kind is None else drafter if kind == "eagle" else SelfDrafter()
-            eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[], drafter=d)
+            eng = case_engine(model, arch, cfg, kind, strategy, drafter)
             outs = eng.generate(group_prompts(), params, request_seeds=group_request_seeds())
             st = eng.last_stats
             results[f"{key}/{case}/{share}"] = dict(

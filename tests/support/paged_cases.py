@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_tlt.rollout import SamplingParams
-from rollout_cases import group_prompts, group_request_seeds
+from rollout_cases import case_engine, group_prompts, group_request_seeds
 
 PAGED_BLOCK = 4
 PAGED_BLOCKS = 12  # the small budget's blocks: 48 positions for 16 requests of 6 + 10
@@ -77,9 +77,7 @@ def run_paged_cases(model, arch, names: list[str], *, mode: str = "gathered",
     "paged": outputs, "preemptions": n, "spec_steps": n}} (outputs as JSON lists).
     ``share`` (rank, ranks): this rank asks for every ranks-th request from its rank
     (expert parallelism: the EP group decodes the union)."""
-    from megatron_tlt.config import RolloutConfig, SpeculativeConfig
-    from megatron_tlt.rollout import RolloutEngine
-    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+    from megatron_tlt.config import RolloutConfig
 
     prompts, seeds = group_prompts(), group_request_seeds()
     if share is not None:
@@ -92,11 +90,7 @@ def run_paged_cases(model, arch, names: list[str], *, mode: str = "gathered",
         for kv in ("slots", "paged"):
             cfg = RolloutConfig(kv_cache=kv, kv_block_size=PAGED_BLOCK, pipeline_mode=mode,
                                 sampling_mode=sampling)
-            if strategy is not None:
-                cfg.speculative = SpeculativeConfig(policy="fixed", strategy=strategy,
-                                                    threshold=64)
-            d = None if kind is None else drafter if kind == "eagle" else SelfDrafter()
-            eng = RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[], drafter=d)
+            eng = case_engine(model, arch, cfg, kind, strategy, drafter)
             if kv == "paged" and small:
                 eng.config.kv_cache_gib = _small_budget_gib(eng, group_prompts(), params)
             outs = eng.generate(prompts, params, request_seeds=seeds)

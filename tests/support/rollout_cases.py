@@ -78,3 +78,16 @@ def group_prompts() -> list[list[int]]:
 
 def group_request_seeds() -> list[int]:
     return [100 + 3 * i for i in range(len(group_prompts()))]
+
+
+def case_engine(model, arch, cfg, kind, strategy, drafter):
+    """The engine of a case: ``cfg`` with the fixed ``strategy`` (None: plain decoding),
+    drafting with ``drafter`` (kind "eagle"), the policy's int8 copy ("self") or none."""
+    from megatron_tlt.config import SpeculativeConfig
+    from megatron_tlt.rollout import RolloutEngine
+    from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
+
+    if strategy is not None:
+        cfg.speculative = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=64)
+    d = None if kind is None else drafter if kind == "eagle" else SelfDrafter()
+    return RolloutEngine(model, None, cfg, arch=arch, eos_token_ids=[], drafter=d)

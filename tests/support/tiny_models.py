@@ -131,3 +131,12 @@ def tiny_model_and_own_layer_drafter(folder: Path, device) -> tuple:
         d.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(device))
         d.norm.copy_(m.decoder.final_layernorm.weight)
     return m, arch, d
+
+
+def random_eagle(arch, seed: int = 1):
+    """A one-layer EAGLE drafter for ``arch`` with seeded random weights."""
+    from megatron_tlt.models.drafter import DrafterConfig, EagleDrafter
+
+    d = EagleDrafter(DrafterConfig.for_target(arch), arch)
+    d.reset_parameters(seed=seed)
+    return d
