@@ -95,7 +95,9 @@ class Tracker:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **metrics}
+        # the 1-minute load average beside the time: a CPU run's seconds mean little
+        # without how busy the machine was
+        record = {"step": step, "time": time.time(), "load_1m": _load_1m(), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(jsonable(record)) + "\n")
         if self.wandb_run is not None:
@@ -165,3 +167,11 @@ def read_metrics(path: str | Path) -> list[dict]:
             rec = json.loads(line)
             by_step[int(rec["step"])] = rec
     return [by_step[k] for k in sorted(by_step)]
+
+
+def _load_1m() -> Optional[float]:
+    """The host's 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

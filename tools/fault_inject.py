@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "update", "save", "publish")
 # metrics that depend on wall-clock time, not on the computation
 VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds", "elapsed",
-            "mem")
+            "mem", "load")
 
 
 # Speculation active in every decode step (threshold above the rows, no plain arm, the

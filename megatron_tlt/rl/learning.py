@@ -53,7 +53,9 @@ def read_run(run_dir: str | Path) -> dict:
         if isinstance(timing, dict) and "rollout" in timing:
             steps[s] = {"step": s, "reward": rec.get("reward/mean"),
                         "rollout_s": timing.get("rollout"), "tail_s": timing.get("tail"),
-                        "step_s": timing.get("step")}
+                        "step_s": timing.get("step"), "load_1m": rec.get("load_1m"),
+                        "tokens_per_s": rec.get("rollout_tokens_per_second"),
+                        "response_len": rec.get("response_length/mean")}
     for rec in _lines(run_dir / "eval_prompts.jsonl"):
         s = int(rec["step"])
         evals.setdefault(s, {"step": s}).update(correct=rec["correct"],
@@ -110,8 +112,12 @@ def compare(runs: dict[str, dict], *, baseline: str = "off") -> dict:
     out = {"arms": {}, "against_" + baseline: {}}
     for arm, run in runs.items():
         roll = [s["rollout_s"] for s in run["steps"] if s.get("rollout_s") is not None]
+        loads = [s["load_1m"] for s in run["steps"] if s.get("load_1m") is not None]
+        lens = [s["response_len"] for s in run["steps"] if s.get("response_len") is not None]
         out["arms"][arm] = {**run, "rise": _rises(run),
                             "rollout_s_mean": mean(roll) if roll else None,
+                            "load_1m_mean": mean(loads) if loads else None,
+                            "response_len_mean": mean(lens) if lens else None,
                             "steps_done": len(run["steps"])}
     base = runs.get(baseline)
     for arm, run in runs.items():

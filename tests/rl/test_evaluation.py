@@ -157,3 +157,7 @@ def test_every_evaluation_records_each_held_out_prompt(tmp_path):
     assert [x["step"] for x in lines] == [0, 2, 4]
     assert [x["reward"][2] for x in lines] == [0.0, 2.0, 4.0]
     assert all(x["correct"] == [1.0, 0.0, 0.0] for x in lines)
+    # every metrics record carries the machine's load beside its time (a CPU run's
+    # seconds are read with it)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(isinstance(r["load_1m"], float) and r["load_1m"] >= 0 for r in records)

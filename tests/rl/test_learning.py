@@ -14,7 +14,7 @@ def _write_run(folder, evals: dict, rollout_s: float, steps: int = 4):
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
         for s in range(1, steps + 1):
-            f.write(json.dumps({"step": s, "reward/mean": 0.1 * s,
+            f.write(json.dumps({"step": s, "reward/mean": 0.1 * s, "load_1m": float(s),
                                 "timing": {"rollout": rollout_s, "tail": 1.0, "step": 9.0}}) + "\n")
         f.write(json.dumps({"step": 2, "reward/mean": 0.5,  # step 2 again: a resumed run
                             "timing": {"rollout": rollout_s, "tail": 1.0, "step": 9.0}}) + "\n")
@@ -61,6 +61,7 @@ def test_compare_reports_rise_rollout_ratio_and_the_final_paired_difference(tmp_
     res = compare({"off": read_run(tmp_path / "off"), "tlt": read_run(tmp_path / "tlt")})
     off = res["arms"]["off"]
     assert off["rise"]["step0"] == 0.25 and off["rise"]["final"] == 90 / n
+    assert off["load_1m_mean"] == pytest.approx((1 + 3 + 4) / 3)  # step 2's last record: none
     assert off["rise"]["final_beyond_step0_interval"]
     assert not off["rise"]["final_below_step0_interval"]
     entry = res["against_off"]["tlt"]
