@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import megatron_tlt
-from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig, load_config
+from megatron_tlt.config import (Config, ConfigError, RolloutConfig, SpeculativeConfig,
+                                 load_config)
 from megatron_tlt.config.kinds import KindSection, KindSettings
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative import drafter_kind, drafters, model_free
@@ -131,11 +132,22 @@ def shared_leaks(section, words: set[str]) -> list[str]:
     return out
 
 
+def config_sections(cls) -> list[type]:
+    """Every section under ``cls`` but the kinds' own (``rollout.speculative.kinds``)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory
+        if dataclasses.is_dataclass(sub) and sub is not KindSettings:
+            out += [sub, *config_sections(sub)]
+    return out
+
+
 def test_kind_settings_live_in_the_kinds_sections():
     """No kind's setting on the shared section, and the two registrations agree: each
     section of ``rollout.speculative.kinds`` is a registered kind's, under its name, and
     is the section that kind reads (``Drafter.settings_section``)."""
-    assert not shared_leaks(SpeculativeConfig, kind_words())
+    shared = [SpeculativeConfig, *config_sections(Config)]
+    assert not [x for section in shared for x in shared_leaks(section, kind_words())]
     registered = {f.name: f.default_factory for f in dataclasses.fields(KindSettings)}
     declared = {k.name: k.settings_section for k in drafters.KINDS if k.settings_section}
     assert registered == declared
