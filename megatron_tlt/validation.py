@@ -35,7 +35,8 @@ def check_routing_replay(cfg: Config, arch, world_size: int) -> None:
 
 
 def check_drafter_kinds(cfg: Config, arch, world_size: int) -> None:
-    """The drafter kinds' own rules (``self_too``, each configured kind's layout)."""
+    """The drafter kinds' own rules (a kind's settings against the kinds, each
+    configured kind's layout)."""
     drafters.check_config(cfg)
 
 

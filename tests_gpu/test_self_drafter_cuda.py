@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+from megatron_tlt.config.kinds import KindSettings, SelfSettings
 from megatron_tlt.gpu_check.probe import fp8_probe
 from megatron_tlt.rollout import SamplingParams
 from megatron_tlt.rollout.speculative.quantize_fp8 import (
@@ -94,8 +95,9 @@ def smollm2(parallel):
     def get(dtype: str, mode: str = "standard", strategy: str = "4_1_4"):
         key = (dtype, mode, strategy)
         if key not in engines:
-            sc = SpeculativeConfig(drafter="self", self_format="auto", policy="fixed",
-                                   strategy=strategy, threshold=1 << 20)
+            sc = SpeculativeConfig(drafter="self", policy="fixed", strategy=strategy,
+                                   threshold=1 << 20, kinds=KindSettings(
+                                       self=SelfSettings(format="auto")))
             cfg = RolloutConfig(speculative=sc, sampling_mode=mode, max_batch_size=4,
                                 attention="sdpa")
             engines[key] = RolloutEngine.from_pretrained("smollm2", cfg, dtype=dtype,

@@ -42,7 +42,7 @@ def parse_args(argv=None):
       help="inputs per int8 scale of the copy (0: one scale per output channel)")
     a("--self-act-block", type=int, default=32,
       help="inputs per scale of the copy's int8 activations (0: float activations, "
-           "weight-only int8; rollout.speculative.self_act_block)")
+           "weight-only int8; rollout.speculative.kinds.self.act_block)")
     a("--self-source", action="append", default=[],
       help="another checkpoint of the same architecture whose int8 copy is scored too "
            "(repeatable; column self@<folder name>)")
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
     import torch
 
     from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+    from megatron_tlt.config.kinds import KindSettings, SelfSettings
     from megatron_tlt.drafter_training import alpha_kinds
     from megatron_tlt.drafter_training.alpha import held_out_samples
     from megatron_tlt.models import arch_from_source, load_model, resolve_source
@@ -130,8 +131,8 @@ def main(argv=None) -> int:
         drafters[eagle.name], described[eagle.name] = eagle, name
     copy = make_drafter("self", arch=engine.arch, dtype=engine.runner.dtype,
                         device=engine.device,
-                        sc=SpeculativeConfig(self_group=args.self_group,
-                                             self_act_block=args.self_act_block))
+                        sc=SpeculativeConfig(kinds=KindSettings(self=SelfSettings(
+                            group=args.self_group, act_block=args.self_act_block))))
     drafters[copy.name] = copy
     described[copy.name] = (f"the policy's int8 copy (weight group {args.self_group}, "
                             f"activation block {args.self_act_block})")

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. self) instead of none")
     ap.add_argument("--self-too", action="store_true",
                     help="the tlt arm adds the self-drafter beside --drafter "
-                         "(rollout.speculative.self_too; a model-free --drafter then "
+                         "(rollout.speculative.kinds.self.also; a model-free --drafter then "
                          "proposes per row over it)")
     ap.add_argument("--free-too", default="",
                     help="the tlt arm also attaches this model-free kind (e.g. "
@@ -351,8 +351,10 @@ def build_arms(args, mode: str, session, first_model) -> dict:
     untrained = is_untrained(str(args.drafter))  # attached after the arms are built
     drafter = "" if args.drafter == "off" or untrained else str(args.drafter)
     second = "" if args.off_drafter == "off" else args.off_drafter
+    sc = cfg.rollout.speculative
+    also = replace(sc.kinds, self=replace(sc.kinds.self, also=args.self_too))
     cfgs = {"tlt": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
-        cfg.rollout.speculative, drafter=drafter, self_too=args.self_too))),
+        sc, drafter=drafter, kinds=also))),
         "off": replace(cfg, rollout=replace(cfg.rollout, speculative=replace(
             cfg.rollout.speculative, drafter=second)))}
     if args.off_arm != "off":  # the same drafter, the tuner charging the other costs

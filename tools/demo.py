@@ -8,7 +8,7 @@
    x the GRPO group's 8 responses at T=1, forward KL + TV against the target's T=1
    distribution; its held-out report prints the exact acceptance alpha by draft depth).
 2. `torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config examples/rl/smollm2_cpu.yaml
-   rollout.speculative.drafter=<it> rollout.speculative.self_too=true
+   rollout.speculative.drafter=<it> rollout.speculative.kinds.self.also=true
    drafter_group.enable=true tracking.on_existing_run=new_version` plus any overrides
    given here: a few GRPO steps with both drafter kinds, the one-layer drafter (trained
    by the drafter group in every step's tail) and the policy's own int8 copy
@@ -23,9 +23,9 @@
 ``python tools/demo.py rollout.speculative.drafter=self`` (``make demo
 DEMO_ARGS=rollout.speculative.drafter=self``) speculates with the self-drafter instead:
 the policy's own int8 copy, re-quantized after every update; no warm-up, no drafter
-group. ``python tools/demo.py rollout.speculative.self_too=false`` runs the one-layer
-drafter alone (at T=1 on this model its acceptance is too low to pay: the break-even
-gate declines nearly every step).
+group. ``python tools/demo.py rollout.speculative.kinds.self.also=false`` runs the
+one-layer drafter alone (at T=1 on this model its acceptance is too low to pay: the
+break-even gate declines nearly every step).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     return torchrun("demo", 2, REPO / "pretrain_rl_tlt.py",
                     ["--config", RECIPE,
                      f"rollout.speculative.drafter={drafter}",
-                     "rollout.speculative.self_too=true", "drafter_group.enable=true",
+                     "rollout.speculative.kinds.self.also=true", "drafter_group.enable=true",
                      "tracking.on_existing_run=new_version", *overrides], t0, cwd=REPO)
 
 

@@ -66,7 +66,7 @@ VOLATILE = ("timing", "time", "timeline", "throughput", "per_second", "seconds",
 # Speculation active in every decode step (threshold above the rows, no plain arm, the
 # break-even gate off): the tuner's choice among two chains, from modelled costs.
 SPEC_ON = ["rollout.speculative.threshold=64", "rollout.speculative.break_even=false",
-           "rollout.speculative.arms=*:2_1_2,3_1_3", "rollout.speculative.self_arms=auto"]
+           "rollout.speculative.arms=*:2_1_2,3_1_3", "rollout.speculative.kinds.self.arms=auto"]
 # name -> (model: llama | moe, the drafter: copy (the self-drafter) | trained (the one-layer
 # drafter) | both | group (group_history alone; 2 prompts, so the second step drafts
 # from the first's responses: a resume restores them from the checkpoint), overrides);
@@ -96,7 +96,7 @@ def config_args(name: str, policy: Path, costs: Path) -> list[str]:
     eagle = f"rollout.speculative.drafter={policy / 'drafter.safetensors'}"
     # the drafters: the policy's copy ("copy"), the one-layer drafter ("trained"), both
     kinds = {"copy": ["rollout.speculative.drafter=self"], "trained": [eagle],
-             "both": [eagle, "rollout.speculative.self_too=true"],
+             "both": [eagle, "rollout.speculative.kinds.self.also=true"],
              "group": ["rollout.speculative.drafter=group_history"]}[drafter]
     if drafter == "trained" and "drafter_group.enable=true" in extra:
         kinds = []  # the group starts from an untrained drafter

@@ -52,13 +52,13 @@ ARM_WORDS = {"off": "no speculation",
 def arm_args(arm: str) -> list[str]:
     """The overrides that make an arm."""
     if arm == "off":
-        return ["rollout.speculative.drafter=", "rollout.speculative.self_too=false",
+        return ["rollout.speculative.drafter=", "rollout.speculative.kinds.self.also=false",
                 "drafter_group.enable=false"]
     if arm == "tlt":
         from megatron_tlt.drafter_training.prepared import demo_drafter
 
         return [f"rollout.speculative.drafter={demo_drafter(DEMO_RECIPE)}",
-                "rollout.speculative.self_too=true", "drafter_group.enable=true",
+                "rollout.speculative.kinds.self.also=true", "drafter_group.enable=true",
                 "rollout.sampling_mode=standard"]
     raise SystemExit(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .base import ConfigError
+from .kinds import renamed_keys
 
 
 def _all_keys(cls, prefix: str = "") -> list[str]:
@@ -28,6 +29,9 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
 
 
 def _closest_hint(key: str, cls) -> str:
+    moved = renamed_keys().get(key)
+    if moved is not None:
+        return f"; it is now '{moved}' (the kind's own settings)"
     close = difflib.get_close_matches(key, _all_keys(cls), n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else ""
 

@@ -16,9 +16,13 @@ def describe(cls=Config, markdown: bool = False) -> str:
                   "Set fields in a YAML recipe (`--config FILE`) or on the command line as",
                   "`section.field=value`; later sources win.", ""]
     def emit(prefix: str, sub) -> None:
-        doc = (sub.__doc__ or "").strip()
-        lines.extend([f"## `{prefix}`", "", doc, "", "| field | type | default | meaning |",
-                      "|---|---|---|---|"] if markdown else [f"{prefix}: {doc}"])
+        doc = " ".join((sub.__doc__ or "").split())  # one paragraph
+        leaves = any(not is_dataclass(f.default_factory) for f in fields(sub))
+        if markdown:  # a section of sections only (rollout.speculative.kinds): no table
+            lines.extend([f"## `{prefix}`", "", doc, ""] + (
+                ["| field | type | default | meaning |", "|---|---|---|---|"] if leaves else []))
+        else:
+            lines.append(f"{prefix}: {doc}")
         nested = []
         for f in fields(sub):
             if f.default_factory is not MISSING and is_dataclass(f.default_factory):
@@ -32,7 +36,8 @@ def describe(cls=Config, markdown: bool = False) -> str:
             else:
                 lines.append(f"  {prefix}.{f.name} ({typ}, default {default!r}): "
                              f"{f.metadata.get('help', '')}")
-        lines.append("")
+        if leaves or not markdown:
+            lines.append("")
         for name, cls_ in nested:
             emit(name, cls_)
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..spec_strategy import POLICIES, Strategy, parse_arms
 from .base import ConfigError, _choice, _help, _positive
+from .kinds import KindSettings
 from .rl_sections import (CheckpointConfig, DataConfig, DrafterGroupConfig, GRPOConfig,
                           RewardConfig, TrackingConfig, TrainConfig)
 
@@ -99,47 +100,25 @@ class GenerateConfig:
         _positive("generate", "max_new_tokens", self.max_new_tokens)
 
 
-# the tuner's arms per batch-size bucket: the one-layer drafter's (`arms`) and the
-# self-drafter's deeper ones (`self_arms`=auto)
 # flash-attn 2.x (2.7.3, the gpu extra's floor, through 2.8.3): a paged KV cache's
 # page_block_size must be a multiple of this (its mha_fwd_kvcache checks it)
 FLASH_PAGE_MULTIPLE = 256
 
+# the tuner's arms per batch-size bucket (a kind may set its own: config/kinds/)
 DEFAULT_ARMS = ("1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
                 "5-8:2_1_2,3_1_3,4_1_4;*:0_0_0,1_1_1,2_1_2")
-SELF_ARMS = ("1:6_1_6,7_1_7,8_1_8;2:4_1_4,5_1_5,6_1_6;3-4:3_1_3,4_1_4,5_1_5;"
-             "5-8:3_1_3,4_1_4,5_1_5;*:0_0_0,2_1_2,3_1_3,4_1_4")
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding in the rollout engine (EAGLE drafter, exact verification)."""
+    """Speculative decoding in the rollout engine (exact verification): the settings
+    every drafter kind shares; a kind's own are in `kinds` (config/kinds/)."""
 
     drafter: str = _help(
         "Drafter checkpoint (.safetensors file or folder, from tools/warmup_drafter.py), "
         "or 'self': the policy's own weight-only int8 copy (self-speculation; no "
         "training, re-quantized after every policy update); empty = speculative "
         "decoding off.", "")
-    self_group: int = _help(
-        "drafter=self: inputs per int8 scale of the copy's matrices (0 = one scale per "
-        "output channel; e.g. 128 for groups of 128, a little closer to the policy).", 0)
-    self_format: str = _help(
-        "drafter=self: the copy's number format. int8 (int8 weights, activations as "
-        "self_act_block says; the CPU kernels' int8 GEMMs on CPU), fp8 (E4M3 weights, "
-        "one scale per output channel, and E4M3 activations scaled per row at every "
-        "call, self_act_block unused; multiplied by torch._scaled_mm on "
-        "CUDA GPUs of compute capability >= 8.9; emulated elsewhere), or auto (fp8 where "
-        "the GPU runs it natively and self_group is 0, else int8).", "auto")
-    self_act_block: int = _help(
-        "drafter=self: inputs per scale of the copy's dynamically quantized int8 "
-        "activations (per row, per block: the CPU kernels' int8 dot products; SmolLM2 at "
-        "T=1, drafting over the policy's keys and values: α 0.969 at 32, 0.977 with "
-        "float activations); 0 = float activations (weight-only int8). A multiple of 4 "
-        "dividing self_group.", 32)
-    self_too: bool = _help(
-        "With a drafter checkpoint: also the self-drafter, the kind (one-layer drafter, "
-        "int8 copy, or plain decoding) chosen per batch-size bucket by each kind's own "
-        "tuner and break-even gate (rollout/speculative/multi.py).", False)
     threshold: int = _help(
         "Speculate only while the running batch has at most this many sequences (the "
         "long tail); larger batches decode plainly. Switching on mid-generation costs one "
@@ -161,12 +140,6 @@ class SpeculativeConfig:
         "YAML recipe quote a value that starts with * (YAML reads * as an alias); on the "
         "command line no quoting is needed (rollout.speculative.arms=*:2_1_2).",
         DEFAULT_ARMS)
-    self_arms: str = _help(
-        "Arms per bucket of the self-drafter's tuner, same form as `arms`; auto = `arms` "
-        "when it is set, else deeper chains than the one-layer drafter's (the policy's "
-        "int8 copy accepts far more: on 2 CPU cores a depth-4 chain gave 1.36x at batch "
-        "8 and 1.11x at 16, bench_spec): " + SELF_ARMS.replace("*", "(rest)") + ".",
-        "auto")
     min_draft_prob: float = _help(
         "Chains stop drafting once the drafter's probability of the whole draft would "
         "fall below this (0 = always draft the arm's depth); verification then spends "
@@ -204,27 +177,15 @@ class SpeculativeConfig:
     tuner_state: str = _help(
         "JSON file the tuner's state is loaded from when it exists and saved to after "
         "each generate call; empty = not persisted.", "")
+    kinds: KindSettings = _help(
+        "Each drafter kind's own settings: rollout.speculative.kinds.<kind>.<field>.",
+        factory=KindSettings)
 
     def __post_init__(self):
         _positive("rollout.speculative", "threshold", self.threshold)
         _choice("rollout.speculative", "policy", self.policy, POLICIES)
         _choice("rollout.speculative", "costs", self.costs, ("modelled", "measured"))
         _positive("rollout.speculative", "window", self.window)
-        if self.self_group < 0:
-            raise ConfigError("rollout.speculative.self_group must be >= 0 (0 = one scale "
-                              f"per output channel), got {self.self_group}")
-        _choice("rollout.speculative", "self_format", self.self_format,
-                ("auto", "int8", "fp8"))
-        if self.self_format == "fp8" and self.self_group:
-            raise ConfigError("rollout.speculative.self_format=fp8 has one scale per output "
-                              f"channel; set self_group=0 (got {self.self_group}) or use "
-                              "self_format=int8 for grouped scales")
-        if self.self_act_block < 0 or self.self_act_block % 4 or (
-                self.self_act_block and self.self_group % self.self_act_block):
-            raise ConfigError("rollout.speculative.self_act_block must be 0 (float "
-                              "activations) or a positive multiple of 4 that divides "
-                              f"self_group, got {self.self_act_block} (self_group "
-                              f"{self.self_group})")
         for name, ok, want in (
                 ("ucb_c", 0.0 <= self.ucb_c < float("inf"), "a finite number >= 0"),
                 ("probe_budget", 0.0 <= self.probe_budget < 1.0, "in [0, 1)"),
@@ -236,10 +197,9 @@ class SpeculativeConfig:
         try:
             Strategy.parse(self.strategy)
             parse_arms(self.arms, self.buckets)
-            if self.self_arms not in ("", "auto"):
-                parse_arms(self.self_arms, self.buckets)
         except ValueError as e:
             raise ConfigError(f"rollout.speculative: {e}") from None
+        self.kinds.check(self)
 
 
 @dataclass

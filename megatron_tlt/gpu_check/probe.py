@@ -4,8 +4,8 @@ megatron_tlt.gpu_check.probe --result R.json``) and by tests_gpu's FP8 tests:
 - ``imports()``: the version of each package the check needs (or why it is missing);
 - ``device()``: torch, CUDA, the GPU's name, memory and compute capability;
 - ``fp8_probe()``: whether ``torch._scaled_mm`` multiplies row-wise-scaled E4M3 here,
-  and if not, why. The self-drafter's ``rollout.speculative.self_format=auto`` picks
-  FP8 only where this works (``quantize_fp8.fp8_native``, the same 16 x 16 call), else
+  and if not, why. The self-drafter's ``rollout.speculative.kinds.self.format=auto``
+  picks FP8 only where this works (``quantize_fp8.fp8_native``, the same 16 x 16 call), else
   int8; so a torch release whose row-wise kernel fails turns the FP8 drafter into int8
   silently. The probe keeps the reason: ``device_lacks_fp8`` is true only for a
   device of compute capability below 8.9 (or no CUDA), where FP8 tests skip; on a

@@ -187,7 +187,7 @@ def predict_for_config(cfg, world_size: int, *, hardware: Optional[str] = None,
         dg.enable = True  # TLT = speculation + the drafter group
         dg.tokens_trained0 = acc.tokens[len(acc.tokens) // 2]  # the warm-up's end
         if drafters.kind_of_value(ro.speculative.drafter).copies_policy \
-                and not ro.speculative.self_too:
+                and len(drafters.configured_values(ro.speculative)) == 1:
             acc = acceptance or Acceptance.constant(
                 (SELF_ALPHA,) * 8, source=f"the self-drafter: alpha {SELF_ALPHA} at every "
                 "depth (assumed; SmolLM2's int8 copy measured 0.97), nothing to train")

@@ -20,7 +20,7 @@ from ..tracking import read_metrics
 
 def summary_table(history: Sequence[dict]):
     """The per-step rich table. With several drafter kinds (``rollout.speculative
-    .self_too``) two more columns: per kind the share of decode steps it speculated and
+    .kinds.self.also``) two more columns: per kind the share of decode steps it speculated and
     its acceptance length, and per batch-size bucket the drafter (kind and arm) the
     bucket chose most often in the step ("plain": its chosen kind's gate declined)."""
     from rich.table import Table

@@ -102,8 +102,8 @@ class RolloutEngine:
         # collective: the caller sets it only where the replica decodes alone, TP=PP=1)
         self.interrupt: Optional[Callable[[], bool]] = None
         self.drafters: dict = {}  # kind name -> the attached ``Drafter``s
-        # rollout.speculative.drafter (and self_too), or ``drafter`` (a ``Drafter`` or a
-        # one-layer drafter module) in its place
+        # rollout.speculative.drafter and the kinds that join it, or ``drafter`` (a
+        # ``Drafter`` or a one-layer drafter module) in its place
         wanted = drafters.configured(self.config.speculative, arch=self.arch,
                                      dtype=self.runner.dtype, device=self.device,
                                      given=drafter)

@@ -176,7 +176,8 @@ def test_strategy_strings_are_not_read_as_numbers():
     ("probe_budget=1.5", "probe_budget must be in \\[0, 1\\), got 1.5"),
     ("strategy=6_1_7", "rollout.speculative: .*verify_tokens=7"),
     ("arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
-    ("self_arms=3:2_1_2", "rollout.speculative: bucket key '3' is not a bucket bound"),
+    ("kinds.self.arms=3:2_1_2",
+     "rollout.speculative.kinds.self.arms: bucket key '3' is not a bucket bound"),
 ])
 def test_speculation_settings_are_validated_once_here(override, match):
     """The tuner takes these as given: config/ is where they are checked."""
@@ -185,10 +186,11 @@ def test_speculation_settings_are_validated_once_here(override, match):
 
 
 def test_the_self_drafters_arms_follow_arms_unless_both_are_defaults():
-    """self_arms=auto: the deeper self-drafter arms while `arms` is the default, else
+    """kinds.self.arms=auto: the deeper self-drafter arms while `arms` is the default, else
     `arms` (a user's arms apply to both kinds); set, it is the self kind's; the
     one-layer drafter always uses `arms`."""
-    from megatron_tlt.config.sections import DEFAULT_ARMS, SELF_ARMS
+    from megatron_tlt.config.kinds.self_drafter import SELF_ARMS
+    from megatron_tlt.config.sections import DEFAULT_ARMS
     from megatron_tlt.rollout.speculative.kind_eagle import EagleKind
     from megatron_tlt.rollout.speculative.self_drafter import SelfDrafter
 
@@ -197,10 +199,10 @@ def test_the_self_drafters_arms_follow_arms_unless_both_are_defaults():
     assert EagleKind.tuner_config(sc).arms == DEFAULT_ARMS
     sc = _cfg("rollout.speculative.arms=*:2_1_2").rollout.speculative
     assert SelfDrafter.tuner_config(sc).arms == "*:2_1_2" == EagleKind.tuner_config(sc).arms
-    sc = _cfg("rollout.speculative.self_arms=*:5_1_5").rollout.speculative
+    sc = _cfg("rollout.speculative.kinds.self.arms=*:5_1_5").rollout.speculative
     assert SelfDrafter.tuner_config(sc).arms == "*:5_1_5"
     assert EagleKind.tuner_config(sc).arms == DEFAULT_ARMS
-    sc = _cfg("rollout.speculative.self_arms=").rollout.speculative
+    sc = _cfg("rollout.speculative.kinds.self.arms=").rollout.speculative
     assert SelfDrafter.tuner_config(sc).arms == DEFAULT_ARMS
 
 

@@ -184,7 +184,7 @@ def test_start_up_checks_accept_drafters_for_qwen3_and_moe(qwen3_hf_dirs):
         arch = arch_from_source(qwen3_hf_dirs[name])
         for over in (["rollout.speculative.drafter=self"], ["drafter_group.enable=true"],
                      ["rollout.speculative.drafter=/d.safetensors",
-                      "rollout.speculative.self_too=true"]):
+                      "rollout.speculative.kinds.self.also=true"]):
             cfg = load_config([], [f"model.hf_path={qwen3_hf_dirs[name]}", *over])
             validate(cfg, arch, 2)
 

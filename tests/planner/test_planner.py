@@ -407,3 +407,16 @@ def test_the_shipped_validation_is_current():
     for key in ("cpu_validation_error", "published_error"):
         numbers = {k: v for k, v in now[key].items() if isinstance(v, float)}
         assert numbers == pytest.approx({k: shipped[key][k] for k in numbers}, rel=1e-9), key
+
+
+def test_the_self_drafter_alone_is_planned_as_a_copy_of_the_policy():
+    """drafter=self: the planner assumes the copy's acceptance and trains nothing; a
+    checkpoint with the self-drafter beside it (kinds.self.also) is planned as the
+    checkpoint's kind."""
+    recipe = "examples/rl/qwen2.5_7b_grpo.yaml"
+    alone = predict_for_config(load_config([recipe], ["rollout.speculative.drafter=self"]), 8)
+    both = predict_for_config(load_config([recipe], [
+        "rollout.speculative.drafter=/d.safetensors",
+        "rollout.speculative.kinds.self.also=true"]), 8)
+    assert any("self-drafter drafts" in x for x in alone.lines())
+    assert not any("self-drafter drafts" in x for x in both.lines())

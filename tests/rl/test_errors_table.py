@@ -164,9 +164,12 @@ BAD_CONFIGS = {
         "llama_tied", 2, ["rollout.speculative.drafter=self",
                           "parallel.pipeline_model_parallel_size=2",
                           "rollout.pipeline_mode=pipelined"],
-        "the self-drafter (rollout.speculative.drafter=self or self_too=true)"),
-    "self-too-alone": ("llama_tied", 1, ["rollout.speculative.self_too=true"],
-                       "rollout.speculative.self_too=true needs a drafter checkpoint"),
+        "the self-drafter (rollout.speculative.drafter=self or "
+        "rollout.speculative.kinds.self.also=true)"),
+    "self-also-alone": ("llama_tied", 1, ["rollout.speculative.kinds.self.also=true"],
+                        "rollout.speculative.kinds.self.also=true needs a drafter checkpoint"),
+    "self-group-old-key": ("llama_tied", 1, ["rollout.speculative.self_group=64"],
+                           "it is now 'rollout.speculative.kinds.self.group'"),
     "reward-verifier-vs-source": (
         "llama_tied", 1, ["reward.verifier=reasoning_gym", "data.source=jsonl",
                           "data.path=/p.jsonl"],

@@ -406,7 +406,7 @@ def test_graph_pools_in_the_estimate():
 def test_self_drafter_terms_follow_the_config():
     """drafter=self: the copy (resident, no one-layer drafter terms) and its KV cache
     (all layers, rows up to the threshold, released with the others); FP8 on a GPU
-    (auto, per-channel scales), int8 with groups; self_too adds it to the one-layer
+    (auto, per-channel scales), int8 with groups; kinds.self.also adds it to the one-layer
     drafter's terms."""
     arch = _arch(vocab_size=49152, hidden_size=576, intermediate_size=1536,  # SmolLM2-135M
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -443,16 +443,16 @@ def test_self_drafter_terms_follow_the_config():
     gpu = ["platform.device=cuda", "model.dtype=bfloat16", "rollout.speculative.drafter=self"]
     g = mm.settings(load_config(overrides=base + gpu), 1)
     assert sd.copy_format(g.spec, g.on_gpu) == "fp8" and not g.cpu_kernels
-    g8 = mm.settings(load_config(overrides=base + gpu + ["rollout.speculative.self_group=64"]), 1)
+    g8 = mm.settings(load_config(overrides=base + gpu + ["rollout.speculative.kinds.self.group=64"]), 1)
     assert sd.copy_format(g8.spec, g8.on_gpu) == "int8"
     mats = sd.copy_matrices(arch, 1)
     int8 = sum(n * k + 4 * n * -(-k // 64) for n, k in mats)
     small = (arch.num_layers * 2 + 1) * arch.hidden_size + arch.kv_channels
     assert sd.copy_bytes(arch, g8, g8.spec, "int8") == int8 + 2 * small
-    # self_too: the one-layer drafter's terms and the copy's
+    # kinds.self.also: the one-layer drafter's terms and the copy's
     both = mm.settings(load_config(overrides=base + [
         "platform.device=cpu", "model.dtype=float32", "rollout.speculative.drafter=/d",
-        "rollout.speculative.self_too=true"]), 1)
+        "rollout.speculative.kinds.self.also=true"]), 1)
     names = {t.name for t in mm.estimate_settings(arch, both).terms}
     assert {"drafter", "drafter KV + features", "self-drafter copy",
             "self-drafter KV"} <= names

@@ -47,7 +47,7 @@ def test_drafter_group_refuses_the_self_drafter(tiny_policy, tmp_path):
 
 
 def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_parallel):
-    """rollout.speculative.self_too: a one-layer drafter checkpoint and the int8 copy
+    """rollout.speculative.kinds.self.also: a one-layer drafter checkpoint and the int8 copy
     side by side (the default adaptive tuner per kind); the run speculates, re-quantizes
     the copy after the update and checkpoints the one-layer drafter."""
     from megatron_tlt.models import arch_from_source
@@ -59,7 +59,7 @@ def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     r = run_script("pretrain_rl_tlt.py", *tiny_run_args(
         tiny_policy, out, "train.lr=1e-3", "train.steps=3", f"checkpoint.save={ckpt}",
-        f"rollout.speculative.drafter={path}", "rollout.speculative.self_too=true",
+        f"rollout.speculative.drafter={path}", "rollout.speculative.kinds.self.also=true",
         "rollout.speculative.threshold=8"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -87,22 +87,22 @@ def test_rl_steps_with_both_drafter_kinds(tiny_policy, tmp_path, single_process_
         *(x["spec"]["kinds"] for x in records))) == 1  # the table's column
 
 
-def test_self_too_needs_a_drafter_checkpoint():
+def test_self_also_needs_a_drafter_checkpoint():
     """Checked when a run starts (and by the dry run), before anything is built."""
     from megatron_tlt.config import ConfigError, load_config
     from megatron_tlt.rollout.speculative.drafters import check_config
 
     for drafter in ("self", ""):
         cfg = load_config(overrides=[f"rollout.speculative.drafter={drafter}",
-                                     "rollout.speculative.self_too=true"])
-        with pytest.raises(ConfigError, match="self_too"):
+                                     "rollout.speculative.kinds.self.also=true"])
+        with pytest.raises(ConfigError, match="rollout.speculative.kinds.self.also"):
             check_config(cfg)
     check_config(load_config(overrides=["rollout.speculative.drafter=d.safetensors",
-                                        "rollout.speculative.self_too=true"]))
+                                        "rollout.speculative.kinds.self.also=true"]))
 
 
 def test_both_kinds_with_the_drafter_group_at_dp2(tiny_policy, tmp_path, single_process_parallel):
-    """The demo's set-up with ``rollout.speculative.self_too=true``: two replicas, the
+    """The demo's set-up with ``rollout.speculative.kinds.self.also=true``: two replicas, the
     drafter group training the one-layer drafter in the tail while the int8 copy drafts
     beside it. Every replica's kind timeline is logged, the per-kind metrics add up
     over the replicas, and the summary table names each bucket's drafter."""
@@ -115,7 +115,7 @@ def test_both_kinds_with_the_drafter_group_at_dp2(tiny_policy, tmp_path, single_
     out = tmp_path / "run"
     r = run_script("pretrain_rl_tlt.py", *tiny_run_args(
         tiny_policy, out, "train.steps=2", "grpo.group_size=2",
-        f"rollout.speculative.drafter={path}", "rollout.speculative.self_too=true",
+        f"rollout.speculative.drafter={path}", "rollout.speculative.kinds.self.also=true",
         "rollout.speculative.threshold=8", "drafter_group.enable=true",
         "drafter_group.batch_tokens=64"), nproc=2, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

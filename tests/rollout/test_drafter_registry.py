@@ -2,11 +2,14 @@
 the registry compares a kind's name or probes a drafter's attributes, and a new kind is
 one file plus one registration line: a toy kind (tests/support/repeat_kind.py) is
 attached from its config value, drafts exactly (chi-square at T=1), and shows in the
-metrics, the memory model and the report without any other change."""
+metrics, the memory model and the report without any other change. A kind's own
+settings are its section of ``rollout.speculative.kinds`` (config/kinds/), never fields
+of the shared ``rollout.speculative``."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -14,7 +17,9 @@ import pytest
 import torch
 
 import megatron_tlt
-from megatron_tlt.config import RolloutConfig, SpeculativeConfig, load_config
+from megatron_tlt.config import (Config, ConfigError, RolloutConfig, SpeculativeConfig,
+                                 load_config)
+from megatron_tlt.config.kinds import KindSection, KindSettings
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative import drafter_kind, drafters, model_free
 from repeat_kind import RepeatLast
@@ -109,6 +114,63 @@ def test_no_kind_names_or_drafter_probes_outside_the_registry():
     assert not found, ("the drafter kinds are reached only through "
                        "rollout/speculative/drafters.py and the Drafter interface:\n"
                        + "\n".join(found))
+
+
+def shared_leaks(section, words: set[str]) -> list[str]:
+    """Fields of the shared ``rollout.speculative`` section that are one kind's: named
+    after a kind (``self_group``: the kind's name or word and a field) or documented as
+    one kind's setting (``drafter=self: ...``). A kind's settings live in its own
+    section (config/kinds/: ``rollout.speculative.kinds.<kind>``)."""
+    out = []
+    for f in dataclasses.fields(section):
+        text = f.metadata.get("help", "")
+        owner = next((w for w in sorted(words) if f.name.startswith(w + "_")
+                      or text.startswith((f"drafter={w}:", f"drafter={w} "))), None)
+        if owner is not None:
+            out.append(f"{section.__name__}.{f.name}: a setting of kind {owner!r}; move it "
+                       f"to its section (rollout.speculative.kinds.{owner})")
+    return out
+
+
+def config_sections(cls) -> list[type]:
+    """Every section under ``cls`` but the kinds' own (``rollout.speculative.kinds``)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory
+        if dataclasses.is_dataclass(sub) and sub is not KindSettings:
+            out += [sub, *config_sections(sub)]
+    return out
+
+
+def test_kind_settings_live_in_the_kinds_sections():
+    """No kind's setting on the shared section, and the two registrations agree: each
+    section of ``rollout.speculative.kinds`` is a registered kind's, under its name, and
+    is the section that kind reads (``Drafter.settings_section``)."""
+    shared = [SpeculativeConfig, *config_sections(Config)]
+    assert not [x for section in shared for x in shared_leaks(section, kind_words())]
+    registered = {f.name: f.default_factory for f in dataclasses.fields(KindSettings)}
+    declared = {k.name: k.settings_section for k in drafters.KINDS if k.settings_section}
+    assert registered == declared
+    for name, section in registered.items():
+        assert issubclass(section, KindSection)
+        assert all(f.metadata.get("help") for f in dataclasses.fields(section)), name
+        # an old flat key names the kind's new key
+        for old, new in section.renamed.items():
+            with pytest.raises(ConfigError, match=f"rollout.speculative.kinds.{name}.{new}"):
+                load_config(overrides=[f"rollout.speculative.{old}=1"])
+
+
+def test_the_settings_scan_bites():
+    @dataclasses.dataclass
+    class Leaky:
+        threshold: int = dataclasses.field(default=1, metadata={"help": "shared"})
+        self_group: int = dataclasses.field(default=0, metadata={"help": "x"})
+        depth: int = dataclasses.field(default=0, metadata={"help": "drafter=eagle: x"})
+        eagle_depth: int = dataclasses.field(default=0, metadata={"help": "x"})
+
+    found = shared_leaks(Leaky, {"self", "eagle"})
+    assert [x.split(":")[0] for x in found] == ["Leaky.self_group", "Leaky.depth",
+                                                "Leaky.eagle_depth"], found
 
 
 def test_the_scan_bites():

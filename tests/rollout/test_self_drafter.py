@@ -249,15 +249,17 @@ def test_draft_vocabulary_head_and_grouped_scales_stay_exact(tiny):
 
 
 def test_config_selects_the_self_drafter(tiny):
-    """rollout.speculative.drafter=self attaches the int8 copy (self_group its scales'
-    group size, self_act_block its activations' block); a negative group, or an
-    activation block that is not a multiple of 4 dividing the group, is a config error."""
+    """rollout.speculative.drafter=self attaches the int8 copy (kinds.self.group its
+    scales' group size, kinds.self.act_block its activations' block); a negative group,
+    or an activation block that is not a multiple of 4 dividing the group, is a config
+    error."""
     from megatron_tlt.config import ConfigError
+    from megatron_tlt.config.kinds import KindSettings, SelfSettings
     from megatron_tlt.rollout.speculative.self_decoder import SelfDraftDecoder
 
     model, arch = tiny["llama_tied"]
-    sc = SpeculativeConfig(drafter="self", self_group=16, self_act_block=8, policy="fixed",
-                           strategy="2_1_2")
+    sc = SpeculativeConfig(drafter="self", policy="fixed", strategy="2_1_2",
+                           kinds=KindSettings(self=SelfSettings(group=16, act_block=8)))
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
                         eos_token_ids=[])
     assert isinstance(eng.spec, SelfDraftDecoder)
@@ -265,12 +267,12 @@ def test_config_selects_the_self_drafter(tiny):
     assert eng.spec.draft.layers[0].qkv_w.act_block == 8
     eng.generate(_prompts()[:2], SamplingParams(temperature=0.0, max_new_tokens=5))
     assert eng.last_stats.spec.summary()["steps"] > 0
-    with pytest.raises(ConfigError, match="self_group"):
-        SpeculativeConfig(self_group=-1)
+    with pytest.raises(ConfigError, match="rollout.speculative.kinds.self.group"):
+        SelfSettings(group=-1)
     for group, block in ((16, 32), (0, 6), (0, -4)):
-        with pytest.raises(ConfigError, match="self_act_block"):
-            SpeculativeConfig(self_group=group, self_act_block=block)
-    assert SpeculativeConfig(self_group=128, self_act_block=0).self_act_block == 0
+        with pytest.raises(ConfigError, match="rollout.speculative.kinds.self.act_block"):
+            SelfSettings(group=group, act_block=block)
+    assert SelfSettings(group=128, act_block=0).act_block == 0
 
 
 def test_exact_alpha_of_the_copy(peaked):

@@ -5,7 +5,7 @@ the emulated scaled matmul against the float product and against torch's CPU
 ``_scaled_mm``, and the engine with an FP8 copy (emulated here; on a GPU of compute
 capability >= 8.9 the same code calls ``torch._scaled_mm``, tests_gpu/
 test_self_drafter_cuda.py): greedy and coupled outputs identical to plain decoding, the
-copy refreshed in place after an update. Also the config (``self_format``) and the PP
+copy refreshed in place after an update. Also the config (``kinds.self.format``) and the PP
 layout check."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_tlt.config import ConfigError, RolloutConfig, SpeculativeConfig
+from megatron_tlt.config.kinds import KindSettings, SelfSettings
 from megatron_tlt.models import load_model
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative.quantize_fp8 import (E4M3, E4M3_MAX, Fp8Weight, _to_e4m3,
@@ -183,7 +184,8 @@ def models(tiny_hf_dirs, tmp_path_factory, single_process_parallel):
 
 def _engine(model, arch, strategy, **cfg):
     sc = SpeculativeConfig(policy="fixed", strategy=strategy, threshold=1 << 20,
-                           drafter="self", self_format="fp8")
+                           drafter="self",
+                           kinds=KindSettings(self=SelfSettings(format="fp8")))
     return RolloutEngine(model, None, RolloutConfig(speculative=sc, **cfg), arch=arch,
                          eos_token_ids=[])
 
@@ -253,12 +255,12 @@ def test_fp8_copy_refreshes_in_place_after_an_update(tiny_hf_dirs, single_proces
 
 # ------------------------------------------------------------------------- config
 def test_self_format_config():
-    assert SpeculativeConfig().self_format == "auto"
-    with pytest.raises(ConfigError, match="self_format"):
-        SpeculativeConfig(self_format="fp4")
-    with pytest.raises(ConfigError, match="self_group=0"):
-        SpeculativeConfig(drafter="self", self_format="fp8", self_group=64)
-    SpeculativeConfig(drafter="self", self_format="int8", self_group=64)
+    assert SpeculativeConfig().kinds.self.format == "auto"
+    with pytest.raises(ConfigError, match="rollout.speculative.kinds.self.format"):
+        SelfSettings(format="fp4")
+    with pytest.raises(ConfigError, match="rollout.speculative.kinds.self.group=0"):
+        SelfSettings(format="fp8", group=64)
+    SelfSettings(format="int8", group=64)
 
 
 def test_self_drafter_at_pp2_needs_the_gathered_rollout():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tlt.config import RolloutConfig, SpeculativeConfig
+from megatron_tlt.config.kinds import KindSettings, SelfSettings
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative import calibrate
 from megatron_tlt.rollout.speculative.decision import Decision, Outcome
@@ -75,7 +76,8 @@ def self_engine(tiny_llama):
 
     def make(costs="modelled", step_costs="auto"):
         sc = SpeculativeConfig(drafter="", threshold=4, buckets="1,4", arms=ARMS,
-                               self_arms=ARMS, costs=costs, step_costs=step_costs)
+                               kinds=KindSettings(self=SelfSettings(arms=ARMS)), costs=costs,
+                               step_costs=step_costs)
         eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
                             eos_token_ids=[])
         eng.attach_drafter(SelfDrafter())
@@ -116,7 +118,8 @@ def test_several_kinds_are_calibrated_each(tiny_llama):
     from test_speculative import _random_drafter
 
     model, arch = tiny_llama
-    sc = SpeculativeConfig(threshold=2, buckets="1,2", arms="*:2_1_2", self_arms="")
+    sc = SpeculativeConfig(threshold=2, buckets="1,2", arms="*:2_1_2",
+                           kinds=KindSettings(self=SelfSettings(arms="")))
     eng = RolloutEngine(model, None, RolloutConfig(speculative=sc), arch=arch,
                         eos_token_ids=[])
     eng.attach_drafters({"eagle": _random_drafter(arch), "self": SelfDrafter()})

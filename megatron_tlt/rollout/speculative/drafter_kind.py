@@ -90,6 +90,9 @@ class Drafter:
     # what it drafts from is the same after a resume: rebuilt, or saved in checkpoints
     # (``drafting_state``); False: standard sampling resumes exact in distribution only
     resumes_exactly: ClassVar[bool] = True
+    # its own settings' dataclass (config/kinds/: rollout.speculative.kinds.<name>),
+    # registered there under its name; None: it has none
+    settings_section: ClassVar[Optional[type]] = None
 
     @property
     def model(self):
@@ -130,6 +133,26 @@ class Drafter:
         one (feature-fed kinds draft through ``model``; model-free kinds through no
         model)."""
         return None
+
+    @classmethod
+    def section(cls, sc):
+        """Its settings in ``sc`` (``rollout.speculative``): ``sc.kinds.<name>``; None
+        for ``sc`` None or a kind without settings."""
+        if sc is None or cls.settings_section is None:
+            return None
+        return getattr(sc.kinds, cls.name)
+
+    @classmethod
+    def joins(cls, sc) -> bool:
+        """Whether ``sc`` attaches this kind beside the kind of ``sc.drafter`` (the
+        self-drafter's ``kinds.self.also``)."""
+        return False
+
+    @classmethod
+    def check_settings(cls, sc) -> None:
+        """Raise ``ConfigError`` when its settings in ``sc`` need what the rest of
+        ``sc`` does not give (checks against the kinds, which the config layer cannot
+        import)."""
 
     @classmethod
     def tuner_config(cls, sc):

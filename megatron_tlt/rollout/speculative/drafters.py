@@ -15,7 +15,9 @@ policy's quantized copy, ``self_drafter.py``), ``prompt_lookup`` (n-gram lookup 
 ``kind_prompt.py``), ``group_history`` (the GRPO group's responses, ``kind_group.py``),
 ``random`` / ``random:N`` or a drafter
 checkpoint (the one-layer drafter, ``kind_eagle.py``); empty: none.
-``rollout.speculative.self_too`` adds the self-drafter beside a checkpoint.
+``rollout.speculative.kinds.self.also`` adds the self-drafter beside a checkpoint (a
+kind that ``joins``). A kind's own settings are ``rollout.speculative.kinds.<name>``
+(``config/kinds/``; ``Drafter.settings_section``).
 """
 
 from __future__ import annotations
@@ -112,11 +114,9 @@ def as_drafter(obj) -> Drafter:
 
 def configured_values(sc) -> list[str]:
     """The config values of the drafters ``sc`` (``rollout.speculative``) asks for:
-    ``drafter`` and, with ``self_too``, the self-drafter beside it."""
+    ``drafter`` and the kinds that join it (the self-drafter with ``kinds.self.also``)."""
     values = [sc.drafter] if sc.drafter else []
-    if sc.self_too:
-        values.append(SelfDrafter.name)
-    return values
+    return values + [k.name for k in KINDS if k.joins(sc)]
 
 
 def configured(sc, *, arch, dtype, device, given=None) -> dict[str, Drafter]:
@@ -171,21 +171,18 @@ def trainable(drafters: dict) -> Optional[Drafter]:
 
 # ------------------------------------------------------------------------- settings
 def check_config(cfg) -> None:
-    """Checks a run's speculative settings need beyond their own fields: ``self_too``
-    beside a checkpoint, and each configured kind's layout rule."""
+    """Checks a run's speculative settings need beyond their own fields: each kind's
+    settings against the kinds (``check_settings``), each configured kind's layout
+    rule."""
     check_spec(cfg.rollout.speculative)
     for kind in configured_kinds(cfg):
         kind.check_layout(cfg)
 
 
 def check_spec(sc) -> None:
-    """``self_too`` adds the self-drafter beside a drafter of another kind."""
-    from ...config import ConfigError
-
-    if sc.self_too and (not sc.drafter or kind_of_value(sc.drafter) is SelfDrafter):
-        raise ConfigError("rollout.speculative.self_too=true needs a drafter checkpoint in "
-                          "rollout.speculative.drafter (the kind the self-drafter is "
-                          f"weighed against), got {sc.drafter!r}")
+    """Each kind's settings in ``sc`` against the kinds (``Drafter.check_settings``)."""
+    for kind in KINDS:
+        kind.check_settings(sc)
 
 
 def tuner_arms(kinds: Sequence[type[Drafter]], sc) -> list[Strategy]:

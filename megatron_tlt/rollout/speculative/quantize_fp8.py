@@ -121,7 +121,7 @@ def resolve_format(fmt: str, device: torch.device, group: int = 0,
         raise ValueError(f"self-drafter format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "fp8" and group:
         raise ValueError("the FP8 self-drafter has one scale per output channel; "
-                         f"got a group of {group} (rollout.speculative.self_group=0)")
+                         f"got a group of {group} (rollout.speculative.kinds.self.group=0)")
     if fmt != "auto":
         return fmt
     if group:

@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from ...config.sections import DEFAULT_ARMS, SELF_ARMS
+from ...config.kinds.self_drafter import SELF_ARMS, SelfSettings
+from ...config.sections import DEFAULT_ARMS
 from .drafter_kind import Drafter, MemoryTerm, own_kv_bytes
 from .quantize import check_blocks
 from .quantize_fp8 import resolve_format
@@ -66,13 +67,15 @@ class SelfDrafter(Drafter):
     """The self-drafter: the copy's settings and, optionally, a draft vocabulary (sorted
     target token ids; None = the full vocabulary) and a ``source`` runner to quantize
     instead of the target (tests use another model's weights for a deliberately poor
-    copy). Config value ``self``; its settings are ``rollout.speculative.self_*``."""
+    copy). Config value ``self``; its settings are ``rollout.speculative.kinds.self``
+    (``config/kinds/self_drafter.py``)."""
 
     name = "self"
     label = "the self-drafter"
     color = "tab:orange"
     fed = "tokens"
     copies_policy = True
+    settings_section = SelfSettings
 
     def __init__(self, group: int = 0, draft_vocab: Optional[torch.Tensor] = None,
                  source=None, act_block: int = 32, format: str = "auto"):
@@ -110,13 +113,26 @@ class SelfDrafter(Drafter):
         return copy
 
     @classmethod
+    def joins(cls, sc) -> bool:
+        return cls.section(sc).also
+
+    @classmethod
+    def check_settings(cls, sc) -> None:
+        """``also`` adds the self-drafter beside a drafter of another kind."""
+        from ...config import ConfigError
+
+        if cls.section(sc).also and sc.drafter in ("", cls.name):
+            raise ConfigError("rollout.speculative.kinds.self.also=true needs a drafter "
+                              "checkpoint in rollout.speculative.drafter (the kind the "
+                              f"self-drafter is weighed against), got {sc.drafter!r}")
+
+    @classmethod
     def tuner_config(cls, sc):
-        """``sc`` with the self-drafter's arms: ``self_arms``, or with auto
-        ``config.sections.SELF_ARMS`` while ``arms`` is the default (else ``arms``);
-        empty: ``arms``."""
-        if sc.self_arms == "":
+        """``sc`` with the self-drafter's arms: ``kinds.self.arms``, or with auto
+        ``SELF_ARMS`` while ``arms`` is the default (else ``arms``); empty: ``arms``."""
+        arms = cls.section(sc).arms
+        if arms == "":
             return sc
-        arms = sc.self_arms
         if arms == "auto":
             arms = SELF_ARMS if sc.arms == DEFAULT_ARMS else sc.arms
         return dataclasses.replace(sc, arms=arms)
@@ -128,7 +144,8 @@ class SelfDrafter(Drafter):
             return None
         if sc is None:
             return cls()
-        return cls(group=sc.self_group, act_block=sc.self_act_block, format=sc.self_format)
+        s = cls.section(sc)
+        return cls(group=s.group, act_block=s.act_block, format=s.format)
 
     @classmethod
     def check_layout(cls, cfg) -> None:
@@ -139,7 +156,8 @@ class SelfDrafter(Drafter):
         pp = cfg.parallel.pipeline_model_parallel_size
         if pp > 1 and cfg.rollout.pipeline_mode != "gathered":
             raise ConfigError(
-                f"the self-drafter (rollout.speculative.drafter=self or self_too=true) at "
+                f"the self-drafter (rollout.speculative.drafter=self or "
+                f"rollout.speculative.kinds.self.also=true) at "
                 f"parallel.pipeline_model_parallel_size={pp} needs rollout.pipeline_mode="
                 f"gathered (every pipeline rank then quantizes its copy of the whole "
                 f"model), got rollout.pipeline_mode={cfg.rollout.pipeline_mode}")
@@ -171,11 +189,12 @@ class SelfDrafter(Drafter):
 
 
 def copy_format(sc, on_gpu: bool) -> str:
-    """The copy's number format: ``self_format``, where "auto" is FP8 on a GPU (compute
-    capability >= 8.9 taken as given) with per-channel scales, else int8."""
-    if sc.self_format != "auto":
-        return sc.self_format
-    return "fp8" if on_gpu and sc.self_group == 0 else "int8"
+    """The copy's number format: ``kinds.self.format``, where "auto" is FP8 on a GPU
+    (compute capability >= 8.9 taken as given) with per-channel scales, else int8."""
+    s = SelfDrafter.section(sc)
+    if s.format != "auto":
+        return s.format
+    return "fp8" if on_gpu and s.group == 0 else "int8"
 
 
 def copy_matrices(arch, tp: int) -> list[tuple[int, int]]:
@@ -217,20 +236,21 @@ def copy_bytes(arch, s, sc, fmt: str) -> float:
     h, db = arch.hidden_size, s.dtype_bytes
     up = lambda n, m: -(-n // m) * m  # noqa: E731
     packed = fmt == "int8" and s.cpu_kernels
+    group, act_block = SelfDrafter.section(sc).group, SelfDrafter.section(sc).act_block
     total = 0
     for n, k in copy_matrices(arch, s.tp):
         if fmt == "fp8":
             total += up(n, 16) * up(k, 16) + 4 * up(n, 16)
             continue
-        groups = -(-k // (min(sc.self_group, k) if sc.self_group else k))
+        groups = -(-k // (min(group, k) if group else k))
         if packed:
             rows = up(n, max(s.panel_rows, 1))
-            total += rows * (up(k, 4) if sc.self_act_block else k) + 4 * rows * groups
+            total += rows * (up(k, 4) if act_block else k) + 4 * rows * groups
         else:
             total += n * k
         total += 4 * n * groups
     for e, n, k in copy_expert_matrices(arch, s.tp, s.ep):
-        groups = -(-k // (min(sc.self_group, k) if sc.self_group else k))
+        groups = -(-k // (min(group, k) if group else k))
         total += e * n * k + 4 * e * n * groups
     bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.kv_channels // s.tp \
         if arch.qkv_bias else 0
