@@ -15,7 +15,8 @@ policy's quantized copy, ``self_drafter.py``), ``prompt_lookup`` (n-gram lookup 
 ``kind_prompt.py``), ``group_history`` (the GRPO group's responses, ``kind_group.py``),
 ``random`` / ``random:N`` or a drafter
 checkpoint (the one-layer drafter, ``kind_eagle.py``); empty: none.
-``rollout.speculative.self_too`` adds the self-drafter beside a checkpoint.
+``rollout.speculative.self_too`` adds the self-drafter beside a checkpoint, ``free_too``
+model-free kinds beside any.
 """
 
 from __future__ import annotations
@@ -112,11 +113,16 @@ def as_drafter(obj) -> Drafter:
 
 def configured_values(sc) -> list[str]:
     """The config values of the drafters ``sc`` (``rollout.speculative``) asks for:
-    ``drafter`` and, with ``self_too``, the self-drafter beside it."""
+    ``drafter``, with ``self_too`` the self-drafter beside it, then ``free_too``'s kinds."""
     values = [sc.drafter] if sc.drafter else []
     if sc.self_too:
         values.append(SelfDrafter.name)
-    return values
+    return values + free_too(sc)
+
+
+def free_too(sc) -> list[str]:
+    """The model-free kinds ``rollout.speculative.free_too`` names."""
+    return [v.strip() for v in (sc.free_too or "").split(",") if v.strip()]
 
 
 def configured(sc, *, arch, dtype, device, given=None) -> dict[str, Drafter]:
@@ -186,6 +192,11 @@ def check_spec(sc) -> None:
         raise ConfigError("rollout.speculative.self_too=true needs a drafter checkpoint in "
                           "rollout.speculative.drafter (the kind the self-drafter is "
                           f"weighed against), got {sc.drafter!r}")
+    for v in free_too(sc):
+        if not any(k.free and v == k.name for k in KINDS):
+            names = ", ".join(k.name for k in KINDS if k.free)
+            raise ConfigError(f"rollout.speculative.free_too={sc.free_too!r}: {v!r} is not "
+                              f"a model-free drafter kind (one of: {names})")
 
 
 def tuner_arms(kinds: Sequence[type[Drafter]], sc) -> list[Strategy]:
