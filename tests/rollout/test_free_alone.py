@@ -105,10 +105,10 @@ def test_a_free_kind_speculates_where_the_gate_declines(one_layer):  # noqa: F81
         seen = []
         inner = eng.spec.alone
 
-        def alone_step(rows, decision, inner=inner, seen=seen, eng=eng):
+        def alone_step(rows, decision, tuner, inner=inner, seen=seen, eng=eng):
             eagle = eng.tuner.tuners["eagle"]
             gated = eagle._gated(decision.bucket) and eagle.has_reference(len(rows))
-            d = inner(rows, decision)
+            d = inner(rows, decision, tuner)
             seen.append((gated, d is not None))
             return d
         eng.spec.alone = alone_step
@@ -142,3 +142,18 @@ def test_alone_steps_keep_the_host_sync_budget(one_layer, mode):  # noqa: F811
     assert spec and sum(eng.tuner.alone_steps.values()) > 0
     worst = max(spec, key=lambda s: s.count)
     assert worst.count <= SPEC_BUDGET, dict(worst.where)
+
+
+def test_calibration_steps_are_never_taken_alone(one_layer):  # noqa: F811
+    """The step-cost calibration drives the engine with its own schedule of plain and
+    speculative steps: none of its plain steps becomes an alone step (each kind's
+    table gets its plain times, the kinds' tuner takes no alone step)."""
+    from megatron_tlt.rollout.speculative import calibrate
+
+    model, arch, _, bad = one_layer
+    eng = _engine(model, arch, bad, threshold=8, max_batch_size=8)
+    _paying(eng)
+    table = calibrate.ensure_costs(eng)
+    assert set(table.kinds) == {"eagle", "group_history", "prompt_lookup"}
+    assert all(c.plain for c in table.kinds.values())
+    assert not eng.tuner.alone_steps and eng.tuner.declined is None

@@ -157,7 +157,7 @@ class SpeculationController:
                     else None)
         if decision is not None and decision.strategy.is_off:
             # declined: free kinds' matches may still speculate alone on their rows
-            decision = self.decoder.alone(rows, decision) or decision
+            decision = self.decoder.alone(rows, decision, self.tuner) or decision
         label = self.tuner.bucket_label(decision.bucket) if decision is not None else ""
         if decision is not None and not decision.strategy.is_off:
             # what the drafter missed (plain steps, new rows) is fed first and timed

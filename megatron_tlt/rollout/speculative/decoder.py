@@ -76,9 +76,9 @@ class SpeculativeDecoder(Proposer):
     def active_kind(self) -> Optional[str]:
         return self.kind
 
-    def alone(self, rows: Sequence, decision: Decision) -> Optional[Decision]:
-        """A declined step (``decision``) as model-free kinds' alone step, or None: a
-        plain step (one kind: always; several: ``multi.KindDecoder.alone``)."""
+    def alone(self, rows: Sequence, decision: Decision, tuner) -> Optional[Decision]:
+        """A step ``tuner`` declined (``decision``) as model-free kinds' alone step, or
+        None: a plain step (one kind: always; several: ``multi.KindDecoder.alone``)."""
         return None
 
     def kinds_of_rows(self, n: int) -> list[str]:

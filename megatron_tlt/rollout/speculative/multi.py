@@ -335,8 +335,9 @@ class KindDecoder(SpeculativeDecoder):
         return max(d.pending(rows) for d in self.decoders.values())
 
     # ---------------------------------------------------------------- free kinds alone
-    def alone(self, rows: Sequence, decision: Decision) -> Optional[Decision]:
-        """Where ``decision`` declined speculation (not a probe re-measuring plain
+    def alone(self, rows: Sequence, decision: Decision, tuner) -> Optional[Decision]:
+        """Where ``decision`` of the kinds' own ``tuner`` (not a calibration's
+        schedule) declined speculation (not a probe re-measuring plain
         decoding, the declining kind's plain reference measured), the step as the free
         kinds' alone: each row's best free match (the deepest chain arm's lookups, the
         kind whose ``KindTuner.expected`` is highest), rows without one decoding
@@ -344,7 +345,8 @@ class KindDecoder(SpeculativeDecoder):
         chain arm reaches the gate's ``PAYS_FROM``. Returns that arm's decision (the
         step then proposes these chains, ``propose``), or None: a plain step."""
         t, b = self.tuner, len(rows)
-        if (not (t.alone_on and t.free) or not decision.strategy.is_off or decision.probe
+        if (tuner is not t or not (t.alone_on and t.free) or not decision.strategy.is_off
+                or decision.probe
                 or not t.tuners[t.active].has_reference(b)):
             return None
         kinds: list[Optional[str]] = [None] * b
