@@ -18,7 +18,8 @@ times are wall-clock (the JSON records the CPU, the date and the load average).
 ``--beside D`` (a model kind's config value; ``demo``: the demo's cached drafter)
 instead measures the free kinds beside D as a run configures them (the break-even
 gate, modelled costs), with ``free_alone`` off and on side by side
-(``bench.free_kinds.measure_beside``): the tail's decode steps, the steps that
+(``bench.free_kinds.measure_beside``; one step-cost table, calibrated once, for
+every arm): the tail's decode steps, the steps that
 speculated and those the free kinds took alone, and the tail's tokens per decode step
 by proposing kind.
 """
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
 
     from megatron_tlt.bench.common import cpu_description
     from megatron_tlt.bench.free_kinds import measure, measure_beside
+    from megatron_tlt.rollout.speculative.step_costs import StepCosts
     from megatron_tlt.config import RolloutConfig
     from megatron_tlt.drafter_training.warmup import WarmupConfig, recipe_prompts
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
                                for t in args.tasks.split(",") if t]
     load = os.getloadavg()
     t_start = time.perf_counter()
-    rows = []
+    rows, costs = [], None
     for task, cfg in tasks:
         prompts = recipe_prompts(cfg, engine.tokenizer, args.prompts,
                                  seed=rc.seed + RECIPE_SEED_OFFSET + args.seed)
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
                 for alone in (False, True):
                     r = measure_beside(engine, beside, kinds, prompts, args.group, sp,
                                        threshold=args.threshold, alone=alone,
-                                       calls=args.calls)
+                                       calls=args.calls, costs=costs)
+                    costs = StepCosts.from_dict(r["step_costs"])  # one table: every arm
                     r.update(task=task, temperature=temp, top_p=sp.top_p, top_k=sp.top_k)
                     rows.append(r)
                     for c in r["calls"]:

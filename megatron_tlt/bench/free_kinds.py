@@ -92,14 +92,18 @@ def measure(engine, kind: str, prompts: Sequence[list[int]], group: int,
 
 def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[list[int]],
                    group: int, sp: SamplingParams, *, threshold: int, alone: bool,
-                   calls: int = 2) -> dict:
+                   calls: int = 2, costs=None) -> dict:
     """The free kinds ``free`` beside the model kind ``drafter`` (a config value: the
     demo's drafter checkpoint, ``random``, ``self``) as a run configures them
     (``rollout.speculative.free_too``; the break-even gate, modelled costs calibrated
     or read from the machine's table), with ``free_alone`` = ``alone``: per call the
     tail's decode steps (``threshold`` running rows or fewer), how many speculated and
     how many as free kinds alone, and the tail's tokens by proposing kind ("plain": the
-    rows of its plain steps) and per tail step. ``engine`` is left without a drafter."""
+    rows of its plain steps) and per tail step. ``costs``: a step-cost table
+    (``StepCosts``) to charge instead of calibrating (side-by-side arms share one, so
+    their gates decide from the same costs: the counts are then a function of the
+    seeds); the result's ``step_costs`` holds the one used. ``engine`` is left without
+    a drafter."""
     import dataclasses
 
     from ..rollout.speculative import calibrate, drafters
@@ -111,7 +115,9 @@ def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[
     engine.attach_drafters(drafters.configured(sc, arch=engine.arch,
                                                dtype=engine.runner.dtype,
                                                device=engine.device))
-    calibrate.ensure_costs(engine)
+    if costs is None:
+        costs = calibrate.calibrate(engine)
+    calibrate.apply(engine, costs)
     reqs = [p for p in prompts for _ in range(group)]
     out = []
     try:
@@ -142,4 +148,4 @@ def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[
         engine.detach_drafter()
         engine.config.speculative = old
     return {"drafter": drafter, "free": list(free), "alone": alone,
-            "threshold": threshold, "calls": out}
+            "threshold": threshold, "calls": out, "step_costs": costs.to_dict()}

@@ -17,6 +17,12 @@ gate, per kind). The controller sees one decoder and one tuner:
   step of one kind a feature-fed drafter stores the target's hidden states of the
   accepted nodes (the self-drafter's cache just stays valid up to what it was fed).
 
+- Free kinds (``Drafter.free``: lookups) propose per row over the step's kind
+  (``KindDecoder.propose``), and where the bucket's kind is declined they speculate
+  alone on the rows whose match pays, the others decoding plainly in the same
+  verification (``KindDecoder.alone``, ``KindTuner.alone_gain``;
+  ``rollout.speculative.free_alone``).
+
 Drafters with EAGLE-3 feature layers are not supported here (their features come from
 the verify forward's capture of the kind that drafted).
 """
