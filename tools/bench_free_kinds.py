@@ -57,6 +57,8 @@ def parse_args(argv=None):
     a("--threshold", type=int, default=8, help="speculate at or below this many rows")
     a("--calls", type=int, default=2, help="rollouts of the same prompts per setting")
     a("--seed", type=int, default=1)
+    a("--sampling-mode", default="standard", choices=("standard", "coupled"),
+      help="rollout.sampling_mode (coupled: both --beside arms emit the same tokens)")
     a("--beside", default="", help="a model kind's value (demo: the demo's drafter): "
       "free kinds beside it, free_alone off and on")
     a("--quick", action="store_true",
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
 
     rc = WarmupConfig.from_recipe(args.config)
     engine = RolloutEngine.from_pretrained(rc.model, RolloutConfig(
-        max_batch_size=args.prompts * args.group))
+        max_batch_size=args.prompts * args.group, sampling_mode=args.sampling_mode))
     beside = args.beside
     if beside == "demo":
         from megatron_tlt.drafter_training.prepared import demo_drafter
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
                "commit": rev, "model": str(rc.model), "recipe": args.config,
                "prompts": args.prompts, "group": args.group,
                "max_new_tokens": args.max_new_tokens, "threshold": args.threshold,
-               "calls": args.calls, "seed": args.seed, "beside": beside, "threads": torch.get_num_threads(),
+               "calls": args.calls, "seed": args.seed, "beside": beside,
+               "sampling_mode": args.sampling_mode, "threads": torch.get_num_threads(),
                "load_average_start": load, "load_average_end": os.getloadavg(),
                "wall_seconds": time.perf_counter() - t_start,
                **cpu_description(engine), "results": rows}
