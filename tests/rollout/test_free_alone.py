@@ -157,3 +157,30 @@ def test_calibration_steps_are_never_taken_alone(one_layer):  # noqa: F811
     assert set(table.kinds) == {"eagle", "group_history", "prompt_lookup"}
     assert all(c.plain for c in table.kinds.values())
     assert not eng.tuner.alone_steps and eng.tuner.declined is None
+
+
+def test_the_bench_measures_free_kinds_beside_a_model_kind(one_layer):  # noqa: F811
+    """``bench.free_kinds.measure_beside`` (tools/bench_free_kinds.py --beside): per
+    call the tail's steps and its tokens by proposing kind (they add up to the tail's
+    tokens: every row of a tail step emits at least one), the step-cost table it used
+    (which a second arm reuses), and the engine left without a drafter."""
+    from megatron_tlt.bench.free_kinds import measure_beside
+    from megatron_tlt.rollout.speculative.step_costs import StepCosts
+
+    model, arch, _, _ = one_layer
+    eng = RolloutEngine(model, None, RolloutConfig(max_batch_size=8), arch=arch,
+                        eos_token_ids=[])
+    before = eng.config.speculative
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
+    prompts = [[3, 8, 3, 8], [1, 2, 1, 2]]
+    r = measure_beside(eng, "random", ["group_history", "prompt_lookup"], prompts, 4, sp,
+                       threshold=8, alone=True, calls=1)
+    assert eng.spec is None and eng.config.speculative is before
+    (c,) = r["calls"]
+    assert c["tail_steps"] > 0 and c["spec_steps"] >= c["alone_steps"] >= 0
+    assert sum(c["tail_tokens_by_kind"].values()) >= c["tail_steps"]
+    assert c["tokens_per_tail_step"] >= 1.0
+    table = StepCosts.from_dict(r["step_costs"])
+    again = measure_beside(eng, "random", ["group_history", "prompt_lookup"], prompts, 4,
+                           sp, threshold=8, alone=False, calls=1, costs=table)
+    assert again["step_costs"] == r["step_costs"] and again["calls"][0]["alone_steps"] == 0
