@@ -42,12 +42,13 @@ def check_drafter_kinds(cfg: Config, arch, world_size: int) -> None:
 
 def check_drafter_group_kind(cfg: Config, arch, world_size: int) -> None:
     """The drafter group trains a drafter: a configured drafter must be of a trainable
-    kind (none configured: the trainer attaches an untrained one, a cold start)."""
+    kind (none configured, or model-free kinds only: the trainer attaches an untrained
+    one, a cold start, the free kinds per row beside it)."""
     if not cfg.drafter_group.enable:
         return
     sc = cfg.rollout.speculative
     kinds = [drafters.kind_of_value(v) for v in drafters.configured_values(sc)]
-    if kinds and not any(k.trainable for k in kinds):
+    if kinds and not any(k.trainable for k in kinds) and not all(k.free for k in kinds):
         names = ", ".join(f"{k.label} ({k.name})" for k in dict.fromkeys(kinds))
         raise ConfigError(f"drafter_group.enable=true trains a drafter, and {names} needs "
                           "no training: set drafter_group.enable=false, or give "

@@ -14,6 +14,14 @@ speculative step (acceptance length), per speculative step, the share of rows th
 a draft, and the proposer's host time (lookups and index updates) per step and per row
 beside the median speculative step. Acceptance is a count, not a timing; the host
 times are wall-clock (the JSON records the CPU, the date and the load average).
+
+``--beside D`` (a model kind's config value; ``demo``: the demo's cached drafter)
+instead measures the free kinds beside D as a run configures them (the break-even
+gate, modelled costs), with ``free_alone`` off and on side by side
+(``bench.free_kinds.measure_beside``; one step-cost table, calibrated once, for
+every arm): the tail's decode steps, the steps that
+speculated and those the free kinds took alone, and the tail's tokens per decode step
+by proposing kind.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ def parse_args(argv=None):
     a("--threshold", type=int, default=8, help="speculate at or below this many rows")
     a("--calls", type=int, default=2, help="rollouts of the same prompts per setting")
     a("--seed", type=int, default=1)
+    a("--sampling-mode", default="standard", choices=("standard", "coupled"),
+      help="rollout.sampling_mode (coupled: both --beside arms emit the same tokens)")
+    a("--beside", default="", help="a model kind's value (demo: the demo's drafter): "
+      "free kinds beside it, free_alone off and on")
     a("--quick", action="store_true",
       help="2 prompts x 8, 160 tokens, strategy 4_1_4 (explicit flags win)")
     a("--json", default=None)
@@ -70,7 +82,8 @@ def main(argv=None) -> int:
     import torch
 
     from megatron_tlt.bench.common import cpu_description
-    from megatron_tlt.bench.free_kinds import measure
+    from megatron_tlt.bench.free_kinds import measure, measure_beside
+    from megatron_tlt.rollout.speculative.step_costs import StepCosts
     from megatron_tlt.config import RolloutConfig
     from megatron_tlt.drafter_training.warmup import WarmupConfig, recipe_prompts
     from megatron_tlt.rollout import RolloutEngine, SamplingParams
@@ -78,14 +91,19 @@ def main(argv=None) -> int:
 
     rc = WarmupConfig.from_recipe(args.config)
     engine = RolloutEngine.from_pretrained(rc.model, RolloutConfig(
-        max_batch_size=args.prompts * args.group))
+        max_batch_size=args.prompts * args.group, sampling_mode=args.sampling_mode))
+    beside = args.beside
+    if beside == "demo":
+        from megatron_tlt.drafter_training.prepared import demo_drafter
+
+        beside = str(demo_drafter(Path(args.config)))
     kinds = ([k for k in args.kinds.split(",") if k] or
              [k.name for k in drafters.KINDS if k.free])
     tasks = [(rc.task, rc)] + [(t, dataclasses.replace(rc, task=t, task_params={}))
                                for t in args.tasks.split(",") if t]
     load = os.getloadavg()
     t_start = time.perf_counter()
-    rows = []
+    rows, costs = [], None
     for task, cfg in tasks:
         prompts = recipe_prompts(cfg, engine.tokenizer, args.prompts,
                                  seed=rc.seed + RECIPE_SEED_OFFSET + args.seed)
@@ -94,6 +112,22 @@ def main(argv=None) -> int:
                                 top_p=rc.top_p if temp == rc.temperature else 1.0,
                                 top_k=rc.top_k if temp == rc.temperature else 0,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
+            if args.beside:
+                for alone in (False, True):
+                    r = measure_beside(engine, beside, kinds, prompts, args.group, sp,
+                                       threshold=args.threshold, alone=alone,
+                                       calls=args.calls, costs=costs)
+                    costs = StepCosts.from_dict(r["step_costs"])  # one table: every arm
+                    r.update(task=task, temperature=temp, top_p=sp.top_p, top_k=sp.top_k)
+                    rows.append(r)
+                    for c in r["calls"]:
+                        per = ", ".join(f"{k} {v:.2f}" for k, v in
+                                        c["tokens_per_tail_step_by_kind"].items())
+                        print(f"{task:17s} T={temp:<4g} alone={alone!s:5s} call {c['call']}: "
+                              f"{c['tail_steps']} tail steps, {c['spec_steps']} speculative "
+                              f"({c['alone_steps']} alone), {c['tokens_per_tail_step']:.2f} "
+                              f"tok/step ({per})", flush=True)
+                continue
             for kind in kinds:
                 for strategy in args.strategies.split(","):
                     r = measure(engine, kind, prompts, args.group, sp, strategy=strategy,
@@ -118,7 +152,8 @@ def main(argv=None) -> int:
                "commit": rev, "model": str(rc.model), "recipe": args.config,
                "prompts": args.prompts, "group": args.group,
                "max_new_tokens": args.max_new_tokens, "threshold": args.threshold,
-               "calls": args.calls, "seed": args.seed, "threads": torch.get_num_threads(),
+               "calls": args.calls, "seed": args.seed, "beside": beside,
+               "sampling_mode": args.sampling_mode, "threads": torch.get_num_threads(),
                "load_average_start": load, "load_average_end": os.getloadavg(),
                "wall_seconds": time.perf_counter() - t_start,
                **cpu_description(engine), "results": rows}

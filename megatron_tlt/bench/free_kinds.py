@@ -23,7 +23,7 @@ from ..config import SpeculativeConfig
 from ..rollout.sampling import SamplingParams
 from ..rollout.speculative.drafters import make_drafter
 
-__all__ = ["measure"]
+__all__ = ["measure", "measure_beside"]
 
 
 def _timed(obj, name: str, into: list) -> None:
@@ -88,3 +88,64 @@ def measure(engine, kind: str, prompts: Sequence[list[int]], group: int,
         engine.detach_drafter()
         engine.config.speculative = old
     return {"kind": kind, "strategy": strategy, "threshold": threshold, "calls": out}
+
+
+def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[list[int]],
+                   group: int, sp: SamplingParams, *, threshold: int, alone: bool,
+                   calls: int = 2, costs=None) -> dict:
+    """The free kinds ``free`` beside the model kind ``drafter`` (a config value: the
+    demo's drafter checkpoint, ``random``, ``self``) as a run configures them
+    (``rollout.speculative.free_too``; the break-even gate, modelled costs calibrated
+    or read from the machine's table), with ``free_alone`` = ``alone``: per call the
+    tail's decode steps (``threshold`` running rows or fewer), how many speculated and
+    how many as free kinds alone, and the tail's tokens by proposing kind ("plain": the
+    rows of its plain steps) and per tail step. ``costs``: a step-cost table
+    (``StepCosts``) to charge instead of calibrating (side-by-side arms share one, so
+    their gates decide from the same costs: the counts are then a function of the
+    seeds); the result's ``step_costs`` holds the one used. ``engine`` is left without
+    a drafter."""
+    import dataclasses
+
+    from ..rollout.speculative import calibrate, drafters
+
+    sc = dataclasses.replace(SpeculativeConfig(), drafter=drafter, free_too=",".join(free),
+                             threshold=threshold, free_alone=alone)
+    old = engine.config.speculative
+    engine.config.speculative = sc
+    engine.attach_drafters(drafters.configured(sc, arch=engine.arch,
+                                               dtype=engine.runner.dtype,
+                                               device=engine.device))
+    if costs is None:
+        costs = calibrate.calibrate(engine)
+    calibrate.apply(engine, costs)
+    reqs = [p for p in prompts for _ in range(group)]
+    out = []
+    try:
+        for c in range(calls):
+            alone_before = sum(getattr(engine.tuner, "alone_steps", {}).values())
+            engine.generate(reqs, SamplingParams(**{**sp.__dict__, "seed": sp.seed + c}))
+            st = engine.last_stats
+            s = st.spec.summary()
+            tail = [(b, on) for b, on in zip(st.batch_sizes, st.step_speculative)
+                    if b <= threshold]
+            by_kind = {k: v["proposed_emitted"] for k, v in s["kinds"].items()
+                       if v["proposed_emitted"]}
+            by_kind["plain"] = sum(b for b, on in tail if not on)
+            n = len(tail)
+            out.append({
+                "call": c, "tail_steps": n, "spec_steps": s["steps"],
+                "alone_steps": sum(getattr(engine.tuner, "alone_steps", {}).values())
+                - alone_before,
+                "tail_tokens_by_kind": by_kind,
+                "tokens_per_tail_step": sum(by_kind.values()) / n if n else 0.0,
+                "tokens_per_tail_step_by_kind": {k: v / n for k, v in by_kind.items()}
+                if n else {},
+                "accept_len": s["accept_len"], "decode_seconds": st.decode_seconds,
+                "tail_seconds": sum(t for b, t in zip(st.batch_sizes, st.step_seconds)
+                                    if b <= threshold),
+            })
+    finally:
+        engine.detach_drafter()
+        engine.config.speculative = old
+    return {"drafter": drafter, "free": list(free), "alone": alone,
+            "threshold": threshold, "calls": out, "step_costs": costs.to_dict()}

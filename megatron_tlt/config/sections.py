@@ -119,6 +119,15 @@ class SpeculativeConfig:
         "or 'self': the policy's own weight-only int8 copy (self-speculation; no "
         "training, re-quantized after every policy update); empty = speculative "
         "decoding off.", "")
+    free_too: str = _help(
+        "Model-free drafter kinds beside drafter (comma-separated: prompt_lookup, "
+        "group_history): each row takes a free kind's match where it is expected to emit "
+        "at least what the bucket's kind would (rollout/speculative/multi.py).", "")
+    free_alone: bool = _help(
+        "Where the bucket's kind is declined (its break-even gate, or a 0_0_0 arm), rows "
+        "whose model-free match is expected to pay still speculate with it, the others "
+        "decoding plainly in the same verification (multi.KindDecoder.alone); false: "
+        "such steps decode plainly. Needs a free kind (drafter or free_too).", True)
     threshold: int = _help(
         "Speculate only while the running batch has at most this many sequences (the "
         "long tail); larger batches decode plainly. Switching on mid-generation costs one "

@@ -123,10 +123,11 @@ def test_replicas_that_diverge_are_given_replica_0s_state(results):
 
 
 def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, tmp_path):
-    """Two GRPO steps at DP = 2 from a random (cold-start) drafter: the group's metrics
+    """Two GRPO steps at DP = 2 from a random (cold-start) drafter beside both model-free
+    kinds (``drafter=group_history``, ``free_too=prompt_lookup``): the group's metrics
     are logged, every replica holds the same drafter version and checksum after every
-    step, the timeline has the training spans, and the checkpoint carries the drafter's
-    optimizer state."""
+    step, the timeline has the training spans, the checkpoint carries the drafter's
+    optimizer state, and speculation is reported by kind."""
     from megatron_tlt.checkpoint.safe_files import read_tree
 
     from rl_fixtures import save_tiny_policy
@@ -138,7 +139,8 @@ def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, 
                    f"tracking.output_dir={tmp_path / 'out'}", "drafter_group.enable=true",
                    "drafter_group.batch_tokens=64", f"checkpoint.save={tmp_path / 'ckpt'}",
                    "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2",
-                   nproc=2, timeout=600)
+                   "rollout.speculative.drafter=group_history",
+                   "rollout.speculative.free_too=prompt_lookup", nproc=2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "drafter steps" in r.stdout  # the summary table's drafter columns
     recs = [json.loads(x) for x in (tmp_path / "out" / "run" / "metrics.jsonl")
@@ -153,6 +155,13 @@ def test_cli_run_trains_the_drafter_in_the_tail_and_checkpoints_it(smollm2_dir, 
         assert rec["spec/alpha"] == rec["drafter/alpha"]
         assert rec["spec"]["steps"] > 0
         assert 0.0 <= rec["drafter/idle_used_fraction"] <= 1.0
+        # speculation by kind: the trained drafter's steps, and every configured kind's
+        # tokens by the rows it proposed (they sum to the speculative steps' tokens)
+        spec = rec["spec"]
+        assert set(spec["kinds"]) == {"eagle", "group_history", "prompt_lookup"}, spec
+        assert spec["eagle"]["steps"] > 0
+        assert (sum(spec[k]["proposed_emitted"] for k in spec["kinds"])
+                == sum(spec[k]["emitted"] for k in spec["kinds"]))
     version = recs[-1]["drafter/version"][0]
     for k in range(2):
         state = read_tree(tmp_path / "ckpt" / "step_0000002" / f"rank_tp0_pp0_dp{k}")

@@ -26,7 +26,7 @@ from .decision import Outcome
 from .drafter_kind import draft_slack
 from .decoder import SpeculativeDecoder
 from .emissions import Emission, Verified
-from .stats import SpecStats
+from .stats import KindSteps, SpecStats
 from .tuner import StrategyTuner
 
 # The engine's plain decode step: given a capture hook (None, or one collecting the
@@ -79,6 +79,9 @@ class SpeculationController:
             self.stats.drafter_refresh_seconds += seconds
         self.decoder.begin(max_batch, capacity, self.slack, reach=reach,
                            draft_rows=self.draft_rows(max_batch), paged=paged)
+        for d in self.decoder.each():  # free kinds are reported where they proposed
+            if d.drafter.free:  # nothing too (their tokens by kind: 0)
+                self.stats.kinds.setdefault(d.kind, KindSteps())
         return self.stats
 
     def draft_rows(self, max_batch: int) -> int:
@@ -155,6 +158,9 @@ class SpeculationController:
         b = len(rows)
         decision = (self.tuner.decide(b, self.decoder.pending(rows)) if b <= self.threshold
                     else None)
+        if decision is not None and decision.strategy.is_off:
+            # declined: free kinds' matches may still speculate alone on their rows
+            decision = self.decoder.alone(rows, decision, self.tuner) or decision
         label = self.tuner.bucket_label(decision.bucket) if decision is not None else ""
         if decision is not None and not decision.strategy.is_off:
             # what the drafter missed (plain steps, new rows) is fed first and timed

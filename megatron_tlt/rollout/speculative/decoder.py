@@ -34,6 +34,7 @@ from ..forward import ModelRunner
 from ..kv_cache import KVCache
 from ..sampling import CoupledNoise
 from .acceptance import processed_rows
+from .decision import Decision
 from .drafting import DraftTree, is_coupled, ragged
 from .emissions import Emission, Verified, accept_rows
 from .proposer import Proposer
@@ -74,6 +75,11 @@ class SpeculativeDecoder(Proposer):
 
     def active_kind(self) -> Optional[str]:
         return self.kind
+
+    def alone(self, rows: Sequence, decision: Decision, tuner) -> Optional[Decision]:
+        """A step ``tuner`` declined (``decision``) as model-free kinds' alone step, or
+        None: a plain step (one kind: always; several: ``multi.KindDecoder.alone``)."""
+        return None
 
     def kinds_of_rows(self, n: int) -> list[str]:
         """The kind that proposed each of the last step's ``n`` rows."""

@@ -18,6 +18,7 @@ checkpoint (the one-layer drafter, ``kind_eagle.py``); empty: none.
 ``rollout.speculative.kinds.self.also`` adds the self-drafter beside a checkpoint (a
 kind that ``joins``). A kind's own settings are ``rollout.speculative.kinds.<name>``
 (``config/kinds/``; ``Drafter.settings_section``).
+``free_too`` adds model-free kinds beside any drafter.
 """
 
 from __future__ import annotations
@@ -114,9 +115,15 @@ def as_drafter(obj) -> Drafter:
 
 def configured_values(sc) -> list[str]:
     """The config values of the drafters ``sc`` (``rollout.speculative``) asks for:
-    ``drafter`` and the kinds that join it (the self-drafter with ``kinds.self.also``)."""
+    ``drafter``, the kinds that join it (the self-drafter with ``kinds.self.also``),
+    then ``free_too``'s kinds."""
     values = [sc.drafter] if sc.drafter else []
-    return values + [k.name for k in KINDS if k.joins(sc)]
+    return values + [k.name for k in KINDS if k.joins(sc)] + free_too(sc)
+
+
+def free_too(sc) -> list[str]:
+    """The model-free kinds ``rollout.speculative.free_too`` names."""
+    return [v.strip() for v in (sc.free_too or "").split(",") if v.strip()]
 
 
 def configured(sc, *, arch, dtype, device, given=None) -> dict[str, Drafter]:
@@ -180,9 +187,17 @@ def check_config(cfg) -> None:
 
 
 def check_spec(sc) -> None:
-    """Each kind's settings in ``sc`` against the kinds (``Drafter.check_settings``)."""
+    """Each kind's settings in ``sc`` against the kinds (``Drafter.check_settings``),
+    and ``free_too`` names model-free kinds."""
+    from ...config import ConfigError
+
     for kind in KINDS:
         kind.check_settings(sc)
+    for v in free_too(sc):
+        if not any(k.free and v == k.name for k in KINDS):
+            names = ", ".join(k.name for k in KINDS if k.free)
+            raise ConfigError(f"rollout.speculative.free_too={sc.free_too!r}: {v!r} is not "
+                              f"a model-free drafter kind (one of: {names})")
 
 
 def tuner_arms(kinds: Sequence[type[Drafter]], sc) -> list[Strategy]:

@@ -17,6 +17,12 @@ gate, per kind). The controller sees one decoder and one tuner:
   step of one kind a feature-fed drafter stores the target's hidden states of the
   accepted nodes (the self-drafter's cache just stays valid up to what it was fed).
 
+- Free kinds (``Drafter.free``: lookups) propose per row over the step's kind
+  (``KindDecoder.propose``), and where the bucket's kind is declined they speculate
+  alone on the rows whose match pays, the others decoding plainly in the same
+  verification (``KindDecoder.alone``, ``KindTuner.alone_gain``;
+  ``rollout.speculative.free_alone``).
+
 Drafters with EAGLE-3 feature layers are not supported here (their features come from
 the verify forward's capture of the kind that drafted).
 """
@@ -31,6 +37,7 @@ import torch
 
 from ...spec_strategy import OFF, Strategy
 from .decision import Decision, Outcome
+from .gate import PAYS_FROM
 from ..sampling import CoupledNoise
 from .decoder import SpeculativeDecoder
 from .model_free import host_trees, one_hot_q
@@ -45,7 +52,7 @@ class KindTuner:
     """One ``StrategyTuner`` per drafter kind and the choice of kind per step."""
 
     def __init__(self, tuners: dict[str, StrategyTuner], *, epsilon: float = 0.1,
-                 seed: int = 0, free: Sequence[str] = ()):
+                 seed: int = 0, free: Sequence[str] = (), alone: bool = True):
         if not tuners:
             raise ValueError("KindTuner needs at least one kind")
         self.tuners = dict(tuners)
@@ -53,6 +60,13 @@ class KindTuner:
         # the bucket's kind, chosen per bucket only when no other kind is attached
         self.free = [k for k in self.tuners if k in set(free)]
         self.row_kinds: Optional[list[str]] = None  # the last step's kind per row
+        # where the bucket's kind is declined, free kinds speculate alone on the rows
+        # whose match pays (``KindDecoder.alone``; ``rollout.speculative.free_alone``)
+        self.alone_on = bool(alone)
+        self.declined: Optional[Decision] = None  # the decision an alone step replaced
+        self.drafted: Optional[list[int]] = None  # an alone step's draft length per row
+        self.alone_steps: dict[str, int] = {}  # bucket label -> alone steps
+        self.declining: Optional[str] = None  # the kind whose decision it replaced
         first = next(iter(self.tuners.values()))
         self.buckets = first.buckets
         self.epsilon = epsilon
@@ -106,7 +120,62 @@ class KindTuner:
         prof = self.tuners[kind].acceptance_profile() or [PRIOR]
         return 1.0 + sum(prof[min(j, len(prof) - 1)] for j in range(drafts))
 
+    def alone_gain(self, kinds: Sequence[Optional[str]], chains: Sequence[list],
+                   batch_size: int) -> Optional[tuple[float, Strategy]]:
+        """The best chain arm for an alone step (``KindDecoder.alone``) of rows
+        proposed by ``kinds`` (None: no match, plain) with ``chains``, and its speedup
+        estimate: the rows' expected tokens (``expected``; 1 for a plain row) at the
+        arm's depth over the batch's, divided by the arm's relative step cost for the
+        kind proposing most rows (``StrategyTuner.relative_cost``). None: no arm."""
+        drafting = [k for k in kinds if k is not None]
+        lead = max(self.free, key=drafting.count)
+        best = None
+        for arm in self.tuners[lead].chain_arms(batch_size):
+            tokens = sum(1.0 if k is None else self.expected(k, min(len(c), arm.depth))
+                         for k, c in zip(kinds, chains))
+            speed = tokens / (batch_size
+                              * self.tuners[lead].relative_cost(batch_size, arm))
+            if best is None or speed > best[0]:
+                best = (speed, arm)
+        return best
+
+    def start_alone(self, declined: Decision, kind: str, drafted: list[int]) -> None:
+        """The step ``declined`` declined runs as an alone step of ``kind`` (the kind
+        proposing most of its rows) with ``drafted`` draft tokens per row."""
+        self.declined, self.drafted = declined, drafted
+        self.declining = self.active
+        label = self.bucket_label(declined.bucket)
+        self.alone_steps[label] = self.alone_steps.get(label, 0) + 1
+        self.active = kind
+
+    def _record_alone(self, decision: Decision, outcome: Outcome) -> None:
+        """An alone step: each free kind's acceptance profile learns from the rows it
+        drafted (at their own lengths), the step kind's tuner records the step (its
+        gate's sample in the bucket), and the kind that declined records its plain
+        step at its reference time (so its gate's accounts and probes go on)."""
+        declined, drafted, kinds = self.declined, self.drafted, self.row_kinds
+        self.declined = self.drafted = self.row_kinds = None
+        acc = outcome.accepted_drafts
+        if acc is not None and kinds is not None and drafted is not None:
+            for k in self.free:
+                by_len: dict[int, list[int]] = {}
+                for a, kk, n in zip(acc, kinds, drafted):
+                    if kk == k and n:
+                        by_len.setdefault(n, []).append(a)
+                for n, got in sorted(by_len.items()):
+                    self.tuners[k].record_acceptance(Strategy(n, 1, n), got)
+        b = outcome.batch_size
+        self.tuners[self.active].record(decision, dataclasses.replace(
+            outcome, accepted_drafts=None))
+        t = self.tuners[self.declining]
+        ref = t.plain_seconds(b)
+        if self.declining != self.active and ref is not None:
+            t.record(declined, Outcome(b, b, ref))
+
     def record(self, decision: Decision, outcome: Outcome) -> None:
+        if self.declined is not None:
+            self._record_alone(decision, outcome)
+            return
         kinds, acc = self.row_kinds, outcome.accepted_drafts
         self.row_kinds = None
         if kinds is not None and acc is not None and not decision.strategy.is_off:
@@ -138,6 +207,8 @@ class KindTuner:
                 out.setdefault(label, {"kinds": {}})["kinds"][k] = st
         for label, per in self.chosen.items():
             out.setdefault(label, {"kinds": {}})["chosen"] = dict(per)
+        for label, n in self.alone_steps.items():
+            out.setdefault(label, {"kinds": {}})["alone"] = n
         return out
 
     def state_dict(self) -> dict:
@@ -173,6 +244,7 @@ class KindDecoder(SpeculativeDecoder):
             d.use_noise(self.noise)  # drafting and verification share the step's rows
         self.tuner = tuner
         self.row_kinds: Optional[list[str]] = None  # the last step's kind per row
+        self._alone: Optional[tuple] = None  # an alone step's (drafts, kinds), to propose
         self.feature_layers = ()
         # the returned hidden states come from a kind's feature store where one keeps them
         self._store = next((d for d in self.decoders.values() if d.keeps_hidden), None)
@@ -268,6 +340,45 @@ class KindDecoder(SpeculativeDecoder):
     def pending(self, rows: Sequence) -> int:
         return max(d.pending(rows) for d in self.decoders.values())
 
+    # ---------------------------------------------------------------- free kinds alone
+    def alone(self, rows: Sequence, decision: Decision, tuner) -> Optional[Decision]:
+        """Where ``decision`` of the kinds' own ``tuner`` (not a calibration's
+        schedule) declined speculation (not a probe re-measuring plain
+        decoding, the declining kind's plain reference measured), the step as the free
+        kinds' alone: each row's best free match (the deepest chain arm's lookups, the
+        kind whose ``KindTuner.expected`` is highest), rows without one decoding
+        plainly in the same verification; taken when ``KindTuner.alone_gain``'s best
+        chain arm reaches the gate's ``PAYS_FROM``. Returns that arm's decision (the
+        step then proposes these chains, ``propose``), or None: a plain step."""
+        t, b = self.tuner, len(rows)
+        if (tuner is not t or not (t.alone_on and t.free) or not decision.strategy.is_off
+                or decision.probe
+                or not t.tuners[t.active].has_reference(b)):
+            return None
+        kinds: list[Optional[str]] = [None] * b
+        chains: list[list[int]] = [[] for _ in rows]
+        gain = [1.0] * b  # a plain row's tokens
+        for k in t.free:
+            arms = t.tuners[k].chain_arms(b)
+            if not arms:
+                continue
+            deep = max(arms, key=lambda a: a.depth)
+            for i, p in enumerate(self.decoders[k].row_proposals(rows, deep)):
+                e = t.expected(k, len(p)) if p else 0.0
+                if e > gain[i]:
+                    gain[i], kinds[i], chains[i] = e, k, list(p)
+        if not any(kinds):
+            return None
+        best = t.alone_gain(kinds, chains, b)
+        if best is None or best[0] < PAYS_FROM:
+            return None
+        arm = best[1]
+        drafts = [c[: arm.depth] for c in chains]
+        lead = max(t.free, key=kinds.count)
+        self._alone = (drafts, [k or lead for k in kinds])
+        t.start_alone(decision, lead, [len(d) for d in drafts])
+        return Decision(decision.bucket, arm, False)
+
     # ---------------------------------------------------------------- the active kind
     def reserve(self, rows: Sequence) -> None:
         self._active().reserve(rows)
@@ -284,6 +395,13 @@ class KindDecoder(SpeculativeDecoder):
         weighed by its kind's acceptance profile), that match instead: one batched
         verification whatever the rows' kinds."""
         name = self.tuner.active or next(iter(self.decoders))
+        if self._alone is not None:  # an alone step (``alone``): its chains, q one-hot
+            drafts, kinds = self._alone
+            self._alone = None
+            out = Proposal(drafts, one_hot_q(self.target, rows, drafts))
+            out.mine = [k == name for k in kinds]
+            self.tuner.row_kinds = self.row_kinds = kinds
+            return out
         active = self.decoders[name]
         base = active.propose(rows, strategy, stats, target_cache)
         kinds = [name] * len(rows)
@@ -337,7 +455,8 @@ def several_kinds(engine, drafters: dict, tuners: Optional[dict] = None, *,
     tuners = tuners or {k: StrategyTuner.from_config(d.tuner_config(sc))
                         for k, d in drafters.items()}
     tuner = KindTuner(tuners, epsilon=epsilon, seed=sc.seed,
-                      free=[k for k, d in drafters.items() if d.free])
+                      free=[k for k, d in drafters.items() if d.free],
+                      alone=sc.free_alone)
     return KindDecoder(decoders, tuner), tuner
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from typing import Optional, Union
 
 from ...fileio import atomic_write
@@ -39,8 +40,8 @@ from ...spec_strategy import (OFF, POLICIES, Strategy, bucket_label, bucket_of,
                               check_unique, is_int, parse_arms, parse_buckets)
 from .bandit import Bandit
 from .decision import Decision, Outcome
-from .gate import BreakEvenGate
-from .step_costs import KindCosts
+from .gate import MIN_PLAIN, BreakEvenGate
+from .step_costs import UNCALIBRATED, KindCosts
 
 COSTS = ("modelled", "measured")
 
@@ -193,6 +194,31 @@ class StrategyTuner:
                 return OFF
             return self.bandit.greedy(b, spec)
         return self.bandit.greedy(b, self.arms[b])
+
+    # what a step another kind's proposals replace asks (``multi.KindDecoder.alone``)
+    def chain_arms(self, batch_size: int) -> list[Strategy]:
+        """The bucket's speculative chain arms."""
+        return [a for a in self._spec_arms(self.bucket_of(batch_size)) if a.is_chain]
+
+    def has_reference(self, batch_size: int) -> bool:
+        """Whether the bucket's plain reference is measured (the gate's first
+        ``MIN_PLAIN`` plain steps there; always without the gate): a step it declines
+        may then run as another kind's, and counts for it as a plain step of the
+        reference's time."""
+        b = self.bucket_of(batch_size)
+        return not self._gated(b) or self.gate.plain_count(b) >= MIN_PLAIN
+
+    def relative_cost(self, batch_size: int, arm: Strategy) -> float:
+        """A step of ``arm`` over a plain step at ``batch_size``: the modelled costs
+        (``costs=modelled``), else the gate's measured median in the bucket, else
+        ``step_costs.UNCALIBRATED`` per verified token."""
+        if self.costs is not None:
+            return (self.costs.spec_seconds(batch_size, arm)
+                    / self.costs.plain_seconds(batch_size))
+        got = self.gate.gates[self.bucket_of(batch_size)].samples.get(arm.name)
+        if got:
+            return statistics.median(x.relative for x in got)
+        return 1.0 + UNCALIBRATED * arm.verify_tokens
 
     # the gate's estimates, for reports and tests
     def plain_seconds(self, batch_size: int) -> Optional[float]:
