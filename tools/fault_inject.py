@@ -213,8 +213,10 @@ def run_args(policy: Path, out: Path, ckpt: Path, steps: int) -> list[str]:
 
 def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
            timeout: int = 900):
+    # (the agent checks its workers once a second, not every 0.1 s: less CPU while they run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+           "--nproc_per_node", str(nproc), "--monitor-interval", "1"] \
+        if nproc > 1 else [sys.executable]
     cmd += [str(REPO / "tools" / "fault_inject.py"), "worker", "--kill", kill,
             "--term", term, "--", *args]
     # Output goes to files and the launch runs in its own session; whatever of it is

@@ -115,12 +115,19 @@ def test_rollout_engine_batch_matches_transformers(smollm2):
         hook.remove()
 
 
-def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
+def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, smollm2_dir, tmp_path,
+                                                         monkeypatch):
     """tools/warmup_drafter.py end to end on SmolLM2 (small settings), then greedy
     speculative decoding with that drafter (chain and tree) on unseen prompts: every
     output equals plain decoding, or parts from it only where plain decoding's top-2
-    logits are tied within 1e-3 (verification computes with other matrix shapes)."""
+    logits are tied within 1e-3 (verification computes with other matrix shapes).
+
+    The script's ``main`` runs in this process (``run_main``) on the fixture's SmolLM2
+    (``RolloutEngine.from_pretrained`` hands out an engine of it instead of loading the
+    same weights again; tests/models/test_export.py loads with it); its command line
+    runs as a script in the call it must refuse."""
     import json
+    from pathlib import Path
 
     from megatron_tlt.models.drafter import load_drafter
     from megatron_tlt.models.inference import forward_local_logits, gather_logits
@@ -129,17 +136,23 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     from megatron_tlt.tasks import reasoning_gym_prompts
 
     hf, model, arch, tok = smollm2
+    loaded = []
+
+    def fixture_engine(cls, source, config=None, **kw):  # the weights it would load
+        loaded.append(Path(str(source)))
+        return cls(model, tok, config, arch=arch)
+
+    monkeypatch.setattr(RolloutEngine, "from_pretrained", classmethod(fixture_engine))
     out, summary = tmp_path / "drafter.safetensors", tmp_path / "warmup.json"
-    r = run_script("tools/warmup_drafter.py", "--out", out, "--train-prompts", 24,
-                   "--max-new-tokens", 96, "--epochs", 4, "--batch-tokens", 1024,
-                   "--draft-vocab", 2048, "--eval-prompts", 3, "--eval-new-tokens", 48,
-                   "--json", summary, "--responses", tmp_path / "resp.jsonl", "--chunk", 16,
-                   timeout=900)
+    r = run_main("tools/warmup_drafter.py", "--out", out, "--train-prompts", 24,
+                 "--max-new-tokens", 96, "--epochs", 4, "--batch-tokens", 1024,
+                 "--draft-vocab", 2048, "--eval-prompts", 3, "--eval-new-tokens", 48,
+                 "--json", summary, "--responses", tmp_path / "resp.jsonl", "--chunk", 16)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert loaded == [Path(smollm2_dir)]  # the script's default model: the asset
     kept = (tmp_path / "resp.jsonl").read_text().splitlines()
     assert len(kept) == 1 + 24 and all(json.loads(x)["tokens"] for x in kept[1:])
-    # a larger run reuses them and generates only the new prompts' responses (this and
-    # the runs below: the script's main in this process, sparing an interpreter start)
+    # a larger run reuses them and generates only the new prompts' responses
     r2 = run_main("tools/warmup_drafter.py", "--out", tmp_path / "unused.safetensors",
                   "--train-prompts", 25, "--max-new-tokens", 96, "--generate-only",
                   "--responses", tmp_path / "resp.jsonl")
@@ -168,7 +181,8 @@ def test_warmed_drafter_speculation_equals_plain_decoding(smollm2, tmp_path):
     assert cut.config.extra["init"] == out.name and cut.config.extra["epochs"] == 4
     a, b = big.own_state(), cut.own_state()
     assert all(torch.equal(a[k], b[k]) for k in a if k != "d2t")
-    r4 = run_main("tools/warmup_drafter.py", "--out", small, "--epochs", 0)
+    # the command line, as users run it: refused with the fix named, before any loading
+    r4 = run_script("tools/warmup_drafter.py", "--out", small, "--epochs", 0)
     assert r4.returncode != 0 and "--epochs 0 (no training) needs --init" in r4.stderr
     drafter = load_drafter(out, arch)
     prompts = [p.token_ids for p in reasoning_gym_prompts(tok, n=4, seed=11)]

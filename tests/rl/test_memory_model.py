@@ -1,13 +1,11 @@
 """The dry run's memory model by phase (rl/memory_model.py): its arithmetic, the GPU
 recipes against an 80 GB GPU, and the model against measured peak RSS on CPU
-(tools/measure_memory.py, in a subprocess)."""
+(tools/measure_memory.py: each measured cell a fresh process)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -203,12 +201,14 @@ def _tool():
 def test_cpu_measurement_agrees_with_the_model(tmp_path):
     """One small shape, two GRPO steps (the trainer's own code, in fresh subprocesses),
     with and without recomputation: the model within ±15 % of the measured peak RSS,
-    and recomputation lowering the update both ways."""
+    and recomputation lowering the update both ways. The tool's ``main`` runs in this
+    process (it only writes the model and starts the cells); each cell is a fresh
+    ``tools/measure_memory.py --cell`` process, whose peak RSS is measured."""
+    from cli import run_main
+
     out = tmp_path / "cells.json"
-    r = subprocess.run([sys.executable, str(REPO / "tools/measure_memory.py"), "--cells",
-                        "small-none,small-full", "--json", str(out),
-                        "--models", str(tmp_path / "models")],
-                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    r = run_main("tools/measure_memory.py", "--cells", "small-none,small-full", "--json",
+                 out, "--models", tmp_path / "models")
     assert r.returncode == 0, r.stderr[-3000:]
     cells = {c["recompute"]: c for c in json.loads(out.read_text())["cells"]}
     for c in cells.values():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import REPO, run_script
+from cli import REPO, TORCHRUN_MONITOR, run_script
 from megatron_tlt.runtime_env import thread_env, threads_for
 from rl_fixtures import save_tiny_policy, tiny_run_args
 
@@ -38,7 +38,7 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes(tiny_po
     args = tiny_run_args(tiny_policy, out, f"checkpoint.save={ckpt}", "rollout.cpu_kernels=false")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", str(REPO / "pretrain_rl_tlt.py"), *args, "train.steps=5"],
+         "2", *TORCHRUN_MONITOR, str(REPO / "pretrain_rl_tlt.py"), *args, "train.steps=5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=thread_env(threads_for(2)))
     metrics = out / "run" / "metrics.jsonl"

@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# torchrun's agent checks its workers every 0.1 s by default, CPU it spends for as long as
+# they run; once a second is soon enough for a test (a failed rank is noticed and the
+# others stopped at most a second later)
+TORCHRUN_MONITOR = ["--monitor-interval", "1"]
 
 
 def run_script(script: str, *args: str, nproc: int = 1,
@@ -17,7 +21,8 @@ def run_script(script: str, *args: str, nproc: int = 1,
 
     launcher = [sys.executable]
     if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                     *TORCHRUN_MONITOR]
     return subprocess.run([*launcher, str(REPO / script), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout,
                           env=thread_env(threads_for(nproc)))
