@@ -119,10 +119,12 @@ def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[
         costs = calibrate.calibrate(engine)
     calibrate.apply(engine, costs)
     reqs = [p for p in prompts for _ in range(group)]
+    # the kinds' tuner's alone steps so far (a single kind's tuner takes none)
+    alone_steps = lambda: sum(getattr(engine.tuner, "alone_steps", {}).values())  # noqa: E731
     out = []
     try:
         for c in range(calls):
-            alone_before = sum(getattr(engine.tuner, "alone_steps", {}).values())
+            alone_before = alone_steps()
             engine.generate(reqs, SamplingParams(**{**sp.__dict__, "seed": sp.seed + c}))
             st = engine.last_stats
             s = st.spec.summary()
@@ -134,8 +136,7 @@ def measure_beside(engine, drafter: str, free: Sequence[str], prompts: Sequence[
             n = len(tail)
             out.append({
                 "call": c, "tail_steps": n, "spec_steps": s["steps"],
-                "alone_steps": sum(getattr(engine.tuner, "alone_steps", {}).values())
-                - alone_before,
+                "alone_steps": alone_steps() - alone_before,
                 "tail_tokens_by_kind": by_kind,
                 "tokens_per_tail_step": sum(by_kind.values()) / n if n else 0.0,
                 "tokens_per_tail_step_by_kind": {k: v / n for k, v in by_kind.items()}

@@ -13,6 +13,7 @@ from megatron_tlt.config import RolloutConfig, SpeculativeConfig
 from megatron_tlt.rollout import RolloutEngine, SamplingParams
 from megatron_tlt.rollout.speculative.kind_group import GroupHistory
 from megatron_tlt.rollout.speculative.kind_prompt import PromptLookup
+from test_model_free_kinds import assert_decodes_as_plain, uneven_config
 from test_speculative import (DIST_DRAWS, P_MIN, _chi2_pvalue, _exact_joint,
                               _sample_continuations, one_layer)  # noqa: F401
 
@@ -71,21 +72,15 @@ def test_free_kinds_alone_decode_as_plain(one_layer, mode):  # noqa: F811
     """Groups of 4 responses, uneven lengths through 3 running rows, two calls: the
     tokens plain decoding gives, with alone steps in between plain ones."""
     model, arch, good, _ = one_layer
-    coupled = mode == "coupled"
-    prompts = [p for p in ([5, 9, 9, 9, 5, 9], [1, 2, 3, 1, 2], [42] * 6) for _ in range(4)]
-    seeds = list(range(100, 100 + len(prompts)))
-    cfg = dict(max_batch_size=3, sampling_mode="coupled" if coupled else "standard")
+    cfg = uneven_config(mode)
     eng = _engine(model, arch, good, threshold=3, **cfg)
     _paying(eng)
-    plain = RolloutEngine(model, None, RolloutConfig(**cfg), arch=arch, eos_token_ids=[])
-    for seed in (9, 10):
-        sps = [SamplingParams(temperature=1.0 if coupled else 0.0, top_p=0.95,
-                              max_new_tokens=n, seed=seed) for n in [16, 7, 11, 20] * 3]
-        want = plain.generate(prompts, sps, request_seeds=seeds)
-        got = eng.generate(prompts, sps, request_seeds=seeds)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+    def only_free_kinds_speculated(eng):
         summ = eng.last_stats.spec.summary()
         assert _free_tokens(summ) > 0 and summ["kinds"].get("eagle", {}).get("steps", 0) == 0
+
+    assert_decodes_as_plain(eng, model, arch, cfg, only_free_kinds_speculated)
     assert sum(eng.tuner.alone_steps.values()) > 0
 
 

@@ -309,15 +309,19 @@ def test_rows_choose_their_kind_in_one_verification(one_layer, strategy):  # noq
     assert pval > P_MIN, (strategy, pval)
 
 
-@pytest.mark.parametrize("mode", ["greedy", "coupled"])
-@pytest.mark.parametrize("strategy", ["4_1_4", "4_3_8"])
-def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  # noqa: F811
-    model, arch, good, _ = one_layer
-    coupled = mode == "coupled"
+def uneven_config(mode: str) -> dict:
+    """The engine settings of ``assert_decodes_as_plain``: 3 running rows, greedy or
+    coupled sampling."""
+    return dict(max_batch_size=3, sampling_mode="coupled" if mode == "coupled" else "standard")
+
+
+def assert_decodes_as_plain(eng, model, arch, cfg: dict, after_call=None) -> None:
+    """Groups of 4 responses to 3 repetitive prompts, uneven lengths through the 3
+    running rows of ``cfg`` (``uneven_config``), two calls: ``eng`` gives the tokens
+    plain decoding gives (greedy, or coupled at T=1); ``after_call(eng)`` after each."""
+    coupled = cfg["sampling_mode"] == "coupled"
     prompts = [p for p in ([5, 9, 9, 9, 5, 9], [1, 2, 3, 1, 2], [42] * 6) for _ in range(4)]
     seeds = list(range(100, 100 + len(prompts)))
-    cfg = dict(max_batch_size=3, sampling_mode="coupled" if coupled else "standard")
-    eng = _mixed_engine(model, arch, good, strategy, threshold=3, **cfg)
     plain = RolloutEngine(model, None, RolloutConfig(**cfg), arch=arch, eos_token_ids=[])
     for seed in (9, 10):
         sps = [SamplingParams(temperature=1.0 if coupled else 0.0, top_p=0.95,
@@ -325,6 +329,17 @@ def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  #
         want = plain.generate(prompts, sps, request_seeds=seeds)
         got = eng.generate(prompts, sps, request_seeds=seeds)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        if after_call is not None:
+            after_call(eng)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("strategy", ["4_1_4", "4_3_8"])
+def test_rows_choosing_their_kind_decode_as_plain(one_layer, strategy, mode):  # noqa: F811
+    model, arch, good, _ = one_layer
+    cfg = uneven_config(mode)
+    eng = _mixed_engine(model, arch, good, strategy, threshold=3, **cfg)
+    assert_decodes_as_plain(eng, model, arch, cfg)
 
 
 def test_the_free_kinds_bench_measures_each_call(one_layer):  # noqa: F811

@@ -97,6 +97,11 @@ class BucketGate:
         self.saved = 0.0  # probe allowance saved for a catch-up (seconds; see affordable)
         self.steps = self.declined = self.probes = 0  # lifetime counts
 
+    def relative(self, name: str) -> Optional[float]:
+        """The arm's median step time relative to plain decoding's (None: unmeasured)."""
+        got = self.samples.get(name)
+        return statistics.median(x.relative for x in got) if got else None
+
     def speedup(self, name: str, tokens: Optional[float] = None) -> Optional[float]:
         """Expected tokens per sequence (``tokens``, else the arm's measured mean) over
         its median relative step time (vs plain)."""
@@ -105,7 +110,7 @@ class BucketGate:
             return None
         if tokens is None:
             tokens = sum(x.tokens for x in got) / len(got)
-        return tokens / statistics.median(x.relative for x in got)
+        return tokens / self.relative(name)
 
     def fresh(self, name: str) -> bool:
         """Whether the arm was measured within the last ``STALE_AFTER`` x window steps."""
@@ -196,6 +201,11 @@ class BreakEvenGate:
     def speedup(self, b: int, arm: Strategy) -> Optional[float]:
         return self.gates[b].speedup(arm.name, self.expected_tokens(arm))
 
+    def relative(self, b: int, arm: Strategy) -> Optional[float]:
+        """``arm``'s median step time over plain decoding's in bucket ``b`` (None:
+        unmeasured there)."""
+        return self.gates[b].relative(arm.name)
+
     def best_speedup(self, b: int, spec: list[Strategy]
                      ) -> Optional[tuple[Strategy, float]]:
         """The arm of ``spec`` with the highest speedup estimate in bucket ``b`` and it,
@@ -263,9 +273,9 @@ class BreakEvenGate:
             return True
         gate = self.gates[b]
         for other in spec:
-            got = gate.samples.get(other.name)
-            if got and other.is_chain and other.depth <= arm.depth:
-                if tokens / statistics.median(x.relative for x in got) < 1.0:
+            rel = gate.relative(other.name)
+            if rel is not None and other.is_chain and other.depth <= arm.depth:
+                if tokens / rel < 1.0:
                     return False
         return True
 

@@ -121,14 +121,13 @@ class KindTuner:
         return 1.0 + sum(prof[min(j, len(prof) - 1)] for j in range(drafts))
 
     def alone_gain(self, kinds: Sequence[Optional[str]], chains: Sequence[list],
-                   batch_size: int) -> Optional[tuple[float, Strategy]]:
+                   batch_size: int, lead: str) -> Optional[tuple[float, Strategy]]:
         """The best chain arm for an alone step (``KindDecoder.alone``) of rows
         proposed by ``kinds`` (None: no match, plain) with ``chains``, and its speedup
         estimate: the rows' expected tokens (``expected``; 1 for a plain row) at the
-        arm's depth over the batch's, divided by the arm's relative step cost for the
-        kind proposing most rows (``StrategyTuner.relative_cost``). None: no arm."""
-        drafting = [k for k in kinds if k is not None]
-        lead = max(self.free, key=drafting.count)
+        arm's depth over the batch's, divided by the arm's relative step cost for
+        ``lead``, the kind proposing most rows (``StrategyTuner.relative_cost``).
+        None: no arm."""
         best = None
         for arm in self.tuners[lead].chain_arms(batch_size):
             tokens = sum(1.0 if k is None else self.expected(k, min(len(c), arm.depth))
@@ -157,13 +156,12 @@ class KindTuner:
         self.declined = self.drafted = self.row_kinds = None
         acc = outcome.accepted_drafts
         if acc is not None and kinds is not None and drafted is not None:
-            for k in self.free:
-                by_len: dict[int, list[int]] = {}
-                for a, kk, n in zip(acc, kinds, drafted):
-                    if kk == k and n:
-                        by_len.setdefault(n, []).append(a)
-                for n, got in sorted(by_len.items()):
-                    self.tuners[k].record_acceptance(Strategy(n, 1, n), got)
+            by_len: dict[tuple[str, int], list[int]] = {}  # (kind, draft length) -> rows
+            for a, k, n in zip(acc, kinds, drafted):
+                if n:
+                    by_len.setdefault((k, n), []).append(a)
+            for (k, n), got in sorted(by_len.items()):
+                self.tuners[k].record_acceptance(Strategy(n, 1, n), got)
         b = outcome.batch_size
         self.tuners[self.active].record(decision, dataclasses.replace(
             outcome, accepted_drafts=None))
@@ -369,12 +367,12 @@ class KindDecoder(SpeculativeDecoder):
                     gain[i], kinds[i], chains[i] = e, k, list(p)
         if not any(kinds):
             return None
-        best = t.alone_gain(kinds, chains, b)
+        lead = max(t.free, key=kinds.count)
+        best = t.alone_gain(kinds, chains, b, lead)
         if best is None or best[0] < PAYS_FROM:
             return None
         arm = best[1]
         drafts = [c[: arm.depth] for c in chains]
-        lead = max(t.free, key=kinds.count)
         self._alone = (drafts, [k or lead for k in kinds])
         t.start_alone(decision, lead, [len(d) for d in drafts])
         return Decision(decision.bucket, arm, False)

@@ -236,7 +236,8 @@ def copy_bytes(arch, s, sc, fmt: str) -> float:
     h, db = arch.hidden_size, s.dtype_bytes
     up = lambda n, m: -(-n // m) * m  # noqa: E731
     packed = fmt == "int8" and s.cpu_kernels
-    group, act_block = SelfDrafter.section(sc).group, SelfDrafter.section(sc).act_block
+    own = SelfDrafter.section(sc)
+    group, act_block = own.group, own.act_block
     total = 0
     for n, k in copy_matrices(arch, s.tp):
         if fmt == "fp8":

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 from typing import Optional, Union
 
 from ...fileio import atomic_write
@@ -215,10 +214,8 @@ class StrategyTuner:
         if self.costs is not None:
             return (self.costs.spec_seconds(batch_size, arm)
                     / self.costs.plain_seconds(batch_size))
-        got = self.gate.gates[self.bucket_of(batch_size)].samples.get(arm.name)
-        if got:
-            return statistics.median(x.relative for x in got)
-        return 1.0 + UNCALIBRATED * arm.verify_tokens
+        got = self.gate.relative(self.bucket_of(batch_size), arm)
+        return got if got is not None else 1.0 + UNCALIBRATED * arm.verify_tokens
 
     # the gate's estimates, for reports and tests
     def plain_seconds(self, batch_size: int) -> Optional[float]:
