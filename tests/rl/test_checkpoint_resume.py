@@ -11,12 +11,13 @@ import json
 
 import pytest
 
-from cli import REPO
+from cli import REPO, forked_fault_launch
 from rl_fixtures import save_tiny_policy
 
 _spec = importlib.util.spec_from_file_location("fault_inject", REPO / "tools" / "fault_inject.py")
 fault_inject = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fault_inject)
+fault_inject.launch = forked_fault_launch(fault_inject)  # ranks forked from a warm interpreter
 
 STEPS = 3
 

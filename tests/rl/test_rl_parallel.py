@@ -145,7 +145,8 @@ def test_cli_step_at_dp2_with_speculation_and_at_pp2(policy, tmp_path,
     r = run_script("pretrain_rl_tlt.py", *common, f"tracking.output_dir={tmp_path / 'dp'}",
                    f"rollout.speculative.drafter={drafter}",
                    "rollout.speculative.policy=fixed", "rollout.speculative.strategy=2_1_2",
-                   "rollout.kv_cache=paged", nproc=2, timeout=600)
+                   "rollout.kv_cache=paged", nproc=2, timeout=600,
+                   torchrun=True)  # the user's launch: torchrun's agent and rendezvous
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "dp" / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert len(rec["timeline"]["replica_finish"]) == 2

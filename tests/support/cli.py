@@ -13,19 +13,27 @@ REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_MONITOR = ["--monitor-interval", "1"]
 
 
-def run_script(script: str, *args: str, nproc: int = 1,
-               timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python REPO/script args`` (or ``torchrun --standalone`` for nproc > 1), each
-    process with its share of this one's threads (``runtime_env.threads_for``)."""
+def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300,
+               torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``python REPO/script args`` (for nproc > 1, ``nproc`` ranks as ``torchrun
+    --standalone`` starts them), each process with its share of this one's threads
+    (``runtime_env.threads_for``). The processes are forks of a warm interpreter
+    (``zygote``: the imports paid once per test process) where the environment allows;
+    ``torchrun=True`` starts a fresh interpreter (under torchrun's agent for nproc > 1),
+    for tests of the launch itself."""
+    import zygote
     from megatron_tlt.runtime_env import thread_env, threads_for
 
+    env = thread_env(threads_for(nproc))
+    if not torchrun and zygote.can_fork(env):
+        return zygote.run(REPO / script, list(args), env, threads_for(nproc), nproc=nproc,
+                          timeout=timeout)
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                      *TORCHRUN_MONITOR]
     return subprocess.run([*launcher, str(REPO / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=thread_env(threads_for(nproc)))
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def run_workers(script: str, out: Path, *args: str, nproc: int,
@@ -65,3 +73,19 @@ def run_main(script: str, *args: str) -> subprocess.CompletedProcess:
                 rc = 1
     return subprocess.CompletedProcess([str(path), *argv], rc or 0, out.getvalue(),
                                        err.getvalue())
+
+
+def forked_fault_launch(fault_inject):
+    """``tools/fault_inject.py``'s ``launch`` through ``run_script`` (forked ranks, see
+    ``zygote``) for a test module to put in its place; a launch with ``term`` (a SIGTERM
+    to one rank, the preemption path through torchrun's agent) still runs torchrun."""
+    original = fault_inject.launch
+
+    def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
+               timeout: int = 900):
+        if term:
+            return original(args, nproc=nproc, kill=kill, term=term, timeout=timeout)
+        return run_script("tools/fault_inject.py", "worker", "--kill", kill, "--term", "",
+                          "--", *args, nproc=nproc, timeout=timeout)
+
+    return launch

@@ -2,7 +2,9 @@
 
 ``--cpu-durations=N`` lists the N tests that took the most CPU time, user + system, of
 the test process and of the processes it started and waited for (torchrun and its
-workers, scripts): ``os.times()`` before and after each phase (setup, call, teardown).
+workers, scripts), and of the script runs forked for it (``zygote``: the fork server's
+children): ``os.times()`` and ``zygote.cpu_seconds()`` before and after each phase
+(setup, call, teardown).
 On a machine whose cores are shared, CPU seconds say what a test costs where wall
 seconds say how busy the machine was. ``--cpu-json=PATH`` writes every test's figures.
 With pytest-xdist each worker measures its own tests and the figures travel to the
@@ -31,8 +33,12 @@ def pytest_addoption(parser):
 
 
 def _cpu_now() -> float:
+    """This process's and its waited-for children's CPU seconds, and the forked runs'
+    (``zygote``: the fork server's children, not this process's)."""
+    import zygote
+
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + zygote.cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
