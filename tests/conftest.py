@@ -80,6 +80,7 @@ def share_cores(config) -> None:
     if _workers(config) > 1 and not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cap_threads(threads_per_process(config))
+    import zygote  # noqa: F401  (its BASELINE: the environment before any test runs)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,6 +4,7 @@ and TLT on, with the same seeds and data order, then their curves compared.
 
     python tools/learn.py [--arms off,tlt] [--out runs/learn] [--json PATH]
                           [--figure PATH] [--report-only] [section.field=value ...]
+    python tools/learn.py --speed [--speed-steps 6]  # then the fair speed comparison
 
 Each arm is ``torchrun --nproc_per_node 2 pretrain_rl_tlt.py --config
 examples/rl/smollm2_learn.yaml`` (48 steps, 200 held-out prompts answered greedily
@@ -22,6 +23,16 @@ Then (also alone, ``--report-only``) it reads both run folders and writes the JS
 (each arm's held-out accuracy and reward curves, rollout seconds per step, the final
 held-out difference with its paired 95 % interval and McNemar's p) and the figure,
 and prints what they show. Extra ``section.field=value`` overrides go to both arms.
+
+The arms' own rollout seconds do not compare speed (their policies drift to different
+response lengths; they run at different times). ``--speed`` (after the arms, ~20 min)
+measures it fairly: the ``tlt`` arm's final checkpoint exported to Hugging Face
+(``{out}/speed/policy``, its trained drafter beside it), then ``tools/bench_e2e.py``
+with the learn recipe and coupled sampling: TLT (that drafter and the int8 copy) against
+no speculation, the two arms' GRPO steps interleaved on the same machine from the same
+weights, so both roll out the same responses and only the speed differs; then an A/A
+run of the same shape (both plain), the ratio's noise. The report adds them
+(``speed`` in the JSON).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from pathlib import Path
 
 from megatron_tlt.bench.launcher import torchrun
 from megatron_tlt.checkpoint.store import latest
-from megatron_tlt.rl.learning import compare, read_run, write_figure
+from megatron_tlt.rl.learning import compare, read_run, speed, write_figure
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "rl" / "smollm2_learn.yaml"
@@ -102,11 +113,62 @@ def run_arm(arm: str, out: Path, overrides: list[str], t0: float) -> int:
     return torchrun(f"learn {arm}", 2, REPO / "pretrain_rl_tlt.py", args, t0, cwd=REPO)
 
 
+SPEED_RUNS = {"pair": [], "aa": ["--drafter", "off"]}  # + the TLT arm's drafters for "pair"
+
+
+def run_speed(out: Path, steps: int) -> int:
+    """The fair speed comparison on the ``tlt`` arm's final policy (module docstring)."""
+    import subprocess
+
+    from megatron_tlt.checkpoint.export import export_run_checkpoint
+
+    folder = out / "speed"
+    policy = folder / "policy"
+    if not (policy / "config.json").is_file():
+        if latest(out / "tlt-ckpt") is None:
+            print(f"[learn] --speed: no checkpoint of the tlt arm in {out / 'tlt-ckpt'}; "
+                  "run the arms first", flush=True)
+            return 2
+        export_run_checkpoint(out / "tlt-ckpt", policy)
+    drafter = policy / "drafter" / "drafter.safetensors"
+    commands = {}
+    for name, extra in SPEED_RUNS.items():
+        if name == "pair":
+            extra = (["--drafter", str(drafter)] if drafter.is_file() else
+                     ["--drafter", "self"]) + ["--self-too"] * drafter.is_file()
+        cmd = [sys.executable, str(REPO / "tools" / "bench_e2e.py"), "--config", str(RECIPE),
+               "--sampling-mode", "coupled", "--steps", str(steps), "--max-new-tokens",
+               str(load_recipe_cap()), *extra, "--json", str(folder / f"{name}.json"),
+               f"model.hf_path={policy}"]
+        print(f"[learn] speed {name}: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd, cwd=REPO).returncode
+        if rc != 0:
+            return rc
+        commands[name] = "python " + " ".join(
+            str(Path(c).relative_to(REPO)) if str(c).startswith(str(REPO)) else str(c)
+            for c in cmd[1:])
+    (folder / "commands.json").write_text(json.dumps(commands, indent=1) + "\n")
+    return 0
+
+
+def load_recipe_cap() -> int:
+    from megatron_tlt.config import load_config
+
+    return load_config([RECIPE]).grpo.max_new_tokens
+
+
 def report(out: Path, arms: list[str], json_path: Path, figure: Path, command: str) -> dict:
     from megatron_tlt.rollout.cpu_kernels import cpu_info
 
     runs = {arm: read_run(out / arm) for arm in arms}
     result = compare(runs, baseline="off")
+    pair, aa = out / "speed" / "pair.json", out / "speed" / "aa.json"
+    if pair.is_file():
+        result["speed"] = speed(json.loads(pair.read_text()),
+                                json.loads(aa.read_text()) if aa.is_file() else None)
+        commands = out / "speed" / "commands.json"
+        if commands.is_file():
+            result["speed"]["commands"] = json.loads(commands.read_text())
     model, flags = cpu_info()
     result["config"] = {
         "command": command, "recipe": str(RECIPE.relative_to(REPO)),
@@ -140,6 +202,22 @@ def summary_lines(result: dict) -> list[str]:
         if r["rollout_s_mean"]:
             lines.append(f"{arm}: {r['steps_done']} steps, rollout {r['rollout_s_mean']:.1f} s "
                          "per step on average")
+    sp = result.get("speed")
+    if sp and sp["steps"]:
+        lo, hi = sp["rollout_speedup_range"]
+        lines.append(
+            f"speed, same policy and responses (coupled, {len(sp['steps'])} steps): off / tlt "
+            f"rollout time {sp['rollout_speedup_median']:.2f} (median; steps {lo:.2f}-{hi:.2f}; "
+            f"total {sp['rollout_speedup_total']:.2f})"
+            + (f", A/A {sp['aa_rollout_ratio_median']:.2f} "
+               f"({sp['aa_rollout_ratio_range'][0]:.2f}-{sp['aa_rollout_ratio_range'][1]:.2f})"
+               if sp.get("aa_rollout_ratio_median") else "")
+            + f"; tail {sp['off_tail_s_mean']:.1f} -> {sp['tlt_tail_s_mean']:.1f} s")
+        if sp.get("speedup_vs_plain_median"):
+            lo, hi = sp["speedup_vs_plain_range"]
+            lines.append(f"speed against all three plain rollouts of the same responses (the "
+                         f"pair's off arm, both A/A arms): {sp['speedup_vs_plain_median']:.2f} "
+                         f"(median; steps {lo:.2f}-{hi:.2f})")
     for arm, c in result.get("against_off", {}).items():
         if "rollout_time_ratio" in c:
             lines.append(f"{arm} / off rollout time per step: {c['rollout_time_ratio']:.2f}")
@@ -163,6 +241,11 @@ def main(argv=None) -> int:
     ap.add_argument("--figure", default="docs/learning.png")
     ap.add_argument("--report-only", action="store_true",
                     help="compare the run folders as they are, run nothing")
+    ap.add_argument("--speed", action="store_true",
+                    help="after the arms, the fair speed comparison on the tlt arm's final "
+                         "policy (coupled, interleaved, with an A/A run; ~20 min)")
+    ap.add_argument("--speed-steps", type=int, default=6,
+                    help="GRPO steps of each --speed run (default 6)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
@@ -180,6 +263,10 @@ def main(argv=None) -> int:
                 last = latest(out / f"{arm}-ckpt")
                 print(f"[learn] {arm} exited {rc}; its last checkpoint: {last or 'none yet'}; "
                       "run again to resume it", flush=True)
+                return rc
+        if args.speed:
+            rc = run_speed(out, args.speed_steps)
+            if rc != 0:
                 return rc
     command = "python tools/learn.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report(out, arms, REPO / args.json, REPO / args.figure, command.strip())

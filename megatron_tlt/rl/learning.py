@@ -7,6 +7,12 @@ each evaluation, in the prompts' order). Both arms answer the same held-out prom
 greedily, so the final difference is paired: per prompt, correct in one arm and not
 the other. The interval is the normal one over the per-prompt differences, and the
 p-value is McNemar's exact test (a binomial test on the discordant prompts).
+
+The arms' own rollout seconds cannot compare speed: independent policies drift to
+different response lengths, and the arms run at different times. ``speed`` reads the
+fair comparison instead: one final policy, both arms' rollouts interleaved step by step
+with coupled sampling (the same responses token for token, so only the speed differs;
+``tools/bench_e2e.py``), beside an A/A run of the same shape (the noise of the ratio).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Sequence
 
 from .evaluation import Z95, wilson_interval
 
-__all__ = ["read_run", "paired_difference", "compare", "write_figure"]
+__all__ = ["read_run", "paired_difference", "compare", "speed", "write_figure"]
 
 
 def _lines(path: Path) -> list[dict]:
@@ -136,6 +142,73 @@ def compare(runs: dict[str, dict], *, baseline: str = "off") -> dict:
             entry["final_step"] = last
             entry["held_out"] = paired_difference(a, b)
         out["against_" + baseline][arm] = entry
+    return out
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def speed(pair: dict, aa: dict | None = None, mode: str = "coupled") -> dict:
+    """The TLT arm's rollout against the plain one's on the same responses, from
+    ``bench_e2e`` results (``pair``: TLT against off; ``aa``: both arms plain): per step
+    the rollout seconds of both arms, their ratio, where the time went (the replica that
+    finished first and the last one: TLT shortens the tail, the last replica's long
+    responses), the speculated tokens; the medians, and the A/A ratios beside them."""
+    rows = []
+    for r in pair["results"]:
+        if r["mode"] != mode:
+            continue
+        off, tlt = r["arms"]["off"], r["arms"]["tlt"]
+        rows.append({
+            "step": r["step"], "identical": r["identical"], "responses": r["responses"],
+            "off_rollout_s": off["rollout"], "tlt_rollout_s": tlt["rollout"],
+            "rollout_speedup": off["rollout"] / tlt["rollout"],
+            "off_first_replica_s": min(off["replica_finish"]),
+            "tlt_first_replica_s": min(tlt["replica_finish"]),
+            "off_tail_s": off["tail"], "tlt_tail_s": tlt["tail"],
+            "response_len_mean": off["response_length_mean"],
+            "response_len_max": off["response_length_max"],
+            "spec_on_fraction": tlt.get("spec_on_fraction"),
+            "accept_len": tlt.get("accept_len"),
+            "spec_tokens_by_kind": tlt.get("spec_tokens_by_kind"),
+            "generated_tokens": off["generated_tokens"]})
+    out = {"mode": mode, "steps": rows,
+           "identical_fraction": (sum(r["identical"] for r in rows)
+                                  / max(1, sum(r["responses"] for r in rows))),
+           "rollout_speedup_median": _median([r["rollout_speedup"] for r in rows]),
+           "rollout_speedup_range": ([min(r["rollout_speedup"] for r in rows),
+                                      max(r["rollout_speedup"] for r in rows)] if rows else None),
+           "rollout_speedup_total": (sum(r["off_rollout_s"] for r in rows)
+                                     / max(1e-9, sum(r["tlt_rollout_s"] for r in rows))),
+           "off_rollout_s_mean": mean(r["off_rollout_s"] for r in rows) if rows else None,
+           "tlt_rollout_s_mean": mean(r["tlt_rollout_s"] for r in rows) if rows else None,
+           "off_tail_s_mean": mean(r["off_tail_s"] for r in rows) if rows else None,
+           "tlt_tail_s_mean": mean(r["tlt_tail_s"] for r in rows) if rows else None}
+    if aa is not None:
+        aa_rows = {r["step"]: r for r in aa["results"] if r["mode"] == mode}
+        ratios = [r["arms"]["off"]["rollout"] / r["arms"]["tlt"]["rollout"]
+                  for r in aa_rows.values()]
+        out["aa_rollout_ratio_median"] = _median(ratios)
+        out["aa_rollout_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+        # coupled sampling: every arm of both runs rolls out the same responses at a
+        # step, so TLT's time also compares with all three plain rollouts of them
+        # (the pair's off arm and both A/A arms), not with its own pair's alone
+        for row in rows:
+            other = aa_rows.get(row["step"])
+            if other is None:
+                continue
+            plain = [row["off_rollout_s"], other["arms"]["off"]["rollout"],
+                     other["arms"]["tlt"]["rollout"]]
+            row["plain_rollouts_s"] = plain
+            row["speedup_vs_plain_median"] = _median(plain) / row["tlt_rollout_s"]
+        against = [r["speedup_vs_plain_median"] for r in rows if "speedup_vs_plain_median" in r]
+        out["speedup_vs_plain_median"] = _median(against)
+        out["speedup_vs_plain_range"] = [min(against), max(against)] if against else None
     return out
 
 

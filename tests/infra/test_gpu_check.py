@@ -24,6 +24,19 @@ from megatron_tlt.gpu_check.schedule import Part, Schedule, run_command
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """The check sets the hub's offline switches in ``os.environ`` for what it runs; a
+    test's check leaves the test process's environment as it found it (the forked
+    script runs, tests/support/zygote.py, need the environment they started under)."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")

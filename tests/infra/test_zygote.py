@@ -11,7 +11,6 @@ import time
 
 import pytest
 import zygote
-from cli import run_script
 
 pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="forked runs are off here")
 
@@ -75,11 +74,11 @@ def test_ranks_form_a_process_group_and_a_failing_rank_stops_the_others(tmp_path
         dist.barrier()  # rank 0 would wait here for ever
         dist.destroy_process_group()
         """)
-    r = run_script(str(script), "ok", nproc=3)
+    r = zygote.run(script, ["ok"], dict(os.environ), threads=1, nproc=3)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"rank {k} of 3 sum 6" for k in range(3)]
     t0 = time.monotonic()
-    r = run_script(str(script), "fail", nproc=2)
+    r = zygote.run(script, ["fail"], dict(os.environ), threads=1, nproc=2)
     assert r.returncode == 5
     assert time.monotonic() - t0 < 60  # stopped, not left to the collective's timeout
 
@@ -93,7 +92,7 @@ def test_a_run_past_its_timeout_leaves_no_process_behind(tmp_path):
         time.sleep(300)
         """)
     with pytest.raises(subprocess.TimeoutExpired):
-        zygote.run(script, [], dict(os.environ), threads=1, timeout=5)
+        zygote.run(script, [], dict(os.environ), threads=1, timeout=15)
     deadline = time.monotonic() + 10
     alive = [int(p) for p in pids.read_text().split()]
     while alive and time.monotonic() < deadline:
@@ -116,10 +115,18 @@ def test_forked_runs_cpu_seconds_are_counted(tmp_path):
     assert zygote.cpu_seconds() - before >= 1.0
 
 
-def test_an_environment_the_server_did_not_import_under_runs_in_a_fresh_process(monkeypatch):
+def test_an_environment_the_server_did_not_import_under_runs_in_a_fresh_process(
+        tmp_path, monkeypatch):
     env = dict(os.environ)
     assert zygote.can_fork(env)
     assert zygote.can_fork({**env, "OMP_NUM_THREADS": "7"})  # each run sets its threads
-    assert not zygote.can_fork({**env, "HF_HOME": "/elsewhere"})
+    # read at import (the server's value would win): a fresh interpreter
+    for key in ("HF_HOME", "HF_HUB_OFFLINE", "MEGATRON_TLT_EAGER_IMPORTS", "PYTHONHASHSEED"):
+        assert not zygote.can_fork({**env, key: "1"}), key
+    # a variable nothing reads at import forks, and the run sees it
+    assert zygote.can_fork({**env, "A_TESTS_OWN_VARIABLE": "7"})
+    script = _script(tmp_path, "env.py", "import os; print(os.environ['A_TESTS_OWN_VARIABLE'])")
+    r = zygote.run(script, [], {**env, "A_TESTS_OWN_VARIABLE": "7"}, threads=1)
+    assert (r.returncode, r.stdout) == (0, "7\n")
     monkeypatch.setenv(zygote.SWITCH, "subprocess")
     assert not zygote.can_fork(dict(os.environ))

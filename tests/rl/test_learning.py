@@ -74,3 +74,37 @@ def test_compare_reports_rise_rollout_ratio_and_the_final_paired_difference(tmp_
     assert worse["final_below_step0_interval"] and not worse["final_beyond_step0_interval"]
     png = write_figure(res, tmp_path / "fig.png")
     assert png.stat().st_size > 10_000
+
+
+def _bench_row(step, mode, off_s, tlt_s, identical=8):
+    arm = lambda s, first: {"rollout": s, "replica_finish": [first, s], "tail": s - first,  # noqa: E731
+                            "response_length_mean": 40.0, "response_length_max": 256,
+                            "generated_tokens": 320, "spec_on_fraction": 0.2,
+                            "accept_len": 4.0, "spec_tokens_by_kind": {"self": 50}}
+    return {"mode": mode, "step": step, "responses": 8, "identical": identical,
+            "arms": {"off": arm(off_s, 5.0), "tlt": arm(tlt_s, 5.0)}}
+
+
+def test_speed_reads_the_interleaved_coupled_runs_and_their_aa_control():
+    from megatron_tlt.rl.learning import speed
+
+    pair = {"results": [_bench_row(1, "coupled", 12.0, 8.0), _bench_row(2, "coupled", 9.0, 9.0),
+                        _bench_row(3, "coupled", 15.0, 10.0, identical=7),
+                        _bench_row(1, "standard", 99.0, 1.0)]}  # another mode: not read
+    aa = {"results": [_bench_row(s, "coupled", 10.0, t) for s, t in ((1, 9.0), (2, 11.0), (3, 10.0))]}
+    sp = speed(pair, aa)
+    assert [r["step"] for r in sp["steps"]] == [1, 2, 3]
+    assert sp["rollout_speedup_median"] == pytest.approx(1.5)  # 1.5, 1.0, 1.5
+    assert sp["rollout_speedup_range"] == pytest.approx([1.0, 1.5])
+    assert sp["rollout_speedup_total"] == pytest.approx(36.0 / 27.0)
+    assert sp["identical_fraction"] == pytest.approx(23 / 24)
+    # the first replica finished at 5 s in both arms: the time TLT saved is the tail's
+    assert sp["off_tail_s_mean"] == pytest.approx(7.0) and sp["tlt_tail_s_mean"] == pytest.approx(4.0)
+    assert sp["aa_rollout_ratio_median"] == pytest.approx(1.0)
+    assert sp["aa_rollout_ratio_range"] == pytest.approx([10 / 11, 10 / 9])
+    # every plain rollout of a step's responses: the pair's off arm and both A/A arms
+    assert sp["steps"][0]["plain_rollouts_s"] == [12.0, 10.0, 9.0]
+    assert sp["steps"][0]["speedup_vs_plain_median"] == pytest.approx(10.0 / 8.0)
+    assert sp["speedup_vs_plain_median"] == pytest.approx(10.0 / 9.0)  # 1.25, 10/9, 1.0
+    assert sp["speedup_vs_plain_range"] == pytest.approx([1.0, 1.25])
+    assert "aa_rollout_ratio_median" not in speed(pair)

@@ -23,9 +23,9 @@ every rank) shares the server's string-hash seed, where fresh ranks each draw th
 so a set of strings iterates in the same order on every rank. The tests that launch
 torchrun itself (below) still run ranks with their own seeds.
 
-What a fork cannot reproduce runs as before (``subprocess``): an environment that
-differs from the server's in anything but the thread counts (a value read at import,
-e.g. ``MEGATRON_TLT_EAGER_IMPORTS`` or ``HF_HOME``, would be the server's), and
+What a fork cannot reproduce runs as before (``subprocess``): an environment whose
+variables read at import (``IMPORT_TIME``: e.g. ``MEGATRON_TLT_EAGER_IMPORTS``,
+``HF_HUB_OFFLINE``, ``HF_HOME``) differ from ``BASELINE``'s (the server's), and
 ``MEGATRON_TLT_TEST_LAUNCH=subprocess`` turns forking off for a whole run. Tests of
 torchrun's own behaviour (signals to the agent, restarts, exit 75) launch torchrun.
 
@@ -51,11 +51,23 @@ from megatron_tlt.runtime_env import THREAD_VARS
 # what the project's processes import first (a module missing there is imported by the
 # forked run itself, as a fresh process would)
 PRELOAD = ["zygote_preload"]
-# what may differ between the server's environment and a run's: each run sets its own
-# thread counts, and pytest names the test it is in
-FREE_KEYS = ("PYTEST_CURRENT_TEST", *THREAD_VARS)
+# the variables the preloaded libraries (and the interpreter) read when they are
+# imported: a run whose value of one differs from the server's cannot fork (it would see
+# the server's). Any other difference (a test's own variable, the NVTE_* switches
+# megatron-core sets in a test process for Transformer Engine, which is not preloaded)
+# goes to the run as it is. Each run sets its own
+# thread counts; TorchInductor, once used in a test process, writes its cache folder's
+# default there (a fresh process derives the same).
+IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH",
+               "MEGATRON", "PYTHON", "CUDA", "NVIDIA", "MPLBACKEND", "MPLCONFIG",
+               "WANDB", "LD_", "MALLOC", "KMP_", "GOMP_", "OMP_", "MKL_")
+FREE_KEYS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", *THREAD_VARS)
 SWITCH = "MEGATRON_TLT_TEST_LAUNCH"
 
+# the environment runs may fork under: this process's when the module is first imported
+# (tests/conftest.py imports it before any test runs, so a test's temporary variables
+# never become the server's)
+BASELINE = dict(os.environ)
 _server_env: dict | None = None
 _server_seen = 0.0  # the server's CPU seconds (its own and its reaped children's)
 
@@ -73,30 +85,33 @@ def _context():
     if _server_env is None:
         from multiprocessing import forkserver
 
-        _server_env = dict(os.environ)
+        _server_env = BASELINE
+        current = dict(os.environ)
         ctx.set_forkserver_preload(PRELOAD)
         # the server is a fresh interpreter that does not take this one's sys.path:
         # PYTHONPATH lets it import PRELOAD (tests/support) and the checkout (a run's own
         # sys.path and environment are set in ``_become``)
         here = Path(__file__).resolve().parent
+        os.environ.clear()
+        os.environ.update(BASELINE)
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(here), str(here.parents[1]), *filter(None, [_server_env.get("PYTHONPATH")])])
+            [str(here), str(here.parents[1]), *filter(None, [BASELINE.get("PYTHONPATH")])])
         try:
             forkserver.ensure_running()
         finally:
             os.environ.clear()
-            os.environ.update(_server_env)
+            os.environ.update(current)
     return ctx
 
 
 def can_fork(env: dict) -> bool:
-    """Whether a run with this environment may fork from the server: the environment
-    (but ``FREE_KEYS``) is the one the server imported under."""
+    """Whether a run with this environment may fork from the server: every variable read
+    at import (``IMPORT_TIME``, but ``FREE_KEYS``) has the server's value."""
     if not enabled():
         return False
-    base = dict(os.environ) if _server_env is None else _server_env
-    strip = lambda e: {k: v for k, v in e.items() if k not in FREE_KEYS}  # noqa: E731
-    return strip(env) == strip(base)
+    keep = lambda e: {k: v for k, v in e.items()  # noqa: E731
+                      if k.upper().startswith(IMPORT_TIME) and k not in FREE_KEYS}
+    return keep(env) == keep(BASELINE)
 
 
 def _server_cpu() -> float:
