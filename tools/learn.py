@@ -113,9 +113,6 @@ def run_arm(arm: str, out: Path, overrides: list[str], t0: float) -> int:
     return torchrun(f"learn {arm}", 2, REPO / "pretrain_rl_tlt.py", args, t0, cwd=REPO)
 
 
-SPEED_RUNS = {"pair": [], "aa": ["--drafter", "off"]}  # + the TLT arm's drafters for "pair"
-
-
 def run_speed(out: Path, steps: int) -> int:
     """The fair speed comparison on the ``tlt`` arm's final policy (module docstring)."""
     import subprocess
@@ -131,22 +128,21 @@ def run_speed(out: Path, steps: int) -> int:
             return 2
         export_run_checkpoint(out / "tlt-ckpt", policy)
     drafter = policy / "drafter" / "drafter.safetensors"
+    # the pair: the arm's two kinds (its trained drafter and the int8 copy beside it)
+    tlt = ["--drafter", str(drafter), "--self-too"] if drafter.is_file() else \
+        ["--drafter", "self"]
+    cap = load_recipe_cap()
     commands = {}
-    for name, extra in SPEED_RUNS.items():
-        if name == "pair":
-            extra = (["--drafter", str(drafter)] if drafter.is_file() else
-                     ["--drafter", "self"]) + ["--self-too"] * drafter.is_file()
+    for name, extra in (("pair", tlt), ("aa", ["--drafter", "off"])):
         cmd = [sys.executable, str(REPO / "tools" / "bench_e2e.py"), "--config", str(RECIPE),
                "--sampling-mode", "coupled", "--steps", str(steps), "--max-new-tokens",
-               str(load_recipe_cap()), *extra, "--json", str(folder / f"{name}.json"),
+               str(cap), *extra, "--json", str(folder / f"{name}.json"),
                f"model.hf_path={policy}"]
         print(f"[learn] speed {name}: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, cwd=REPO).returncode
         if rc != 0:
             return rc
-        commands[name] = "python " + " ".join(
-            str(Path(c).relative_to(REPO)) if str(c).startswith(str(REPO)) else str(c)
-            for c in cmd[1:])
+        commands[name] = "python " + " ".join(cmd[1:]).replace(f"{REPO}/", "")
     (folder / "commands.json").write_text(json.dumps(commands, indent=1) + "\n")
     return 0
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+import statistics
 from statistics import mean
 from typing import Sequence
 
+from ..bench.stats import median_min_max
 from .evaluation import Z95, wilson_interval
 
 __all__ = ["read_run", "paired_difference", "compare", "speed", "write_figure"]
@@ -145,12 +147,10 @@ def compare(runs: dict[str, dict], *, baseline: str = "off") -> dict:
     return out
 
 
-def _median(xs: Sequence[float]) -> float | None:
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+def _spread(xs: Sequence[float]) -> tuple:
+    """(median, [min, max]) of ``xs``; (None, None) when empty."""
+    m, lo, hi = median_min_max(xs)
+    return m, (None if m is None else [lo, hi])
 
 
 def speed(pair: dict, aa: dict | None = None, mode: str = "coupled") -> dict:
@@ -177,12 +177,11 @@ def speed(pair: dict, aa: dict | None = None, mode: str = "coupled") -> dict:
             "accept_len": tlt.get("accept_len"),
             "spec_tokens_by_kind": tlt.get("spec_tokens_by_kind"),
             "generated_tokens": off["generated_tokens"]})
+    med, spread = _spread([r["rollout_speedup"] for r in rows])
     out = {"mode": mode, "steps": rows,
            "identical_fraction": (sum(r["identical"] for r in rows)
                                   / max(1, sum(r["responses"] for r in rows))),
-           "rollout_speedup_median": _median([r["rollout_speedup"] for r in rows]),
-           "rollout_speedup_range": ([min(r["rollout_speedup"] for r in rows),
-                                      max(r["rollout_speedup"] for r in rows)] if rows else None),
+           "rollout_speedup_median": med, "rollout_speedup_range": spread,
            "rollout_speedup_total": (sum(r["off_rollout_s"] for r in rows)
                                      / max(1e-9, sum(r["tlt_rollout_s"] for r in rows))),
            "off_rollout_s_mean": mean(r["off_rollout_s"] for r in rows) if rows else None,
@@ -193,8 +192,7 @@ def speed(pair: dict, aa: dict | None = None, mode: str = "coupled") -> dict:
         aa_rows = {r["step"]: r for r in aa["results"] if r["mode"] == mode}
         ratios = [r["arms"]["off"]["rollout"] / r["arms"]["tlt"]["rollout"]
                   for r in aa_rows.values()]
-        out["aa_rollout_ratio_median"] = _median(ratios)
-        out["aa_rollout_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+        out["aa_rollout_ratio_median"], out["aa_rollout_ratio_range"] = _spread(ratios)
         # coupled sampling: every arm of both runs rolls out the same responses at a
         # step, so TLT's time also compares with all three plain rollouts of them
         # (the pair's off arm and both A/A arms), not with its own pair's alone
@@ -205,10 +203,9 @@ def speed(pair: dict, aa: dict | None = None, mode: str = "coupled") -> dict:
             plain = [row["off_rollout_s"], other["arms"]["off"]["rollout"],
                      other["arms"]["tlt"]["rollout"]]
             row["plain_rollouts_s"] = plain
-            row["speedup_vs_plain_median"] = _median(plain) / row["tlt_rollout_s"]
-        against = [r["speedup_vs_plain_median"] for r in rows if "speedup_vs_plain_median" in r]
-        out["speedup_vs_plain_median"] = _median(against)
-        out["speedup_vs_plain_range"] = [min(against), max(against)] if against else None
+            row["speedup_vs_plain_median"] = statistics.median(plain) / row["tlt_rollout_s"]
+        out["speedup_vs_plain_median"], out["speedup_vs_plain_range"] = _spread(
+            [r["speedup_vs_plain_median"] for r in rows if "speedup_vs_plain_median" in r])
     return out
 
 

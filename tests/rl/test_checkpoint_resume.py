@@ -6,18 +6,14 @@ the uninterrupted run's step-1 checkpoint resumed at DP=1 continues with its ste
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from cli import REPO, forked_fault_launch
+from cli import forked_fault_inject
 from rl_fixtures import save_tiny_policy
 
-_spec = importlib.util.spec_from_file_location("fault_inject", REPO / "tools" / "fault_inject.py")
-fault_inject = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fault_inject)
-fault_inject.launch = forked_fault_launch(fault_inject)  # ranks forked from a warm interpreter
+fault_inject = forked_fault_inject()  # its launches' ranks forked from a warm interpreter
 
 STEPS = 3
 

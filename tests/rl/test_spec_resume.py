@@ -13,18 +13,14 @@ with the group training the drafter, on a tiny Llama and a tiny Qwen3-MoE at EP 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from cli import REPO, forked_fault_launch
+from cli import forked_fault_inject
 from rl_fixtures import save_tiny_moe_policy, save_tiny_policy
 
-_spec = importlib.util.spec_from_file_location("fault_inject", REPO / "tools" / "fault_inject.py")
-fault_inject = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fault_inject)
-fault_inject.launch = forked_fault_launch(fault_inject)  # ranks forked from a warm interpreter
+fault_inject = forked_fault_inject()  # its launches' ranks forked from a warm interpreter
 
 STEPS = 2
 CASES = ["moe_ep2_self_standard", "llama_both_standard", "moe_ep2_eagle_coupled_group"]

@@ -24,9 +24,10 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300,
     import zygote
     from megatron_tlt.runtime_env import thread_env, threads_for
 
-    env = thread_env(threads_for(nproc))
+    threads = threads_for(nproc)
+    env = thread_env(threads)
     if not torchrun and zygote.can_fork(env):
-        return zygote.run(REPO / script, list(args), env, threads_for(nproc), nproc=nproc,
+        return zygote.run(REPO / script, list(args), env, threads, nproc=nproc,
                           timeout=timeout)
     launcher = [sys.executable]
     if nproc > 1:
@@ -75,11 +76,17 @@ def run_main(script: str, *args: str) -> subprocess.CompletedProcess:
                                        err.getvalue())
 
 
-def forked_fault_launch(fault_inject):
-    """``tools/fault_inject.py``'s ``launch`` through ``run_script`` (forked ranks, see
-    ``zygote``) for a test module to put in its place; a launch with ``term`` (a SIGTERM
-    to one rank, the preemption path through torchrun's agent) still runs torchrun."""
-    original = fault_inject.launch
+def forked_fault_inject():
+    """``tools/fault_inject.py`` as a module whose ``launch`` goes through ``run_script``
+    (forked ranks, see ``zygote``); a launch with ``term`` (a SIGTERM to one rank, the
+    preemption path through torchrun's agent) still runs torchrun."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_inject",
+                                                  REPO / "tools" / "fault_inject.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    original = module.launch
 
     def launch(args: list[str], *, nproc: int = 2, kill: str = "", term: str = "",
                timeout: int = 900):
@@ -88,4 +95,5 @@ def forked_fault_launch(fault_inject):
         return run_script("tools/fault_inject.py", "worker", "--kill", kill, "--term", "",
                           "--", *args, nproc=nproc, timeout=timeout)
 
-    return launch
+    module.launch = launch  # killed_and_resumed and the tests call it through the module
+    return module

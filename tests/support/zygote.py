@@ -68,7 +68,7 @@ SWITCH = "MEGATRON_TLT_TEST_LAUNCH"
 # (tests/conftest.py imports it before any test runs, so a test's temporary variables
 # never become the server's)
 BASELINE = dict(os.environ)
-_server_env: dict | None = None
+_started = False  # the server runs (under BASELINE)
 _server_seen = 0.0  # the server's CPU seconds (its own and its reaped children's)
 
 
@@ -78,14 +78,14 @@ def enabled() -> bool:
 
 def _context():
     """The fork server's context, started (with ``PRELOAD``) on first use."""
-    global _server_env
+    global _started
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    if _server_env is None:
+    if not _started:
         from multiprocessing import forkserver
 
-        _server_env = BASELINE
+        _started = True
         current = dict(os.environ)
         ctx.set_forkserver_preload(PRELOAD)
         # the server is a fresh interpreter that does not take this one's sys.path:
@@ -129,7 +129,7 @@ def _server_cpu() -> float:
 def cpu_seconds() -> float:
     """CPU seconds used so far by the server's imports and by the forked runs."""
     global _server_seen
-    if _server_env is not None:
+    if _started:
         _server_seen = max(_server_seen, _server_cpu())
     return _server_seen
 
@@ -185,12 +185,13 @@ def _become(script: str, argv: list, env: dict, cwd: str, threads: int,
 
 
 def run(script: str, argv: list, env: dict, threads: int, nproc: int = 1,
-        timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+        timeout: float = 300) -> subprocess.CompletedProcess:
     """``python script argv`` (``nproc`` > 1: that many ranks, as torchrun --standalone
-    starts them) forked from the warm server; the ranks' stdout and stderr, in rank
-    order, and the first failing rank's status (0 when all succeed)."""
+    starts them) forked from the warm server, in this process's working folder; the
+    ranks' stdout and stderr, in rank order, and the first failing rank's status (0 when
+    all succeed)."""
     ctx = _context()
-    cwd = cwd or os.getcwd()
+    cwd = os.getcwd()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
         procs = []
